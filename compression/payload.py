@@ -1,0 +1,74 @@
+"""The compressed gradient as plain data: what crosses the wire, before and after protobuf.
+
+These dataclasses mirror ``proto/gradwire/v1/codec.proto`` field for field; ``serde`` converts between
+the two. Everything here is bytes and numbers: no tensors, no pickles.
+
+Byte layouts (all little-endian):
+  indices  12-bit chunk-local indices, two per 3 bytes: ``a | b << 12``; an odd count ends with a zero pad.
+           Ordered chunk by chunk (row-major chunk grid), ``k`` per chunk.
+  values   ``UINT8_LUT``: one bin id per value; the value is ``shift + scale * lut[bin]``, where ``lut``
+           holds ``bins`` float16 entries: each bin's mean in bin units, so the table stays exact to
+           ~1/16 of a bin whatever the gradient's magnitude. ``FLOAT32``: four bytes per value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from gradwire.compression.config import FORMAT_VERSION, CodecConfig
+
+
+class Encoding(enum.IntEnum):
+    """How a tensor's elements are selected. Values match the proto enum."""
+
+    SPARSE = 1  # chunked (DCT) coefficients, top-k per chunk, 12-bit packed indices
+    DENSE = 2  # every element, in row-major order, no indices
+
+
+class ValueFormat(enum.IntEnum):
+    """How the selected values are stored. Values match the proto enum."""
+
+    FLOAT32 = 1
+    UINT8_LUT = 2
+
+
+class PayloadError(ValueError):
+    """A payload that does not match what the receiver expects. Names the tensor and field."""
+
+    def __init__(self, tensor: str, field: str, reason: str) -> None:
+        super().__init__(f"bad payload: tensor {tensor!r}, field {field!r}: {reason}")
+        self.tensor = tensor
+        self.field = field
+        self.reason = reason
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressedTensor:
+    name: str
+    shape: tuple[int, ...]
+    encoding: Encoding
+    value_format: ValueFormat
+    chunk_shape: tuple[int, ...]  # () for DENSE
+    k: int  # kept per chunk; 0 for DENSE
+    indices: bytes  # b"" for DENSE
+    values: bytes
+    shift: float = 0.0  # UINT8_LUT only
+    scale: float = 0.0  # UINT8_LUT only
+    lut: bytes = b""  # UINT8_LUT only
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.indices) + len(self.values) + len(self.lut)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressedGradient:
+    settings: CodecConfig
+    tensors: tuple[CompressedTensor, ...]
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data (indices, values, lookup tables); protobuf framing adds a little."""
+        return sum(t.nbytes for t in self.tensors)
