@@ -1,0 +1,377 @@
+"""The gradient codec: dense gradients -> ``CompressedGradient`` -> (aggregated) dense gradients.
+
+Compression, per chunk group (all tensors whose chunks share a shape):
+  gather every member's chunks into one (B, r, c) stack -> chunk DCT (two matmuls) -> error feedback
+  -> one top-k over all B chunks -> per-tensor 8-bit quantization (vectorized over tensors) -> bytes.
+Aggregation decodes and validates every payload first, then scatter-adds all senders' values into one
+coefficient stack per group, normalises, and runs a single inverse DCT per group.
+No Python loop touches individual chunks; the loops that remain run over tensors or senders.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+import numpy as np
+import torch
+
+from gradwire.compression.config import FORMAT_VERSION, CodecConfig
+from gradwire.compression.dct import dct_chunks, idct_chunks
+from gradwire.compression.feedback import ErrorFeedback
+from gradwire.compression.packing import pack12, packed_nbytes, unpack12_padded
+from gradwire.compression.payload import CompressedGradient, CompressedTensor, Encoding, PayloadError, ValueFormat
+from gradwire.compression.plan import ChunkGroup, ModelPlan, TensorPlan, matrix_view
+from gradwire.compression.quant import dequantize, quantize
+
+# Shift, scale and raw values beyond this magnitude are rejected as malformed: no real gradient gets there.
+VALUE_LIMIT = 1e30
+
+Normalize = Literal["mean", "per_coordinate"]
+
+
+@dataclasses.dataclass
+class _GroupLayout:
+    """Index arithmetic of one chunk group, computed once per plan."""
+
+    row_member: torch.Tensor  # (B,) member index of every chunk
+    quantized: np.ndarray  # (M,) bool: member sends UINT8_LUT values
+    value_member_q: np.ndarray  # (N_q,) member index of every quantized value, in stack order
+    value_starts: np.ndarray  # (M,) first value of each member in stack order
+    pads: np.ndarray | None  # positions of odd-count pads among the group's unpacked indices
+    pad_members: np.ndarray | None  # member owning each pad
+
+
+@dataclasses.dataclass
+class DecodedGradient:
+    """A validated payload as tensors: per group (B, k) chunk-local indices and values; dense values."""
+
+    indices: list[torch.Tensor]  # per group, (B, k) int64
+    values: list[torch.Tensor]  # per group, (B, k) float32
+    dense: list[torch.Tensor]  # per dense tensor, (numel,) float32
+
+
+def _chunk_view(x: torch.Tensor, plan: TensorPlan) -> torch.Tensor:
+    """A strided view of tensor x as its stack of chunks: (chunks, r, c) or (chunks, n). No copy."""
+    if len(plan.chunk_shape) == 1:
+        return x.reshape(-1, plan.chunk_shape[0])
+    rows, cols = matrix_view(plan.shape)
+    r, c = plan.chunk_shape
+    return x.reshape(rows // r, r, cols // c, c).permute(0, 2, 1, 3)  # (R/r, C/c, r, c)
+
+
+class GradientCodec:
+    """Compresses, validates, decompresses and aggregates the gradients of one fixed set of tensors."""
+
+    def __init__(self, shapes: Mapping[str, Sequence[int]], config: CodecConfig | None = None, device: torch.device | str = "cpu") -> None:
+        self.config = config or CodecConfig()
+        self.plan = ModelPlan.build(shapes, self.config)
+        self.device = torch.device(device)
+        self._layouts = [self._layout(g) for g in self.plan.groups]
+
+    # ---------------------------------------------------------------- compress
+
+    def compress(self, grads: Mapping[str, torch.Tensor], feedback: ErrorFeedback | None = None) -> CompressedGradient:
+        """Compress ``grads`` (every planned tensor, any float dtype, any device).
+
+        With ``feedback``, compresses ``m = beta * m + g`` instead of ``g`` and keeps what was not sent
+        (including quantization error) in ``m`` for the next call.
+        """
+        missing = [t.name for t in self.plan.tensors if t.name not in grads]
+        if missing:
+            raise KeyError(f"gradients missing for planned tensors: {missing[:5]}")
+        out: dict[str, CompressedTensor] = {}
+        for gi, group in enumerate(self.plan.groups):
+            coeffs = self._coefficients(group, grads)  # (B, r*c)
+            if feedback is not None:
+                coeffs = feedback.accumulate(f"group{gi}", coeffs)
+            out.update(self._select(group, self._layouts[gi], coeffs, feedback is not None))
+        for t in self.plan.dense:
+            values = grads[t.name].detach().reshape(-1).float()
+            if feedback is not None:
+                values = feedback.accumulate(t.name, values)
+            out.update(self._encode_dense(t, values, feedback is not None))
+        return CompressedGradient(self.config, tuple(out[t.name] for t in self.plan.tensors), FORMAT_VERSION)
+
+    def _coefficients(self, group: ChunkGroup, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """All member chunks stacked (one strided copy per tensor, cast to fp32) and transformed."""
+        first = grads[group.members[0].name]
+        device = first.device
+        stack = torch.empty((group.num_chunks, *group.chunk_shape), dtype=torch.float32, device=device)
+        for t, off in zip(group.members, group.offsets):
+            dst = stack[off : off + t.num_chunks]
+            if len(group.chunk_shape) == 2:
+                rows, cols = t.grid
+                dst = dst.view(rows, cols, *group.chunk_shape)
+            dst.copy_(_chunk_view(grads[t.name].detach(), t))
+        if self.config.use_dct:
+            stack = dct_chunks(stack)
+        return stack.reshape(group.num_chunks, group.chunk_numel)
+
+    def _select(self, group: ChunkGroup, layout: _GroupLayout, coeffs: torch.Tensor, update_feedback: bool) -> dict[str, CompressedTensor]:
+        """Top-k per chunk, quantize per tensor, subtract what is sent from ``coeffs`` if it is feedback."""
+        k = group.k
+        _, idx = coeffs.abs().topk(k, dim=1, sorted=False)  # (B, k)
+        vals = coeffs.gather(1, idx)  # (B, k)
+        m = len(group.members)
+        q = None
+        sent = vals
+        if layout.quantized.any():
+            seg = layout.row_member.to(coeffs.device)[:, None].expand(-1, k).reshape(-1)
+            q = quantize(vals.reshape(-1), seg, m, self.config.bins, self.config.range_sigmas)
+            if layout.quantized.all():
+                sent = q.dequantized.view_as(vals)
+            else:
+                row_q = torch.from_numpy(layout.quantized).to(coeffs.device)[layout.row_member.to(coeffs.device)]
+                sent = torch.where(row_q[:, None], q.dequantized.view_as(vals), vals)
+        if update_feedback:
+            coeffs.scatter_(1, idx, vals - sent)  # what stays behind: the unsent part of the kept coefficients
+        idx_np = idx.to(torch.int16).cpu().numpy()
+        vals_np = vals.cpu().numpy() if not layout.quantized.all() else None
+        if q is not None:
+            codes_np, lut_np = q.codes.view(vals.shape).cpu().numpy(), q.lut.cpu().numpy()
+            shift_np, scale_np = q.shift.cpu().numpy(), q.scale.cpu().numpy()
+        out = {}
+        for mi, (t, off) in enumerate(zip(group.members, group.offsets)):
+            rows = slice(off, off + t.num_chunks)
+            if t.value_format == ValueFormat.UINT8_LUT:
+                fields = dict(values=codes_np[rows].tobytes(), shift=float(shift_np[mi]), scale=float(scale_np[mi]), lut=lut_np[mi].astype("<f2").tobytes())
+            else:
+                fields = dict(values=vals_np[rows].astype("<f4").tobytes())
+            out[t.name] = CompressedTensor(
+                t.name, t.shape, t.encoding, t.value_format, t.chunk_shape, t.k, pack12(idx_np[rows].reshape(-1)), **fields
+            )
+        return out
+
+    def _encode_dense(self, t: TensorPlan, values: torch.Tensor, update_feedback: bool) -> dict[str, CompressedTensor]:
+        if t.value_format == ValueFormat.UINT8_LUT:
+            seg = torch.zeros(values.numel(), dtype=torch.long, device=values.device)
+            q = quantize(values, seg, 1, self.config.bins, self.config.range_sigmas)
+            if update_feedback:
+                values.sub_(q.dequantized)
+            ct = CompressedTensor(
+                t.name, t.shape, t.encoding, t.value_format, (), 0, b"", q.codes.cpu().numpy().tobytes(),
+                float(q.shift[0]), float(q.scale[0]), q.lut[0].cpu().numpy().astype("<f2").tobytes(),
+            )
+        else:
+            ct = CompressedTensor(t.name, t.shape, t.encoding, t.value_format, (), 0, b"", values.cpu().numpy().astype("<f4").tobytes())
+            if update_feedback:
+                values.zero_()  # sent exactly
+        return {t.name: ct}
+
+    # ---------------------------------------------------------------- validate / decode
+
+    def decode(self, payload: CompressedGradient) -> DecodedGradient:
+        """Check ``payload`` against this codec's plan and turn it into tensors; raise ``PayloadError``."""
+        if payload.format_version != FORMAT_VERSION:
+            raise PayloadError("", "format_version", f"unknown format version {payload.format_version} (this build speaks {FORMAT_VERSION})")
+        if payload.settings != self.config:
+            raise PayloadError("", "settings", f"codec settings {payload.settings} differ from the receiver's {self.config}")
+        names = [t.name for t in payload.tensors]
+        expected = [t.name for t in self.plan.tensors]
+        if names != expected:
+            extra, absent = sorted(set(names) - set(expected)), sorted(set(expected) - set(names))
+            culprit = (extra or absent or [""])[0]
+            raise PayloadError(culprit, "name", f"tensor list differs from the plan (unexpected {extra[:3]}, missing {absent[:3]}, or out of order)")
+        by_name = dict(zip(names, payload.tensors))
+        for t in self.plan.tensors:
+            self._check_tensor(t, by_name[t.name])
+        indices, values = [], []
+        for group, layout in zip(self.plan.groups, self._layouts):
+            idx, val = self._decode_group(group, layout, by_name)
+            indices.append(idx)
+            values.append(val)
+        dense = [self._decode_values(t, by_name[t.name]) for t in self.plan.dense]
+        return DecodedGradient(indices, values, dense)
+
+    def _check_tensor(self, t: TensorPlan, ct: CompressedTensor) -> None:
+        def fail(field: str, reason: str) -> None:
+            raise PayloadError(t.name, field, reason)
+
+        if tuple(ct.shape) != t.shape:
+            fail("shape", f"expected {t.shape}, got {tuple(ct.shape)}")
+        if ct.encoding != t.encoding:
+            fail("encoding", f"expected {t.encoding.name}, got {ct.encoding!r}")
+        if ct.value_format != t.value_format:
+            fail("value_format", f"expected {t.value_format.name}, got {ct.value_format!r}")
+        if tuple(ct.chunk_shape) != t.chunk_shape:
+            fail("chunk_shape", f"expected {t.chunk_shape}, got {tuple(ct.chunk_shape)}")
+        if ct.k != t.k:
+            fail("k", f"expected {t.k} per chunk, got {ct.k}")
+        n = t.num_values
+        want_idx = packed_nbytes(n) if t.encoding == Encoding.SPARSE else 0
+        if len(ct.indices) != want_idx:
+            fail("indices", f"expected {want_idx} bytes ({n} 12-bit indices), got {len(ct.indices)}")
+        quantized = t.value_format == ValueFormat.UINT8_LUT
+        want_vals = n if quantized else 4 * n
+        if len(ct.values) != want_vals:
+            fail("values", f"expected {want_vals} bytes, got {len(ct.values)}")
+        want_lut = 2 * self.config.bins if quantized else 0
+        if len(ct.lut) != want_lut:
+            fail("lut", f"expected {want_lut} bytes, got {len(ct.lut)}")
+        if quantized:
+            if not (math.isfinite(ct.shift) and abs(ct.shift) <= VALUE_LIMIT):
+                fail("shift", f"must be finite and within +-{VALUE_LIMIT:g}, got {ct.shift}")
+            if not (math.isfinite(ct.scale) and 0 < ct.scale <= VALUE_LIMIT):
+                fail("scale", f"must be positive, finite and <= {VALUE_LIMIT:g}, got {ct.scale}")
+            if not np.isfinite(np.frombuffer(ct.lut, "<f2")).all():
+                fail("lut", "entries must be finite")
+        elif not _finite_within(np.frombuffer(ct.values, "<f4"), VALUE_LIMIT):
+            fail("values", f"raw values must be finite and within +-{VALUE_LIMIT:g}")
+
+    def _decode_group(self, group: ChunkGroup, layout: _GroupLayout, by_name: Mapping[str, CompressedTensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        members = [by_name[t.name] for t in group.members]
+        idx = unpack12_padded(np.frombuffer(b"".join(ct.indices for ct in members), np.uint8))
+        if layout.pads is not None:
+            bad_pad = np.flatnonzero(idx[layout.pads])
+            if bad_pad.size:
+                owner = group.members[layout.pad_members[bad_pad[0]]]
+                raise PayloadError(owner.name, "indices", "the padding index after an odd count must be 0")
+            idx = np.delete(idx, layout.pads)
+        too_big = np.flatnonzero(idx >= group.chunk_numel)
+        if too_big.size:
+            owner = group.members[int(np.searchsorted(layout.value_starts, too_big[0], side="right")) - 1]
+            raise PayloadError(owner.name, "indices", f"index {int(idx[too_big[0]])} outside a chunk of {group.chunk_numel} elements")
+        k = group.k
+        vals = np.empty(group.num_chunks * k, np.float32)
+        q_members = [ct for ct, q in zip(members, layout.quantized) if q]
+        if q_members:
+            codes = torch.from_numpy(np.frombuffer(b"".join(ct.values for ct in q_members), np.uint8).copy())
+            lut = torch.from_numpy(np.frombuffer(b"".join(ct.lut for ct in q_members), "<f2").reshape(len(q_members), -1).copy())
+            shift = torch.tensor([ct.shift for ct in q_members], dtype=torch.float32)
+            scale = torch.tensor([ct.scale for ct in q_members], dtype=torch.float32)
+            q_vals = dequantize(codes, torch.from_numpy(layout.value_member_q), lut, shift, scale).numpy()
+        if layout.quantized.all():
+            vals = q_vals
+        else:
+            # Mixed formats: place each member's values at its rows.
+            qpos = 0
+            for ct, q, t, off in zip(members, layout.quantized, group.members, group.offsets):
+                span = slice(off * k, (off + t.num_chunks) * k)
+                n = t.num_chunks * k
+                if q:
+                    vals[span] = q_vals[qpos : qpos + n]
+                    qpos += n
+                else:
+                    vals[span] = np.frombuffer(ct.values, "<f4")
+        b = group.num_chunks
+        return (
+            torch.from_numpy(idx.astype(np.int64)).view(b, k).to(self.device),
+            torch.from_numpy(vals).view(b, k).to(self.device),
+        )
+
+    def _decode_values(self, t: TensorPlan, ct: CompressedTensor) -> torch.Tensor:
+        if t.value_format == ValueFormat.UINT8_LUT:
+            codes = torch.from_numpy(np.frombuffer(ct.values, np.uint8).copy())
+            lut = torch.from_numpy(np.frombuffer(ct.lut, "<f2").reshape(1, -1).copy())
+            seg = torch.zeros(codes.numel(), dtype=torch.long)
+            vals = dequantize(codes, seg, lut, torch.tensor([ct.shift]), torch.tensor([ct.scale]))
+        else:
+            vals = torch.from_numpy(np.frombuffer(ct.values, "<f4").copy())
+        return vals.to(self.device)
+
+    # ---------------------------------------------------------------- aggregate
+
+    def aggregator(self, normalize: Normalize = "mean") -> Aggregator:
+        """A running sum of senders' payloads in the coefficient domain; see ``Aggregator``."""
+        return Aggregator(self, normalize)
+
+    def aggregate(self, payloads: Sequence[CompressedGradient], weights: Sequence[float] | None = None, normalize: Normalize = "mean") -> dict[str, torch.Tensor]:
+        """Weighted mean of many senders' gradients (weights, e.g. token counts, default to equal)."""
+        if weights is not None and len(weights) != len(payloads):
+            raise ValueError(f"got {len(weights)} weights for {len(payloads)} payloads")
+        agg = self.aggregator(normalize)
+        for i, payload in enumerate(payloads):
+            agg.add(payload, 1.0 if weights is None else weights[i])
+        return agg.result()
+
+    def decompress(self, payload: CompressedGradient) -> dict[str, torch.Tensor]:
+        return self.aggregate([payload])
+
+    @staticmethod
+    def _unchunk(chunks: torch.Tensor, t: TensorPlan) -> torch.Tensor:
+        if len(t.chunk_shape) == 1:
+            return chunks.reshape(t.shape)
+        rows, cols = t.grid
+        r, c = t.chunk_shape
+        return chunks.reshape(rows, cols, r, c).permute(0, 2, 1, 3).reshape(t.shape)
+
+    # ---------------------------------------------------------------- layout
+
+    def _layout(self, group: ChunkGroup) -> _GroupLayout:
+        counts = torch.tensor([t.num_chunks for t in group.members])
+        row_member = torch.repeat_interleave(torch.arange(len(group.members)), counts)
+        quantized = np.array([t.value_format == ValueFormat.UINT8_LUT for t in group.members])
+        q_counts = np.array([t.num_values for t in group.members])[quantized]
+        value_member_q = np.repeat(np.arange(len(q_counts)), q_counts)
+        num_values = np.array([t.num_values for t in group.members])
+        value_starts = np.concatenate([[0], np.cumsum(num_values)[:-1]])
+        odd = num_values % 2 == 1
+        pads = pad_members = None
+        if odd.any():
+            padded_ends = np.cumsum(num_values + odd)
+            pads = (padded_ends - 1)[odd]
+            pad_members = np.flatnonzero(odd)
+        return _GroupLayout(row_member, quantized, value_member_q, value_starts, pads, pad_members)
+
+
+def _finite_within(x: np.ndarray, limit: float) -> bool:
+    return bool(np.isfinite(x).all() and (np.abs(x) <= limit).all())
+
+
+class Aggregator:
+    """Sums senders' payloads as they arrive; one inverse DCT per chunk group at the end.
+
+    ``add`` validates the whole payload before it accumulates anything, so a malformed payload raises
+    ``PayloadError`` and leaves the running sum exactly as it was. ``normalize="mean"`` divides by the
+    total weight; ``"per_coordinate"`` divides each coefficient by the weight of the senders that sent it
+    (dense tensors are sent whole by everyone, so both agree there).
+    """
+
+    def __init__(self, codec: GradientCodec, normalize: Normalize = "mean") -> None:
+        if normalize not in ("mean", "per_coordinate"):
+            raise ValueError(f"normalize must be 'mean' or 'per_coordinate', got {normalize!r}")
+        self.codec = codec
+        self.normalize = normalize
+        self.total_weight = 0.0
+        self.senders = 0
+        plan, device = codec.plan, codec.device
+        self._sums = [torch.zeros(g.num_chunks, g.chunk_numel, device=device) for g in plan.groups]
+        self._hits = [torch.zeros_like(s) for s in self._sums] if normalize == "per_coordinate" else None
+        self._dense = [torch.zeros(t.numel, device=device) for t in plan.dense]
+
+    def add(self, payload: CompressedGradient | DecodedGradient, weight: float = 1.0) -> None:
+        weight = float(weight)
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ValueError(f"weight must be finite and non-negative, got {weight}")
+        d = payload if isinstance(payload, DecodedGradient) else self.codec.decode(payload)
+        for gi, (idx, vals) in enumerate(zip(d.indices, d.values)):
+            self._sums[gi].scatter_add_(1, idx, vals * weight)
+            if self._hits is not None:
+                self._hits[gi].scatter_add_(1, idx, torch.full_like(vals, weight))
+        for acc, vals in zip(self._dense, d.dense):
+            acc.add_(vals, alpha=weight)
+        self.total_weight += weight
+        self.senders += 1
+
+    def result(self) -> dict[str, torch.Tensor]:
+        """The normalised aggregate as dense float32 tensors, by name in plan order."""
+        if self.total_weight <= 0:
+            raise ValueError("nothing to aggregate: no payload with positive weight was added")
+        codec, out = self.codec, {}
+        for gi, group in enumerate(codec.plan.groups):
+            if self._hits is None:
+                acc = self._sums[gi] / self.total_weight
+            else:
+                hits = self._hits[gi]
+                acc = torch.where(hits > 0, self._sums[gi] / hits.clamp_min(1e-30), self._sums[gi])
+            stack = acc.view(group.num_chunks, *group.chunk_shape)
+            if codec.config.use_dct:
+                stack = idct_chunks(stack)
+            for t, off in zip(group.members, group.offsets):
+                out[t.name] = codec._unchunk(stack[off : off + t.num_chunks], t)
+        for t, acc in zip(codec.plan.dense, self._dense):
+            out[t.name] = (acc / self.total_weight).view(t.shape)
+        return {t.name: out[t.name] for t in codec.plan.tensors}

@@ -1,0 +1,39 @@
+"""Sender-side error feedback, DeMo style: ``m <- beta * m + g``; send ``compress(m)``; ``m <- m - sent``.
+
+The buffer is kept in the codec's coefficient domain (the chunked, DCT-transformed layout). The chunk DCT
+is orthonormal and linear, so this is exactly DeMo's parameter-domain buffer seen through the transform,
+and it saves a forward and an inverse DCT per step: the codec transforms the gradient once, accumulates,
+selects, and subtracts the decoded values it sent (quantization error included) in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ErrorFeedback:
+    """What a sender has not yet sent. One instance per (sender, training run); ``reset`` drops it all."""
+
+    def __init__(self, beta: float = 0.999) -> None:
+        if not 0.0 <= beta <= 1.0:
+            raise ValueError(f"beta must be in [0, 1], got {beta}")
+        self.beta = beta
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def accumulate(self, key: str, update: torch.Tensor) -> torch.Tensor:
+        """``m[key] <- beta * m[key] + update``; returns the buffer itself, for the codec to edit in place."""
+        buf = self.buffers.get(key)
+        if buf is None or buf.shape != update.shape or buf.device != update.device:
+            buf = self.buffers[key] = update.detach().float().clone()
+        else:
+            buf.mul_(self.beta).add_(update)
+        return buf
+
+    def reset(self) -> None:
+        self.buffers.clear()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.buffers)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.buffers = {k: v.detach().float().clone() for k, v in state.items()}

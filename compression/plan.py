@@ -1,0 +1,166 @@
+"""The chunk plan: how every tensor of a model is cut, selected and stored.
+
+Sender and receiver derive the same plan from the tensor shapes and the codec settings, so a payload
+carries no layout beyond what the receiver checks it against. Tensors whose chunks have the same shape
+form one ``ChunkGroup``: the codec transforms and selects a whole group with one matmul and one top-k,
+whatever the number of tensors in it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping, Sequence
+
+from gradwire.compression.config import CodecConfig
+from gradwire.compression.payload import Encoding, ValueFormat
+
+LUT_ENTRY_BYTES = 2  # float16
+QUANT_HEADER_BYTES = 8  # float32 shift + float32 scale
+
+
+def largest_divisor_at_most(n: int, limit: int) -> int:
+    """The largest d <= limit that divides n (1 for primes larger than limit)."""
+    for d in range(min(n, limit), 0, -1):
+        if n % d == 0:
+            return d
+    return 1
+
+
+def matrix_view(shape: Sequence[int]) -> tuple[int, int]:
+    """(rows, cols) a tensor is chunked as: leading dimensions are flattened into rows."""
+    if len(shape) == 0:
+        return 1, 1
+    cols = shape[-1]
+    rows = math.prod(shape[:-1])
+    return rows, cols
+
+
+def value_format_for(num_values: int, config: CodecConfig) -> ValueFormat:
+    """The one rule for how values travel: 8-bit bins when that is smaller than raw float32.
+
+    A quantized tensor carries a lookup table of ``bins`` float16 entries plus shift and scale, so a tensor
+    that sends only a few values (a small bias, a sparse norm weight) is cheaper raw - and exact.
+    """
+    if not config.quantized:
+        return ValueFormat.FLOAT32
+    quantized = num_values + config.bins * LUT_ENTRY_BYTES + QUANT_HEADER_BYTES
+    return ValueFormat.UINT8_LUT if quantized < 4 * num_values else ValueFormat.FLOAT32
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorPlan:
+    name: str
+    shape: tuple[int, ...]
+    encoding: Encoding
+    value_format: ValueFormat
+    chunk_shape: tuple[int, ...]  # (r, c) or (n,) for SPARSE; () for DENSE
+    k: int  # kept per chunk (0 for DENSE)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def chunk_numel(self) -> int:
+        return math.prod(self.chunk_shape)
+
+    @property
+    def num_chunks(self) -> int:
+        return self.numel // self.chunk_numel if self.encoding == Encoding.SPARSE else 0
+
+    @property
+    def num_values(self) -> int:
+        return self.num_chunks * self.k if self.encoding == Encoding.SPARSE else self.numel
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """Chunks along (rows, cols) of the matrix view; (1, chunks) for vectors."""
+        rows, cols = matrix_view(self.shape)
+        if len(self.chunk_shape) == 1:
+            return 1, rows * cols // self.chunk_shape[0]
+        r, c = self.chunk_shape
+        return rows // r, cols // c
+
+
+def plan_tensor(name: str, shape: Sequence[int], config: CodecConfig) -> TensorPlan:
+    shape = tuple(int(s) for s in shape)
+    numel = math.prod(shape)
+    if numel < max(config.min_sparse_numel, 1):
+        return TensorPlan(name, shape, Encoding.DENSE, value_format_for(numel, config), (), 0)
+    rows, cols = matrix_view(shape)
+    if rows == 1 or cols == 1:  # a vector, whatever its nominal rank
+        chunk_shape: tuple[int, ...] = (largest_divisor_at_most(numel, config.chunk),)
+    else:
+        chunk_shape = (largest_divisor_at_most(rows, config.chunk), largest_divisor_at_most(cols, config.chunk))
+    chunk_numel = math.prod(chunk_shape)
+    # Same density for every chunk size: k of a full chunk*chunk chunk, scaled by area, at least one.
+    k = max(1, min(chunk_numel, round(config.topk * chunk_numel / (config.chunk * config.chunk))))
+    num_values = numel // chunk_numel * k
+    return TensorPlan(name, shape, Encoding.SPARSE, value_format_for(num_values, config), chunk_shape, k)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkGroup:
+    """Sparse tensors sharing one chunk shape; their chunks are stacked member after member."""
+
+    chunk_shape: tuple[int, ...]
+    k: int
+    members: tuple[TensorPlan, ...]
+    offsets: tuple[int, ...]  # first chunk of each member in the stack
+
+    @property
+    def num_chunks(self) -> int:
+        return self.offsets[-1] + self.members[-1].num_chunks
+
+    @property
+    def chunk_numel(self) -> int:
+        return math.prod(self.chunk_shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPlan:
+    config: CodecConfig
+    tensors: tuple[TensorPlan, ...]  # in payload order
+    groups: tuple[ChunkGroup, ...]
+    dense: tuple[TensorPlan, ...]
+
+    @classmethod
+    def build(cls, shapes: Mapping[str, Sequence[int]] | Iterable[tuple[str, Sequence[int]]], config: CodecConfig) -> ModelPlan:
+        items = shapes.items() if isinstance(shapes, Mapping) else shapes
+        tensors = tuple(plan_tensor(name, shape, config) for name, shape in items)
+        names = [t.name for t in tensors]
+        if len(set(names)) != len(names):
+            raise ValueError("tensor names must be unique")
+        by_shape: dict[tuple[int, ...], list[TensorPlan]] = {}
+        for t in tensors:
+            if t.encoding == Encoding.SPARSE:
+                by_shape.setdefault(t.chunk_shape, []).append(t)
+        groups = []
+        for chunk_shape, members in by_shape.items():
+            offsets, total = [], 0
+            for m in members:
+                offsets.append(total)
+                total += m.num_chunks
+            groups.append(ChunkGroup(chunk_shape, members[0].k, tuple(members), tuple(offsets)))
+        dense = tuple(t for t in tensors if t.encoding == Encoding.DENSE)
+        return cls(config, tensors, tuple(groups), dense)
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+    def payload_bytes(self) -> int:
+        """Exact tensor-data bytes of every payload under this plan (they all have the same size)."""
+        from gradwire.compression.packing import packed_nbytes
+
+        total = 0
+        for t in self.tensors:
+            n = t.num_values
+            if t.encoding == Encoding.SPARSE:
+                total += packed_nbytes(n)
+            if t.value_format == ValueFormat.UINT8_LUT:
+                total += n + self.config.bins * LUT_ENTRY_BYTES
+            else:
+                total += 4 * n
+        return total
