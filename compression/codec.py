@@ -22,7 +22,7 @@ from gradwire.compression.config import FORMAT_VERSION, CodecConfig
 from gradwire.compression.dct import dct_chunks, idct_chunks
 from gradwire.compression.feedback import ErrorFeedback
 from gradwire.compression.packing import pack12, packed_nbytes, unpack12_padded
-from gradwire.compression.payload import CompressedGradient, CompressedTensor, Encoding, PayloadError, ValueFormat
+from gradwire.compression.payload import GRADIENT, CompressedGradient, CompressedTensor, Encoding, PayloadError, ValueFormat
 from gradwire.compression.plan import ChunkGroup, ModelPlan, TensorPlan, matrix_view
 from gradwire.compression.quant import dequantize, quantize
 
@@ -166,15 +166,17 @@ class GradientCodec:
     def decode(self, payload: CompressedGradient) -> DecodedGradient:
         """Check ``payload`` against this codec's plan and turn it into tensors; raise ``PayloadError``."""
         if payload.format_version != FORMAT_VERSION:
-            raise PayloadError("", "format_version", f"unknown format version {payload.format_version} (this build speaks {FORMAT_VERSION})")
+            raise PayloadError(GRADIENT, "format_version", f"unknown format version {payload.format_version} (this build speaks {FORMAT_VERSION})")
         if payload.settings != self.config:
-            raise PayloadError("", "settings", f"codec settings {payload.settings} differ from the receiver's {self.config}")
+            raise PayloadError(GRADIENT, "settings", f"codec settings {payload.settings} differ from the receiver's {self.config}")
         names = [t.name for t in payload.tensors]
         expected = [t.name for t in self.plan.tensors]
         if names != expected:
             extra, absent = sorted(set(names) - set(expected)), sorted(set(expected) - set(names))
-            culprit = (extra or absent or [""])[0]
-            raise PayloadError(culprit, "name", f"tensor list differs from the plan (unexpected {extra[:3]}, missing {absent[:3]}, or out of order)")
+            # Otherwise the same names, reordered or repeated: name the first position that differs.
+            first_diff = next((a for a, b in zip(names, expected) if a != b), names[-1] if names else "")
+            culprit = (extra or absent or [first_diff])[0]
+            raise PayloadError(culprit, "name", f"tensor list differs from the plan (unexpected {extra[:3]}, missing {absent[:3]}, or reordered/repeated)")
         by_name = dict(zip(names, payload.tensors))
         for t in self.plan.tensors:
             self._check_tensor(t, by_name[t.name])
@@ -218,6 +220,8 @@ class GradientCodec:
                 fail("scale", f"must be positive, finite and <= {VALUE_LIMIT:g}, got {ct.scale}")
             if not np.isfinite(np.frombuffer(ct.lut, "<f2")).all():
                 fail("lut", "entries must be finite")
+            if self.config.bins < 256 and n and np.frombuffer(ct.values, np.uint8).max() >= self.config.bins:
+                fail("values", f"8-bit codes must be < bins={self.config.bins}")
         elif not _finite_within(np.frombuffer(ct.values, "<f4"), VALUE_LIMIT):
             fail("values", f"raw values must be finite and within +-{VALUE_LIMIT:g}")
 

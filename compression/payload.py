@@ -33,6 +33,10 @@ class ValueFormat(enum.IntEnum):
     UINT8_LUT = 2
 
 
+# The tensor name a PayloadError carries when the problem is about the payload as a whole.
+GRADIENT = "<gradient>"
+
+
 class PayloadError(ValueError):
     """A payload that does not match what the receiver expects. Names the tensor and field."""
 

@@ -19,6 +19,7 @@ from google.protobuf.message import DecodeError
 
 from gradwire.compression.config import FORMAT_VERSION, CodecConfig
 from gradwire.compression.payload import (
+    GRADIENT,
     CompressedGradient,
     CompressedTensor,
     Encoding,
@@ -27,8 +28,6 @@ from gradwire.compression.payload import (
 )
 from gradwire.v1 import codec_pb2
 
-# The tensor name PayloadError carries when a problem is not about one tensor.
-GRADIENT = "<gradient>"
 
 _E = TypeVar("_E", bound=enum.IntEnum)
 
