@@ -1,0 +1,152 @@
+"""Named models, the JSON specs they are built from, their tokenizers, and one loss for all of them.
+
+A model travels to a worker as a *spec*, a JSON-able dict, never as code or pickles:
+
+    {"arch": "gpt", "tokenizer": "bpe-8k", "config": {...GPTConfig fields...}}
+    {"arch": "hf",  "tokenizer": "gpt2",   "config": {"model_type": "opt", ...transformers config...}}
+
+``build_from_spec(spec, seed)`` turns it into an ``nn.Module`` with fresh weights; the same spec and seed
+give the same weights on every machine. HF architectures are built offline with
+``AutoModelForCausalLM.from_config``: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tokenizers import ByteLevelBPETokenizer, Tokenizer
+
+from gradwire.assets import default_tokenizer, gpt2_tokenizer
+from gradwire.models.gpt import GPT, GPTConfig
+
+AnyTokenizer = Tokenizer | ByteLevelBPETokenizer  # both offer .encode(text).ids and .decode(ids)
+
+TOKENIZERS: dict[str, Callable[[], AnyTokenizer]] = {
+    "bpe-8k": default_tokenizer,  # 8192 tokens, trained on the shipped Shakespeare corpus
+    "gpt2": gpt2_tokenizer,  # 50257 tokens, GPT-2/OPT vocabulary
+}
+
+
+def _gpt(**fields: Any) -> dict[str, Any]:
+    # Through GPTConfig so a bad entry fails at import, and the spec lists every field explicitly.
+    return {"arch": "gpt", "tokenizer": "bpe-8k", "config": GPTConfig(**fields).to_dict()}
+
+
+_SPECS: dict[str, dict[str, Any]] = {
+    # For tests: builds and runs a step in milliseconds.
+    "gpt-tiny": _gpt(vocab_size=8192, n_layer=2, n_head=4, d_model=64, d_ff=128, max_seq_len=128),
+    # Default model for CPU runs and benchmarks. 29.4M parameters in all: 25.2M in the blocks and 4.2M in
+    # the (tied) embedding.
+    "gpt-10m": _gpt(vocab_size=8192, n_layer=6, n_head=8, d_model=512, d_ff=2048, max_seq_len=512),
+    # 81.8M parameters: 75.5M in the blocks, 6.3M in the embedding. A GPU-sized built-in model.
+    "gpt-80m": _gpt(vocab_size=8192, n_layer=8, n_head=12, d_model=768, d_ff=3072, max_seq_len=1024),
+    # The shape of facebook/opt-125m (its config.json, field for field, minus hub bookkeeping), fresh weights.
+    "opt-125m": {
+        "arch": "hf",
+        "tokenizer": "gpt2",
+        "config": {
+            "model_type": "opt",
+            "vocab_size": 50272,
+            "hidden_size": 768,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 12,
+            "ffn_dim": 3072,
+            "max_position_embeddings": 2048,
+            "word_embed_proj_dim": 768,
+            "do_layer_norm_before": True,
+            "activation_function": "relu",
+            "dropout": 0.1,
+            "attention_dropout": 0.0,
+            "activation_dropout": 0.0,
+            "layerdrop": 0.0,
+            "init_std": 0.02,
+            "enable_bias": True,
+            "layer_norm_elementwise_affine": True,
+            "tie_word_embeddings": True,
+            "pad_token_id": 1,
+            "bos_token_id": 2,
+            "eos_token_id": 2,
+            # Training never reuses keys/values across calls; the cache would only cost memory.
+            "use_cache": False,
+        },
+    },
+}
+
+
+def model_names() -> list[str]:
+    return list(_SPECS)
+
+
+def model_spec(name: str) -> dict[str, Any]:
+    """The JSON-able spec of a named model (a copy: callers may edit it)."""
+    if name not in _SPECS:
+        raise ValueError(f"unknown model {name!r}; known models are {model_names()}")
+    return copy.deepcopy(_SPECS[name])
+
+
+def build_from_spec(spec: dict[str, Any], seed: int = 0) -> nn.Module:
+    """A freshly initialized model in float32 on the CPU, in train mode."""
+    arch = spec.get("arch")
+    if arch not in ("gpt", "hf"):
+        raise ValueError(f"spec 'arch' must be 'gpt' or 'hf', got {arch!r}")
+    if spec.get("tokenizer") not in TOKENIZERS:
+        raise ValueError(f"spec 'tokenizer' must be one of {sorted(TOKENIZERS)}, got {spec.get('tokenizer')!r}")
+    config = dict(spec["config"])
+    # Initialization draws from the global RNG (HF offers no other way); fork it so building a model
+    # neither depends on nor disturbs the caller's random state.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if arch == "gpt":
+            model = GPT(GPTConfig.from_dict(config))
+        else:
+            model = _build_hf(config)
+    return model.train()
+
+
+def _build_hf(config: dict[str, Any]) -> nn.Module:
+    # Imported here: transformers takes seconds to import and the built-in GPT does not need it.
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type = config.pop("model_type", None)
+    if not isinstance(model_type, str):
+        raise ValueError("an 'hf' spec needs config['model_type'], e.g. 'opt'")
+    hf_config = AutoConfig.for_model(model_type, **config)
+    # No dtype argument (named torch_dtype before transformers 5): from_config uses the torch default, fp32.
+    return AutoModelForCausalLM.from_config(hf_config)
+
+
+def build_model(name: str, seed: int = 0) -> nn.Module:
+    return build_from_spec(model_spec(name), seed)
+
+
+def load_tokenizer(tokenizer: str) -> AnyTokenizer:
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"unknown tokenizer {tokenizer!r}; known tokenizers are {sorted(TOKENIZERS)}")
+    return TOKENIZERS[tokenizer]()
+
+
+def tokenizer_for(name: str) -> AnyTokenizer:
+    """The tokenizer whose ids the named model was sized for."""
+    return load_tokenizer(model_spec(name)["tokenizer"])
+
+
+def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of tokens (B, T+1): predict tokens[:, 1:] from tokens[:, :-1].
+
+    One definition for every model: the built-in GPT computes it itself; for HF models it is computed here
+    from the logits, not through ``labels=``, whose internal shift and loss averaging vary across versions.
+    """
+    if tokens.dim() != 2 or tokens.size(1) < 2:
+        raise ValueError(f"tokens must be (B, T+1) with T >= 1, got shape {tuple(tokens.shape)}")
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T) each
+    if isinstance(model, GPT):
+        _, loss = model(inputs, targets)
+        assert loss is not None
+        return loss
+    logits = model(input_ids=inputs).logits  # (B, T, vocab)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
