@@ -1,0 +1,99 @@
+"""What does the service cost over a bare single-process step, and how many bytes move each way?
+
+    python -m benchmarks.e2e --json                      # gpt-10m, 1 local worker on loopback
+    python -m benchmarks.e2e --model gpt-tiny --steps 5 --json
+
+Runs, in one process and one machine, side by side:
+  bare     the same model and batch trained in this process: forward/backward + the same outer step;
+  service  ``coordinator`` + 1 ``worker serve`` subprocess on loopback, default codec settings.
+Reports the median step time of each and their ratio (``step_time_ratio``), bytes per step in both
+directions after the first (state-pushing) round, the state size, and tokens/s. One JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import torch
+
+from gradwire.coordinator.client import WorkerClient
+from gradwire.coordinator.config import TrainConfig
+from gradwire.coordinator.local import local_workers
+from gradwire.coordinator.trainer import Trainer
+from gradwire.models import build_from_spec, lm_loss, model_spec
+from gradwire.replica import outer_step
+
+
+def bare_step_times(config: TrainConfig, trainer_data, steps: int) -> list[float]:
+    model = build_from_spec(model_spec(config.model), seed=config.seed)
+    rule = config.update_rule()
+    params = list(model.parameters())
+    times = []
+    for step in range(steps + 1):
+        rows = torch.from_numpy(trainer_data.batch(step, 0, config.batch_size, config.sequence_length).astype(np.int64))
+        t0 = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        lm_loss(model, rows).backward()
+        outer_step(params, [p.grad for p in params], rule, config.lr_at(step))
+        times.append(time.perf_counter() - t0)
+    return times[1:]  # the first step warms allocator and kernels
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt-10m")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--json", action="store_true", help="print the result on one line")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as out:
+        config = TrainConfig(model=args.model, steps=args.steps + 1, batch_size=args.batch_size, sequence_length=args.seq_len, output_dir=out)
+        # The worker gets every core, as it would on its own machine; the coordinator mostly waits.
+        with local_workers(1, threads=os.cpu_count()) as addresses:
+            trainer = Trainer(config, [WorkerClient(a, timeout=600) for a in addresses], progress=False)
+            try:
+                trainer.connect()
+                records = [trainer.train_step() for _ in range(config.steps)]
+            finally:
+                trainer.close()
+        bare = bare_step_times(config, trainer.data, args.steps)
+
+    steady = records[1:]  # round 1 pushes the state
+    service_step = statistics.median(r["step_time"] for r in steady)
+    bare_step = statistics.median(bare)
+    result = {
+        "model": args.model,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "steps": args.steps,
+        "bare_step_s": bare_step,
+        "service_step_s": service_step,
+        "step_time_ratio": service_step / bare_step,
+        "bytes_up_per_step": statistics.median(r["bytes_up"] for r in steady),
+        "bytes_down_per_step": statistics.median(r["bytes_down"] for r in steady),
+        "first_round_bytes_down": records[0]["bytes_down"],
+        "state_bytes": trainer.state_bytes,
+        "state_over_bytes_down": trainer.state_bytes / statistics.median(r["bytes_down"] for r in steady),
+        "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in steady),
+        "bare_tokens_per_sec": args.batch_size * args.seq_len / bare_step,
+        "worker_compute_s": statistics.median(r["worker_compute_time"] for r in steady),
+        "dispatch_s": statistics.median(r["dispatch_time"] for r in steady),
+        "aggregate_s": statistics.median(r["aggregate_time"] for r in steady),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+    print(json.dumps(result) if args.json else json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""``coordinator train``: the command a user runs on their own machine.
+
+Every flag is a ``TrainConfig`` field (``--learning-rate`` is ``learning_rate``); the flags are built from
+the dataclass, so defaults and validation live in one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from collections.abc import Sequence
+
+from gradwire.coordinator.client import WorkerClient
+from gradwire.coordinator.config import TrainConfig
+from gradwire.coordinator.local import local_workers
+from gradwire.models import model_names
+
+HELP = {
+    "model": f"built-in model name, one of {model_names()}",
+    "data": "text files or directories of .txt files to train on (default: the embedded Shakespeare corpus)",
+    "steps": "outer steps (rounds) to train for, in all (a resumed run continues to this step)",
+    "batch_size": "sequences per worker per round",
+    "sequence_length": "tokens per sequence",
+    "micro_batch_size": "sequences per forward/backward on a worker (0: the whole batch at once)",
+    "learning_rate": "outer learning rate",
+    "warmup_steps": "linear learning-rate warmup steps",
+    "outer_optimizer": "outer optimizer: sgd, signsgd (DeMo-style, decoupled weight decay) or adamw",
+    "weight_decay": "decoupled weight decay of the outer optimizer",
+    "momentum": "heavy-ball momentum for --outer-optimizer sgd",
+    "topk": "coefficients kept per 64x64 chunk (scaled by area for smaller chunks)",
+    "target_chunk": "chunk edge: each dimension is cut into its largest divisor <= this (max 64)",
+    "use_dct": "DCT-transform chunks before top-k (--no-dct to select raw values)",
+    "bins": "quantization bins for kept values (0: raw float32)",
+    "no_compression": "send exact dense float32 gradients (a baseline)",
+    "feedback_beta": "decay of the workers' error-feedback buffers",
+    "output_dir": "where metrics.jsonl, checkpoints/ and final/ go",
+    "checkpoint_dir": "checkpoint directory (default: OUTPUT_DIR/checkpoints)",
+    "checkpoint_every": "save a checkpoint every N steps (0: only at the end)",
+    "resume_from": "checkpoint directory (or checkpoint root) to continue from",
+    "seed": "seed for model initialization and data order",
+    "round_timeout": "deadline in seconds of every round and state-push call",
+    "connect_timeout": "seconds to wait for workers to come up",
+    "sync_tolerance": "relative tolerance of the replica fingerprint check",
+    "max_failed_rounds": "give up after this many rounds in a row with no usable worker",
+}
+CHOICES = {"outer_optimizer": ["sgd", "signsgd", "adamw"]}
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    for field in dataclasses.fields(TrainConfig):
+        flag = "--" + field.name.replace("_", "-")
+        default = field.default
+        kwargs: dict = {"dest": field.name, "help": f"{HELP[field.name]} (default: {default!r})"}
+        if field.name == "data":
+            parser.add_argument(flag, nargs="+", default=[], metavar="PATH", **kwargs)
+        elif field.name == "use_dct":
+            parser.add_argument("--use-dct", action=argparse.BooleanOptionalAction, default=True, **kwargs)
+        elif isinstance(default, bool):
+            parser.add_argument(flag, action="store_true", default=default, **kwargs)
+        elif default is None:
+            parser.add_argument(flag, type=str, default=None, **kwargs)
+        else:
+            parser.add_argument(flag, type=type(default), default=default, choices=CHOICES.get(field.name), **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="coordinator", description="gradwire coordinator: holds the model and the outer optimizer, drives the workers.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a model with remote workers", description="Train a model: dispatch batches to workers, aggregate their compressed gradients, step, keep their replicas in sync.")
+    where = train.add_mutually_exclusive_group(required=True)
+    where.add_argument("--workers", type=str, help="comma-separated worker addresses, host:port,host:port")
+    where.add_argument("--local", type=int, metavar="N", help="start N worker daemons on this machine and train with them")
+    _add_config_flags(train)
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging level (default: INFO)")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
+    values["data"] = tuple(values["data"] or ())
+    return TrainConfig(**values)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    return train(config, workers=args.workers, local=args.local, progress=not args.no_progress)
+
+
+def train(config: TrainConfig, *, workers: str | None = None, local: int | None = None, progress: bool = True) -> int:
+    from gradwire.coordinator.trainer import Trainer  # torch and models load only when training
+
+    def run(addresses: list[str]) -> int:
+        clients = [WorkerClient(a, timeout=config.round_timeout) for a in addresses]
+        trainer = Trainer(config, clients, progress=progress)
+        try:
+            records = trainer.run()
+        finally:
+            trainer.close()
+            for c in clients:
+                c.close()
+        if records:
+            last = records[-1]
+            print(f"step {last['step']}: loss {last['loss']:.4f}, {last['tokens_per_sec']:.0f} tokens/s, compression {last['compression_ratio']:.0f}x; outputs in {config.output_dir}")
+        return 0
+
+    if local:
+        with local_workers(local) as addresses:
+            return run(addresses)
+    addresses = [a.strip() for a in (workers or "").split(",") if a.strip()]
+    if not addresses:
+        print("coordinator: --workers needs at least one host:port", file=sys.stderr)
+        return 2
+    return run(addresses)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

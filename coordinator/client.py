@@ -1,0 +1,245 @@
+"""The coordinator's side of the Worker service: one client per worker, and a pool that calls them all.
+
+Every call carries a deadline (the worker refuses calls without one), and every way a call can fail -
+a gRPC status, a worker that speaks another protocol, a reply that does not parse - becomes a
+``WorkerError`` carrying a ``grpc.StatusCode``. The round loop treats that as the worker's state for this
+round (absent, straggling, needs a restart), never as a crash: ``WorkerPool.map`` returns the error in
+place of that worker's result.
+
+Each client also counts the bytes of its last call in both directions (``last_bytes_down``: coordinator to
+worker; ``last_bytes_up``: worker to coordinator): the data of every framed ``Part``, or the serialized
+size of a small unary message.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent import futures
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf.message import Message
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gradwire import protocol
+from gradwire.protocol import PROTOCOL_VERSION, FeedbackState, ModelState, RoundResult, WorkerInfo, WorkOrder
+from gradwire.replica import Fingerprint
+from gradwire.v1 import worker_pb2 as pb
+from gradwire.v1 import worker_pb2_grpc
+from gradwire.transport import DEFAULT_MESSAGE_MB, SERVICE_NAME, check_message_mb, grpc_options
+
+T = TypeVar("T")
+
+# A worker that restarts should be found again within seconds, not after grpc's default 2-minute backoff.
+_CLIENT_OPTIONS = [("grpc.max_reconnect_backoff_ms", 10_000)]
+
+
+class WorkerError(Exception):
+    """A call to one worker failed; ``code`` is a ``grpc.StatusCode`` saying how.
+
+    Besides the worker's own statuses: UNAVAILABLE (unreachable or not serving), DEADLINE_EXCEEDED
+    (straggler), FAILED_PRECONDITION (another protocol version), DATA_LOSS (a reply that does not parse).
+    """
+
+    def __init__(self, address: str, code: grpc.StatusCode, details: str, message: str | None = None) -> None:
+        super().__init__(message or f"worker at {address}: {code.name}: {details}")
+        self.address = address
+        self.code = code
+        self.details = details
+
+
+class _Counter:
+    """Counts the bytes of the messages that pass through ``count``."""
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+
+    def count(self, parts: Iterable[pb.Part]) -> Iterator[pb.Part]:
+        for part in parts:
+            self.nbytes += len(part.data)
+            yield part
+
+
+class WorkerClient:
+    """Calls one worker. Each method takes ``timeout`` (seconds; default: the constructor's) as its deadline.
+
+    Byte counters are per call: use one client from one thread at a time (as ``WorkerPool`` does).
+    """
+
+    def __init__(self, address: str, *, timeout: float = 60.0, max_message_mb: int = DEFAULT_MESSAGE_MB) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.max_bytes = check_message_mb(max_message_mb) << 20
+        self.channel = grpc.insecure_channel(address, options=[*grpc_options(), *_CLIENT_OPTIONS])
+        self._stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+        self.last_bytes_down = 0  # coordinator -> worker
+        self.last_bytes_up = 0  # worker -> coordinator
+
+    # ---------------------------------------------------------------- calls
+
+    def describe(self, timeout: float | None = None) -> WorkerInfo:
+        """The worker's versions and device; raises ``WorkerError`` if it speaks another protocol."""
+        request = pb.DescribeRequest(protocol_version=PROTOCOL_VERSION)
+        reply = self._call(lambda: self._stub.Describe(request, timeout=self._timeout(timeout)))
+        self._record(request.ByteSize(), reply.ByteSize())
+        info = protocol.info_from_proto(reply)
+        if info.protocol_version != PROTOCOL_VERSION:
+            details = f"speaks protocol {info.protocol_version}, this coordinator speaks {PROTOCOL_VERSION}"
+            raise WorkerError(self.address, grpc.StatusCode.FAILED_PRECONDITION, details, f"worker at {self.address} {details}: upgrade the older one")
+        return info
+
+    def push_state(self, state: ModelState, timeout: float | None = None) -> tuple[int, Fingerprint]:
+        """Replace the worker's replica of ``state.run_id``; return its version and fingerprint."""
+        down = _Counter()
+        parts = down.count(protocol.to_parts(protocol.state_to_proto(state)))
+        reply = self._call(lambda: self._stub.PushState(parts, timeout=self._timeout(timeout)))
+        self._record(down.nbytes, reply.ByteSize())
+        return reply.version, protocol.fingerprint_from_proto(reply.fingerprint)
+
+    def run_round(self, order: WorkOrder, timeout: float | None = None) -> RoundResult:
+        """One round; the result's gradient is structurally checked (the aggregator checks it against its plan).
+
+        A malformed ``order`` is the caller's bug and raises ``ProtocolError`` before anything is sent.
+        """
+        down, up = _Counter(), _Counter()
+        parts = down.count(protocol.to_parts(protocol.order_to_proto(order)))
+        result = self._framed(lambda: self._stub.RunRound(parts, timeout=self._timeout(timeout)), up, pb.RoundResult, protocol.result_from_proto)
+        self._record(down.nbytes, up.nbytes)
+        if result.round != order.round:
+            raise WorkerError(self.address, grpc.StatusCode.DATA_LOSS, f"answered round {result.round} to an order for round {order.round}")
+        return result
+
+    def fetch_feedback(self, run_id: str, timeout: float | None = None) -> FeedbackState:
+        """The error-feedback buffers of the worker's replica of ``run_id`` (for checkpoints)."""
+        request = pb.FetchFeedbackRequest(run_id=run_id)
+        up = _Counter()
+        state = self._framed(lambda: self._stub.FetchFeedback(request, timeout=self._timeout(timeout)), up, pb.FeedbackState, protocol.feedback_from_proto)
+        self._record(request.ByteSize(), up.nbytes)
+        return state
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until the worker is reachable and its health says SERVING; ``WorkerError`` (UNAVAILABLE) if not."""
+        timeout = self._timeout(timeout)
+        deadline = time.monotonic() + timeout
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise WorkerError(self.address, grpc.StatusCode.UNAVAILABLE, f"not reachable within {timeout:g} s") from None
+        request = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                status = self._health.Check(request, timeout=max(left, 0.05)).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+            except grpc.RpcError as e:
+                last = _code(e).name
+            if left <= 0:
+                raise WorkerError(self.address, grpc.StatusCode.UNAVAILABLE, f"not SERVING within {timeout:g} s (health: {last})")
+            time.sleep(min(0.1, left))
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> WorkerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- plumbing
+
+    def _timeout(self, timeout: float | None) -> float:
+        return self.timeout if timeout is None else timeout
+
+    def _record(self, down: int, up: int) -> None:
+        self.last_bytes_down, self.last_bytes_up = down, up
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except grpc.RpcError as e:
+            raise WorkerError(self.address, _code(e), _details(e)) from None
+
+    def _framed(self, start: Callable[[], Any], up: _Counter, cls: type[Message], from_proto: Callable[[Any], T]) -> T:
+        """Run a call whose reply is a framed message; join, parse and check it."""
+
+        def receive() -> bytes:
+            responses = start()
+            try:
+                data = protocol.join_parts(up.count(responses), self.max_bytes)
+                for _ in responses:  # also surfaces a status the worker sent after the parts
+                    raise protocol.ProtocolError("parts after the last one")
+            except ValueError:
+                responses.cancel()
+                raise
+            return data
+
+        try:
+            return from_proto(protocol.parse(cls, self._call(receive)))
+        except ValueError as e:  # ProtocolError, PayloadError: the worker sent something malformed
+            raise WorkerError(self.address, grpc.StatusCode.DATA_LOSS, f"sent a malformed {cls.__name__}: {e}") from None
+
+
+def _code(e: grpc.RpcError) -> grpc.StatusCode:
+    code = getattr(e, "code", None)
+    return code() if callable(code) else grpc.StatusCode.UNKNOWN
+
+
+def _details(e: grpc.RpcError) -> str:
+    details = getattr(e, "details", None)
+    return (details() if callable(details) else None) or str(e)
+
+
+class WorkerPool:
+    """A client per worker, and concurrent calls to all of them; one worker's failure is its result."""
+
+    def __init__(self, addresses: Sequence[str], timeout: float = 60.0, *, max_message_mb: int = DEFAULT_MESSAGE_MB) -> None:
+        if len(set(addresses)) != len(addresses):
+            raise ValueError(f"--workers lists an address twice: {list(addresses)}")
+        self.clients = {a: WorkerClient(a, timeout=timeout, max_message_mb=max_message_mb) for a in addresses}
+        self._executor = futures.ThreadPoolExecutor(max_workers=max(1, len(addresses)), thread_name_prefix="gradwire-pool")
+
+    @property
+    def addresses(self) -> list[str]:
+        return list(self.clients)
+
+    def map(self, fn: Callable[..., T], items: Mapping[str, Any] | Sequence[Any] | None = None) -> dict[str, T | WorkerError]:
+        """Call ``fn(client)`` (or ``fn(client, item)``) on every worker at once; {address: result or WorkerError}.
+
+        ``items`` is one item per worker, in ``addresses`` order, or a mapping from address to item that
+        calls only the workers it names. Exceptions other than ``WorkerError`` are bugs and propagate.
+        """
+        if items is None:
+            calls = {a: (c,) for a, c in self.clients.items()}
+        elif isinstance(items, Mapping):
+            unknown = sorted(set(items) - set(self.clients))
+            if unknown:
+                raise KeyError(f"not in the pool: {unknown}")
+            calls = {a: (self.clients[a], item) for a, item in items.items()}
+        else:
+            if len(items) != len(self.clients):
+                raise ValueError(f"{len(items)} items for {len(self.clients)} workers")
+            calls = {a: (c, item) for (a, c), item in zip(self.clients.items(), items)}
+        pending = {a: self._executor.submit(fn, *args) for a, args in calls.items()}
+        results: dict[str, T | WorkerError] = {}
+        for address, future in pending.items():
+            try:
+                results[address] = future.result()  # bounded: every call inside has a deadline
+            except WorkerError as e:
+                results[address] = e
+        return results
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        for client in self.clients.values():
+            client.close()
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,44 @@
+"""``--local N``: worker daemons as local subprocesses on free loopback ports, for demos and tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def local_workers(n: int, *, threads: int | None = None, device: str = "cpu") -> Iterator[list[str]]:
+    """Start ``n`` ``worker serve`` processes; yield their addresses; stop them (SIGTERM, then kill)."""
+    if n < 1:
+        raise ValueError(f"--local must be >= 1, got {n}")
+    # Split the cores: n processes each using every core would only thrash.
+    threads = threads or max(1, (os.cpu_count() or 1) // n)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    procs, addresses = [], []
+    try:
+        for _ in range(n):
+            port = free_port()
+            cmd = [sys.executable, "-m", "gradwire.worker", "serve", "--host", "127.0.0.1", "--port", str(port), "--device", device]
+            procs.append(subprocess.Popen(cmd, env=env))
+            addresses.append(f"127.0.0.1:{port}")
+        yield addresses
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

@@ -1,0 +1,348 @@
+"""The coordinator's round loop: dispatch, gather, validate, aggregate, step, keep replicas in sync.
+
+One round (gradient mode):
+  cut a batch per worker -> work order (token ids + the last round's update, never the state) ->
+  workers replay the update, check the fingerprint, compute and compress their gradient ->
+  validate every payload -> aggregate in the coefficient domain and step the replica -> the update rides
+  on the next work order.
+A worker that fails, times out or sends a bad payload spoils its own contribution to one round, not the
+run; a worker that lost track of the state gets it pushed and carries on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors.torch import save_model
+
+from gradwire.compression import ErrorFeedback, PayloadError
+from gradwire.coordinator.checkpoint import load_checkpoint, save_checkpoint
+from gradwire.coordinator.client import WorkerClient, WorkerError
+from gradwire.coordinator.config import TrainConfig
+from gradwire.coordinator.data import TokenStream, batch_dtype
+from gradwire.coordinator.metrics import MetricsLog, ProgressBar
+from gradwire.models import build_from_spec, load_tokenizer, model_spec
+from gradwire.protocol import NEEDS_STATE, OK, ModelState, ProtocolError, RoundResult, WorkOrder
+from gradwire.replica import Fingerprint, Replica, StateUpdate
+
+log = logging.getLogger("gradwire.coordinator")
+
+SyncAction = Literal["push", "update", "none"]
+
+
+def sync_action(known_version: int | None, version: int, has_pending: bool) -> tuple[SyncAction, str]:
+    """What a worker needs before this round, given the replica version we know it holds. Pure."""
+    if known_version is None:
+        return "push", "worker state unknown (new, failed or resumed)"
+    if known_version == version:
+        return "none", "worker is current"
+    if has_pending and known_version == version - 1:
+        return "update", "worker is one update behind: it replays the pending update"
+    return "push", f"worker at version {known_version}, coordinator at {version}"
+
+
+@dataclasses.dataclass
+class WorkerSlot:
+    """A worker as the coordinator sees it. ``version`` is the replica version it is known to hold."""
+
+    index: int
+    client: WorkerClient
+    version: int | None = None
+    feedback: dict[str, torch.Tensor] | None = None  # error feedback to restore on the next push (resume)
+
+
+@dataclasses.dataclass
+class SlotOutcome:
+    slot: WorkerSlot
+    result: RoundResult | None
+    error: str = ""
+    bytes_up: int = 0
+    bytes_down: int = 0
+    pushed: bool = False
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, clients: Sequence[WorkerClient], *, progress: bool = True) -> None:
+        if not clients:
+            raise ValueError("--workers (or --local N) must name at least one worker")
+        self.config = config
+        self.spec = model_spec(config.model)
+        self.rule = config.update_rule()
+        self.codec_config = config.codec_config()
+        self.model = build_from_spec(self.spec, seed=config.seed)
+        self.names = [n for n, _ in self.model.named_parameters()]
+        if self.rule.replayable:
+            # The outer step is replayed from the aggregate: the model itself is the replica.
+            self.replica = Replica(self.model, self.rule)
+            self.optimizer = None
+            self.delta_feedback = None
+        else:
+            # The outer step has state of its own: workers hold a shadow that follows compressed deltas.
+            shadow = build_from_spec(self.spec, seed=config.seed)
+            self.replica = Replica(shadow, self.rule)
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.learning_rate, betas=self.rule.betas, eps=self.rule.eps, weight_decay=self.rule.weight_decay)
+            self.delta_feedback = ErrorFeedback(beta=1.0)
+        self.codec = self.replica.codec(self.codec_config)
+        tokenizer = load_tokenizer(self.spec["tokenizer"])
+        self.data = TokenStream.from_texts(config.data, tokenizer, seq_len=config.sequence_length, seed=config.seed)
+        self.batch_dtype = batch_dtype(self._vocab_size())
+        self.slots = [WorkerSlot(i, c) for i, c in enumerate(clients)]
+        self.run_id = uuid.uuid4().hex
+        self.step = 0
+        self.total_tokens = 0
+        self.pending: StateUpdate | None = None
+        self.output_dir = Path(config.output_dir)
+        self.checkpoint_dir = Path(config.checkpoint_dir) if config.checkpoint_dir else self.output_dir / "checkpoints"
+        self.state_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.progress = progress
+        self._pool = ThreadPoolExecutor(max_workers=len(self.slots), thread_name_prefix="dispatch")
+        if config.resume_from:
+            self.resume(config.resume_from)
+
+    def _vocab_size(self) -> int:
+        cfg = self.spec["config"]
+        return int(cfg["vocab_size"])
+
+    # ------------------------------------------------------------------------------------------ rounds
+
+    def connect(self) -> None:
+        """Describe every worker; a protocol mismatch or an unreachable worker stops here, clearly."""
+        for slot in self.slots:
+            slot.client.wait_ready(self.config.connect_timeout)
+            info = slot.client.describe()
+            log.info("worker %d at %s: %s (%s), torch %s", slot.index, slot.client.address, info.device, info.device_name, info.torch_version)
+
+    def run(self) -> list[dict]:
+        """Train from ``self.step`` to ``config.steps``; returns the metrics records of this call."""
+        self.connect()
+        records = []
+        log_path = MetricsLog(self.output_dir)
+        bar = ProgressBar(self.config.steps, self.step, disable=not self.progress)
+        failed_in_a_row = 0
+        try:
+            while self.step < self.config.steps:
+                record = self.train_step()
+                if record is None:
+                    failed_in_a_row += 1
+                    if failed_in_a_row >= self.config.max_failed_rounds:
+                        raise RuntimeError(f"{failed_in_a_row} rounds in a row with no usable worker; see the log for each worker's error")
+                    continue
+                failed_in_a_row = 0
+                log_path.append(record)
+                bar.update(record)
+                records.append(record)
+                every = self.config.checkpoint_every
+                if every and self.step % every == 0 and self.step < self.config.steps:
+                    self.save_checkpoint()
+            self.save_checkpoint()
+            self.save_final()
+        finally:
+            bar.close()
+            log_path.close()
+        return records
+
+    def train_step(self) -> dict | None:
+        """One round. Returns its metrics, or None when no worker produced a usable gradient."""
+        cfg, step = self.config, self.step
+        t0 = time.perf_counter()
+        version = self.replica.version
+        fingerprint = self.replica.fingerprint()
+        lr = cfg.lr_at(step)
+        futures = [self._pool.submit(self._work, slot, step, version, fingerprint) for slot in self.slots]
+        outcomes = [f.result() for f in futures]
+        t_gathered = time.perf_counter()
+
+        usable: list[RoundResult] = []
+        for o in outcomes:
+            if o.result is None:
+                log.warning("step %d: worker %d (%s) failed: %s", step, o.slot.index, o.slot.client.address, o.error)
+                o.slot.version = None
+                continue
+            try:
+                self.codec.decode(o.result.gradient)  # validate before anything is aggregated
+            except PayloadError as e:
+                log.warning("step %d: worker %d sent a bad payload, ignored: %s", step, o.slot.index, e)
+                continue
+            usable.append(o.result)
+            o.slot.version = o.result.version
+        if not usable:
+            return None
+
+        payloads = tuple(r.gradient for r in usable)
+        weights = tuple(float(r.tokens) for r in usable)
+        aggregate = self._outer_step(payloads, weights, lr)
+        self.step += 1
+        t_done = time.perf_counter()
+
+        tokens = sum(r.tokens for r in usable)
+        self.total_tokens += tokens
+        bytes_up = sum(o.bytes_up for o in outcomes)
+        bytes_down = sum(o.bytes_down for o in outcomes)
+        dense_bytes = 4 * self.codec.plan.numel * len(usable)
+        grad_norm = math.sqrt(sum(float(a.double().square().sum()) for a in aggregate.values()))
+        step_time = t_done - t0
+        return {
+            "step": self.step,
+            "loss": sum(r.loss * r.tokens for r in usable) / tokens,
+            "grad_norm": grad_norm,
+            "tokens_per_sec": tokens / step_time,
+            "compression_ratio": dense_bytes / max(1, sum(p.nbytes for p in payloads)),
+            "bytes_up": bytes_up,
+            "bytes_down": bytes_down,
+            "step_time": step_time,
+            "dispatch_time": t_gathered - t0,
+            "aggregate_time": t_done - t_gathered,
+            "successful_workers": len(usable),
+            "total_tokens": self.total_tokens,
+            "lr": lr,
+            "pushes": sum(o.pushed for o in outcomes),
+            "worker_compute_time": max((r.timings.get("compute", 0.0) for r in usable), default=0.0),
+        }
+
+    def _outer_step(self, payloads: tuple, weights: tuple, lr: float) -> dict[str, torch.Tensor]:
+        if self.optimizer is None:
+            update = StateUpdate(lr, payloads, weights)
+            aggregate = self.replica.apply(update)
+        else:
+            aggregate = self.codec.aggregate(list(payloads), list(weights))
+            for name, p in self.model.named_parameters():
+                p.grad = aggregate[name].to(p.dtype)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            with torch.no_grad():
+                delta = {n: p.detach() - self.replica.params[n] for n, p in self.model.named_parameters()}
+            assert self.delta_feedback is not None
+            update = StateUpdate(lr, delta=self.codec.compress(delta, self.delta_feedback))
+            self.replica.apply(update)
+        self.pending = update
+        return aggregate
+
+    def _work(self, slot: WorkerSlot, step: int, version: int, fingerprint: Fingerprint) -> SlotOutcome:
+        """Everything one worker does this round; runs on the dispatch pool. Never raises."""
+        outcome = SlotOutcome(slot, None)
+        batch = self.data.batch(step, slot.index, self.config.batch_size, self.config.sequence_length).astype(self.batch_dtype)
+        try:
+            action, _ = sync_action(slot.version, version, self.pending is not None)
+            for attempt in range(2):
+                if action == "push":
+                    self._push(slot, outcome)
+                    action = "none"
+                update = self.pending if action == "update" else None
+                order = WorkOrder(
+                    self.run_id, step, version - (1 if update is not None else 0), batch, self.codec_config, fingerprint, update,
+                    feedback_beta=self.config.feedback_beta, micro_batch_size=self.config.micro_batch_size,
+                    sync_tolerance=self.config.sync_tolerance,
+                )
+                result = slot.client.run_round(order, timeout=self.config.round_timeout)
+                outcome.bytes_down += slot.client.last_bytes_down
+                outcome.bytes_up += slot.client.last_bytes_up
+                if result.status == OK:
+                    if result.round != step or result.version != version:
+                        raise ProtocolError(f"result for round {result.round} at version {result.version}, expected {step} at {version}")
+                    outcome.result = result
+                    return outcome
+                assert result.status == NEEDS_STATE
+                log.info("step %d: worker %d needs the state (%s)", step, slot.index, result.reason)
+                action = "push"
+            outcome.error = "worker still out of sync after a state push"
+        except (WorkerError, ValueError) as e:
+            outcome.error = str(e)
+        return outcome
+
+    def _push(self, slot: WorkerSlot, outcome: SlotOutcome) -> None:
+        state = self.model_state(feedback=slot.feedback or {})
+        version, remote = slot.client.push_state(state, timeout=self.config.round_timeout)
+        outcome.bytes_down += slot.client.last_bytes_down
+        outcome.pushed = True
+        slot.feedback = None
+        slot.version = version
+
+    def model_state(self, feedback: dict[str, torch.Tensor] | None = None) -> ModelState:
+        params = {n: p.detach() for n, p in self.replica.params.items()}
+        momentum = {f"momentum.{i}": m for i, m in enumerate(self.replica.momentum)}
+        return ModelState(self.run_id, self.replica.version, json.dumps(self.spec), params, self.rule.to_json(), momentum, feedback or {})
+
+    # ------------------------------------------------------------------------------------------ persistence
+
+    def save_checkpoint(self) -> Path:
+        tensors: dict[str, dict[str, torch.Tensor]] = {
+            "model": {n: p.detach() for n, p in self.model.named_parameters()},
+            "rng": {"torch": torch.get_rng_state()},
+        }
+        optimizer: dict[str, torch.Tensor] = {f"momentum.{i}": m for i, m in enumerate(self.replica.momentum)}
+        if self.optimizer is not None:
+            tensors["replica"] = {n: p.detach() for n, p in self.replica.params.items()}
+            for name, p in self.model.named_parameters():
+                for key, value in self.optimizer.state.get(p, {}).items():
+                    optimizer[f"adamw.{name}.{key}"] = torch.as_tensor(value)
+            assert self.delta_feedback is not None
+            tensors["delta-feedback"] = self.delta_feedback.state_dict()
+        tensors["optimizer"] = optimizer
+        # Workers' error feedback is part of the trajectory: without it a resumed run would differ.
+        futures = {slot.index: self._pool.submit(self._fetch_feedback, slot) for slot in self.slots}
+        for index, future in futures.items():
+            buffers = future.result()
+            if buffers is not None:
+                tensors[f"feedback-{index}"] = buffers
+        meta = {"config": self.config.to_dict(), "version": self.replica.version, "total_tokens": self.total_tokens, "data_step": self.step, "workers": len(self.slots)}
+        return save_checkpoint(self.checkpoint_dir, self.step, tensors, meta)
+
+    def _fetch_feedback(self, slot: WorkerSlot) -> dict[str, torch.Tensor] | None:
+        if slot.version is None:
+            return slot.feedback
+        try:
+            return slot.client.fetch_feedback(self.run_id, timeout=self.config.round_timeout).buffers
+        except WorkerError as e:
+            log.warning("checkpoint: no error feedback from worker %d: %s", slot.index, e)
+            return None
+
+    def resume(self, path: str) -> None:
+        tensors, meta = load_checkpoint(path)
+        saved = meta["config"]
+        if saved["model"] != self.config.model:
+            raise ValueError(f"--resume-from holds a {saved['model']} run, not --model {self.config.model}")
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(tensors["model"][name])
+        optimizer = tensors.get("optimizer", {})
+        momentum = [optimizer[f"momentum.{i}"] for i in range(sum(k.startswith("momentum.") for k in optimizer))]
+        if self.optimizer is not None:
+            self.replica.load_state(tensors["replica"], version=meta["version"])
+            for name, p in self.model.named_parameters():
+                state = {key.rsplit(".", 1)[-1]: v for key, v in optimizer.items() if key.startswith(f"adamw.{name}.") and key.count(".") == name.count(".") + 2}
+                if state:
+                    self.optimizer.state[p] = state
+            assert self.delta_feedback is not None
+            self.delta_feedback.load_state_dict(tensors.get("delta-feedback", {}))
+        else:
+            self.replica.load_state(tensors["model"], momentum, version=meta["version"])
+        self.step = int(meta["step"])
+        self.total_tokens = int(meta.get("total_tokens", 0))
+        torch.set_rng_state(tensors["rng"]["torch"])
+        for slot in self.slots:
+            slot.feedback = tensors.get(f"feedback-{slot.index}")
+            slot.version = None
+        if meta.get("workers") != len(self.slots):
+            log.warning("resuming %d-worker checkpoint with %d workers: error feedback restored by slot where it exists", meta.get("workers"), len(self.slots))
+        log.info("resumed from %s at step %d", path, self.step)
+
+    def save_final(self) -> Path:
+        final = self.output_dir / "final"
+        final.mkdir(parents=True, exist_ok=True)
+        save_model(self.model, str(final / "model.safetensors"))
+        (final / "model.json").write_text(json.dumps(self.spec, indent=1) + "\n")
+        return final
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

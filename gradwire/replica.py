@@ -1,0 +1,243 @@
+"""The model replica the coordinator and every worker hold, and the one way it moves from v to v + 1.
+
+Workers' copies stay in sync without re-shipping the state: the coordinator sends each round's update
+(``StateUpdate``) and every holder applies it with this same code, so replicas on the same kind of device
+stay bit-identical. Two kinds of update:
+
+* replay - the aggregate of the senders' payloads followed by the outer step, for rules whose step is a
+  function of that aggregate (``sgd`` with optional momentum, ``signsgd`` with decoupled weight decay as in
+  DeMo). The bytes are the senders' own payloads, already compressed.
+* delta - a compressed parameter delta, for rules with state the workers should not have to mirror
+  (``adamw``); the coordinator compresses it with its own error feedback and applies the same decoded
+  delta to its copy of the workers' replica.
+
+``Fingerprint`` summarises a replica cheaply so a worker can tell, every round, that its copy is the
+coordinator's; ``compare_fingerprints`` is the pure decision, with its reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+import torch
+
+from gradwire.compression import CodecConfig, CompressedGradient, GradientCodec
+
+Optimizer = Literal["sgd", "signsgd", "adamw"]
+REPLAYABLE = ("sgd", "signsgd")
+SAMPLES_PER_TENSOR = 4
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class UpdateRule:
+    """The outer optimizer, as data both sides agree on.
+
+    Attributes:
+        optimizer: ``sgd``, ``signsgd`` (DeMo's sign step) or ``adamw``.
+        weight_decay: decoupled: ``p <- p * (1 - lr * weight_decay)`` before the step.
+        momentum: heavy-ball momentum for ``sgd`` (replayed by workers too).
+        betas, eps: ``adamw`` only; its state lives on the coordinator alone.
+    """
+
+    optimizer: Optimizer = "signsgd"
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in ("sgd", "signsgd", "adamw"):
+            raise ValueError(f"--outer-optimizer must be sgd, signsgd or adamw, got {self.optimizer!r}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"--momentum must be in [0, 1), got {self.momentum}")
+        if self.momentum and self.optimizer != "sgd":
+            raise ValueError("--momentum applies to the sgd outer optimizer only")
+
+    @property
+    def replayable(self) -> bool:
+        return self.optimizer in REPLAYABLE
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> UpdateRule:
+        raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise ValueError("update rule must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown update rule keys {unknown}")
+        if "betas" in raw:
+            raw["betas"] = tuple(raw["betas"])
+        return cls(**raw)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateUpdate:
+    """Moves a replica from version v to v + 1: either ``replay`` payloads (+ weights) or a ``delta``."""
+
+    learning_rate: float
+    payloads: tuple[CompressedGradient, ...] = ()
+    weights: tuple[float, ...] = ()
+    delta: CompressedGradient | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.payloads) + (self.delta.nbytes if self.delta is not None else 0)
+
+
+@torch.no_grad()
+def outer_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], rule: UpdateRule, lr: float, momentum: list[torch.Tensor] | None = None) -> None:
+    """One replayable outer step in place. ``momentum`` holds sgd's buffers (created on first use)."""
+    if not rule.replayable:
+        raise ValueError(f"{rule.optimizer} is not replayed; its updates travel as deltas")
+    for i, (p, g) in enumerate(zip(params, grads)):
+        g = g.to(p.device, torch.float32)
+        if rule.weight_decay:
+            p.mul_(1 - lr * rule.weight_decay)
+        if rule.optimizer == "signsgd":
+            p.add_(torch.sign(g).to(p.dtype), alpha=-lr)
+            continue
+        if rule.momentum and momentum is not None:
+            if len(momentum) <= i:
+                momentum.append(g.clone())
+            else:
+                momentum[i].mul_(rule.momentum).add_(g)
+            g = momentum[i]
+        p.add_(g.to(p.dtype), alpha=-lr)
+
+
+# ------------------------------------------------------------------------------------------- fingerprint
+
+
+@dataclasses.dataclass(frozen=True)
+class Fingerprint:
+    """Per tensor: sum and sum of squares (float64); values at fixed positions (a few per tensor)."""
+
+    sums: tuple[float, ...]
+    sumsqs: tuple[float, ...]
+    samples: tuple[float, ...]
+
+
+def sample_positions(named_shapes: Sequence[tuple[str, Sequence[int]]], per_tensor: int = SAMPLES_PER_TENSOR) -> list[torch.Tensor]:
+    """Fixed flat positions to sample in each tensor; the same in every process (seeded by name)."""
+    out = []
+    for name, shape in named_shapes:
+        numel = math.prod(shape)
+        gen = torch.Generator().manual_seed(zlib.crc32(name.encode()) ^ numel)
+        out.append(torch.randint(0, max(numel, 1), (min(per_tensor, numel),), generator=gen))
+    return out
+
+
+@torch.no_grad()
+def fingerprint(tensors: Sequence[torch.Tensor], positions: Sequence[torch.Tensor]) -> Fingerprint:
+    sums, sumsqs, samples = [], [], []
+    for t, pos in zip(tensors, positions):
+        flat = t.detach().reshape(-1)
+        sums.append(flat.sum(dtype=torch.float64))
+        sumsqs.append(torch.linalg.vector_norm(flat, dtype=torch.float64).square())
+        samples.append(flat[pos.to(flat.device)].float())
+    return Fingerprint(
+        tuple(torch.stack(sums).tolist()) if sums else (),
+        tuple(torch.stack(sumsqs).tolist()) if sumsqs else (),
+        tuple(torch.cat(samples).tolist()) if samples else (),
+    )
+
+
+def compare_fingerprints(expected: Fingerprint, actual: Fingerprint, numels: Sequence[int], tolerance: float) -> tuple[bool, str]:
+    """Do two replicas agree within ``tolerance`` (relative)? Returns (same, reason).
+
+    Float noise from a different device or kernel moves these by ~1e-7 relative; a replica that missed
+    or misapplied an update moves them by orders more.
+    """
+    if (len(expected.sums), len(expected.sumsqs)) != (len(actual.sums), len(actual.sumsqs)) or len(expected.samples) != len(actual.samples):
+        return False, "fingerprints describe different tensors"
+    for i, (s_e, s_a, q_e, q_a, n) in enumerate(zip(expected.sums, actual.sums, expected.sumsqs, actual.sumsqs, numels)):
+        if not all(map(math.isfinite, (s_a, q_a))):
+            return False, f"tensor {i}: non-finite values"
+        if abs(q_e - q_a) > tolerance * max(q_e, q_a) + 1e-30:
+            return False, f"tensor {i}: sum of squares {q_a:.9g} != {q_e:.9g}"
+        # |sum(x) - sum(y)| <= sqrt(n) * ||x - y||, so this bound tolerates the same relative drift.
+        if abs(s_e - s_a) > tolerance * math.sqrt(n * max(q_e, q_a)) + 1e-30:
+            return False, f"tensor {i}: sum {s_a:.9g} != {s_e:.9g}"
+    scale = max((abs(x) for x in expected.samples), default=0.0)
+    for j, (a, b) in enumerate(zip(expected.samples, actual.samples)):
+        if not math.isfinite(b) or abs(a - b) > tolerance * (abs(a) + scale) + 1e-30:
+            return False, f"sample {j}: {b:.9g} != {a:.9g}"
+    return True, "replicas agree"
+
+
+# ------------------------------------------------------------------------------------------- replica
+
+
+class Replica:
+    """A model's parameters plus the update rule and optimizer state needed to replay updates.
+
+    The model itself is a plain ``nn.Module``; the replica only reads and writes its parameters.
+    """
+
+    def __init__(self, model: torch.nn.Module, rule: UpdateRule, version: int = 0) -> None:
+        self.model = model
+        self.rule = rule
+        self.version = version
+        self.params: dict[str, torch.Tensor] = dict(model.named_parameters())
+        self.momentum: list[torch.Tensor] = []
+        named_shapes = [(n, tuple(p.shape)) for n, p in self.params.items()]
+        self.numels = [p.numel() for p in self.params.values()]
+        self._positions = sample_positions(named_shapes)
+        self._codecs: dict[CodecConfig, GradientCodec] = {}
+
+    def codec(self, config: CodecConfig) -> GradientCodec:
+        """The codec for this replica's tensors under ``config`` (cached: its plan is not free)."""
+        if config not in self._codecs:
+            device = next(iter(self.params.values())).device
+            self._codecs[config] = GradientCodec({n: tuple(p.shape) for n, p in self.params.items()}, config, device=device)
+        return self._codecs[config]
+
+    @torch.no_grad()
+    def apply(self, update: StateUpdate) -> dict[str, torch.Tensor]:
+        """Apply ``update``; return what was applied (the aggregate gradient, or the delta).
+
+        Every payload is validated before any parameter changes, so a bad update leaves the replica as
+        it was (``PayloadError``).
+        """
+        if update.delta is not None:
+            delta = self.codec(update.delta.settings).decompress(update.delta)
+            for name, p in self.params.items():
+                p.add_(delta[name].to(p.device, p.dtype))
+            self.version += 1
+            return delta
+        if not update.payloads:
+            raise ValueError("a replay update needs at least one payload")
+        if not self.rule.replayable:
+            raise ValueError(f"update rule {self.rule.optimizer} expects deltas, got a replay")
+        settings = update.payloads[0].settings
+        aggregate = self.codec(settings).aggregate(list(update.payloads), list(update.weights) or None)
+        outer_step(list(self.params.values()), [aggregate[n] for n in self.params], self.rule, update.learning_rate, self.momentum)
+        self.version += 1
+        return aggregate
+
+    def fingerprint(self) -> Fingerprint:
+        return fingerprint(list(self.params.values()), self._positions)
+
+    def load_state(self, parameters: Mapping[str, torch.Tensor], momentum: Sequence[torch.Tensor] = (), version: int = 0) -> None:
+        """Overwrite the parameters (and sgd momentum) with a full state, e.g. on a push."""
+        with torch.no_grad():
+            for name, p in self.params.items():
+                if name not in parameters:
+                    raise ValueError(f"state is missing parameter {name!r}")
+                src = parameters[name]
+                if tuple(src.shape) != tuple(p.shape):
+                    raise ValueError(f"parameter {name!r}: shape {tuple(src.shape)} != {tuple(p.shape)}")
+                p.copy_(src)
+        self.momentum = [m.detach().clone().to(next(iter(self.params.values())).device) for m in momentum]
+        self.version = version

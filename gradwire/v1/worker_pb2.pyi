@@ -1,0 +1,233 @@
+from gradwire.v1 import codec_pb2 as _codec_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+    DTYPE_INT32: _ClassVar[DType]
+    DTYPE_UINT16: _ClassVar[DType]
+    DTYPE_INT64: _ClassVar[DType]
+    DTYPE_UINT8: _ClassVar[DType]
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT32: DType
+DTYPE_BFLOAT16: DType
+DTYPE_FLOAT16: DType
+DTYPE_INT32: DType
+DTYPE_UINT16: DType
+DTYPE_INT64: DType
+DTYPE_UINT8: DType
+
+class FetchFeedbackRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class FeedbackState(_message.Message):
+    __slots__ = ("run_id", "version", "buffers")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    version: int
+    buffers: _containers.RepeatedCompositeFieldContainer[Tensor]
+    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+
+class Part(_message.Message):
+    __slots__ = ("data", "last", "total_bytes", "sha256")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    last: bool
+    total_bytes: int
+    sha256: bytes
+    def __init__(self, data: _Optional[bytes] = ..., last: _Optional[bool] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[bytes] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ("protocol_version",)
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    def __init__(self, protocol_version: _Optional[int] = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("protocol_version", "gradwire_version", "torch_version", "device", "device_name", "local_devices", "replicas")
+    class ReplicasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    GRADWIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TORCH_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    gradwire_version: str
+    torch_version: str
+    device: str
+    device_name: str
+    local_devices: int
+    replicas: _containers.ScalarMap[str, int]
+    def __init__(self, protocol_version: _Optional[int] = ..., gradwire_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., local_devices: _Optional[int] = ..., replicas: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class Tensor(_message.Message):
+    __slots__ = ("name", "shape", "dtype", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ModelState(_message.Message):
+    __slots__ = ("protocol_version", "run_id", "version", "model_json", "parameters", "update_rule_json", "optimizer_state", "feedback")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_JSON_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_RULE_JSON_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STATE_FIELD_NUMBER: _ClassVar[int]
+    FEEDBACK_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    run_id: str
+    version: int
+    model_json: str
+    parameters: _containers.RepeatedCompositeFieldContainer[Tensor]
+    update_rule_json: str
+    optimizer_state: _containers.RepeatedCompositeFieldContainer[Tensor]
+    feedback: _containers.RepeatedCompositeFieldContainer[Tensor]
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., version: _Optional[int] = ..., model_json: _Optional[str] = ..., parameters: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., update_rule_json: _Optional[str] = ..., optimizer_state: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., feedback: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+
+class PushStateReply(_message.Message):
+    __slots__ = ("version", "fingerprint")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    fingerprint: Fingerprint
+    def __init__(self, version: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ...) -> None: ...
+
+class Fingerprint(_message.Message):
+    __slots__ = ("sums", "sumsqs", "samples")
+    SUMS_FIELD_NUMBER: _ClassVar[int]
+    SUMSQS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    sums: _containers.RepeatedScalarFieldContainer[float]
+    sumsqs: _containers.RepeatedScalarFieldContainer[float]
+    samples: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, sums: _Optional[_Iterable[float]] = ..., sumsqs: _Optional[_Iterable[float]] = ..., samples: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class StateUpdate(_message.Message):
+    __slots__ = ("replay", "delta", "learning_rate")
+    REPLAY_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    replay: Replay
+    delta: _codec_pb2.CompressedGradient
+    learning_rate: float
+    def __init__(self, replay: _Optional[_Union[Replay, _Mapping]] = ..., delta: _Optional[_Union[_codec_pb2.CompressedGradient, _Mapping]] = ..., learning_rate: _Optional[float] = ...) -> None: ...
+
+class Replay(_message.Message):
+    __slots__ = ("payloads", "weights")
+    PAYLOADS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    payloads: _containers.RepeatedCompositeFieldContainer[_codec_pb2.CompressedGradient]
+    weights: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, payloads: _Optional[_Iterable[_Union[_codec_pb2.CompressedGradient, _Mapping]]] = ..., weights: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class TokenBatch(_message.Message):
+    __slots__ = ("rows", "columns", "dtype", "data")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    columns: int
+    dtype: DType
+    data: bytes
+    def __init__(self, rows: _Optional[int] = ..., columns: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class WorkOrder(_message.Message):
+    __slots__ = ("protocol_version", "run_id", "round", "base_version", "update", "fingerprint", "batch", "codec", "feedback_beta", "micro_batch_size", "sync_tolerance")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    FEEDBACK_BETA_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SYNC_TOLERANCE_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    run_id: str
+    round: int
+    base_version: int
+    update: StateUpdate
+    fingerprint: Fingerprint
+    batch: TokenBatch
+    codec: _codec_pb2.CodecSettings
+    feedback_beta: float
+    micro_batch_size: int
+    sync_tolerance: float
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., base_version: _Optional[int] = ..., update: _Optional[_Union[StateUpdate, _Mapping]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., batch: _Optional[_Union[TokenBatch, _Mapping]] = ..., codec: _Optional[_Union[_codec_pb2.CodecSettings, _Mapping]] = ..., feedback_beta: _Optional[float] = ..., micro_batch_size: _Optional[int] = ..., sync_tolerance: _Optional[float] = ...) -> None: ...
+
+class Timings(_message.Message):
+    __slots__ = ("update_seconds", "compute_seconds", "compress_seconds", "total_seconds")
+    UPDATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMPRESS_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    update_seconds: float
+    compute_seconds: float
+    compress_seconds: float
+    total_seconds: float
+    def __init__(self, update_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., compress_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ...) -> None: ...
+
+class RoundResult(_message.Message):
+    __slots__ = ("status", "reason", "round", "gradient", "loss", "tokens", "timings", "version")
+    class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATUS_UNSPECIFIED: _ClassVar[RoundResult.Status]
+        STATUS_OK: _ClassVar[RoundResult.Status]
+        STATUS_NEEDS_STATE: _ClassVar[RoundResult.Status]
+    STATUS_UNSPECIFIED: RoundResult.Status
+    STATUS_OK: RoundResult.Status
+    STATUS_NEEDS_STATE: RoundResult.Status
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    status: RoundResult.Status
+    reason: str
+    round: int
+    gradient: _codec_pb2.CompressedGradient
+    loss: float
+    tokens: int
+    timings: Timings
+    version: int
+    def __init__(self, status: _Optional[_Union[RoundResult.Status, str]] = ..., reason: _Optional[str] = ..., round: _Optional[int] = ..., gradient: _Optional[_Union[_codec_pb2.CompressedGradient, _Mapping]] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., version: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,88 @@
+"""The Worker service over gRPC: a thin layer that unframes requests, calls ``WorkerEngine``, frames replies.
+
+Everything a request can get wrong is the engine's or the protocol module's to find; this module only maps
+what they raise to status codes, so the server keeps serving after any bad request:
+
+* ``ValueError`` (``ProtocolError``, ``PayloadError``: malformed framing, bytes, versions, payloads)
+  -> INVALID_ARGUMENT, with the message. A protocol version mismatch is one of these too.
+* ``Cancelled`` (the client cancelled, its deadline passed, or the server is stopping) -> CANCELLED.
+* anything else -> INTERNAL, with the traceback in the worker's log.
+
+The deadline rule (every call needs one) is enforced by ``server.RequireDeadline`` in front of this.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import NoReturn
+
+import grpc
+
+from gradwire import protocol
+from gradwire.protocol import PROTOCOL_VERSION
+from gradwire.transport import DEFAULT_MESSAGE_MB
+from gradwire.v1 import worker_pb2 as pb
+from gradwire.v1 import worker_pb2_grpc
+from gradwire.worker.engine import Cancelled, WorkerEngine
+
+log = logging.getLogger(__name__)
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, engine: WorkerEngine, *, max_message_mb: int = DEFAULT_MESSAGE_MB) -> None:
+        self.engine = engine
+        self.max_bytes = max_message_mb << 20
+
+    def Describe(self, request: pb.DescribeRequest, context: grpc.ServicerContext) -> pb.WorkerInfo:
+        # Answer whatever version the caller speaks: the caller compares and explains the mismatch.
+        if request.protocol_version != PROTOCOL_VERSION:
+            log.warning("%s speaks protocol %d, this worker %d", context.peer(), request.protocol_version, PROTOCOL_VERSION)
+        try:
+            return protocol.info_to_proto(self.engine.info())
+        except Exception as e:
+            _fail(context, "Describe", e)
+
+    def PushState(self, request_iterator: Iterator[pb.Part], context: grpc.ServicerContext) -> pb.PushStateReply:
+        try:
+            msg = protocol.parse(pb.ModelState, protocol.join_parts(request_iterator, self.max_bytes))
+            state = protocol.state_from_proto(msg)
+            version, fingerprint = self.engine.push_state(state)
+            log.info("state of run %r at version %d from %s", state.run_id, version, context.peer())
+            return pb.PushStateReply(version=version, fingerprint=protocol.fingerprint_to_proto(fingerprint))
+        except Exception as e:
+            _fail(context, "PushState", e)
+
+    def RunRound(self, request_iterator: Iterator[pb.Part], context: grpc.ServicerContext) -> Iterator[pb.Part]:
+        try:
+            msg = protocol.parse(pb.WorkOrder, protocol.join_parts(request_iterator, self.max_bytes))
+            order = protocol.order_from_proto(msg)
+            # Checked between micro-batches: a cancelled call, a passed deadline or a stopping server
+            # all make the call inactive, and the engine abandons the round.
+            result = self.engine.run_round(order, cancelled=lambda: not context.is_active())
+            if result.status != protocol.OK:
+                log.info("round %d of run %r: %s (%s)", order.round, order.run_id, result.status, result.reason)
+            parts = list(protocol.to_parts(protocol.result_to_proto(result)))
+        except Exception as e:
+            _fail(context, "RunRound", e)
+        yield from parts
+
+    def FetchFeedback(self, request: pb.FetchFeedbackRequest, context: grpc.ServicerContext) -> Iterator[pb.Part]:
+        try:
+            parts = list(protocol.to_parts(protocol.feedback_to_proto(self.engine.feedback_state(request.run_id))))
+        except Exception as e:
+            _fail(context, "FetchFeedback", e)
+        yield from parts
+
+
+def _fail(context: grpc.ServicerContext, method: str, e: Exception) -> NoReturn:
+    """End the call with the status ``e`` deserves (``context.abort`` raises)."""
+    if isinstance(e, Cancelled) or not context.is_active():
+        # Reading a cancelled call's request stream raises a bare RpcError; nobody is listening anyway.
+        log.info("%s from %s ended early: %s", method, context.peer(), str(e) or type(e).__name__)
+        context.abort(grpc.StatusCode.CANCELLED, f"{method} cancelled: {e}")
+    if isinstance(e, ValueError):
+        log.warning("%s from %s rejected: %s", method, context.peer(), e)
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    log.exception("%s from %s failed", method, context.peer())
+    context.abort(grpc.StatusCode.INTERNAL, f"{method} failed on the worker: {type(e).__name__}: {e} (see the worker's log)")
