@@ -58,7 +58,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as out:
         config = TrainConfig(model=args.model, steps=args.steps + 1, batch_size=args.batch_size, sequence_length=args.seq_len, output_dir=out)
-        # The worker gets every core, as it would on its own machine; the coordinator mostly waits.
+        # The worker gets every core, as it would on its own machine; the coordinator, which mostly waits,
+        # gets one (as in `coordinator train --local`).
+        torch.set_num_threads(1)
         with local_workers(1, threads=os.cpu_count()) as addresses:
             trainer = Trainer(config, [WorkerClient(a, timeout=600) for a in addresses], progress=False)
             try:
@@ -66,6 +68,7 @@ def main() -> None:
                 records = [trainer.train_step() for _ in range(config.steps)]
             finally:
                 trainer.close()
+        torch.set_num_threads(os.cpu_count() or 1)
         bare = bare_step_times(config, trainer.data, args.steps)
 
     steady = records[1:]  # round 1 pushes the state

@@ -360,20 +360,36 @@ class Aggregator:
         self.total_weight += weight
         self.senders += 1
 
+    def norm(self) -> float:
+        """L2 norm of ``result()``, without the inverse DCT: the transform is orthonormal."""
+        if self.total_weight <= 0:
+            raise ValueError("nothing to aggregate: no payload with positive weight was added")
+        parts = []
+        for gi, s in enumerate(self._sums):
+            if self._hits is None:
+                parts.append(torch.linalg.vector_norm(s) / self.total_weight)
+            else:
+                parts.append(torch.linalg.vector_norm(torch.where(self._hits[gi] > 0, s / self._hits[gi].clamp_min(1e-30), s)))
+        parts += [torch.linalg.vector_norm(d) / self.total_weight for d in self._dense]
+        return float(torch.linalg.vector_norm(torch.stack(parts).double())) if parts else 0.0
+
     def result(self) -> dict[str, torch.Tensor]:
         """The normalised aggregate as dense float32 tensors, by name in plan order."""
         if self.total_weight <= 0:
             raise ValueError("nothing to aggregate: no payload with positive weight was added")
         codec, out = self.codec, {}
         for gi, group in enumerate(codec.plan.groups):
+            scale = 1.0
             if self._hits is None:
-                acc = self._sums[gi] / self.total_weight
+                acc, scale = self._sums[gi], 1.0 / self.total_weight  # the mean's division rides on the IDCT
             else:
                 hits = self._hits[gi]
                 acc = torch.where(hits > 0, self._sums[gi] / hits.clamp_min(1e-30), self._sums[gi])
             stack = acc.view(group.num_chunks, *group.chunk_shape)
             if codec.config.use_dct:
-                stack = idct_chunks(stack)
+                stack = idct_chunks(stack, scale)
+            else:
+                stack = stack * scale  # a new tensor either way: results never alias the running sums
             for t, off in zip(group.members, group.offsets):
                 out[t.name] = codec._unchunk(stack[off : off + t.num_chunks], t)
         for t, acc in zip(codec.plan.dense, self._dense):

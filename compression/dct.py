@@ -39,14 +39,17 @@ def dct_chunks(x: torch.Tensor) -> torch.Tensor:
     return torch.matmul(d_r, y)  # (r, r) broadcast over B: transform along rows
 
 
-def idct_chunks(y: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``dct_chunks`` (the transpose, since the bases are orthonormal)."""
+def idct_chunks(y: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Inverse of ``dct_chunks`` (the transpose, since the bases are orthonormal), times ``scale``.
+
+    The scale rides on a (c, c) basis instead of costing a pass over the whole stack.
+    """
     if y.dim() == 2:
         (d,) = _bases(y)
-        return y @ d
+        return y @ (d * scale if scale != 1.0 else d)
     d_r, d_c = _bases(y)
     b, r, c = y.shape
-    x = (y.reshape(b * r, c) @ d_c).view(b, r, c)
+    x = (y.reshape(b * r, c) @ (d_c * scale if scale != 1.0 else d_c)).view(b, r, c)
     return torch.matmul(d_r.T, x)
 
 

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import math
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ import torch
 from safetensors.torch import save_model
 
 from gradwire.compression import ErrorFeedback, PayloadError
+from gradwire.compression.codec import Aggregator
 from gradwire.coordinator.checkpoint import load_checkpoint, save_checkpoint
 from gradwire.coordinator.client import WorkerClient, WorkerError
 from gradwire.coordinator.config import TrainConfig
@@ -37,18 +39,22 @@ from gradwire.replica import Fingerprint, Replica, StateUpdate
 
 log = logging.getLogger("gradwire.coordinator")
 
-SyncAction = Literal["push", "update", "none"]
+SyncAction = Literal["push", "replay", "current"]
 
 
-def sync_action(known_version: int | None, version: int, has_pending: bool) -> tuple[SyncAction, str]:
-    """What a worker needs before this round, given the replica version we know it holds. Pure."""
+def sync_action(known_version: int | None, base_version: int, target_version: int) -> tuple[SyncAction, str]:
+    """What a worker needs before it computes at ``target_version``. Pure.
+
+    ``base_version`` is where every in-sync worker starts the round; the pending update (if any) moves it
+    to ``target_version``. ``known_version`` is the replica version we know the worker holds.
+    """
     if known_version is None:
         return "push", "worker state unknown (new, failed or resumed)"
-    if known_version == version:
-        return "none", "worker is current"
-    if has_pending and known_version == version - 1:
-        return "update", "worker is one update behind: it replays the pending update"
-    return "push", f"worker at version {known_version}, coordinator at {version}"
+    if known_version == target_version:
+        return "current", "worker is at the round's version"
+    if known_version == base_version:
+        return "replay", "worker replays the pending update"
+    return "push", f"worker at version {known_version}, round starts at {base_version}"
 
 
 @dataclasses.dataclass
@@ -68,7 +74,13 @@ class SlotOutcome:
     error: str = ""
     bytes_up: int = 0
     bytes_down: int = 0
-    pushed: bool = False
+    pushes: int = 0  # state pushes during the round (a worker that reported NEEDS_STATE)
+
+
+@dataclasses.dataclass
+class _Push:
+    error: str = ""
+    bytes_down: int = 0
 
 
 class Trainer:
@@ -100,7 +112,13 @@ class Trainer:
         self.run_id = uuid.uuid4().hex
         self.step = 0
         self.total_tokens = 0
+        # Workers in sync hold the replica at ``base_version``; ``pending`` moves it one version on. The
+        # coordinator applies ``pending`` to its own replica while the workers compute (or earlier, on a
+        # flush before a checkpoint), so its replica is at base_version or base_version + 1.
         self.pending: StateUpdate | None = None
+        self._pending_aggregator: Aggregator | None = None  # the pending replay, already summed
+        self.base_version = 0
+        self.base_fingerprint: Fingerprint | None = None
         self.output_dir = Path(config.output_dir)
         self.checkpoint_dir = Path(config.checkpoint_dir) if config.checkpoint_dir else self.output_dir / "checkpoints"
         self.state_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -108,6 +126,8 @@ class Trainer:
         self._pool = ThreadPoolExecutor(max_workers=len(self.slots), thread_name_prefix="dispatch")
         if config.resume_from:
             self.resume(config.resume_from)
+        self.base_version = self.replica.version
+        self.base_fingerprint = self.replica.fingerprint()
 
     def _vocab_size(self) -> int:
         cfg = self.spec["config"]
@@ -151,28 +171,55 @@ class Trainer:
             log_path.close()
         return records
 
+    @property
+    def target_version(self) -> int:
+        """The version this round's gradients are computed at."""
+        return self.base_version + (1 if self.pending is not None else 0)
+
+    def flush(self) -> None:
+        """Apply the pending update to the coordinator's replica now (before a checkpoint or the end)."""
+        if self.pending is not None and self.replica.version == self.base_version:
+            self._apply_pending()
+
+    def _apply_pending(self) -> None:
+        assert self.pending is not None
+        self.replica.apply(self.pending, self._pending_aggregator)
+        self._pending_aggregator = None
+        self._target_fingerprint = self.replica.fingerprint()
+
     def train_step(self) -> dict | None:
         """One round. Returns its metrics, or None when no worker produced a usable gradient."""
         cfg, step = self.config, self.step
         t0 = time.perf_counter()
-        version = self.replica.version
-        fingerprint = self.replica.fingerprint()
         lr = cfg.lr_at(step)
-        futures = [self._pool.submit(self._work, slot, step, version, fingerprint) for slot in self.slots]
+        base, target = self.base_version, self.target_version
+        if self.pending is None:
+            self._target_fingerprint = self.base_fingerprint
+        # Pushes first, from a replica nothing is writing to; then the round and, alongside it, our own
+        # copy of the pending update.
+        to_push = [s for s in self.slots if sync_action(s.version, base, target)[0] == "push"]
+        pushed = dict(zip((s.index for s in to_push), self._pool.map(self._push, to_push)))
+        applied = threading.Event()
+        futures = [self._pool.submit(self._work, slot, step, pushed.get(slot.index), applied) for slot in self.slots]
+        if self.replica.version == base and self.pending is not None:
+            self._apply_pending()
+        applied.set()
         outcomes = [f.result() for f in futures]
         t_gathered = time.perf_counter()
 
         usable: list[RoundResult] = []
+        aggregator = self.codec.aggregator()
         for o in outcomes:
             if o.result is None:
                 log.warning("step %d: worker %d (%s) failed: %s", step, o.slot.index, o.slot.client.address, o.error)
                 o.slot.version = None
                 continue
             try:
-                self.codec.decode(o.result.gradient)  # validate before anything is aggregated
+                decoded = self.codec.decode(o.result.gradient)  # validate before anything is aggregated
             except PayloadError as e:
                 log.warning("step %d: worker %d sent a bad payload, ignored: %s", step, o.slot.index, e)
                 continue
+            aggregator.add(decoded, float(o.result.tokens))
             usable.append(o.result)
             o.slot.version = o.result.version
         if not usable:
@@ -180,16 +227,14 @@ class Trainer:
 
         payloads = tuple(r.gradient for r in usable)
         weights = tuple(float(r.tokens) for r in usable)
-        aggregate = self._outer_step(payloads, weights, lr)
+        grad_norm = self._next_update(payloads, weights, lr, aggregator)
+        self.base_version, self.base_fingerprint = target, self._target_fingerprint
         self.step += 1
         t_done = time.perf_counter()
 
         tokens = sum(r.tokens for r in usable)
         self.total_tokens += tokens
-        bytes_up = sum(o.bytes_up for o in outcomes)
-        bytes_down = sum(o.bytes_down for o in outcomes)
         dense_bytes = 4 * self.codec.plan.numel * len(usable)
-        grad_norm = math.sqrt(sum(float(a.double().square().sum()) for a in aggregate.values()))
         step_time = t_done - t0
         return {
             "step": self.step,
@@ -197,50 +242,60 @@ class Trainer:
             "grad_norm": grad_norm,
             "tokens_per_sec": tokens / step_time,
             "compression_ratio": dense_bytes / max(1, sum(p.nbytes for p in payloads)),
-            "bytes_up": bytes_up,
-            "bytes_down": bytes_down,
+            "bytes_up": sum(o.bytes_up for o in outcomes),
+            "bytes_down": sum(o.bytes_down for o in outcomes) + sum(p.bytes_down for p in pushed.values()),
             "step_time": step_time,
             "dispatch_time": t_gathered - t0,
             "aggregate_time": t_done - t_gathered,
             "successful_workers": len(usable),
             "total_tokens": self.total_tokens,
             "lr": lr,
-            "pushes": sum(o.pushed for o in outcomes),
+            "pushes": sum(o.pushes for o in outcomes) + len(to_push),
             "worker_compute_time": max((r.timings.get("compute", 0.0) for r in usable), default=0.0),
         }
 
-    def _outer_step(self, payloads: tuple, weights: tuple, lr: float) -> dict[str, torch.Tensor]:
-        if self.optimizer is None:
-            update = StateUpdate(lr, payloads, weights)
-            aggregate = self.replica.apply(update)
-        else:
-            aggregate = self.codec.aggregate(list(payloads), list(weights))
-            for name, p in self.model.named_parameters():
-                p.grad = aggregate[name].to(p.dtype)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
-            with torch.no_grad():
-                delta = {n: p.detach() - self.replica.params[n] for n, p in self.model.named_parameters()}
-            assert self.delta_feedback is not None
-            update = StateUpdate(lr, delta=self.codec.compress(delta, self.delta_feedback))
-            self.replica.apply(update)
-        self.pending = update
-        return aggregate
+    def _next_update(self, payloads: tuple, weights: tuple, lr: float, aggregator: Aggregator) -> float:
+        """Store the update this round's gradients make as ``pending``; return the aggregate's norm.
 
-    def _work(self, slot: WorkerSlot, step: int, version: int, fingerprint: Fingerprint) -> SlotOutcome:
+        ``aggregator`` already holds the validated payloads, summed in the coefficient domain.
+        """
+        if self.optimizer is None:
+            # Replay: the update *is* the payloads; every replica aggregates them and steps alike. Ours
+            # does so during the next round, from this same aggregator; the norm needs no inverse DCT.
+            self.pending = StateUpdate(lr, payloads, weights)
+            self._pending_aggregator = aggregator
+            return aggregator.norm()
+        aggregate = aggregator.result()
+        for name, p in self.model.named_parameters():
+            p.grad = aggregate[name].to(p.dtype)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        with torch.no_grad():
+            delta = {n: p.detach() - self.replica.params[n] for n, p in self.model.named_parameters()}
+        assert self.delta_feedback is not None
+        self.pending = StateUpdate(lr, delta=self.codec.compress(delta, self.delta_feedback))
+        self._pending_aggregator = None
+        return aggregator.norm()
+
+    def _work(self, slot: WorkerSlot, step: int, push: _Push | None, applied: threading.Event) -> SlotOutcome:
         """Everything one worker does this round; runs on the dispatch pool. Never raises."""
         outcome = SlotOutcome(slot, None)
+        if push is not None and push.error:
+            outcome.error = push.error
+            return outcome
         batch = self.data.batch(step, slot.index, self.config.batch_size, self.config.sequence_length).astype(self.batch_dtype)
+        target = self.target_version
         try:
-            action, _ = sync_action(slot.version, version, self.pending is not None)
             for attempt in range(2):
-                if action == "push":
-                    self._push(slot, outcome)
-                    action = "none"
-                update = self.pending if action == "update" else None
+                if slot.version == self.base_version and self.pending is not None:
+                    base, update, fingerprint = self.base_version, self.pending, self.base_fingerprint
+                else:  # pushed at the round's version (a push after the pending update was applied)
+                    applied.wait()
+                    base, update, fingerprint = target, None, self._target_fingerprint
+                assert fingerprint is not None
                 order = WorkOrder(
-                    self.run_id, step, version - (1 if update is not None else 0), batch, self.codec_config, fingerprint, update,
+                    self.run_id, step, base, batch, self.codec_config, fingerprint, update,
                     feedback_beta=self.config.feedback_beta, micro_batch_size=self.config.micro_batch_size,
                     sync_tolerance=self.config.sync_tolerance,
                 )
@@ -248,25 +303,34 @@ class Trainer:
                 outcome.bytes_down += slot.client.last_bytes_down
                 outcome.bytes_up += slot.client.last_bytes_up
                 if result.status == OK:
-                    if result.round != step or result.version != version:
-                        raise ProtocolError(f"result for round {result.round} at version {result.version}, expected {step} at {version}")
+                    if result.round != step or result.version != target:
+                        raise ProtocolError(f"result for round {result.round} at version {result.version}, expected {step} at {target}")
                     outcome.result = result
                     return outcome
                 assert result.status == NEEDS_STATE
                 log.info("step %d: worker %d needs the state (%s)", step, slot.index, result.reason)
-                action = "push"
+                applied.wait()  # push the round's version, not one being written
+                retry = self._push(slot)
+                if retry.error:
+                    raise WorkerError(slot.client.address, None, retry.error)
+                outcome.pushes += 1
+                outcome.bytes_down += retry.bytes_down
             outcome.error = "worker still out of sync after a state push"
         except (WorkerError, ValueError) as e:
             outcome.error = str(e)
         return outcome
 
-    def _push(self, slot: WorkerSlot, outcome: SlotOutcome) -> None:
+    def _push(self, slot: WorkerSlot) -> _Push:
+        """Send the replica's full state (at its current version) to a worker. Never raises."""
         state = self.model_state(feedback=slot.feedback or {})
-        version, remote = slot.client.push_state(state, timeout=self.config.round_timeout)
-        outcome.bytes_down += slot.client.last_bytes_down
-        outcome.pushed = True
+        try:
+            version, _ = slot.client.push_state(state, timeout=self.config.round_timeout)
+        except WorkerError as e:
+            slot.version = None
+            return _Push(error=str(e))
         slot.feedback = None
         slot.version = version
+        return _Push(bytes_down=slot.client.last_bytes_down)
 
     def model_state(self, feedback: dict[str, torch.Tensor] | None = None) -> ModelState:
         params = {n: p.detach() for n, p in self.replica.params.items()}
@@ -276,6 +340,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ persistence
 
     def save_checkpoint(self) -> Path:
+        self.flush()
         tensors: dict[str, dict[str, torch.Tensor]] = {
             "model": {n: p.detach() for n, p in self.model.named_parameters()},
             "rng": {"torch": torch.get_rng_state()},
@@ -338,6 +403,7 @@ class Trainer:
         log.info("resumed from %s at step %d", path, self.step)
 
     def save_final(self) -> Path:
+        self.flush()
         final = self.output_dir / "final"
         final.mkdir(parents=True, exist_ok=True)
         save_model(self.model, str(final / "model.safetensors"))

@@ -27,6 +27,7 @@ from typing import Literal
 import torch
 
 from gradwire.compression import CodecConfig, CompressedGradient, GradientCodec
+from gradwire.compression.codec import Aggregator
 
 Optimizer = Literal["sgd", "signsgd", "adamw"]
 REPLAYABLE = ("sgd", "signsgd")
@@ -204,11 +205,12 @@ class Replica:
         return self._codecs[config]
 
     @torch.no_grad()
-    def apply(self, update: StateUpdate) -> dict[str, torch.Tensor]:
+    def apply(self, update: StateUpdate, aggregator: Aggregator | None = None) -> dict[str, torch.Tensor]:
         """Apply ``update``; return what was applied (the aggregate gradient, or the delta).
 
         Every payload is validated before any parameter changes, so a bad update leaves the replica as
-        it was (``PayloadError``).
+        it was (``PayloadError``). A caller that has already summed the update's payloads (the
+        coordinator, which validated them on arrival) passes that ``aggregator`` instead of paying twice.
         """
         if update.delta is not None:
             delta = self.codec(update.delta.settings).decompress(update.delta)
@@ -220,8 +222,11 @@ class Replica:
             raise ValueError("a replay update needs at least one payload")
         if not self.rule.replayable:
             raise ValueError(f"update rule {self.rule.optimizer} expects deltas, got a replay")
-        settings = update.payloads[0].settings
-        aggregate = self.codec(settings).aggregate(list(update.payloads), list(update.weights) or None)
+        if aggregator is not None:
+            aggregate = aggregator.result()
+        else:
+            settings = update.payloads[0].settings
+            aggregate = self.codec(settings).aggregate(list(update.payloads), list(update.weights) or None)
         outer_step(list(self.params.values()), [aggregate[n] for n in self.params], self.rule, update.learning_rate, self.momentum)
         self.version += 1
         return aggregate

@@ -127,15 +127,16 @@ class WorkerEngine:
             if low < 0 or high >= session.vocab_size:
                 raise ProtocolError(f"token id {high if high >= session.vocab_size else low} is outside the model's vocabulary [0, {session.vocab_size})")
         replica = session.replica
-        target = order.base_version + (1 if order.update is not None else 0)
-        if replica.version == order.base_version and order.update is not None:
-            replica.apply(order.update)  # validates every payload before touching a parameter
-        elif replica.version != target:
-            return needs_state(f"replica at version {replica.version}, order expects {order.base_version}")
-        t_update = time.perf_counter()
+        if replica.version != order.base_version:
+            return needs_state(f"replica at version {replica.version}, order starts from {order.base_version}")
+        # The fingerprint is the coordinator's replica at base_version: check before moving on, so the
+        # coordinator can send the order while it is still applying the same update to its own copy.
         same, why = compare_fingerprints(order.fingerprint, replica.fingerprint(), replica.numels, order.sync_tolerance)
         if not same:
             return needs_state(f"fingerprint mismatch at version {replica.version}: {why}")
+        if order.update is not None:
+            replica.apply(order.update)  # validates every payload before touching a parameter
+        t_update = time.perf_counter()
         loss, tokens = self._gradient(replica, order, cancelled)
         t_compute = time.perf_counter()
         session.feedback.beta = order.feedback_beta

@@ -159,12 +159,16 @@ def test_rounds_keep_the_replicas_in_step(worker: Worker, replica: Replica) -> N
     codec_for(replica).decode(first.gradient)  # valid against the coordinator's own plan
     assert client.last_bytes_down > 2 * 17 * 2 and client.last_bytes_up >= first.gradient.nbytes
 
-    # The next order carries round 0's update; the worker replays it and lands on the same replica.
+    # The next order carries round 0's update and the fingerprint of the version it starts from; the
+    # worker checks, replays the update and lands on the same replica as the coordinator's copy.
     update = StateUpdate(learning_rate=0.1, payloads=(first.gradient,), weights=(1.0,))
+    base = replica.fingerprint()
     replica.apply(update)
-    second = client.run_round(make_order(replica, 1, 0, update))
+    second = client.run_round(make_order(replica, 1, 0, update, fingerprint=base))
     assert (second.status, second.version) == (OK, 1), second.reason
     assert client.describe().replicas == {RUN: 1}
+    with worker.engine._lock:
+        assert worker.engine.sessions[RUN].replica.fingerprint() == replica.fingerprint()
 
     feedback = client.fetch_feedback(RUN)
     assert (feedback.run_id, feedback.version) == (RUN, 1)
