@@ -31,7 +31,7 @@ HELP = {
     "momentum": "heavy-ball momentum for --outer-optimizer sgd",
     "topk": "coefficients kept per 64x64 chunk (scaled by area for smaller chunks)",
     "target_chunk": "chunk edge: each dimension is cut into its largest divisor <= this (max 64)",
-    "use_dct": "DCT-transform chunks before top-k (--no-dct to select raw values)",
+    "use_dct": "DCT-transform chunks before top-k",
     "bins": "quantization bins for kept values (0: raw float32)",
     "no_compression": "send exact dense float32 gradients (a baseline)",
     "feedback_beta": "decay of the workers' error-feedback buffers",
@@ -56,7 +56,9 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         if field.name == "data":
             parser.add_argument(flag, nargs="+", default=[], metavar="PATH", **kwargs)
         elif field.name == "use_dct":
-            parser.add_argument("--use-dct", action=argparse.BooleanOptionalAction, default=True, **kwargs)
+            dct = parser.add_mutually_exclusive_group()
+            dct.add_argument("--use-dct", action="store_true", default=True, **kwargs)
+            dct.add_argument("--no-dct", dest="use_dct", action="store_false", help="select raw values, no DCT")
         elif isinstance(default, bool):
             parser.add_argument(flag, action="store_true", default=default, **kwargs)
         elif default is None:

@@ -118,3 +118,17 @@ def test_adamw_travels_as_compressed_deltas(tmp_path, two_workers):
 def test_sync_action(known, base, target, action):
     got, reason = sync_action(known, base, target)
     assert got == action and reason
+
+
+def test_a_dead_worker_spoils_only_its_share(tmp_path, two_workers):
+    trainer = Trainer(_config(tmp_path, steps=6, round_timeout=10.0), [w.client() for w in two_workers], progress=False)
+    try:
+        trainer.connect()
+        records = [trainer.train_step() for _ in range(2)]
+        two_workers[1].server.stop(grace=None)  # the box goes away mid-run
+        records += [trainer.train_step() for _ in range(3)]
+    finally:
+        trainer.close()
+    assert [r["successful_workers"] for r in records] == [2, 2, 1, 1, 1]
+    assert trainer.slots[1].version is None  # it will get the state pushed if it comes back
+    assert all(np.isfinite(r["loss"]) for r in records) and trainer.step == 5

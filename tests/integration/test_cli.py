@@ -1,0 +1,57 @@
+"""The commands as a user runs them: `coordinator train --local 2` with worker subprocesses, and --help."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from gradwire.coordinator.cli import build_parser, config_from_args
+from gradwire.coordinator.metrics import METRIC_KEYS, read_metrics
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+@pytest.mark.slow
+def test_coordinator_with_two_local_worker_processes_trains(tmp_path):
+    out = tmp_path / "run"
+    proc = _run("gradwire.coordinator", "train", "--local", "2", "--model", "gpt-tiny", "--steps", "30", "--batch-size", "4", "--sequence-length", "32", "--output-dir", str(out), "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(out)
+    assert len(records) == 30 and all(set(METRIC_KEYS) <= set(r) for r in records)
+    assert all(r["successful_workers"] == 2 for r in records)
+    assert np.mean([r["loss"] for r in records[-3:]]) < np.mean([r["loss"] for r in records[:3]]) - 0.5
+    state_bytes = records[0]["bytes_down"] / 2  # round 1 pushed the whole state to both workers
+    assert all(r["bytes_down"] < state_bytes / 20 for r in records[1:])
+    assert (out / "final" / "model.safetensors").exists() and (out / "checkpoints" / "latest").exists()
+    assert "step 30: loss" in proc.stdout
+
+
+@pytest.mark.parametrize("command", [("gradwire.coordinator", "--help"), ("gradwire.coordinator", "train", "--help"), ("gradwire.worker", "serve", "--help")])
+def test_help(command):
+    proc = _run(*command, timeout=60)
+    assert proc.returncode == 0 and "usage:" in proc.stdout
+    if "train" in command:
+        for flag in ("--workers", "--local", "--model", "--data", "--steps", "--batch-size", "--sequence-length", "--learning-rate", "--outer-optimizer", "--topk", "--target-chunk", "--use-dct", "--no-dct", "--bins", "--no-compression", "--output-dir", "--checkpoint-dir", "--checkpoint-every", "--resume-from", "--seed"):
+            assert flag in proc.stdout, flag
+
+
+def test_flags_build_the_config():
+    args = build_parser().parse_args(["train", "--local", "2", "--model", "gpt-tiny", "--no-dct", "--topk", "16", "--data", "a.txt", "b.txt", "--outer-optimizer", "sgd", "--momentum", "0.9"])
+    config = config_from_args(args)
+    assert (config.use_dct, config.topk, config.data, config.outer_optimizer, config.momentum) == (False, 16, ("a.txt", "b.txt"), "sgd", 0.9)
+    assert config.codec_config().use_dct is False
+
+
+@pytest.mark.parametrize(("argv", "message"), [(["--steps", "0"], "--steps"), (["--outer-optimizer", "signsgd", "--momentum", "0.5"], "--momentum"), (["--topk", "5000"], "topk"), (["--bins", "300"], "bins")])
+def test_bad_flags_name_the_flag(argv, message):
+    proc = _run("gradwire.coordinator", "train", "--local", "1", *argv, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr
