@@ -18,8 +18,17 @@ from gradwire.coordinator.local import local_workers
 from gradwire.models import model_names
 
 HELP = {
-    "model": f"built-in model name, one of {model_names()}",
-    "data": "text files or directories of .txt files to train on (default: the embedded Shakespeare corpus)",
+    "model": f"a built-in model ({', '.join(model_names())}), a Hugging Face hub id (e.g. facebook/opt-125m) or a local model directory",
+    "from_scratch": "for Hugging Face models: fresh weights built from the config, not the pretrained ones",
+    "tokenizer": "a Hugging Face tokenizer name or directory, or gpt2 / bpe-8k (default: the model's own)",
+    "data": "text/jsonl/json/csv/parquet files or directories, or a hub dataset name (default: the embedded Shakespeare corpus)",
+    "data_config": "the configuration of a hub dataset, e.g. wikitext-103-raw-v1",
+    "text_field": "the column holding the text in jsonl/json/csv/parquet or hub data",
+    "streaming": "stream the data instead of loading it (corpora larger than memory)",
+    "eval_every": "report held-out loss every N steps (0: never)",
+    "eval_batches": "batches of held-out data per evaluation",
+    "wandb_project": "log metrics and config to this Weights & Biases project (offline when no API key is set)",
+    "wandb_run_name": "the Weights & Biases run name",
     "steps": "outer steps (rounds) to train for, in all (a resumed run continues to this step)",
     "batch_size": "sequences per worker per round",
     "sequence_length": "tokens per sequence",

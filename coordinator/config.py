@@ -16,8 +16,15 @@ DENSE_CODEC = CodecConfig(min_sparse_numel=2**62, bins=0)
 class TrainConfig:
     """What to train, on what, and how rounds run. Field names match the ``coordinator train`` flags."""
 
-    model: str = "gpt-10m"
-    data: tuple[str, ...] = ()  # text files or directories; empty = the embedded Shakespeare corpus
+    model: str = "gpt-10m"  # a built-in name, a Hugging Face hub id, or a local model directory
+    from_scratch: bool = False  # HF models: fresh weights from the config instead of the pretrained ones
+    tokenizer: str | None = None  # default: the model's own
+    data: tuple[str, ...] = ()  # files, directories or a hub dataset; empty = the embedded Shakespeare corpus
+    data_config: str | None = None  # a hub dataset's configuration, e.g. wikitext-103-raw-v1
+    text_field: str = "text"  # the column holding the text in jsonl/json/csv/parquet/hub data
+    streaming: bool = False  # read the data as a stream (corpora larger than memory)
+    eval_every: int = 0  # held-out loss every N steps (0: never)
+    eval_batches: int = 4
     steps: int = 100
     batch_size: int = 8  # sequences per worker per round
     sequence_length: int = 256
@@ -45,13 +52,16 @@ class TrainConfig:
     connect_timeout: float = 60.0
     sync_tolerance: float = 1e-4
     max_failed_rounds: int = 3  # consecutive rounds with no usable worker before giving up
+    # Tracking
+    wandb_project: str | None = None  # log to Weights & Biases (offline without an API key)
+    wandb_run_name: str | None = None
 
     def __post_init__(self) -> None:
-        positive = ("steps", "batch_size", "sequence_length", "topk", "target_chunk", "max_failed_rounds")
+        positive = ("steps", "batch_size", "sequence_length", "topk", "target_chunk", "max_failed_rounds", "eval_batches")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("micro_batch_size", "warmup_steps", "checkpoint_every"):
+        for name in ("micro_batch_size", "warmup_steps", "checkpoint_every", "eval_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
