@@ -33,7 +33,7 @@ from gradwire.coordinator.client import WorkerClient, WorkerError
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.data import TokenStream, batch_dtype
 from gradwire.coordinator.metrics import MetricsLog, ProgressBar
-from gradwire.models import build_from_spec, load_tokenizer, model_spec
+from gradwire.models import build_from_spec, lm_loss, load_tokenizer, model_spec
 from gradwire.protocol import NEEDS_STATE, OK, ModelState, ProtocolError, RoundResult, WorkOrder
 from gradwire.replica import Fingerprint, Replica, StateUpdate
 
@@ -158,6 +158,8 @@ class Trainer:
                         raise RuntimeError(f"{failed_in_a_row} rounds in a row with no usable worker; see the log for each worker's error")
                     continue
                 failed_in_a_row = 0
+                if self.config.eval_every and self.step % self.config.eval_every == 0:
+                    record["eval_loss"] = self.evaluate()
                 log_path.append(record)
                 bar.update(record)
                 records.append(record)
@@ -180,6 +182,20 @@ class Trainer:
         """Apply the pending update to the coordinator's replica now (before a checkpoint or the end)."""
         if self.pending is not None and self.replica.version == self.base_version:
             self._apply_pending()
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss of the current model on the held-out batches (on the coordinator)."""
+        self.flush()
+        cfg = self.config
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            batches = self.data.val_batches(cfg.batch_size, cfg.sequence_length, cfg.eval_batches)
+            losses = [float(lm_loss(self.model, torch.from_numpy(b.astype("int64")))) for b in batches]
+        finally:
+            self.model.train(was_training)
+        return sum(losses) / len(losses)
 
     def _apply_pending(self) -> None:
         assert self.pending is not None

@@ -132,3 +132,11 @@ def test_a_dead_worker_spoils_only_its_share(tmp_path, two_workers):
     assert [r["successful_workers"] for r in records] == [2, 2, 1, 1, 1]
     assert trainer.slots[1].version is None  # it will get the state pushed if it comes back
     assert all(np.isfinite(r["loss"]) for r in records) and trainer.step == 5
+
+
+def test_eval_every_reports_held_out_loss(tmp_path, two_workers):
+    _train(_config(tmp_path, steps=6, eval_every=3, eval_batches=2), two_workers)
+    records = read_metrics(tmp_path / "run")
+    evals = {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
+    assert sorted(evals) == [3, 6] and all(np.isfinite(v) for v in evals.values())
+    assert evals[6] < evals[3]  # early in training the held-out loss falls too
