@@ -1,7 +1,8 @@
-"""``coordinator train``: the command a user runs on their own machine.
+"""``coordinator train``: the command a user runs on their own machine; ``coordinator report``: its charts.
 
 Every flag is a ``TrainConfig`` field (``--learning-rate`` is ``learning_rate``); the flags are built from
-the dataclass, so defaults and validation live in one place.
+the dataclass, so defaults and validation live in one place. ``--config run.yaml`` supplies values for the
+same flags (keys are the flags without dashes, see ``configs/``); flags typed on the command line win.
 """
 
 from __future__ import annotations
@@ -9,13 +10,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from gradwire.coordinator.client import WorkerClient
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.local import local_workers
 from gradwire.models import model_names
+from gradwire.worker.cli import parse_args_with_config, subcommand_parser
 
 HELP = {
     "model": f"a built-in model ({', '.join(model_names())}), a Hugging Face hub id (e.g. facebook/opt-125m) or a local model directory",
@@ -79,13 +83,23 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="coordinator", description="gradwire coordinator: holds the model and the outer optimizer, drives the workers.")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a model with remote workers", description="Train a model: dispatch batches to workers, aggregate their compressed gradients, step, keep their replicas in sync.")
-    where = train.add_mutually_exclusive_group(required=True)
-    where.add_argument("--workers", type=str, help="comma-separated worker addresses, host:port,host:port")
+    train = sub.add_parser(
+        "train",
+        help="train a model with remote workers",
+        description="Train a model: dispatch batches to workers, aggregate their compressed gradients, step, keep their replicas in sync.",
+        epilog="One of --workers or --local is required, on the command line or in the --config file.",
+    )
+    train.add_argument("--config", metavar="FILE.yaml", help="read flag values from a YAML file: keys are the flags without dashes (learning_rate: 3.0e-4, data: [a.txt, b.txt]); flags typed here win")
+    # Not required=True: either may come from --config instead; train_config_from_args checks.
+    where = train.add_mutually_exclusive_group()
+    where.add_argument("--workers", type=str, help="comma-separated worker addresses, host:port,host:port (in YAML also a list)")
     where.add_argument("--local", type=int, metavar="N", help="start N worker daemons on this machine and train with them")
     _add_config_flags(train)
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging level (default: INFO)")
+    report = sub.add_parser("report", help="draw the charts of a run from its metrics.jsonl", description="Draw loss, loss-vs-bytes and step-time charts (PNG) of a run from OUTPUT_DIR/metrics.jsonl.")
+    report.add_argument("output_dir", metavar="OUTPUT_DIR", help="the --output-dir of a coordinator train run")
+    report.add_argument("--report-dir", metavar="DIR", help="where the PNG files go (default: OUTPUT_DIR)")
     return parser
 
 
@@ -95,15 +109,72 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**values)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The command line with its ``--config`` file merged in (typed flags win); exits 2 on a bad value."""
+    return parse_args_with_config(build_parser, argv, joins={"workers": ","})
+
+
+def _naming_keys(error: ValueError, args: argparse.Namespace) -> str:
+    """``error`` names flags; if their values came from the --config file, name the file's keys too."""
+    keys = getattr(args, "config_keys", {})
+    dests = dict.fromkeys(flag[2:].replace("-", "_") for flag in re.findall(r"--[a-z][a-z0-9-]*", str(error)))
+    named = [repr(keys[d]) for d in dests if d in keys]
+    if not named:
+        return str(error)
+    return f"{args.config}: key{'s' if len(named) > 1 else ''} {', '.join(named)}: {error}"
+
+
+def train_config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> TrainConfig:
+    """The validated ``TrainConfig`` of a parsed ``train`` command line; exits 2 naming the flag (or key)."""
+    train = subcommand_parser(parser, "train")
     try:
-        config = config_from_args(args)
+        if args.workers is None and args.local is None:
+            raise ValueError("one of --workers or --local is required (on the command line, or workers: / local: in the --config file)")
+        if args.local is not None and args.local < 1:
+            raise ValueError(f"--local must be >= 1, got {args.local}")
+        return config_from_args(args)
     except ValueError as e:
-        parser.error(str(e))
+        train.error(_naming_keys(e, args))
+
+
+def load_train(argv: Sequence[str] | None = None) -> tuple[TrainConfig, argparse.Namespace]:
+    """What ``coordinator train ARGS`` would run with - the config and the parsed arguments - without
+    training. Exits with status 2 and a message naming the flag or the --config key on a bad value."""
+    parser, args = parse_args(argv)
+    if args.command != "train":
+        parser.error(f"expected the train command, got {args.command!r}")
+    return train_config_from_args(parser, args), args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser, args = parse_args(argv)
+    if args.command == "report":
+        return report(args.output_dir, args.report_dir)
+    config = train_config_from_args(parser, args)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return train(config, workers=args.workers, local=args.local, progress=not args.no_progress)
+
+
+def report(output_dir: str, report_dir: str | None = None) -> int:
+    """``coordinator report OUTPUT_DIR``: write the run's charts and print their paths."""
+    if not Path(output_dir).is_dir():
+        print(f"coordinator report: error: {output_dir} is not a directory (give the --output-dir of a train run)", file=sys.stderr)
+        return 2
+    try:
+        from gradwire.coordinator.report import write_report  # matplotlib loads only for this command
+    except ModuleNotFoundError as e:
+        if e.name != "gradwire.coordinator.report":
+            raise
+        print("coordinator report: error: this gradwire has no report module (gradwire.coordinator.report)", file=sys.stderr)
+        return 1
+    try:
+        paths = write_report(output_dir, report_dir)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"coordinator report: error: {e}", file=sys.stderr)
+        return 2
+    for path in paths:
+        print(path)
+    return 0
 
 
 def train(config: TrainConfig, *, workers: str | None = None, local: int | None = None, progress: bool = True) -> int:

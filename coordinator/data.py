@@ -1,49 +1,90 @@
-"""Training data as one stream of token ids, and deterministic, stateless batches drawn from it.
+"""Training data: token ids from text files, structured files or a hub dataset, and deterministic batches.
 
-The corpus (the embedded Shakespeare by default, or the user's UTF-8 text files) is tokenized once, cached
-on disk as .npy, and split: the last ``val_fraction`` of tokens is held out for validation. A training
-batch is a function of ``(seed, step, slot)`` alone -- its window offsets come from
-``np.random.default_rng([seed, step, slot])`` -- so resuming needs only the step, and worker slot ``i`` at
-step ``t`` gets the same rows on every run, whichever worker holds the slot.
+``open_data`` is the one entry point; it returns a ``TokenSource`` of one of two kinds:
 
-Rows are ``seq_len + 1`` tokens long: inputs are ``row[:-1]``, targets ``row[1:]``.
+* ``TokenStream`` holds the whole tokenized corpus in memory (cached on disk as .npy). A training batch is a
+  function of ``(seed, step, slot)`` alone -- its window offsets come from ``np.random.default_rng([seed,
+  step, slot])`` -- so resuming needs only the step, and worker slot ``i`` at step ``t`` gets the same rows
+  on every run, whichever worker holds the slot. The last ``val_fraction`` of tokens (or the dataset's
+  validation split) is held out.
+* ``StreamingTokenSource`` (``--streaming``) reads the corpus in order and tokenizes it on the fly, for
+  corpora larger than memory. The rows of ``(step, slot)`` are consecutive windows at a position computed
+  from ``(step, slot)``, so they too are the same on every run; the first tokens of the stream (or of the
+  validation split) are held out.
+
+Documents: each text file is one, and so is each row's ``--text-field`` of jsonl/json/csv/parquet files (read
+through ``datasets``) or of a hub dataset. Every document ends with the end-of-text token, so a window
+spanning two documents shows the model where one ended. Rows are ``seq_len + 1`` tokens long: inputs are
+``row[:-1]``, targets ``row[1:]``.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
+import itertools
+import json
+import logging
 import os
 import re
 import tempfile
+import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from gradwire.assets import END_OF_TEXT, corpus_path
 
-__all__ = ["DataConfig", "TokenStream", "TokenizerLike", "batch_dtype", "cache_dir", "read_texts", "tokenize_corpus"]
+__all__ = [
+    "DataConfig", "StreamingTokenSource", "TokenSource", "TokenStream", "TokenizerLike", "batch_dtype",
+    "cache_dir", "open_data", "read_texts", "tokenize_corpus",
+]
+
+log = logging.getLogger(__name__)
 
 # Bump when the tokenization procedure below changes, so stale caches are not reused.
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2
 
 # Split documents into blocks at blank lines for encode_batch (parallel in Rust). The split falls before the
-# last whitespace character of the run, where the byte-level pre-tokenizer splits anyway, so the ids are
-# exactly those of encoding the whole document at once (LF and CRLF line ends).
+# last whitespace character of the run, where the GPT-2 byte-level pre-tokenizer splits anyway, so the ids
+# are exactly those of encoding the whole document at once (LF and CRLF line ends).
 _BLOCK_SPLIT = re.compile(r"(?<=\n)(?=\n\S)|(?<=\n\r)(?=\n\S)")
 
-
-class _Encoding(Protocol):
-    ids: list[int]
+# What --data files hold, by suffix; a file named explicitly with another suffix is read as text.
+_KINDS = {".txt": "text", ".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+_COMPRESSED = (".gz", ".bz2", ".xz", ".zst")  # datasets decompresses json/csv files with these suffixes
+_VALIDATION_SPLITS = ("validation", "valid")
+_MAX_VAL_TOKENS = 1 << 20  # a validation split is read up to here: ample for a held-out loss, bounded
+_ENCODE_CHARS = 1 << 20  # text per encode call: enough for encode_batch's threads, little memory
+_READ_CHARS = 1 << 20  # streamed text files are read this much at a time
+_MAX_PENDING_CHARS = 1 << 24  # ... and cut without a blank line rather than hold more than this
 
 
 class TokenizerLike(Protocol):
-    """What the data needs from a tokenizer: ``tokenizers.Tokenizer`` and ``ByteLevelBPETokenizer`` fit."""
+    """What the data needs from a tokenizer: ``encode(text)`` returning an object with ``.ids``
+    (``tokenizers.Tokenizer``, ``ByteLevelBPETokenizer``) or a list of ids (``transformers`` tokenizers)."""
 
-    def encode(self, text: str) -> _Encoding: ...
+    def encode(self, text: str) -> Any: ...
+
+
+@runtime_checkable
+class TokenSource(Protocol):
+    """What training draws from: ``TokenStream`` (in memory) and ``StreamingTokenSource`` (``--streaming``).
+
+    ``batch`` is called from several threads at once, for the slots of one step, and again for a retried
+    step; it returns the same rows for the same arguments every time, in every run.
+    """
+
+    @property
+    def dtype(self) -> np.dtype: ...
+
+    def batch(self, step: int, slot: int, batch_size: int, seq_len: int) -> np.ndarray: ...  # (B, T+1)
+
+    def val_batches(self, batch_size: int, seq_len: int, count: int) -> list[np.ndarray]: ...
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -84,44 +125,31 @@ def cache_dir() -> Path:
     return (Path(root) if root else Path.home() / ".cache" / "gradwire") / "tokens"
 
 
-def _resolve_files(paths: Sequence[str | Path]) -> list[Path]:
-    if not paths:
-        return [corpus_path()]
-    files: list[Path] = []
-    for raw in paths:
-        path = Path(raw).expanduser()
-        if path.is_dir():
-            found = sorted(p for p in path.glob("*.txt") if p.is_file())
-            if not found:
-                raise ValueError(f"--data directory {str(path)!r} holds no *.txt files")
-            files.extend(found)
-        elif path.is_file():
-            files.append(path)
-        else:
-            raise FileNotFoundError(f"--data path {str(path)!r} does not exist")
-    return files
+# ---------------------------------------------------------------------------------------------- tokenizers
 
 
-def read_texts(paths: Sequence[str | Path] = ()) -> list[tuple[Path, bytes]]:
-    """The raw bytes of every document named by ``paths`` (see ``DataConfig.paths``), in order."""
-    return [(f, f.read_bytes()) for f in _resolve_files(paths)]
-
-
-def _decode(path: Path, raw: bytes) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--data file {str(path)!r} is not UTF-8 text: {e}") from None
+def _is_hf(tokenizer: Any) -> bool:
+    # A transformers tokenizer (PreTrainedTokenizerBase), recognized without importing transformers.
+    return callable(tokenizer) and hasattr(tokenizer, "convert_tokens_to_ids") and hasattr(tokenizer, "eos_token_id")
 
 
 def _vocab_size(tokenizer: Any) -> int | None:
     get = getattr(tokenizer, "get_vocab_size", None)
-    return int(get()) if callable(get) else None
+    if callable(get):
+        return int(get())
+    return len(tokenizer) if _is_hf(tokenizer) else None  # len() counts added tokens too
 
 
 def _end_of_text_id(tokenizer: Any) -> int | None:
-    token_to_id = getattr(tokenizer, "token_to_id", None)
-    return token_to_id(END_OF_TEXT) if callable(token_to_id) else None
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, int):
+        return eos
+    # tokenizers objects, and transformers tokenizers built without an eos_token (through their backend).
+    for obj in (tokenizer, getattr(tokenizer, "_tokenizer", None)):
+        token_to_id = getattr(obj, "token_to_id", None)
+        if callable(token_to_id):
+            return token_to_id(END_OF_TEXT)
+    return None
 
 
 def _tokenizer_json(tokenizer: Any) -> str | None:
@@ -137,43 +165,123 @@ def _tokenizer_json(tokenizer: Any) -> str | None:
     return None
 
 
-def _encode_document(tokenizer: Any, text: str) -> list[int]:
-    blocks = [b for b in _BLOCK_SPLIT.split(text) if b]
-    batch = getattr(tokenizer, "encode_batch", None)
-    if callable(batch):
-        try:
-            # No BOS/EOS templates: documents are joined with the end-of-text token explicitly.
-            encodings = batch(blocks, add_special_tokens=False)
-        except TypeError:
-            encodings = batch(blocks)
-    else:
-        encodings = [tokenizer.encode(b) for b in blocks]
-    return [i for e in encodings for i in e.ids]
+def _splits_at_blank_lines(tokenizer_json: str | None) -> bool:
+    # Only the GPT-2 byte-level scheme is known to split where _BLOCK_SPLIT does; elsewhere a cut would change
+    # ids (a SentencePiece prefix at each block, cl100k-style regexes keeping "\n\n" in one piece).
+    if tokenizer_json is None:
+        return False
+    try:
+        spec = json.loads(tokenizer_json)
+    except ValueError:
+        return False
+    pre = spec.get("pre_tokenizer") or {}
+    return (
+        spec.get("normalizer") is None and pre.get("type") == "ByteLevel"
+        and pre.get("use_regex", True) and not pre.get("add_prefix_space", False)
+    )
 
 
-def _tokenize(tokenizer: Any, docs: list[tuple[Path, bytes]]) -> np.ndarray:
-    eot = _end_of_text_id(tokenizer)
-    pieces: list[list[int]] = []
-    for path, raw in docs:
-        ids = _encode_document(tokenizer, _decode(path, raw))
-        if ids:
-            # After each document: a window spanning two files then shows the model where one text ended.
-            pieces.append(ids + ([eot] if eot is not None else []))
-    flat = [i for p in pieces for i in p]
-    vocab = _vocab_size(tokenizer) or (max(flat) + 1 if flat else 1)
-    ids = np.asarray(flat, dtype=np.int64)
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
-        raise ValueError(f"tokenizer produced ids outside [0, {vocab})")
-    return ids.astype(batch_dtype(vocab))
+class _Encoder:
+    """One tokenizer (``tokenizers`` or ``transformers``), seen through what the data needs from it."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.json = _tokenizer_json(tokenizer)
+        self.eot = _end_of_text_id(tokenizer)
+        self.vocab = _vocab_size(tokenizer)
+        self.dtype = batch_dtype(self.vocab) if self.vocab else None
+        self.split_blocks = _splits_at_blank_lines(self.json)
+
+    def fingerprint(self) -> str | None:
+        """Identifies the ids this encoder produces (None: not cacheable)."""
+        if self.json is None or self.vocab is None:
+            return None
+        return f"{type(self.tokenizer).__qualname__}\0{self.json}\0eot={self.eot}"
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        """The ids of each text, without special tokens."""
+        return [[i for ids in blocks for i in ids] for blocks in self._blocks(texts)]
+
+    def _blocks(self, texts: list[str]) -> list[list[list[int]]]:
+        # Per text, the ids of its blocks; one block per text unless splitting is safe.
+        parts = [[b for b in _BLOCK_SPLIT.split(t) if b] if self.split_blocks else [t] for t in texts]
+        flat = iter(self._encode_flat([b for p in parts for b in p]))
+        return [[next(flat) for _ in p] for p in parts]
+
+    def _encode_flat(self, texts: list[str]) -> list[list[int]]:
+        if not texts:
+            return []
+        tok = self.tokenizer
+        batch = getattr(tok, "encode_batch", None)
+        if callable(batch):
+            try:
+                # No BOS/EOS templates: documents are joined with the end-of-text token explicitly.
+                encodings = batch(texts, add_special_tokens=False)
+            except TypeError:
+                encodings = batch(texts)
+            return [e.ids for e in encodings]
+        if _is_hf(tok):
+            # verbose=False: long documents are meant to exceed the model's length; no warning for that.
+            out = tok(texts, add_special_tokens=False, return_attention_mask=False, verbose=False)
+            return [list(ids) for ids in out["input_ids"]]
+        return [list(getattr(e, "ids", e)) for e in (tok.encode(t) for t in texts)]
+
+    def chunks(self, pieces: Iterable[tuple[str, bool]]) -> Iterator[np.ndarray]:
+        """Token ids of ``(text, ends_document)`` pieces, in order, as one array per ~_ENCODE_CHARS of text,
+        with the end-of-text token after each document that has any tokens."""
+        doc_has_ids = False
+        pending: list[tuple[str, bool]] = []
+        size = 0
+        for piece in itertools.chain(pieces, [None]):
+            if piece is not None:
+                pending.append(piece)
+                size += len(piece[0])
+                if size < _ENCODE_CHARS:
+                    continue
+            if not pending:
+                break
+            lists: list[list[int]] = []
+            for (_, ends), blocks in zip(pending, self._blocks([t for t, _ in pending])):
+                lists.extend(blocks)
+                doc_has_ids = doc_has_ids or any(blocks)
+                if ends:
+                    if doc_has_ids and self.eot is not None:
+                        lists.append([self.eot])
+                    doc_has_ids = False
+            pending, size = [], 0
+            yield self._array(lists)
+
+    def _array(self, lists: list[list[int]]) -> np.ndarray:
+        n = sum(map(len, lists))
+        ids = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=n)
+        if ids.size and (ids.min() < 0 or (self.vocab is not None and ids.max() >= self.vocab)):
+            raise ValueError(f"tokenizer produced ids outside [0, {self.vocab})")
+        return ids.astype(self.dtype) if self.dtype is not None else ids
+
+    def concat(self, chunks: Iterable[np.ndarray], limit: int | None = None) -> np.ndarray:
+        """All ``chunks`` (the first ``limit`` tokens) as one array of the batch dtype."""
+        parts, n = [], 0
+        for c in chunks:
+            parts.append(c)
+            n += len(c)
+            if limit is not None and n >= limit:
+                break
+        ids = np.concatenate(parts)[:limit] if parts else np.empty(0, self.dtype or np.int64)
+        if self.dtype is None:  # no known vocabulary: the smallest dtype for the ids seen
+            ids = ids.astype(batch_dtype(int(ids.max()) + 1 if ids.size else 1))
+        return ids
 
 
-def _cache_key(tokenizer_json: str, docs: list[tuple[Path, bytes]]) -> str:
+# --------------------------------------------------------------------------------------- the token cache
+
+
+def _cache_key(fingerprint: str, parts: Iterable[bytes]) -> str:
     h = hashlib.sha256(f"gradwire-tokens-v{_CACHE_VERSION}\0".encode())
-    h.update(hashlib.sha256(tokenizer_json.encode()).digest())
-    for _, raw in docs:
-        # Length-prefixed, so moving bytes across a document boundary changes the key.
-        h.update(len(raw).to_bytes(8, "little"))
-        h.update(raw)
+    h.update(hashlib.sha256(fingerprint.encode()).digest())
+    for part in parts:
+        # Length-prefixed, so moving bytes across a part boundary changes the key.
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
     return h.hexdigest()
 
 
@@ -207,6 +315,63 @@ def _cache_store(path: Path, ids: np.ndarray) -> None:
         warnings.warn(f"could not write token cache {path}: {e}", stacklevel=3)
 
 
+def _through_cache(
+    encoder: _Encoder,
+    cache: Path | None | bool,
+    parts: Callable[[], Iterable[bytes]] | None,
+    tokenize: Callable[[], np.ndarray],
+) -> np.ndarray:
+    """``tokenize()``, or its result stored under the key of the tokenizer and ``parts()`` (the source's
+    identity; None: uncacheable). ``cache`` is True for ``cache_dir()``, a directory, or False/None."""
+    fingerprint = encoder.fingerprint() if cache not in (False, None) and parts is not None else None
+    if fingerprint is None or encoder.vocab is None or parts is None:
+        return tokenize()
+    path = (cache_dir() if cache is True else Path(cache)) / f"{_cache_key(fingerprint, parts())}.npy"
+    ids = _cache_load(path, encoder.vocab)
+    if ids is None:
+        ids = tokenize()
+        _cache_store(path, ids)
+    return ids
+
+
+# ------------------------------------------------------------------------------------------- text files
+
+
+def _resolve_files(paths: Sequence[str | Path]) -> list[Path]:
+    if not paths:
+        return [corpus_path()]
+    files: list[Path] = []
+    for raw in paths:
+        path = Path(raw).expanduser()
+        if path.is_dir():
+            found = sorted(p for p in path.glob("*.txt") if p.is_file())
+            if not found:
+                raise ValueError(f"--data directory {str(path)!r} holds no *.txt files")
+            files.extend(found)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"--data path {str(path)!r} does not exist")
+    return files
+
+
+def read_texts(paths: Sequence[str | Path] = ()) -> list[tuple[Path, bytes]]:
+    """The raw bytes of every document named by ``paths`` (see ``DataConfig.paths``), in order."""
+    return [(f, f.read_bytes()) for f in _resolve_files(paths)]
+
+
+def _decode(path: Path, raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--data file {str(path)!r} is not UTF-8 text: {e}") from None
+
+
+def _tokenize(tokenizer: Any, docs: list[tuple[Path, bytes]]) -> np.ndarray:
+    encoder = _Encoder(tokenizer)
+    return encoder.concat(encoder.chunks((_decode(path, raw), True) for path, raw in docs))
+
+
 def tokenize_corpus(
     paths: Sequence[str | Path], tokenizer: TokenizerLike, *, cache: Path | None | bool = True
 ) -> np.ndarray:
@@ -215,44 +380,209 @@ def tokenize_corpus(
     ``cache`` is True for ``cache_dir()``, a directory to use instead, or False/None to skip caching.
     """
     docs = read_texts(paths)
-    tok_json = _tokenizer_json(tokenizer) if cache not in (False, None) else None
-    vocab = _vocab_size(tokenizer)
-    if tok_json is None or vocab is None:
-        return _tokenize(tokenizer, docs)
-    path = (cache_dir() if cache is True else Path(cache)) / f"{_cache_key(tok_json, docs)}.npy"
-    ids = _cache_load(path, vocab)
-    if ids is None:
-        ids = _tokenize(tokenizer, docs)
-        _cache_store(path, ids)
-    return ids
+    return _through_cache(
+        _Encoder(tokenizer), cache, lambda: [b"text", *(raw for _, raw in docs)], lambda: _tokenize(tokenizer, docs)
+    )
+
+
+def _last_block_start(text: str) -> int:
+    last = 0
+    for m in _BLOCK_SPLIT.finditer(text):
+        last = m.start()
+    return last
+
+
+def _text_pieces(files: Sequence[Path]) -> Iterator[tuple[str, bool]]:
+    """Each file as one document, read in pieces cut at blank lines (where _BLOCK_SPLIT cuts too, so the ids
+    are those of the whole file), in bounded memory whatever the file's size."""
+    for path in files:
+        try:
+            with open(path, encoding="utf-8", newline="") as f:  # newline="": CRLF kept, as read_bytes does
+                pending = ""
+                while chunk := f.read(_READ_CHARS):
+                    pending += chunk
+                    cut = _last_block_start(pending)
+                    if not cut and len(pending) >= _MAX_PENDING_CHARS:
+                        cut = len(pending)  # no blank line in sight: cut anyway rather than grow
+                    if cut:
+                        yield pending[:cut], False
+                        pending = pending[cut:]
+                yield pending, True
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--data file {str(path)!r} is not UTF-8 text: {e}") from None
+
+
+# --------------------------------------------------------------------------- datasets: files and the hub
+
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    kind: str  # "text", a datasets builder ("json", "csv", "parquet"), or "hub"
+    files: tuple[Path, ...] = ()
+    name: str = ""  # the hub dataset
+
+    def describe(self) -> str:
+        if self.kind == "hub":
+            return f"--data {self.name!r}"
+        shown = ", ".join(repr(str(f)) for f in self.files[:3]) + (", ..." if len(self.files) > 3 else "")
+        return f"--data {shown}"
+
+
+def _kind(path: Path) -> str | None:
+    suffixes = [s.lower() for s in path.suffixes[-2:]]
+    if len(suffixes) == 2 and suffixes[1] in _COMPRESSED and _KINDS.get(suffixes[0]) in ("json", "csv"):
+        return _KINDS[suffixes[0]]
+    return _KINDS.get(suffixes[-1]) if suffixes else None
+
+
+def _looks_like_hub_name(raw: str) -> bool:
+    return _kind(Path(raw)) is None and re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?", raw) is not None
+
+
+def _resolve_source(paths: Sequence[str]) -> _Source:
+    if not paths:
+        return _Source("text", (corpus_path(),))
+    files: list[Path] = []
+    for raw in paths:
+        path = Path(raw).expanduser()
+        if path.is_dir():
+            found = sorted(p for p in path.iterdir() if p.is_file() and _kind(p))
+            if not found:
+                raise ValueError(f"--data directory {str(path)!r} holds no {'/'.join(sorted(_KINDS))} files")
+            files.extend(found)
+        elif path.is_file():
+            files.append(path)
+        elif len(paths) == 1 and _looks_like_hub_name(raw):
+            return _Source("hub", name=raw)
+        else:
+            raise FileNotFoundError(f"--data path {str(path)!r} does not exist")
+    kinds = {_kind(f) or "text" for f in files}
+    if len(kinds) > 1:
+        raise ValueError(f"--data mixes {' and '.join(sorted(kinds))} files; give files of one kind")
+    return _Source(kinds.pop(), tuple(files))
+
+
+def _file_digest(path: Path) -> bytes:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.digest()
+
+
+def _open_files(source: _Source) -> Any:
+    """The rows of local jsonl/json/csv/parquet files, streamed (no Arrow copy in the datasets cache: the
+    token cache keeps what is needed)."""
+    import datasets  # seconds to import; only these sources need it
+
+    return datasets.load_dataset(source.kind, data_files=[str(f) for f in source.files], split="train", streaming=True)
+
+
+def _load_hub(name: str, data_config: str | None, *, streaming: bool) -> tuple[Any, Any | None]:
+    """The train split of a hub dataset and its validation split (None when it has none)."""
+    import datasets
+
+    try:
+        splits = dict(datasets.load_dataset(name, data_config, streaming=streaming))
+    except (ConnectionError, FileNotFoundError) as e:  # DatasetNotFoundError is a FileNotFoundError
+        offline = datasets.config.HF_HUB_OFFLINE
+        raise ValueError(
+            f"--data {name!r} is not a local file or directory, and loading it as a hub dataset failed: it needs "
+            f"the Hugging Face Hub or a copy in the local datasets cache ({datasets.config.HF_DATASETS_CACHE})"
+            + (", and HF_HUB_OFFLINE/HF_DATASETS_OFFLINE allow only the cache" if offline else "")
+            + ("; --streaming always reads from the hub, so drop it to use the cache" if streaming else "")
+            + f" [{type(e).__name__}: {e}]"
+        ) from None
+    except ValueError as e:  # e.g. an unknown configuration, with the list of known ones
+        raise ValueError(f"--data {name!r} with --data-config {data_config!r}: {e}") from None
+    if "train" not in splits:
+        raise ValueError(f"--data {name!r} has no 'train' split (it has {', '.join(sorted(splits))})")
+    return splits["train"], next((splits[s] for s in _VALIDATION_SPLITS if s in splits), None)
+
+
+def _dataset_pieces(ds: Any, text_field: str, what: str) -> Iterator[tuple[str, bool]]:
+    """Each row's ``text_field`` of a ``datasets`` Dataset or IterableDataset as one document (rows without
+    a value are skipped)."""
+    columns = ds.column_names
+    if columns is not None:
+        if text_field not in columns:
+            raise _missing_field(text_field, columns, what)
+        feature = (ds.features or {}).get(text_field)
+        if feature is not None and getattr(feature, "dtype", None) not in ("string", "large_string"):
+            raise ValueError(f"--text-field {text_field!r} of {what} holds {feature}, not text")
+        ds = ds.select_columns([text_field])  # parquet then reads only that column
+    for rows in ds.iter(batch_size=1024):
+        if text_field not in rows:
+            raise _missing_field(text_field, list(rows), what)
+        for text in rows[text_field]:
+            if isinstance(text, str):
+                yield text, True
+            elif text is not None:
+                raise ValueError(f"--text-field {text_field!r} of {what} holds {type(text).__name__} values, not text")
+
+
+def _missing_field(text_field: str, columns: Iterable[str], what: str) -> ValueError:
+    return ValueError(
+        f"--text-field {text_field!r} is not a column of {what}; its columns are: {', '.join(columns)}"
+    )
+
+
+# -------------------------------------------------------------------------------------- in memory
+
+
+def _val_windows(val: np.ndarray, batch_size: int, seq_len: int, count: int) -> list[np.ndarray]:
+    # Evenly spaced windows over the held-out tokens, first to last (they overlap when there are few).
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    if batch_size < 1 or seq_len < 1:
+        raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
+    if seq_len + 1 > len(val):
+        raise ValueError(f"seq_len {seq_len} does not fit the {len(val)}-token validation split")
+    offsets = np.linspace(0, len(val) - seq_len - 1, num=count * batch_size).round().astype(np.int64)
+    rows = val[offsets[:, None] + np.arange(seq_len + 1)]  # (count * B, T+1)
+    return list(rows.reshape(count, batch_size, seq_len + 1))
 
 
 class TokenStream:
     """A tokenized corpus split into train and validation tokens, and the batches drawn from it.
 
-    Build with ``from_texts`` or ``from_config``; ``seq_len`` is the longest sequence that will be asked
-    for: both splits must hold at least one such window.
+    Build with ``open_data``, ``from_texts`` or ``from_config``; ``seq_len`` is the longest sequence that
+    will be asked for: both splits must hold at least one such window. ``ids`` is the whole corpus, or only
+    the training tokens when ``val_ids`` (a separate validation split) is given.
     """
 
-    def __init__(self, ids: np.ndarray, *, seq_len: int, seed: int = 0, val_fraction: float = 0.005) -> None:
+    def __init__(
+        self, ids: np.ndarray, *, seq_len: int, seed: int = 0, val_fraction: float = 0.005,
+        val_ids: np.ndarray | None = None,
+    ) -> None:
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         DataConfig(seed=seed, val_fraction=val_fraction)  # same checks, same messages
         if ids.ndim != 1:
             raise ValueError(f"ids must be 1-D, got shape {ids.shape}")
         window = seq_len + 1
-        n_val = max(window, int(round(len(ids) * val_fraction)))
-        if len(ids) < n_val + window:
-            raise ValueError(
-                f"--data corpus has {len(ids)} tokens, too few for one training and one validation sequence "
-                f"of {window} tokens; give more text or a shorter sequence length"
-            )
-        self.ids = ids
+        if val_ids is not None:
+            for name, split in (("training", ids), ("validation", val_ids)):
+                if len(split) < window:
+                    raise ValueError(
+                        f"--data {name} split has {len(split)} tokens, fewer than one sequence of {window}; "
+                        "give more text or a shorter sequence length"
+                    )
+            self.ids, self.n_train = ids, len(ids)
+            self.train, self.val = ids, val_ids.astype(ids.dtype)
+        else:
+            n_val = max(window, int(round(len(ids) * val_fraction)))
+            if len(ids) < n_val + window:
+                raise ValueError(
+                    f"--data corpus has {len(ids)} tokens, too few for one training and one validation sequence "
+                    f"of {window} tokens; give more text or a shorter sequence length"
+                )
+            self.ids = ids
+            self.n_train = len(ids) - n_val
+            self.train = ids[: self.n_train]  # views, no copies
+            self.val = ids[self.n_train :]
         self.seed = seed
         self.seq_len = seq_len
-        self.n_train = len(ids) - n_val
-        self.train = ids[: self.n_train]  # views, no copies
-        self.val = ids[self.n_train :]
 
     @classmethod
     def from_texts(
@@ -266,9 +596,7 @@ class TokenStream:
         cache: Path | None | bool = True,
     ) -> TokenStream:
         """Tokenize ``paths`` (empty: the embedded corpus) with ``tokenizer``; see ``tokenize_corpus``."""
-        ids = tokenize_corpus(paths, tokenizer, cache=cache)
-        if ids.size == 0:
-            raise ValueError("--data corpus is empty: it tokenizes to no tokens")
+        ids = _non_empty(tokenize_corpus(paths, tokenizer, cache=cache))
         return cls(ids, seq_len=seq_len, seed=seed, val_fraction=val_fraction)
 
     @classmethod
@@ -284,33 +612,293 @@ class TokenStream:
     def dtype(self) -> np.dtype:
         return self.ids.dtype
 
-    def _windows(self, split: np.ndarray, offsets: np.ndarray, seq_len: int) -> np.ndarray:
-        return split[offsets[:, None] + np.arange(seq_len + 1)]  # (B, T+1)
-
-    def _check(self, split: np.ndarray, name: str, batch_size: int, seq_len: int) -> None:
-        if batch_size < 1 or seq_len < 1:
-            raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
-        if seq_len + 1 > len(split):
-            raise ValueError(f"seq_len {seq_len} does not fit the {len(split)}-token {name} split")
-
     def batch(self, step: int, slot: int, batch_size: int, seq_len: int) -> np.ndarray:
         """Training rows (batch_size, seq_len + 1) for worker ``slot`` at ``step``: a pure function of
         (seed, step, slot), with window starts uniform over the training split."""
         if step < 0 or slot < 0:
             raise ValueError(f"step and slot must be >= 0, got {step} and {slot}")
-        self._check(self.train, "training", batch_size, seq_len)
+        if batch_size < 1 or seq_len < 1:
+            raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
+        if seq_len + 1 > len(self.train):
+            raise ValueError(f"seq_len {seq_len} does not fit the {len(self.train)}-token training split")
         rng = np.random.default_rng([self.seed, step, slot])
         # Windows end inside the training split, so no training row touches a validation token.
         offsets = rng.integers(0, self.n_train - seq_len, size=batch_size)  # (B,), high exclusive
-        return self._windows(self.train, offsets, seq_len)
+        return self.train[offsets[:, None] + np.arange(seq_len + 1)]  # (B, T+1)
 
     def val_batches(self, batch_size: int, seq_len: int, count: int) -> list[np.ndarray]:
         """``count`` validation batches (batch_size, seq_len + 1), the same on every call: windows evenly
         spaced over the validation split (they overlap when the split is small)."""
-        if count < 1:
-            raise ValueError(f"count must be >= 1, got {count}")
-        self._check(self.val, "validation", batch_size, seq_len)
-        last = len(self.val) - seq_len - 1
-        offsets = np.linspace(0, last, num=count * batch_size).round().astype(np.int64)
-        rows = self._windows(self.val, offsets, seq_len)  # (count * B, T+1)
-        return list(rows.reshape(count, batch_size, seq_len + 1))
+        return _val_windows(self.val, batch_size, seq_len, count)
+
+
+def _non_empty(ids: np.ndarray) -> np.ndarray:
+    if ids.size == 0:
+        raise ValueError("--data corpus is empty: it tokenizes to no tokens")
+    return ids
+
+
+# -------------------------------------------------------------------------------------------- streaming
+
+
+def _head(chunks: Iterator[np.ndarray], n: int) -> tuple[np.ndarray, Iterator[np.ndarray]]:
+    """The first ``n`` tokens of ``chunks`` (fewer if it ends first), and an iterator over the rest."""
+    parts, have = [], 0
+    for c in chunks:
+        parts.append(c)
+        have += len(c)
+        if have >= n:
+            break
+    head = np.concatenate(parts) if parts else np.empty(0, np.int64)
+    return head[:n], itertools.chain([head[n:]], chunks)
+
+
+class _Cursor:
+    """A forward-only window on an endless token stream: ``read(start, stop)`` by absolute position, keeping
+    only the tokens from the last ``start`` on."""
+
+    def __init__(self, chunks: Iterator[np.ndarray]) -> None:
+        self._chunks = chunks
+        self.base = 0  # absolute position of _buf[0]
+        self._buf = np.empty(0, np.int64)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        assert self.base <= start < stop
+        while self.base + len(self._buf) <= start:  # skip whole chunks before start (a resume)
+            self.base += len(self._buf)
+            self._buf = next(self._chunks)
+        self._buf = self._buf[start - self.base :]
+        self.base = start
+        parts, have = [self._buf], len(self._buf)
+        while have < stop - start:
+            parts.append(next(self._chunks))
+            have += len(parts[-1])
+        if len(parts) > 1:
+            self._buf = np.concatenate(parts)
+        return self._buf[: stop - start]
+
+
+class StreamingTokenSource:
+    """Batches cut in order from a token stream too large to hold (``--streaming``).
+
+    The training stream is the corpus read in order, less the held-out head, repeated for as many epochs as
+    training needs. Step ``t`` takes the ``n_slots * batch_size`` consecutive windows of ``seq_len + 1``
+    tokens (stride ``seq_len``, so every token is a target once) starting at token ``t * n_slots *
+    batch_size * seq_len``; slot ``i`` gets windows ``i * batch_size`` to ``(i + 1) * batch_size - 1``.
+    The rows are thus a pure function of ``(step, slot, n_slots, batch_size, seq_len)``: the same on every
+    run, in any call order, from any thread. A step is cut once, when its first slot asks, and kept with the
+    step before it, so the other slots and retries get the same rows without reading again.
+
+    Resuming at step ``t`` needs nothing but ``t``: the first call reads (and tokenizes, unbatched) the
+    stream up to step ``t``'s position, at the cost of one pass over that much text. Asking for a step
+    before the last two cut re-reads the stream from its start. Memory holds about two steps of rows.
+
+    Held out for validation: the first ``val_rows * (seq_len + 1)`` tokens of the validation split when the
+    dataset has one, else of the stream itself (then never trained on, in any epoch).
+    """
+
+    def __init__(
+        self,
+        open_train: Callable[[], Iterable[tuple[str, bool]]],
+        tokenizer: Any,
+        *,
+        seq_len: int,
+        n_slots: int,
+        val_rows: int = 64,
+        open_val: Callable[[], Iterable[tuple[str, bool]]] | None = None,
+        what: str = "--data",
+    ) -> None:
+        if seq_len < 1 or n_slots < 1 or val_rows < 1:
+            raise ValueError(f"seq_len, n_slots and val_rows must be >= 1, got {seq_len}, {n_slots}, {val_rows}")
+        self._open_train = open_train
+        self._encoder = _Encoder(tokenizer)
+        self.n_slots = n_slots
+        self.what = what
+        self._dtype = self._encoder.dtype or np.dtype(np.int32)
+        window = seq_len + 1
+        n_val = val_rows * window
+        first_pass = self._encoder.chunks(open_train())
+        if open_val is None:
+            val, first_pass = _head(first_pass, n_val)
+            if len(val) < n_val:
+                raise ValueError(
+                    f"{what} ends after {len(val)} tokens: too few to hold out {val_rows} validation rows of "
+                    f"{window} tokens and still train"
+                )
+            self._skip = n_val
+        else:
+            val, _ = _head(self._encoder.chunks(open_val()), n_val)
+            if len(val) < window:
+                raise ValueError(f"{what} validation split has {len(val)} tokens, fewer than one sequence of {window}")
+            self._skip = 0
+        self.val = val.astype(self._dtype)
+        self._lock = threading.Lock()
+        self._recent: collections.OrderedDict[tuple[int, int, int], np.ndarray] = collections.OrderedDict()
+        self._cursor: _Cursor | None = _Cursor(self._train_chunks(first_pass))
+        self._cursor.read(0, window)  # fails now, not at step 0, when there is nothing to train on
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._dtype
+
+    def _train_chunks(self, first_pass: Iterator[np.ndarray] | None = None) -> Iterator[np.ndarray]:
+        for epoch in itertools.count():
+            if first_pass is not None:
+                chunks, first_pass = first_pass, None
+            else:
+                chunks = self._encoder.chunks(self._open_train())
+                if self._skip:
+                    _, chunks = _head(chunks, self._skip)  # the held-out head, in every epoch
+            if epoch:
+                log.info("%s: epoch %d of the training stream", self.what, epoch)
+            empty = True
+            for c in chunks:
+                if len(c):
+                    empty = False
+                    yield c
+            if empty:
+                raise ValueError(f"{self.what} has no training tokens after the {self._skip} held-out ones")
+
+    def batch(self, step: int, slot: int, batch_size: int, seq_len: int) -> np.ndarray:
+        """Training rows (batch_size, seq_len + 1) of worker ``slot`` at ``step``; see the class docstring."""
+        if step < 0 or not 0 <= slot < self.n_slots:
+            raise ValueError(f"step must be >= 0 and slot in [0, {self.n_slots}) (n_slots), got {step} and {slot}")
+        if batch_size < 1 or seq_len < 1:
+            raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
+        key = (step, batch_size, seq_len)
+        with self._lock:  # the other slots of this step wait here, then find it cut
+            rows = self._recent.get(key)
+            if rows is None:
+                rows = self._cut(step, batch_size, seq_len)
+                self._recent[key] = rows
+                while len(self._recent) > 2:  # this step and the one before (for a late retry)
+                    self._recent.popitem(last=False)
+        return rows[slot * batch_size : (slot + 1) * batch_size].copy()
+
+    def _cut(self, step: int, batch_size: int, seq_len: int) -> np.ndarray:
+        n_rows = self.n_slots * batch_size
+        start = step * n_rows * seq_len
+        if self._cursor is None or start < self._cursor.base:
+            if self._cursor is not None:
+                log.warning("%s: step %d was already passed; re-reading the stream from its start", self.what, step)
+            self._cursor = _Cursor(self._train_chunks())
+        try:
+            tokens = self._cursor.read(start, start + n_rows * seq_len + 1)
+        except BaseException:
+            self._cursor = None  # a failed read leaves the stream's iterators unusable: start over next time
+            raise
+        rows = tokens[np.arange(n_rows)[:, None] * seq_len + np.arange(seq_len + 1)]  # (n_slots * B, T+1)
+        return rows.astype(self._dtype)
+
+    def val_batches(self, batch_size: int, seq_len: int, count: int) -> list[np.ndarray]:
+        """``count`` batches (batch_size, seq_len + 1) of held-out tokens, the same on every call: windows
+        evenly spaced over them (exactly tiling them when ``count * batch_size == val_rows``)."""
+        return _val_windows(self.val, batch_size, seq_len, count)
+
+
+# ------------------------------------------------------------------------------------------- entry point
+
+
+def open_data(
+    *,
+    paths: Sequence[str],
+    tokenizer: Any,
+    seq_len: int,
+    seed: int = 0,
+    data_config: str | None = None,
+    text_field: str = "text",
+    streaming: bool = False,
+    val_fraction: float = 0.005,
+    cache: Path | None | bool = True,
+    n_slots: int = 1,
+    val_rows: int = 64,
+) -> TokenSource:
+    """The training data named by ``--data`` and its flags, ready to draw batches from.
+
+    ``paths``: empty for the embedded corpus; text files (or directories of ``*.txt``); jsonl/json/csv/parquet
+    files (``.gz``/``.bz2``/``.xz``/``.zst`` too for json and csv) or directories of them, each row's
+    ``text_field`` one document; or a single hub dataset name with its ``data_config`` (offline: from the
+    local datasets cache only). In memory (a ``TokenStream``, batches drawn at random by ``seed``) unless
+    ``streaming`` (a ``StreamingTokenSource``, batches in stream order; ``seed`` is not used).
+
+    ``n_slots`` (the number of worker slots) and ``val_rows`` (held-out rows of ``seq_len + 1`` tokens) only
+    matter for streams: the layout of a step in the stream depends on the one, the held-out head is the other.
+    ``val_fraction`` only matters in memory, for sources without a validation split. ``cache`` is True for
+    ``cache_dir()``, a directory, or False/None (in-memory token cache).
+    """
+    if not isinstance(text_field, str) or not text_field:
+        raise ValueError(f"--text-field must name a column, got {text_field!r}")
+    names = paths if isinstance(paths, (str, bytes)) else tuple(os.fspath(p) for p in paths)
+    DataConfig(paths=names, seed=seed, val_fraction=val_fraction)  # type: ignore[arg-type]  # same checks
+    if seq_len < 1 or n_slots < 1 or val_rows < 1:
+        raise ValueError(f"seq_len, n_slots and val_rows must be >= 1, got {seq_len}, {n_slots}, {val_rows}")
+    source = _resolve_source(names)
+    if data_config is not None and source.kind != "hub":
+        raise ValueError(f"--data-config {data_config!r} picks a hub dataset's configuration; --data is local files")
+    if streaming:
+        return _open_stream(
+            source, tokenizer, data_config, text_field, seq_len=seq_len, n_slots=n_slots, val_rows=val_rows
+        )
+    if source.kind == "text":
+        return TokenStream.from_texts(
+            source.files, tokenizer, seq_len=seq_len, seed=seed, val_fraction=val_fraction, cache=cache
+        )
+    encoder = _Encoder(tokenizer)
+    if source.kind == "hub":
+        train, val = _load_hub(source.name, data_config, streaming=False)
+        ident = [source.name, data_config or "", text_field]
+        ids = _hub_split_ids(encoder, cache, train, ident, "train", None)
+        val_ids = _hub_split_ids(encoder, cache, val, ident, "validation", _MAX_VAL_TOKENS) if val is not None else None
+        return TokenStream(ids, seq_len=seq_len, seed=seed, val_fraction=val_fraction, val_ids=val_ids)
+    ids = _through_cache(
+        encoder,
+        cache,
+        lambda: [source.kind.encode(), text_field.encode(), *(_file_digest(f) for f in source.files)],
+        lambda: encoder.concat(encoder.chunks(_dataset_pieces(_open_files(source), text_field, source.describe()))),
+    )
+    return TokenStream(_non_empty(ids), seq_len=seq_len, seed=seed, val_fraction=val_fraction)
+
+
+def _hub_split_ids(
+    encoder: _Encoder, cache: Path | None | bool, ds: Any, ident: list[str], split: str, limit: int | None
+) -> np.ndarray:
+    """The tokens of one split of a hub dataset (its first ``limit``), cached under datasets' fingerprint of
+    the split's content."""
+    what = f"--data {ident[0]!r} ({split})"
+    fingerprint = getattr(ds, "_fingerprint", None)
+    parts = None
+    if isinstance(fingerprint, str):
+        def parts() -> list[bytes]:
+            return [s.encode() for s in ("hub", *ident, split, fingerprint, str(limit))]
+
+    def tokenize() -> np.ndarray:
+        return encoder.concat(encoder.chunks(_dataset_pieces(ds, ident[2], what)), limit)
+
+    return _non_empty(_through_cache(encoder, cache, parts, tokenize))
+
+
+def _open_stream(
+    source: _Source, tokenizer: Any, data_config: str | None, text_field: str, *, seq_len: int, n_slots: int,
+    val_rows: int,
+) -> StreamingTokenSource:
+    what = source.describe()
+    open_val: Callable[[], Iterable[tuple[str, bool]]] | None = None
+    if source.kind == "text":
+        def open_train() -> Iterable[tuple[str, bool]]:
+            return _text_pieces(source.files)
+    else:
+        val = None
+        if source.kind == "hub":
+            train, val = _load_hub(source.name, data_config, streaming=True)
+        else:
+            train = _open_files(source)
+
+        def open_train() -> Iterable[tuple[str, bool]]:
+            return _dataset_pieces(train, text_field, what)  # an IterableDataset starts over on each iteration
+
+        if val is not None:
+            def open_val() -> Iterable[tuple[str, bool]]:
+                return _dataset_pieces(val, text_field, f"{what} (validation)")
+    return StreamingTokenSource(
+        open_train, tokenizer, seq_len=seq_len, n_slots=n_slots, val_rows=val_rows, open_val=open_val, what=what
+    )

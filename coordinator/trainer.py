@@ -24,16 +24,17 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from safetensors.torch import save_model
 
 from gradwire.compression import ErrorFeedback, PayloadError
 from gradwire.compression.codec import Aggregator
 from gradwire.coordinator.checkpoint import load_checkpoint, save_checkpoint
 from gradwire.coordinator.client import WorkerClient, WorkerError
 from gradwire.coordinator.config import TrainConfig
-from gradwire.coordinator.data import TokenStream, batch_dtype
+from gradwire.coordinator.data import batch_dtype, open_data
+from gradwire.coordinator.export import export_model
 from gradwire.coordinator.metrics import MetricsLog, ProgressBar
-from gradwire.models import build_from_spec, lm_loss, load_tokenizer, model_spec
+from gradwire.coordinator.tracking import make_tracker
+from gradwire.models import build_from_spec, lm_loss, load_tokenizer_arg, resolve_model, tokenizer_vocab_size, vocab_size_of
 from gradwire.protocol import NEEDS_STATE, OK, ModelState, ProtocolError, RoundResult, WorkOrder
 from gradwire.replica import Fingerprint, Replica, StateUpdate
 
@@ -88,10 +89,12 @@ class Trainer:
         if not clients:
             raise ValueError("--workers (or --local N) must name at least one worker")
         self.config = config
-        self.spec = model_spec(config.model)
+        # A resumed run takes its weights from the checkpoint: no need to load (or have) pretrained ones.
+        resolved = resolve_model(config.model, from_scratch=config.from_scratch or bool(config.resume_from), seed=config.seed)
+        self.spec = resolved.spec
         self.rule = config.update_rule()
         self.codec_config = config.codec_config()
-        self.model = build_from_spec(self.spec, seed=config.seed)
+        self.model = resolved.model
         self.names = [n for n, _ in self.model.named_parameters()]
         if self.rule.replayable:
             # The outer step is replayed from the aggregate: the model itself is the replica.
@@ -101,13 +104,23 @@ class Trainer:
         else:
             # The outer step has state of its own: workers hold a shadow that follows compressed deltas.
             shadow = build_from_spec(self.spec, seed=config.seed)
+            shadow.load_state_dict(self.model.state_dict())  # the same (possibly pretrained) start
             self.replica = Replica(shadow, self.rule)
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.learning_rate, betas=self.rule.betas, eps=self.rule.eps, weight_decay=self.rule.weight_decay)
             self.delta_feedback = ErrorFeedback(beta=1.0)
         self.codec = self.replica.codec(self.codec_config)
-        tokenizer = load_tokenizer(self.spec["tokenizer"])
-        self.data = TokenStream.from_texts(config.data, tokenizer, seq_len=config.sequence_length, seed=config.seed)
-        self.batch_dtype = batch_dtype(self._vocab_size())
+        tokenizer_name = config.tokenizer or resolved.default_tokenizer
+        if tokenizer_name is None:
+            raise ValueError(f"--model {config.model} has no tokenizer of its own: pass --tokenizer (e.g. gpt2 for GPT-2-vocabulary models)")
+        self.tokenizer = load_tokenizer_arg(tokenizer_name)
+        if tokenizer_vocab_size(self.tokenizer) > vocab_size_of(self.spec):
+            raise ValueError(f"--tokenizer {tokenizer_name} has {tokenizer_vocab_size(self.tokenizer)} tokens; --model {config.model} embeds only {vocab_size_of(self.spec)}")
+        self.data = open_data(
+            paths=config.data, tokenizer=self.tokenizer, seq_len=config.sequence_length, seed=config.seed,
+            data_config=config.data_config, text_field=config.text_field, streaming=config.streaming,
+            n_slots=len(clients), val_rows=config.eval_batches * config.batch_size,
+        )
+        self.batch_dtype = batch_dtype(vocab_size_of(self.spec))
         self.slots = [WorkerSlot(i, c) for i, c in enumerate(clients)]
         self.run_id = uuid.uuid4().hex
         self.step = 0
@@ -129,10 +142,6 @@ class Trainer:
         self.base_version = self.replica.version
         self.base_fingerprint = self.replica.fingerprint()
 
-    def _vocab_size(self) -> int:
-        cfg = self.spec["config"]
-        return int(cfg["vocab_size"])
-
     # ------------------------------------------------------------------------------------------ rounds
 
     def connect(self) -> None:
@@ -148,7 +157,8 @@ class Trainer:
         records = []
         log_path = MetricsLog(self.output_dir)
         bar = ProgressBar(self.config.steps, self.step, disable=not self.progress)
-        failed_in_a_row = 0
+        tracker = make_tracker(self.config)  # None unless --wandb-project
+        failed_in_a_row, exit_code = 0, 1
         try:
             while self.step < self.config.steps:
                 record = self.train_step()
@@ -161,6 +171,8 @@ class Trainer:
                 if self.config.eval_every and self.step % self.config.eval_every == 0:
                     record["eval_loss"] = self.evaluate()
                 log_path.append(record)
+                if tracker:
+                    tracker.log(record, step=self.step)
                 bar.update(record)
                 records.append(record)
                 every = self.config.checkpoint_every
@@ -168,7 +180,10 @@ class Trainer:
                     self.save_checkpoint()
             self.save_checkpoint()
             self.save_final()
+            exit_code = 0
         finally:
+            if tracker:
+                tracker.finish(exit_code=exit_code)
             bar.close()
             log_path.close()
         return records
@@ -419,12 +434,9 @@ class Trainer:
         log.info("resumed from %s at step %d", path, self.step)
 
     def save_final(self) -> Path:
+        """The trained model and its tokenizer in <output_dir>/final (``export.load_exported`` reads it)."""
         self.flush()
-        final = self.output_dir / "final"
-        final.mkdir(parents=True, exist_ok=True)
-        save_model(self.model, str(final / "model.safetensors"))
-        (final / "model.json").write_text(json.dumps(self.spec, indent=1) + "\n")
-        return final
+        return export_model(self.model, self.spec, self.output_dir / "final", tokenizer=self.tokenizer)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -7,7 +7,9 @@ A model travels to a worker as a *spec*, a JSON-able dict, never as code or pick
 
 ``build_from_spec(spec, seed)`` turns it into an ``nn.Module`` with fresh weights; the same spec and seed
 give the same weights on every machine. HF architectures are built offline with
-``AutoModelForCausalLM.from_config``: nothing is downloaded.
+``AutoModelForCausalLM.from_config``: nothing is downloaded. ``"tokenizer"`` is optional: it records the
+built-in models' tokenizer for the coordinator; a worker never tokenizes, so it never reads it. Specs of
+hub models and model directories (``gradwire.models.hf``) carry none.
 """
 
 from __future__ import annotations
@@ -94,8 +96,11 @@ def build_from_spec(spec: dict[str, Any], seed: int = 0) -> nn.Module:
     arch = spec.get("arch")
     if arch not in ("gpt", "hf"):
         raise ValueError(f"spec 'arch' must be 'gpt' or 'hf', got {arch!r}")
-    if spec.get("tokenizer") not in TOKENIZERS:
-        raise ValueError(f"spec 'tokenizer' must be one of {sorted(TOKENIZERS)}, got {spec.get('tokenizer')!r}")
+    tokenizer = spec.get("tokenizer")
+    if tokenizer is not None and not isinstance(tokenizer, str):
+        raise ValueError(f"spec 'tokenizer' must be a tokenizer name when present, got {tokenizer!r}")
+    if not isinstance(spec.get("config"), dict):
+        raise ValueError(f"spec 'config' must be a dict, got {type(spec.get('config')).__name__}")
     config = dict(spec["config"])
     # Initialization draws from the global RNG (HF offers no other way); fork it so building a model
     # neither depends on nor disturbs the caller's random state.
@@ -115,8 +120,15 @@ def _build_hf(config: dict[str, Any]) -> nn.Module:
     model_type = config.pop("model_type", None)
     if not isinstance(model_type, str):
         raise ValueError("an 'hf' spec needs config['model_type'], e.g. 'opt'")
-    hf_config = AutoConfig.for_model(model_type, **config)
-    # No dtype argument (named torch_dtype before transformers 5): from_config uses the torch default, fp32.
+    # from_config builds in the config's dtype when it names one (a bf16 checkpoint's config does); without
+    # it, the torch default: fp32, which the replicas and the codec need. (Not a dtype argument: it is named
+    # torch_dtype before transformers 4.56.)
+    config.pop("dtype", None)
+    config.pop("torch_dtype", None)
+    try:
+        hf_config = AutoConfig.for_model(model_type, **config)
+    except ValueError as e:  # an unknown model_type: the list of known ones is hundreds of names long
+        raise ValueError(f"spec config['model_type'] {model_type!r} is not a transformers architecture: {str(e)[:200]}") from None
     return AutoModelForCausalLM.from_config(hf_config)
 
 

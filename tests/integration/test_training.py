@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from gradwire.coordinator.config import TrainConfig
+from gradwire.coordinator.export import load_exported
 from gradwire.coordinator.metrics import METRIC_KEYS, read_metrics
 from gradwire.coordinator.trainer import Trainer, sync_action
 from gradwire.models import build_from_spec, lm_loss, model_spec
@@ -47,8 +48,10 @@ def test_loss_falls_and_metrics_are_complete(tmp_path, two_workers):
     for w in two_workers:
         (session,) = w.engine.sessions.values()
         assert session.replica.version == trainer.replica.version - 1  # ...one update behind, by design
-    assert (tmp_path / "run" / "final" / "model.safetensors").exists()
-    assert json.loads((tmp_path / "run" / "final" / "model.json").read_text()) == model_spec("gpt-tiny")
+    exported, tokenizer = load_exported(tmp_path / "run" / "final")
+    for (name, p), (_, q) in zip(exported.named_parameters(), trainer.model.named_parameters()):
+        assert torch.equal(p, q), name
+    assert tokenizer.decode(tokenizer.encode("To be, or not to be").ids) == "To be, or not to be"
 
 
 def test_dense_sgd_through_the_service_equals_single_process_training(tmp_path, two_workers):
