@@ -66,7 +66,7 @@ def median_ms_each(fns: Sequence[Callable[[], Any]], repeats: int, device: torch
 
 def max_seq_len(model: torch.nn.Module) -> int:
     cfg = model.config
-    return getattr(cfg, "max_seq_len", None) or getattr(cfg, "max_position_embeddings")
+    return getattr(cfg, "max_seq_len", None) or cfg.max_position_embeddings
 
 
 def corpus_batch(model_name: str, batch: int, seq: int) -> torch.Tensor:

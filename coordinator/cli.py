@@ -19,7 +19,7 @@ from gradwire.coordinator.client import WorkerClient
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.local import local_workers
 from gradwire.models import model_names
-from gradwire.worker.cli import parse_args_with_config, subcommand_parser
+from gradwire.cliconfig import parse_args_with_config, subcommand_parser
 
 HELP = {
     "model": f"a built-in model ({', '.join(model_names())}), a Hugging Face hub id (e.g. facebook/opt-125m) or a local model directory",

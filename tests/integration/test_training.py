@@ -7,7 +7,6 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.export import load_exported
 from gradwire.coordinator.metrics import METRIC_KEYS, read_metrics
@@ -115,6 +114,11 @@ def test_adamw_travels_as_compressed_deltas(tmp_path, two_workers):
     records = read_metrics(tmp_path / "run")
     assert np.mean([r["loss"] for r in records[-3:]]) < np.mean([r["loss"] for r in records[:3]])
     assert all(r["pushes"] == 0 for r in records[1:])  # deltas keep the workers' shadow replicas in sync
+    for w in two_workers:  # one pending delta behind the coordinator's shadow, then identical
+        (session,) = w.engine.sessions.values()
+        session.replica.apply(trainer.pending)
+        for name, p in trainer.replica.params.items():
+            assert torch.equal(session.replica.params[name], p), name
 
 
 @pytest.mark.parametrize(("known", "base", "target", "action"), [(None, 2, 3, "push"), (3, 2, 3, "current"), (2, 2, 3, "replay"), (2, 2, 2, "current"), (1, 2, 3, "push"), (4, 2, 3, "push")])
@@ -143,3 +147,20 @@ def test_eval_every_reports_held_out_loss(tmp_path, two_workers):
     evals = {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
     assert sorted(evals) == [3, 6] and all(np.isfinite(v) for v in evals.values())
     assert evals[6] < evals[3]  # early in training the held-out loss falls too
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_jsonl_data_trains_through_the_service(tmp_path, two_workers, streaming):
+    from gradwire.assets import corpus_path
+
+    text = corpus_path().read_text(encoding="utf-8")[:200_000]
+    path = tmp_path / "corpus.jsonl"
+    with path.open("w", encoding="utf-8") as f:
+        for i in range(0, len(text), 2000):
+            f.write(json.dumps({"body": text[i : i + 2000], "id": i}) + "\n")
+    config = _config(tmp_path, steps=4, data=(str(path),), text_field="body", streaming=streaming, eval_every=2, eval_batches=1)
+    trainer = _train(config, two_workers)
+    records = read_metrics(tmp_path / "run")
+    assert [r["successful_workers"] for r in records] == [2, 2, 2, 2]
+    assert all(np.isfinite(r["eval_loss"]) for r in records if r["step"] % 2 == 0)
+    assert type(trainer.data).__name__ == ("StreamingTokenSource" if streaming else "TokenStream")
