@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gradwire.coordinator.client import WorkerClient
+from gradwire.coordinator.client import WorkerClient, WorkerError
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.local import local_workers
 from gradwire.models import model_names
@@ -182,11 +182,20 @@ def train(config: TrainConfig, *, workers: str | None = None, local: int | None 
 
     def run(addresses: list[str]) -> int:
         clients = [WorkerClient(a, timeout=config.round_timeout) for a in addresses]
-        trainer = Trainer(config, clients, progress=progress)
         try:
-            records = trainer.run()
+            try:
+                trainer = Trainer(config, clients, progress=progress)
+            except (ValueError, FileNotFoundError) as e:  # a flag, a model, a file: say which, no traceback
+                print(f"coordinator train: error: {e}", file=sys.stderr)
+                return 2
+            try:
+                records = trainer.run()
+            except (RuntimeError, WorkerError) as e:
+                print(f"coordinator train: {e}", file=sys.stderr)
+                return 1
+            finally:
+                trainer.close()
         finally:
-            trainer.close()
             for c in clients:
                 c.close()
         if records:
@@ -195,6 +204,11 @@ def train(config: TrainConfig, *, workers: str | None = None, local: int | None 
         return 0
 
     if local:
+        import torch
+
+        # The local workers get the cores; the coordinator mostly waits, and its share of the work
+        # (aggregating, replaying updates) would otherwise fight them for the same cores.
+        torch.set_num_threads(1)
         with local_workers(local) as addresses:
             return run(addresses)
     addresses = [a.strip() for a in (workers or "").split(",") if a.strip()]

@@ -83,6 +83,15 @@ class _Push:
     bytes_down: int = 0
 
 
+def max_sequence_length(spec: dict) -> int | None:
+    """The longest sequence a model spec can take, when its config says."""
+    config = spec.get("config", {})
+    for key in ("max_seq_len", "max_position_embeddings", "n_positions"):
+        if isinstance(config.get(key), int):
+            return int(config[key])
+    return None
+
+
 class Trainer:
     def __init__(self, config: TrainConfig, clients: Sequence[WorkerClient], *, progress: bool = True) -> None:
         if not clients:
@@ -120,6 +129,9 @@ class Trainer:
             n_slots=len(clients), val_rows=config.eval_batches * config.batch_size,
         )
         self.batch_dtype = batch_dtype(vocab_size_of(self.spec))
+        limit = max_sequence_length(self.spec)
+        if limit is not None and config.sequence_length > limit:
+            raise ValueError(f"--sequence-length {config.sequence_length} exceeds the {limit} positions of --model {config.model}")
         self.slots = [WorkerSlot(i, c) for i, c in enumerate(clients)]
         self.run_id = uuid.uuid4().hex
         self.step = 0

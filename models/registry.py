@@ -41,7 +41,7 @@ def _gpt(**fields: Any) -> dict[str, Any]:
 
 _SPECS: dict[str, dict[str, Any]] = {
     # For tests: builds and runs a step in milliseconds.
-    "gpt-tiny": _gpt(vocab_size=8192, n_layer=2, n_head=4, d_model=64, d_ff=128, max_seq_len=128),
+    "gpt-tiny": _gpt(vocab_size=8192, n_layer=2, n_head=4, d_model=64, d_ff=128, max_seq_len=256),
     # Default model for CPU runs and benchmarks. 29.4M parameters in all: 25.2M in the blocks and 4.2M in
     # the (tied) embedding.
     "gpt-10m": _gpt(vocab_size=8192, n_layer=6, n_head=8, d_model=512, d_ff=2048, max_seq_len=512),

@@ -32,6 +32,13 @@ def test_coordinator_with_two_local_worker_processes_trains(tmp_path):
     assert all(r["bytes_down"] < state_bytes / 20 for r in records[1:])
     assert (out / "final" / "model.safetensors").exists() and (out / "checkpoints" / "latest").exists()
     assert "step 30: loss" in proc.stdout
+    report = _run("gradwire.coordinator", "report", str(out), timeout=120)
+    assert report.returncode == 0, report.stderr[-2000:]
+    pngs = [line for line in report.stdout.splitlines() if line.endswith(".png")]
+    assert len(pngs) == 3
+    for png in pngs:
+        with open(png, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("command", [("gradwire.coordinator", "--help"), ("gradwire.coordinator", "train", "--help"), ("gradwire.worker", "serve", "--help")])
@@ -54,3 +61,8 @@ def test_flags_build_the_config():
 def test_bad_flags_name_the_flag(argv, message):
     proc = _run("gradwire.coordinator", "train", "--local", "1", *argv, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_a_sequence_longer_than_the_model_is_a_flag_error(tmp_path):
+    proc = _run("gradwire.coordinator", "train", "--local", "1", "--model", "gpt-tiny", "--sequence-length", "512", "--output-dir", str(tmp_path), timeout=120)
+    assert proc.returncode == 2 and "--sequence-length 512" in proc.stderr and "Traceback" not in proc.stderr
