@@ -1,35 +1,30 @@
 """Training data: token ids from text files, structured files or a hub dataset, and deterministic batches.
 
-``open_data`` is the one entry point; it returns a ``TokenSource`` of one of two kinds:
+``open_data`` is the one entry point; it resolves ``--data`` and returns a ``TokenSource`` of one of two
+kinds:
 
-* ``TokenStream`` holds the whole tokenized corpus in memory (cached on disk as .npy). A training batch is a
-  function of ``(seed, step, slot)`` alone -- its window offsets come from ``np.random.default_rng([seed,
-  step, slot])`` -- so resuming needs only the step, and worker slot ``i`` at step ``t`` gets the same rows
-  on every run, whichever worker holds the slot. The last ``val_fraction`` of tokens (or the dataset's
-  validation split) is held out.
-* ``StreamingTokenSource`` (``--streaming``) reads the corpus in order and tokenizes it on the fly, for
-  corpora larger than memory. The rows of ``(step, slot)`` are consecutive windows at a position computed
-  from ``(step, slot)``, so they too are the same on every run; the first tokens of the stream (or of the
-  validation split) are held out.
+* ``TokenStream`` (here) holds the whole tokenized corpus in memory (cached on disk as .npy). A training
+  batch is a function of ``(seed, step, slot)`` alone -- its window offsets come from
+  ``np.random.default_rng([seed, step, slot])`` -- so resuming needs only the step, and worker slot ``i`` at
+  step ``t`` gets the same rows on every run, whichever worker holds the slot. The last ``val_fraction`` of
+  tokens (or the dataset's validation split) is held out.
+* ``StreamingTokenSource`` (``--streaming``, in ``streaming``) reads the corpus in order and tokenizes it
+  on the fly, for corpora larger than memory; its rows too are the same on every run.
 
 Documents: each text file is one, and so is each row's ``--text-field`` of jsonl/json/csv/parquet files (read
 through ``datasets``) or of a hub dataset. Every document ends with the end-of-text token, so a window
 spanning two documents shows the model where one ended. Rows are ``seq_len + 1`` tokens long: inputs are
-``row[:-1]``, targets ``row[1:]``.
+``row[:-1]``, targets ``row[1:]``. The tokenizer adapter both kinds share is in ``tokens``.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import hashlib
-import itertools
-import json
 import logging
 import os
 import re
 import tempfile
-import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -37,7 +32,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from gradwire.assets import END_OF_TEXT, corpus_path
+from gradwire.assets import corpus_path
+from gradwire.coordinator.streaming import StreamingTokenSource, text_pieces
+from gradwire.coordinator.tokens import Encoder, batch_dtype, val_windows
 
 __all__ = [
     "DataConfig", "StreamingTokenSource", "TokenSource", "TokenStream", "TokenizerLike", "batch_dtype",
@@ -46,22 +43,14 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Bump when the tokenization procedure below changes, so stale caches are not reused.
+# Bump when the tokenization procedure (tokens.Encoder, tokenize_corpus) changes, so stale caches are not reused.
 _CACHE_VERSION = 2
-
-# Split documents into blocks at blank lines for encode_batch (parallel in Rust). The split falls before the
-# last whitespace character of the run, where the GPT-2 byte-level pre-tokenizer splits anyway, so the ids
-# are exactly those of encoding the whole document at once (LF and CRLF line ends).
-_BLOCK_SPLIT = re.compile(r"(?<=\n)(?=\n\S)|(?<=\n\r)(?=\n\S)")
 
 # What --data files hold, by suffix; a file named explicitly with another suffix is read as text.
 _KINDS = {".txt": "text", ".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 _COMPRESSED = (".gz", ".bz2", ".xz", ".zst")  # datasets decompresses json/csv files with these suffixes
 _VALIDATION_SPLITS = ("validation", "valid")
 _MAX_VAL_TOKENS = 1 << 20  # a validation split is read up to here: ample for a held-out loss, bounded
-_ENCODE_CHARS = 1 << 20  # text per encode call: enough for encode_batch's threads, little memory
-_READ_CHARS = 1 << 20  # streamed text files are read this much at a time
-_MAX_PENDING_CHARS = 1 << 24  # ... and cut without a blank line rather than hold more than this
 
 
 class TokenizerLike(Protocol):
@@ -112,164 +101,10 @@ class DataConfig:
             raise ValueError(f"--val-fraction must be in (0, 1), got {self.val_fraction!r}")
 
 
-def batch_dtype(vocab_size: int) -> np.dtype:
-    """The smallest dtype holding every token id: uint16 up to 65536 tokens, else int32."""
-    if vocab_size < 1:
-        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
-    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.int32)
-
-
 def cache_dir() -> Path:
     """Where tokenized corpora are cached: ``$GRADWIRE_CACHE/tokens`` or ``~/.cache/gradwire/tokens``."""
     root = os.environ.get("GRADWIRE_CACHE")
     return (Path(root) if root else Path.home() / ".cache" / "gradwire") / "tokens"
-
-
-# ---------------------------------------------------------------------------------------------- tokenizers
-
-
-def _is_hf(tokenizer: Any) -> bool:
-    # A transformers tokenizer (PreTrainedTokenizerBase), recognized without importing transformers.
-    return callable(tokenizer) and hasattr(tokenizer, "convert_tokens_to_ids") and hasattr(tokenizer, "eos_token_id")
-
-
-def _vocab_size(tokenizer: Any) -> int | None:
-    get = getattr(tokenizer, "get_vocab_size", None)
-    if callable(get):
-        return int(get())
-    return len(tokenizer) if _is_hf(tokenizer) else None  # len() counts added tokens too
-
-
-def _end_of_text_id(tokenizer: Any) -> int | None:
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if isinstance(eos, int):
-        return eos
-    # tokenizers objects, and transformers tokenizers built without an eos_token (through their backend).
-    for obj in (tokenizer, getattr(tokenizer, "_tokenizer", None)):
-        token_to_id = getattr(obj, "token_to_id", None)
-        if callable(token_to_id):
-            return token_to_id(END_OF_TEXT)
-    return None
-
-
-def _tokenizer_json(tokenizer: Any) -> str | None:
-    # The full serialized tokenizer (vocab, merges, normalizer, ...) identifies its ids; an object without
-    # one cannot be fingerprinted, so its corpora are never cached.
-    for obj in (tokenizer, getattr(tokenizer, "_tokenizer", None)):
-        to_str = getattr(obj, "to_str", None)
-        if callable(to_str):
-            try:
-                return str(to_str())
-            except Exception:  # noqa: BLE001 - a tokenizer that cannot serialize just is not cached
-                return None
-    return None
-
-
-def _splits_at_blank_lines(tokenizer_json: str | None) -> bool:
-    # Only the GPT-2 byte-level scheme is known to split where _BLOCK_SPLIT does; elsewhere a cut would change
-    # ids (a SentencePiece prefix at each block, cl100k-style regexes keeping "\n\n" in one piece).
-    if tokenizer_json is None:
-        return False
-    try:
-        spec = json.loads(tokenizer_json)
-    except ValueError:
-        return False
-    pre = spec.get("pre_tokenizer") or {}
-    return (
-        spec.get("normalizer") is None and pre.get("type") == "ByteLevel"
-        and pre.get("use_regex", True) and not pre.get("add_prefix_space", False)
-    )
-
-
-class _Encoder:
-    """One tokenizer (``tokenizers`` or ``transformers``), seen through what the data needs from it."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.json = _tokenizer_json(tokenizer)
-        self.eot = _end_of_text_id(tokenizer)
-        self.vocab = _vocab_size(tokenizer)
-        self.dtype = batch_dtype(self.vocab) if self.vocab else None
-        self.split_blocks = _splits_at_blank_lines(self.json)
-
-    def fingerprint(self) -> str | None:
-        """Identifies the ids this encoder produces (None: not cacheable)."""
-        if self.json is None or self.vocab is None:
-            return None
-        return f"{type(self.tokenizer).__qualname__}\0{self.json}\0eot={self.eot}"
-
-    def encode(self, texts: list[str]) -> list[list[int]]:
-        """The ids of each text, without special tokens."""
-        return [[i for ids in blocks for i in ids] for blocks in self._blocks(texts)]
-
-    def _blocks(self, texts: list[str]) -> list[list[list[int]]]:
-        # Per text, the ids of its blocks; one block per text unless splitting is safe.
-        parts = [[b for b in _BLOCK_SPLIT.split(t) if b] if self.split_blocks else [t] for t in texts]
-        flat = iter(self._encode_flat([b for p in parts for b in p]))
-        return [[next(flat) for _ in p] for p in parts]
-
-    def _encode_flat(self, texts: list[str]) -> list[list[int]]:
-        if not texts:
-            return []
-        tok = self.tokenizer
-        batch = getattr(tok, "encode_batch", None)
-        if callable(batch):
-            try:
-                # No BOS/EOS templates: documents are joined with the end-of-text token explicitly.
-                encodings = batch(texts, add_special_tokens=False)
-            except TypeError:
-                encodings = batch(texts)
-            return [e.ids for e in encodings]
-        if _is_hf(tok):
-            # verbose=False: long documents are meant to exceed the model's length; no warning for that.
-            out = tok(texts, add_special_tokens=False, return_attention_mask=False, verbose=False)
-            return [list(ids) for ids in out["input_ids"]]
-        return [list(getattr(e, "ids", e)) for e in (tok.encode(t) for t in texts)]
-
-    def chunks(self, pieces: Iterable[tuple[str, bool]]) -> Iterator[np.ndarray]:
-        """Token ids of ``(text, ends_document)`` pieces, in order, as one array per ~_ENCODE_CHARS of text,
-        with the end-of-text token after each document that has any tokens."""
-        doc_has_ids = False
-        pending: list[tuple[str, bool]] = []
-        size = 0
-        for piece in itertools.chain(pieces, [None]):
-            if piece is not None:
-                pending.append(piece)
-                size += len(piece[0])
-                if size < _ENCODE_CHARS:
-                    continue
-            if not pending:
-                break
-            lists: list[list[int]] = []
-            for (_, ends), blocks in zip(pending, self._blocks([t for t, _ in pending])):
-                lists.extend(blocks)
-                doc_has_ids = doc_has_ids or any(blocks)
-                if ends:
-                    if doc_has_ids and self.eot is not None:
-                        lists.append([self.eot])
-                    doc_has_ids = False
-            pending, size = [], 0
-            yield self._array(lists)
-
-    def _array(self, lists: list[list[int]]) -> np.ndarray:
-        n = sum(map(len, lists))
-        ids = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=n)
-        if ids.size and (ids.min() < 0 or (self.vocab is not None and ids.max() >= self.vocab)):
-            raise ValueError(f"tokenizer produced ids outside [0, {self.vocab})")
-        return ids.astype(self.dtype) if self.dtype is not None else ids
-
-    def concat(self, chunks: Iterable[np.ndarray], limit: int | None = None) -> np.ndarray:
-        """All ``chunks`` (the first ``limit`` tokens) as one array of the batch dtype."""
-        parts, n = [], 0
-        for c in chunks:
-            parts.append(c)
-            n += len(c)
-            if limit is not None and n >= limit:
-                break
-        ids = np.concatenate(parts)[:limit] if parts else np.empty(0, self.dtype or np.int64)
-        if self.dtype is None:  # no known vocabulary: the smallest dtype for the ids seen
-            ids = ids.astype(batch_dtype(int(ids.max()) + 1 if ids.size else 1))
-        return ids
 
 
 # --------------------------------------------------------------------------------------- the token cache
@@ -316,7 +151,7 @@ def _cache_store(path: Path, ids: np.ndarray) -> None:
 
 
 def _through_cache(
-    encoder: _Encoder,
+    encoder: Encoder,
     cache: Path | None | bool,
     parts: Callable[[], Iterable[bytes]] | None,
     tokenize: Callable[[], np.ndarray],
@@ -368,7 +203,7 @@ def _decode(path: Path, raw: bytes) -> str:
 
 
 def _tokenize(tokenizer: Any, docs: list[tuple[Path, bytes]]) -> np.ndarray:
-    encoder = _Encoder(tokenizer)
+    encoder = Encoder(tokenizer)
     return encoder.concat(encoder.chunks((_decode(path, raw), True) for path, raw in docs))
 
 
@@ -381,35 +216,8 @@ def tokenize_corpus(
     """
     docs = read_texts(paths)
     return _through_cache(
-        _Encoder(tokenizer), cache, lambda: [b"text", *(raw for _, raw in docs)], lambda: _tokenize(tokenizer, docs)
+        Encoder(tokenizer), cache, lambda: [b"text", *(raw for _, raw in docs)], lambda: _tokenize(tokenizer, docs)
     )
-
-
-def _last_block_start(text: str) -> int:
-    last = 0
-    for m in _BLOCK_SPLIT.finditer(text):
-        last = m.start()
-    return last
-
-
-def _text_pieces(files: Sequence[Path]) -> Iterator[tuple[str, bool]]:
-    """Each file as one document, read in pieces cut at blank lines (where _BLOCK_SPLIT cuts too, so the ids
-    are those of the whole file), in bounded memory whatever the file's size."""
-    for path in files:
-        try:
-            with open(path, encoding="utf-8", newline="") as f:  # newline="": CRLF kept, as read_bytes does
-                pending = ""
-                while chunk := f.read(_READ_CHARS):
-                    pending += chunk
-                    cut = _last_block_start(pending)
-                    if not cut and len(pending) >= _MAX_PENDING_CHARS:
-                        cut = len(pending)  # no blank line in sight: cut anyway rather than grow
-                    if cut:
-                        yield pending[:cut], False
-                        pending = pending[cut:]
-                yield pending, True
-        except UnicodeDecodeError as e:
-            raise ValueError(f"--data file {str(path)!r} is not UTF-8 text: {e}") from None
 
 
 # --------------------------------------------------------------------------- datasets: files and the hub
@@ -527,20 +335,7 @@ def _missing_field(text_field: str, columns: Iterable[str], what: str) -> ValueE
     )
 
 
-# -------------------------------------------------------------------------------------- in memory
-
-
-def _val_windows(val: np.ndarray, batch_size: int, seq_len: int, count: int) -> list[np.ndarray]:
-    # Evenly spaced windows over the held-out tokens, first to last (they overlap when there are few).
-    if count < 1:
-        raise ValueError(f"count must be >= 1, got {count}")
-    if batch_size < 1 or seq_len < 1:
-        raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
-    if seq_len + 1 > len(val):
-        raise ValueError(f"seq_len {seq_len} does not fit the {len(val)}-token validation split")
-    offsets = np.linspace(0, len(val) - seq_len - 1, num=count * batch_size).round().astype(np.int64)
-    rows = val[offsets[:, None] + np.arange(seq_len + 1)]  # (count * B, T+1)
-    return list(rows.reshape(count, batch_size, seq_len + 1))
+# -------------------------------------------------------------------------------------------- in memory
 
 
 class TokenStream:
@@ -629,171 +424,13 @@ class TokenStream:
     def val_batches(self, batch_size: int, seq_len: int, count: int) -> list[np.ndarray]:
         """``count`` validation batches (batch_size, seq_len + 1), the same on every call: windows evenly
         spaced over the validation split (they overlap when the split is small)."""
-        return _val_windows(self.val, batch_size, seq_len, count)
+        return val_windows(self.val, batch_size, seq_len, count)
 
 
 def _non_empty(ids: np.ndarray) -> np.ndarray:
     if ids.size == 0:
         raise ValueError("--data corpus is empty: it tokenizes to no tokens")
     return ids
-
-
-# -------------------------------------------------------------------------------------------- streaming
-
-
-def _head(chunks: Iterator[np.ndarray], n: int) -> tuple[np.ndarray, Iterator[np.ndarray]]:
-    """The first ``n`` tokens of ``chunks`` (fewer if it ends first), and an iterator over the rest."""
-    parts, have = [], 0
-    for c in chunks:
-        parts.append(c)
-        have += len(c)
-        if have >= n:
-            break
-    head = np.concatenate(parts) if parts else np.empty(0, np.int64)
-    return head[:n], itertools.chain([head[n:]], chunks)
-
-
-class _Cursor:
-    """A forward-only window on an endless token stream: ``read(start, stop)`` by absolute position, keeping
-    only the tokens from the last ``start`` on."""
-
-    def __init__(self, chunks: Iterator[np.ndarray]) -> None:
-        self._chunks = chunks
-        self.base = 0  # absolute position of _buf[0]
-        self._buf = np.empty(0, np.int64)
-
-    def read(self, start: int, stop: int) -> np.ndarray:
-        assert self.base <= start < stop
-        while self.base + len(self._buf) <= start:  # skip whole chunks before start (a resume)
-            self.base += len(self._buf)
-            self._buf = next(self._chunks)
-        self._buf = self._buf[start - self.base :]
-        self.base = start
-        parts, have = [self._buf], len(self._buf)
-        while have < stop - start:
-            parts.append(next(self._chunks))
-            have += len(parts[-1])
-        if len(parts) > 1:
-            self._buf = np.concatenate(parts)
-        return self._buf[: stop - start]
-
-
-class StreamingTokenSource:
-    """Batches cut in order from a token stream too large to hold (``--streaming``).
-
-    The training stream is the corpus read in order, less the held-out head, repeated for as many epochs as
-    training needs. Step ``t`` takes the ``n_slots * batch_size`` consecutive windows of ``seq_len + 1``
-    tokens (stride ``seq_len``, so every token is a target once) starting at token ``t * n_slots *
-    batch_size * seq_len``; slot ``i`` gets windows ``i * batch_size`` to ``(i + 1) * batch_size - 1``.
-    The rows are thus a pure function of ``(step, slot, n_slots, batch_size, seq_len)``: the same on every
-    run, in any call order, from any thread. A step is cut once, when its first slot asks, and kept with the
-    step before it, so the other slots and retries get the same rows without reading again.
-
-    Resuming at step ``t`` needs nothing but ``t``: the first call reads (and tokenizes, unbatched) the
-    stream up to step ``t``'s position, at the cost of one pass over that much text. Asking for a step
-    before the last two cut re-reads the stream from its start. Memory holds about two steps of rows.
-
-    Held out for validation: the first ``val_rows * (seq_len + 1)`` tokens of the validation split when the
-    dataset has one, else of the stream itself (then never trained on, in any epoch).
-    """
-
-    def __init__(
-        self,
-        open_train: Callable[[], Iterable[tuple[str, bool]]],
-        tokenizer: Any,
-        *,
-        seq_len: int,
-        n_slots: int,
-        val_rows: int = 64,
-        open_val: Callable[[], Iterable[tuple[str, bool]]] | None = None,
-        what: str = "--data",
-    ) -> None:
-        if seq_len < 1 or n_slots < 1 or val_rows < 1:
-            raise ValueError(f"seq_len, n_slots and val_rows must be >= 1, got {seq_len}, {n_slots}, {val_rows}")
-        self._open_train = open_train
-        self._encoder = _Encoder(tokenizer)
-        self.n_slots = n_slots
-        self.what = what
-        self._dtype = self._encoder.dtype or np.dtype(np.int32)
-        window = seq_len + 1
-        n_val = val_rows * window
-        first_pass = self._encoder.chunks(open_train())
-        if open_val is None:
-            val, first_pass = _head(first_pass, n_val)
-            if len(val) < n_val:
-                raise ValueError(
-                    f"{what} ends after {len(val)} tokens: too few to hold out {val_rows} validation rows of "
-                    f"{window} tokens and still train"
-                )
-            self._skip = n_val
-        else:
-            val, _ = _head(self._encoder.chunks(open_val()), n_val)
-            if len(val) < window:
-                raise ValueError(f"{what} validation split has {len(val)} tokens, fewer than one sequence of {window}")
-            self._skip = 0
-        self.val = val.astype(self._dtype)
-        self._lock = threading.Lock()
-        self._recent: collections.OrderedDict[tuple[int, int, int], np.ndarray] = collections.OrderedDict()
-        self._cursor: _Cursor | None = _Cursor(self._train_chunks(first_pass))
-        self._cursor.read(0, window)  # fails now, not at step 0, when there is nothing to train on
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self._dtype
-
-    def _train_chunks(self, first_pass: Iterator[np.ndarray] | None = None) -> Iterator[np.ndarray]:
-        for epoch in itertools.count():
-            if first_pass is not None:
-                chunks, first_pass = first_pass, None
-            else:
-                chunks = self._encoder.chunks(self._open_train())
-                if self._skip:
-                    _, chunks = _head(chunks, self._skip)  # the held-out head, in every epoch
-            if epoch:
-                log.info("%s: epoch %d of the training stream", self.what, epoch)
-            empty = True
-            for c in chunks:
-                if len(c):
-                    empty = False
-                    yield c
-            if empty:
-                raise ValueError(f"{self.what} has no training tokens after the {self._skip} held-out ones")
-
-    def batch(self, step: int, slot: int, batch_size: int, seq_len: int) -> np.ndarray:
-        """Training rows (batch_size, seq_len + 1) of worker ``slot`` at ``step``; see the class docstring."""
-        if step < 0 or not 0 <= slot < self.n_slots:
-            raise ValueError(f"step must be >= 0 and slot in [0, {self.n_slots}) (n_slots), got {step} and {slot}")
-        if batch_size < 1 or seq_len < 1:
-            raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
-        key = (step, batch_size, seq_len)
-        with self._lock:  # the other slots of this step wait here, then find it cut
-            rows = self._recent.get(key)
-            if rows is None:
-                rows = self._cut(step, batch_size, seq_len)
-                self._recent[key] = rows
-                while len(self._recent) > 2:  # this step and the one before (for a late retry)
-                    self._recent.popitem(last=False)
-        return rows[slot * batch_size : (slot + 1) * batch_size].copy()
-
-    def _cut(self, step: int, batch_size: int, seq_len: int) -> np.ndarray:
-        n_rows = self.n_slots * batch_size
-        start = step * n_rows * seq_len
-        if self._cursor is None or start < self._cursor.base:
-            if self._cursor is not None:
-                log.warning("%s: step %d was already passed; re-reading the stream from its start", self.what, step)
-            self._cursor = _Cursor(self._train_chunks())
-        try:
-            tokens = self._cursor.read(start, start + n_rows * seq_len + 1)
-        except BaseException:
-            self._cursor = None  # a failed read leaves the stream's iterators unusable: start over next time
-            raise
-        rows = tokens[np.arange(n_rows)[:, None] * seq_len + np.arange(seq_len + 1)]  # (n_slots * B, T+1)
-        return rows.astype(self._dtype)
-
-    def val_batches(self, batch_size: int, seq_len: int, count: int) -> list[np.ndarray]:
-        """``count`` batches (batch_size, seq_len + 1) of held-out tokens, the same on every call: windows
-        evenly spaced over them (exactly tiling them when ``count * batch_size == val_rows``)."""
-        return _val_windows(self.val, batch_size, seq_len, count)
 
 
 # ------------------------------------------------------------------------------------------- entry point
@@ -843,7 +480,7 @@ def open_data(
         return TokenStream.from_texts(
             source.files, tokenizer, seq_len=seq_len, seed=seed, val_fraction=val_fraction, cache=cache
         )
-    encoder = _Encoder(tokenizer)
+    encoder = Encoder(tokenizer)
     if source.kind == "hub":
         train, val = _load_hub(source.name, data_config, streaming=False)
         ident = [source.name, data_config or "", text_field]
@@ -860,7 +497,7 @@ def open_data(
 
 
 def _hub_split_ids(
-    encoder: _Encoder, cache: Path | None | bool, ds: Any, ident: list[str], split: str, limit: int | None
+    encoder: Encoder, cache: Path | None | bool, ds: Any, ident: list[str], split: str, limit: int | None
 ) -> np.ndarray:
     """The tokens of one split of a hub dataset (its first ``limit``), cached under datasets' fingerprint of
     the split's content."""
@@ -885,7 +522,7 @@ def _open_stream(
     open_val: Callable[[], Iterable[tuple[str, bool]]] | None = None
     if source.kind == "text":
         def open_train() -> Iterable[tuple[str, bool]]:
-            return _text_pieces(source.files)
+            return text_pieces(source.files)
     else:
         val = None
         if source.kind == "hub":

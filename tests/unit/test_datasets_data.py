@@ -22,6 +22,8 @@ import pytest
 
 from gradwire.assets import corpus_path, default_tokenizer, gpt2_tokenizer
 from gradwire.coordinator import data as data_mod
+from gradwire.coordinator import streaming as streaming_mod
+from gradwire.coordinator import tokens as tokens_mod
 from gradwire.coordinator.data import StreamingTokenSource, TokenSource, TokenStream, open_data
 
 SEQ = 16
@@ -172,8 +174,8 @@ def test_streaming_rows_are_the_stream_laid_out_by_step_and_slot(
     stream_files: list[Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Small reads and encode calls, so texts are cut into many pieces: the ids must not change.
-    monkeypatch.setattr(data_mod, "_READ_CHARS", 700)
-    monkeypatch.setattr(data_mod, "_ENCODE_CHARS", 1500)
+    monkeypatch.setattr(streaming_mod, "_READ_CHARS", 700)
+    monkeypatch.setattr(tokens_mod, "_ENCODE_CHARS", 1500)
     tok = default_tokenizer()
     ids = np.array(expected_ids(tok))
     n_slots, b, n_val = 3, 2, 4 * (SEQ + 1)
@@ -291,7 +293,7 @@ def test_hf_and_tokenizers_gpt2_give_identical_ids(tmp_path: Path) -> None:
     hf = PreTrainedTokenizerFast(tokenizer_object=gpt2_tokenizer()._tokenizer, eos_token="<|endoftext|>")
     hf_no_eos = PreTrainedTokenizerFast(tokenizer_object=gpt2_tokenizer()._tokenizer)
     for tok in (raw, hf, hf_no_eos):
-        encoder = data_mod._Encoder(tok)
+        encoder = tokens_mod.Encoder(tok)
         assert encoder.encode(["Hello world"]) == [[15496, 995]]
         assert (encoder.eot, encoder.vocab, encoder.split_blocks) == (50256, 50257, True)
     path = write_jsonl(tmp_path / "docs.jsonl", DOCS)
@@ -303,10 +305,10 @@ def test_hf_and_tokenizers_gpt2_give_identical_ids(tmp_path: Path) -> None:
 
 
 def test_only_the_gpt2_byte_level_scheme_is_encoded_in_blocks() -> None:
-    assert data_mod._Encoder(default_tokenizer()).split_blocks
+    assert tokens_mod.Encoder(default_tokenizer()).split_blocks
     spec = json.loads(default_tokenizer().to_str())
     spec["pre_tokenizer"]["add_prefix_space"] = True  # each block would get a leading space
-    assert not data_mod._splits_at_blank_lines(json.dumps(spec))
+    assert not tokens_mod._splits_at_blank_lines(json.dumps(spec))
     spec["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": True}
-    assert not data_mod._splits_at_blank_lines(json.dumps(spec))
-    assert not data_mod._splits_at_blank_lines(None)
+    assert not tokens_mod._splits_at_blank_lines(json.dumps(spec))
+    assert not tokens_mod._splits_at_blank_lines(None)
