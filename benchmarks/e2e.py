@@ -32,19 +32,23 @@ from gradwire.models import build_from_spec, lm_loss, model_spec
 from gradwire.replica import outer_step
 
 
-def bare_step_times(config: TrainConfig, trainer_data, steps: int) -> list[float]:
-    model = build_from_spec(model_spec(config.model), seed=config.seed)
-    rule = config.update_rule()
-    params = list(model.parameters())
-    times = []
-    for step in range(steps + 1):
-        rows = torch.from_numpy(trainer_data.batch(step, 0, config.batch_size, config.sequence_length).astype(np.int64))
+class BareStep:
+    """The same model, batch and outer step in one process: forward/backward + the outer step."""
+
+    def __init__(self, config: TrainConfig, data) -> None:
+        self.config, self.data = config, data
+        self.model = build_from_spec(model_spec(config.model), seed=config.seed)
+        self.params = list(self.model.parameters())
+        self.rule = config.update_rule()
+
+    def __call__(self, step: int) -> float:
+        cfg = self.config
+        rows = torch.from_numpy(self.data.batch(step, 0, cfg.batch_size, cfg.sequence_length).astype(np.int64))
         t0 = time.perf_counter()
-        model.zero_grad(set_to_none=True)
-        lm_loss(model, rows).backward()
-        outer_step(params, [p.grad for p in params], rule, config.lr_at(step))
-        times.append(time.perf_counter() - t0)
-    return times[1:]  # the first step warms allocator and kernels
+        self.model.zero_grad(set_to_none=True)
+        lm_loss(self.model, rows).backward()
+        outer_step(self.params, [p.grad for p in self.params], self.rule, cfg.lr_at(step))
+        return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -59,21 +63,26 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out:
         config = TrainConfig(model=args.model, steps=args.steps + 1, batch_size=args.batch_size, sequence_length=args.seq_len, output_dir=out)
         # The worker gets every core, as it would on its own machine; the coordinator, which mostly waits,
-        # gets one (as in `coordinator train --local`).
-        torch.set_num_threads(1)
+        # gets one (as in `coordinator train --local`). Service and bare steps alternate, so a slow spell
+        # of this shared machine hits both alike.
         with local_workers(1, threads=os.cpu_count()) as addresses:
             trainer = Trainer(config, [WorkerClient(a, timeout=600) for a in addresses], progress=False)
+            bare_step = BareStep(config, trainer.data)
+            bare_step(0)  # warm-up: allocator and kernels
+            records, bare = [], []
             try:
                 trainer.connect()
-                records = [trainer.train_step() for _ in range(config.steps)]
+                for step in range(config.steps):
+                    torch.set_num_threads(1)
+                    records.append(trainer.train_step())
+                    torch.set_num_threads(os.cpu_count() or 1)
+                    bare.append(bare_step(step + 1))
             finally:
                 trainer.close()
-        torch.set_num_threads(os.cpu_count() or 1)
-        bare = bare_step_times(config, trainer.data, args.steps)
 
     steady = records[1:]  # round 1 pushes the state
     service_step = statistics.median(r["step_time"] for r in steady)
-    bare_step = statistics.median(bare)
+    bare_step = statistics.median(bare[1:])
     result = {
         "model": args.model,
         "batch_size": args.batch_size,
