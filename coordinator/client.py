@@ -1,10 +1,10 @@
-"""The coordinator's side of the Worker service: one client per worker, and a pool that calls them all.
+"""The coordinator's side of the Worker service: one client per worker.
 
 Every call carries a deadline (the worker refuses calls without one), and every way a call can fail -
 a gRPC status, a worker that speaks another protocol, a reply that does not parse - becomes a
 ``WorkerError`` carrying a ``grpc.StatusCode``. The round loop treats that as the worker's state for this
-round (absent, straggling, needs a restart), never as a crash: ``WorkerPool.map`` returns the error in
-place of that worker's result.
+round (absent, straggling, needs a restart), never as a crash: the round loop records the error in place
+of that worker's result.
 
 Each client also counts the bytes of its last call in both directions (``last_bytes_down``: coordinator to
 worker; ``last_bytes_up``: worker to coordinator): the data of every framed ``Part``, or the serialized
@@ -14,8 +14,7 @@ size of a small unary message.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent import futures
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import grpc
@@ -64,7 +63,7 @@ class _Counter:
 class WorkerClient:
     """Calls one worker. Each method takes ``timeout`` (seconds; default: the constructor's) as its deadline.
 
-    Byte counters are per call: use one client from one thread at a time (as ``WorkerPool`` does).
+    Byte counters are per call: use one client from one thread at a time (as the round loop does).
     """
 
     def __init__(self, address: str, *, timeout: float = 60.0, max_message_mb: int = DEFAULT_MESSAGE_MB) -> None:
@@ -192,54 +191,3 @@ def _code(e: grpc.RpcError) -> grpc.StatusCode:
 def _details(e: grpc.RpcError) -> str:
     details = getattr(e, "details", None)
     return (details() if callable(details) else None) or str(e)
-
-
-class WorkerPool:
-    """A client per worker, and concurrent calls to all of them; one worker's failure is its result."""
-
-    def __init__(self, addresses: Sequence[str], timeout: float = 60.0, *, max_message_mb: int = DEFAULT_MESSAGE_MB) -> None:
-        if len(set(addresses)) != len(addresses):
-            raise ValueError(f"--workers lists an address twice: {list(addresses)}")
-        self.clients = {a: WorkerClient(a, timeout=timeout, max_message_mb=max_message_mb) for a in addresses}
-        self._executor = futures.ThreadPoolExecutor(max_workers=max(1, len(addresses)), thread_name_prefix="gradwire-pool")
-
-    @property
-    def addresses(self) -> list[str]:
-        return list(self.clients)
-
-    def map(self, fn: Callable[..., T], items: Mapping[str, Any] | Sequence[Any] | None = None) -> dict[str, T | WorkerError]:
-        """Call ``fn(client)`` (or ``fn(client, item)``) on every worker at once; {address: result or WorkerError}.
-
-        ``items`` is one item per worker, in ``addresses`` order, or a mapping from address to item that
-        calls only the workers it names. Exceptions other than ``WorkerError`` are bugs and propagate.
-        """
-        if items is None:
-            calls = {a: (c,) for a, c in self.clients.items()}
-        elif isinstance(items, Mapping):
-            unknown = sorted(set(items) - set(self.clients))
-            if unknown:
-                raise KeyError(f"not in the pool: {unknown}")
-            calls = {a: (self.clients[a], item) for a, item in items.items()}
-        else:
-            if len(items) != len(self.clients):
-                raise ValueError(f"{len(items)} items for {len(self.clients)} workers")
-            calls = {a: (c, item) for (a, c), item in zip(self.clients.items(), items)}
-        pending = {a: self._executor.submit(fn, *args) for a, args in calls.items()}
-        results: dict[str, T | WorkerError] = {}
-        for address, future in pending.items():
-            try:
-                results[address] = future.result()  # bounded: every call inside has a deadline
-            except WorkerError as e:
-                results[address] = e
-        return results
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=True)
-        for client in self.clients.values():
-            client.close()
-
-    def __enter__(self) -> WorkerPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -29,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gradwire import protocol
 from gradwire.compression import CodecConfig, GradientCodec
 from gradwire.coordinator import client as client_module
-from gradwire.coordinator.client import WorkerClient, WorkerError, WorkerPool
+from gradwire.coordinator.client import WorkerClient, WorkerError
 from gradwire.models import build_from_spec, model_spec
 from gradwire.protocol import NEEDS_STATE, OK, ModelState, RoundResult, WorkOrder
 from gradwire.replica import Fingerprint, Replica, StateUpdate, UpdateRule
@@ -388,20 +388,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def test_pool_returns_a_dead_workers_error_as_its_result(worker: Worker, replica: Replica) -> None:
-    dead = f"127.0.0.1:{free_port()}"
-    with WorkerPool([worker.address, dead], timeout=5.0) as pool:
-        infos = pool.map(lambda c: c.describe())
-        assert infos[worker.address].device == "cpu"
-        assert isinstance(infos[dead], WorkerError) and infos[dead].code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-        assert infos[dead].address == dead
-        state = state_of(replica)
-        pushed = pool.map(lambda c, s: c.push_state(s), {worker.address: state})
-        assert list(pushed) == [worker.address] and pushed[worker.address][0] == 0
-        results = pool.map(lambda c, o: c.run_round(o), [make_order(replica, 0, 0), make_order(replica, 0, 0)])
-        assert results[worker.address].status == OK and isinstance(results[dead], WorkerError)
 
 
 def test_wait_ready_gives_up_on_a_dead_address() -> None:
