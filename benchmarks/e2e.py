@@ -28,6 +28,7 @@ from gradwire.coordinator.client import WorkerClient
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.local import local_workers
 from gradwire.coordinator.trainer import Trainer
+from gradwire.memory import keep_freed_memory
 from gradwire.models import build_from_spec, lm_loss, model_spec
 from gradwire.replica import outer_step
 
@@ -59,6 +60,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--json", action="store_true", help="print the result on one line")
     args = parser.parse_args()
+    keep_freed_memory()  # as `coordinator train` does; the bare step runs in this process and gains alike
 
     with tempfile.TemporaryDirectory() as out:
         config = TrainConfig(model=args.model, steps=args.steps + 1, batch_size=args.batch_size, sequence_length=args.seq_len, output_dir=out)
@@ -99,6 +101,8 @@ def main() -> None:
         "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in steady),
         "bare_tokens_per_sec": args.batch_size * args.seq_len / bare_step,
         "worker_compute_s": statistics.median(r["worker_compute_time"] for r in steady),
+        "worker_update_s": statistics.median(r["worker_update_time"] for r in steady),
+        "worker_compress_s": statistics.median(r["worker_compress_time"] for r in steady),
         "dispatch_s": statistics.median(r["dispatch_time"] for r in steady),
         "aggregate_s": statistics.median(r["aggregate_time"] for r in steady),
         "torch": torch.__version__,

@@ -15,11 +15,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from gradwire.cliconfig import parse_args_with_config, subcommand_parser
 from gradwire.coordinator.client import WorkerClient, WorkerError
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.local import local_workers
 from gradwire.models import model_names
-from gradwire.cliconfig import parse_args_with_config, subcommand_parser
 
 HELP = {
     "model": f"a built-in model ({', '.join(model_names())}), a Hugging Face hub id (e.g. facebook/opt-125m) or a local model directory",
@@ -179,6 +179,9 @@ def report(output_dir: str, report_dir: str | None = None) -> int:
 
 def train(config: TrainConfig, *, workers: str | None = None, local: int | None = None, progress: bool = True) -> int:
     from gradwire.coordinator.trainer import Trainer  # torch and models load only when training
+    from gradwire.memory import keep_freed_memory
+
+    keep_freed_memory()
 
     def run(addresses: list[str]) -> int:
         clients = [WorkerClient(a, timeout=config.round_timeout) for a in addresses]

@@ -294,6 +294,8 @@ class Trainer:
             "lr": lr,
             "pushes": sum(o.pushes for o in outcomes) + len(to_push),
             "worker_compute_time": max((r.timings.get("compute", 0.0) for r in usable), default=0.0),
+            "worker_update_time": max((r.timings.get("update", 0.0) for r in usable), default=0.0),
+            "worker_compress_time": max((r.timings.get("compress", 0.0) for r in usable), default=0.0),
         }
 
     def _next_update(self, payloads: tuple, weights: tuple, lr: float, aggregator: Aggregator) -> float:

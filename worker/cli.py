@@ -118,9 +118,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Imported here: torch, the model code and grpc take a moment, and --help should not wait for them.
+    from gradwire.memory import keep_freed_memory
     from gradwire.worker.engine import WorkerEngine
     from gradwire.worker.server import serve
 
+    keep_freed_memory()  # a long-lived daemon: reuse its model-sized buffers instead of re-faulting them
     try:
         return serve(WorkerEngine(args.device), host=args.host, port=args.port, max_message_mb=args.max_message_mb, grace=args.grace)
     except OSError as e:  # the address cannot be bound

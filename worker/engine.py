@@ -15,13 +15,24 @@ import json
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 import gradwire
 from gradwire.compression import ErrorFeedback
 from gradwire.models import build_from_spec, lm_loss
-from gradwire.protocol import NEEDS_STATE, OK, PROTOCOL_VERSION, FeedbackState, ModelState, ProtocolError, RoundResult, WorkerInfo, WorkOrder
+from gradwire.protocol import (
+    NEEDS_STATE,
+    OK,
+    PROTOCOL_VERSION,
+    FeedbackState,
+    ModelState,
+    ProtocolError,
+    RoundResult,
+    WorkerInfo,
+    WorkOrder,
+)
 from gradwire.replica import Fingerprint, Replica, UpdateRule, compare_fingerprints
 
 
@@ -74,6 +85,10 @@ class WorkerEngine:
         # One round at a time: rounds of one run are sequential anyway, and two models' worth of
         # forward/backward at once would only fight over the same device.
         self._lock = threading.Lock()
+        # All torch work runs on this one long-lived thread, not on whichever gRPC thread took the call:
+        # each new calling thread gets an OpenMP team of its own, and idle teams spinning beside the busy
+        # one cost ~5-15% of a CPU step (measured on gpt-10m: 2.21 s on one thread, 2.33-2.56 s on fresh ones).
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradwire-compute")
 
     def info(self) -> WorkerInfo:
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
@@ -84,6 +99,9 @@ class WorkerEngine:
         )
 
     def push_state(self, state: ModelState) -> tuple[int, Fingerprint]:
+        return self._compute.submit(self._push_state, state).result()
+
+    def _push_state(self, state: ModelState) -> tuple[int, Fingerprint]:
         session = Session(state, self.device)  # built and validated before it replaces anything
         with self._lock:
             previous = self.sessions.pop(state.run_id, None)
@@ -104,6 +122,9 @@ class WorkerEngine:
             return FeedbackState(run_id, session.replica.version, buffers)
 
     def run_round(self, order: WorkOrder, cancelled: Callable[[], bool] = lambda: False) -> RoundResult:
+        return self._compute.submit(self._locked_round, order, cancelled).result()
+
+    def _locked_round(self, order: WorkOrder, cancelled: Callable[[], bool]) -> RoundResult:
         with self._lock:
             return self._run_round(order, cancelled)
 
