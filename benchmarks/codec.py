@@ -32,6 +32,7 @@ import torch
 from gradwire.assets import corpus_path
 from gradwire.compression import CodecConfig, CompressedGradient, Encoding, GradientCodec, ValueFormat
 from gradwire.compression.dct import dct_chunks
+from gradwire.memory import keep_freed_memory
 from gradwire.models import build_model, lm_loss, model_names, tokenizer_for
 
 AGGREGATE_COUNTS = (1, 8, 64)
@@ -279,6 +280,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4, help="rows of the gradient batch")
     parser.add_argument("--seed", type=int, default=0, help="model init, dropout and noise seed")
     args = parser.parse_args()
+    keep_freed_memory()  # as the worker and coordinator processes do
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.batch_size < 1 or (args.seq_len is not None and args.seq_len < 1):
