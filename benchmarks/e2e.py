@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--model", default="gpt-10m")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--json", action="store_true", help="print the result on one line")
     args = parser.parse_args()
     keep_freed_memory()  # as `coordinator train` does; the bare step runs in this process and gains alike
