@@ -4,6 +4,7 @@ Pure tensor -> payload -> tensor code: no networking and no knowledge of models 
 shapes. ``GradientCodec`` is the entry point; ``serde`` converts payloads to and from the proto messages.
 """
 
+from gradwire.compression.aggregate import Aggregator
 from gradwire.compression.codec import DecodedGradient, GradientCodec
 from gradwire.compression.config import FORMAT_VERSION, CodecConfig
 from gradwire.compression.feedback import ErrorFeedback
@@ -12,6 +13,7 @@ from gradwire.compression.plan import ChunkGroup, ModelPlan, TensorPlan
 
 __all__ = [
     "FORMAT_VERSION",
+    "Aggregator",
     "ChunkGroup",
     "CodecConfig",
     "CompressedGradient",

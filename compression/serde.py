@@ -28,7 +28,6 @@ from gradwire.compression.payload import (
 )
 from gradwire.v1 import codec_pb2
 
-
 _E = TypeVar("_E", bound=enum.IntEnum)
 
 

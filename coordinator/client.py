@@ -24,9 +24,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gradwire import protocol
 from gradwire.protocol import PROTOCOL_VERSION, FeedbackState, ModelState, RoundResult, WorkerInfo, WorkOrder
 from gradwire.replica import Fingerprint
+from gradwire.transport import DEFAULT_MESSAGE_MB, SERVICE_NAME, check_message_mb, grpc_options
 from gradwire.v1 import worker_pb2 as pb
 from gradwire.v1 import worker_pb2_grpc
-from gradwire.transport import DEFAULT_MESSAGE_MB, SERVICE_NAME, check_message_mb, grpc_options
 
 T = TypeVar("T")
 

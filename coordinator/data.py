@@ -14,7 +14,8 @@ kinds:
 Documents: each text file is one, and so is each row's ``--text-field`` of jsonl/json/csv/parquet files (read
 through ``datasets``) or of a hub dataset. Every document ends with the end-of-text token, so a window
 spanning two documents shows the model where one ended. Rows are ``seq_len + 1`` tokens long: inputs are
-``row[:-1]``, targets ``row[1:]``. The tokenizer adapter both kinds share is in ``tokens``.
+``row[:-1]``, targets ``row[1:]``. Resolving ``--data`` to a source and reading its documents is in
+``sources``; the tokenizer adapter both kinds share is in ``tokens``.
 """
 
 from __future__ import annotations
@@ -23,16 +24,23 @@ import dataclasses
 import hashlib
 import logging
 import os
-import re
 import tempfile
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from gradwire.assets import corpus_path
+from gradwire.coordinator.sources import (
+    Source,
+    dataset_pieces,
+    file_digest,
+    load_hub,
+    open_files,
+    read_texts,
+    resolve_source,
+)
 from gradwire.coordinator.streaming import StreamingTokenSource, text_pieces
 from gradwire.coordinator.tokens import Encoder, batch_dtype, val_windows
 
@@ -45,11 +53,6 @@ log = logging.getLogger(__name__)
 
 # Bump when the tokenization procedure (tokens.Encoder, tokenize_corpus) changes, so stale caches are not reused.
 _CACHE_VERSION = 2
-
-# What --data files hold, by suffix; a file named explicitly with another suffix is read as text.
-_KINDS = {".txt": "text", ".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
-_COMPRESSED = (".gz", ".bz2", ".xz", ".zst")  # datasets decompresses json/csv files with these suffixes
-_VALIDATION_SPLITS = ("validation", "valid")
 _MAX_VAL_TOKENS = 1 << 20  # a validation split is read up to here: ample for a held-out loss, bounded
 
 
@@ -172,29 +175,6 @@ def _through_cache(
 # ------------------------------------------------------------------------------------------- text files
 
 
-def _resolve_files(paths: Sequence[str | Path]) -> list[Path]:
-    if not paths:
-        return [corpus_path()]
-    files: list[Path] = []
-    for raw in paths:
-        path = Path(raw).expanduser()
-        if path.is_dir():
-            found = sorted(p for p in path.glob("*.txt") if p.is_file())
-            if not found:
-                raise ValueError(f"--data directory {str(path)!r} holds no *.txt files")
-            files.extend(found)
-        elif path.is_file():
-            files.append(path)
-        else:
-            raise FileNotFoundError(f"--data path {str(path)!r} does not exist")
-    return files
-
-
-def read_texts(paths: Sequence[str | Path] = ()) -> list[tuple[Path, bytes]]:
-    """The raw bytes of every document named by ``paths`` (see ``DataConfig.paths``), in order."""
-    return [(f, f.read_bytes()) for f in _resolve_files(paths)]
-
-
 def _decode(path: Path, raw: bytes) -> str:
     try:
         return raw.decode("utf-8")
@@ -217,121 +197,6 @@ def tokenize_corpus(
     docs = read_texts(paths)
     return _through_cache(
         Encoder(tokenizer), cache, lambda: [b"text", *(raw for _, raw in docs)], lambda: _tokenize(tokenizer, docs)
-    )
-
-
-# --------------------------------------------------------------------------- datasets: files and the hub
-
-
-@dataclasses.dataclass(frozen=True)
-class _Source:
-    kind: str  # "text", a datasets builder ("json", "csv", "parquet"), or "hub"
-    files: tuple[Path, ...] = ()
-    name: str = ""  # the hub dataset
-
-    def describe(self) -> str:
-        if self.kind == "hub":
-            return f"--data {self.name!r}"
-        shown = ", ".join(repr(str(f)) for f in self.files[:3]) + (", ..." if len(self.files) > 3 else "")
-        return f"--data {shown}"
-
-
-def _kind(path: Path) -> str | None:
-    suffixes = [s.lower() for s in path.suffixes[-2:]]
-    if len(suffixes) == 2 and suffixes[1] in _COMPRESSED and _KINDS.get(suffixes[0]) in ("json", "csv"):
-        return _KINDS[suffixes[0]]
-    return _KINDS.get(suffixes[-1]) if suffixes else None
-
-
-def _looks_like_hub_name(raw: str) -> bool:
-    return _kind(Path(raw)) is None and re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?", raw) is not None
-
-
-def _resolve_source(paths: Sequence[str]) -> _Source:
-    if not paths:
-        return _Source("text", (corpus_path(),))
-    files: list[Path] = []
-    for raw in paths:
-        path = Path(raw).expanduser()
-        if path.is_dir():
-            found = sorted(p for p in path.iterdir() if p.is_file() and _kind(p))
-            if not found:
-                raise ValueError(f"--data directory {str(path)!r} holds no {'/'.join(sorted(_KINDS))} files")
-            files.extend(found)
-        elif path.is_file():
-            files.append(path)
-        elif len(paths) == 1 and _looks_like_hub_name(raw):
-            return _Source("hub", name=raw)
-        else:
-            raise FileNotFoundError(f"--data path {str(path)!r} does not exist")
-    kinds = {_kind(f) or "text" for f in files}
-    if len(kinds) > 1:
-        raise ValueError(f"--data mixes {' and '.join(sorted(kinds))} files; give files of one kind")
-    return _Source(kinds.pop(), tuple(files))
-
-
-def _file_digest(path: Path) -> bytes:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.digest()
-
-
-def _open_files(source: _Source) -> Any:
-    """The rows of local jsonl/json/csv/parquet files, streamed (no Arrow copy in the datasets cache: the
-    token cache keeps what is needed)."""
-    import datasets  # seconds to import; only these sources need it
-
-    return datasets.load_dataset(source.kind, data_files=[str(f) for f in source.files], split="train", streaming=True)
-
-
-def _load_hub(name: str, data_config: str | None, *, streaming: bool) -> tuple[Any, Any | None]:
-    """The train split of a hub dataset and its validation split (None when it has none)."""
-    import datasets
-
-    try:
-        splits = dict(datasets.load_dataset(name, data_config, streaming=streaming))
-    except (ConnectionError, FileNotFoundError) as e:  # DatasetNotFoundError is a FileNotFoundError
-        offline = datasets.config.HF_HUB_OFFLINE
-        raise ValueError(
-            f"--data {name!r} is not a local file or directory, and loading it as a hub dataset failed: it needs "
-            f"the Hugging Face Hub or a copy in the local datasets cache ({datasets.config.HF_DATASETS_CACHE})"
-            + (", and HF_HUB_OFFLINE/HF_DATASETS_OFFLINE allow only the cache" if offline else "")
-            + ("; --streaming always reads from the hub, so drop it to use the cache" if streaming else "")
-            + f" [{type(e).__name__}: {e}]"
-        ) from None
-    except ValueError as e:  # e.g. an unknown configuration, with the list of known ones
-        raise ValueError(f"--data {name!r} with --data-config {data_config!r}: {e}") from None
-    if "train" not in splits:
-        raise ValueError(f"--data {name!r} has no 'train' split (it has {', '.join(sorted(splits))})")
-    return splits["train"], next((splits[s] for s in _VALIDATION_SPLITS if s in splits), None)
-
-
-def _dataset_pieces(ds: Any, text_field: str, what: str) -> Iterator[tuple[str, bool]]:
-    """Each row's ``text_field`` of a ``datasets`` Dataset or IterableDataset as one document (rows without
-    a value are skipped)."""
-    columns = ds.column_names
-    if columns is not None:
-        if text_field not in columns:
-            raise _missing_field(text_field, columns, what)
-        feature = (ds.features or {}).get(text_field)
-        if feature is not None and getattr(feature, "dtype", None) not in ("string", "large_string"):
-            raise ValueError(f"--text-field {text_field!r} of {what} holds {feature}, not text")
-        ds = ds.select_columns([text_field])  # parquet then reads only that column
-    for rows in ds.iter(batch_size=1024):
-        if text_field not in rows:
-            raise _missing_field(text_field, list(rows), what)
-        for text in rows[text_field]:
-            if isinstance(text, str):
-                yield text, True
-            elif text is not None:
-                raise ValueError(f"--text-field {text_field!r} of {what} holds {type(text).__name__} values, not text")
-
-
-def _missing_field(text_field: str, columns: Iterable[str], what: str) -> ValueError:
-    return ValueError(
-        f"--text-field {text_field!r} is not a column of {what}; its columns are: {', '.join(columns)}"
     )
 
 
@@ -469,7 +334,7 @@ def open_data(
     DataConfig(paths=names, seed=seed, val_fraction=val_fraction)  # type: ignore[arg-type]  # same checks
     if seq_len < 1 or n_slots < 1 or val_rows < 1:
         raise ValueError(f"seq_len, n_slots and val_rows must be >= 1, got {seq_len}, {n_slots}, {val_rows}")
-    source = _resolve_source(names)
+    source = resolve_source(names)
     if data_config is not None and source.kind != "hub":
         raise ValueError(f"--data-config {data_config!r} picks a hub dataset's configuration; --data is local files")
     if streaming:
@@ -482,7 +347,7 @@ def open_data(
         )
     encoder = Encoder(tokenizer)
     if source.kind == "hub":
-        train, val = _load_hub(source.name, data_config, streaming=False)
+        train, val = load_hub(source.name, data_config, streaming=False)
         ident = [source.name, data_config or "", text_field]
         ids = _hub_split_ids(encoder, cache, train, ident, "train", None)
         val_ids = _hub_split_ids(encoder, cache, val, ident, "validation", _MAX_VAL_TOKENS) if val is not None else None
@@ -490,8 +355,8 @@ def open_data(
     ids = _through_cache(
         encoder,
         cache,
-        lambda: [source.kind.encode(), text_field.encode(), *(_file_digest(f) for f in source.files)],
-        lambda: encoder.concat(encoder.chunks(_dataset_pieces(_open_files(source), text_field, source.describe()))),
+        lambda: [source.kind.encode(), text_field.encode(), *(file_digest(f) for f in source.files)],
+        lambda: encoder.concat(encoder.chunks(dataset_pieces(open_files(source), text_field, source.describe()))),
     )
     return TokenStream(_non_empty(ids), seq_len=seq_len, seed=seed, val_fraction=val_fraction)
 
@@ -509,13 +374,13 @@ def _hub_split_ids(
             return [s.encode() for s in ("hub", *ident, split, fingerprint, str(limit))]
 
     def tokenize() -> np.ndarray:
-        return encoder.concat(encoder.chunks(_dataset_pieces(ds, ident[2], what)), limit)
+        return encoder.concat(encoder.chunks(dataset_pieces(ds, ident[2], what)), limit)
 
     return _non_empty(_through_cache(encoder, cache, parts, tokenize))
 
 
 def _open_stream(
-    source: _Source, tokenizer: Any, data_config: str | None, text_field: str, *, seq_len: int, n_slots: int,
+    source: Source, tokenizer: Any, data_config: str | None, text_field: str, *, seq_len: int, n_slots: int,
     val_rows: int,
 ) -> StreamingTokenSource:
     what = source.describe()
@@ -526,16 +391,16 @@ def _open_stream(
     else:
         val = None
         if source.kind == "hub":
-            train, val = _load_hub(source.name, data_config, streaming=True)
+            train, val = load_hub(source.name, data_config, streaming=True)
         else:
-            train = _open_files(source)
+            train = open_files(source)
 
         def open_train() -> Iterable[tuple[str, bool]]:
-            return _dataset_pieces(train, text_field, what)  # an IterableDataset starts over on each iteration
+            return dataset_pieces(train, text_field, what)  # an IterableDataset starts over on each iteration
 
         if val is not None:
             def open_val() -> Iterable[tuple[str, bool]]:
-                return _dataset_pieces(val, text_field, f"{what} (validation)")
+                return dataset_pieces(val, text_field, f"{what} (validation)")
     return StreamingTokenSource(
         open_train, tokenizer, seq_len=seq_len, n_slots=n_slots, val_rows=val_rows, open_val=open_val, what=what
     )

@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 
 from gradwire.compression import ErrorFeedback, PayloadError
-from gradwire.compression.codec import Aggregator
+from gradwire.compression.aggregate import Aggregator
 from gradwire.coordinator.checkpoint import load_checkpoint, save_checkpoint
 from gradwire.coordinator.client import WorkerClient, WorkerError
 from gradwire.coordinator.config import TrainConfig
@@ -33,7 +33,14 @@ from gradwire.coordinator.data import batch_dtype, open_data
 from gradwire.coordinator.export import export_model
 from gradwire.coordinator.metrics import MetricsLog, ProgressBar
 from gradwire.coordinator.tracking import make_tracker
-from gradwire.models import build_from_spec, lm_loss, load_tokenizer_arg, resolve_model, tokenizer_vocab_size, vocab_size_of
+from gradwire.models import (
+    build_from_spec,
+    lm_loss,
+    load_tokenizer_arg,
+    resolve_model,
+    tokenizer_vocab_size,
+    vocab_size_of,
+)
 from gradwire.protocol import NEEDS_STATE, OK, ModelState, ProtocolError, RoundResult, WorkOrder
 from gradwire.replica import Fingerprint, Replica, StateUpdate
 

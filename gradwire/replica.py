@@ -27,7 +27,7 @@ from typing import Literal
 import torch
 
 from gradwire.compression import CodecConfig, CompressedGradient, GradientCodec
-from gradwire.compression.codec import Aggregator
+from gradwire.compression.aggregate import Aggregator
 
 Optimizer = Literal["sgd", "signsgd", "adamw"]
 REPLAYABLE = ("sgd", "signsgd")

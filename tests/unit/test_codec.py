@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gradwire.compression import CodecConfig, ErrorFeedback, GradientCodec
-from gradwire.compression.codec import Aggregator
+from gradwire.compression.aggregate import Aggregator
 from gradwire.compression.dct import dct_chunks, idct_chunks
 
 SHAPES = {"w": (256, 192), "emb": (96, 64), "odd": (3, 5, 7, 11), "norm": (768,), "bias": (10,), "mid": (200,)}

@@ -150,7 +150,7 @@ def test_structured_files_are_cached_by_content(tmp_path: Path, monkeypatch: pyt
     def no_reading(*args: object) -> None:
         raise AssertionError("the token cache should have answered")
 
-    monkeypatch.setattr(data_mod, "_open_files", no_reading)
+    monkeypatch.setattr(data_mod, "open_files", no_reading)
     np.testing.assert_array_equal(open_data(paths=[str(path)], tokenizer=tok, seq_len=SEQ).ids, first.ids)
     # Another text field, or other content, is another key.
     with pytest.raises(AssertionError, match="token cache"):
