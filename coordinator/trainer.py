@@ -250,9 +250,11 @@ class Trainer:
         pushed = dict(zip((s.index for s in to_push), self._pool.map(self._push, to_push)))
         applied = threading.Event()
         futures = [self._pool.submit(self._work, slot, step, pushed.get(slot.index), applied) for slot in self.slots]
-        if self.replica.version == base and self.pending is not None:
-            self._apply_pending()
-        applied.set()
+        try:
+            if self.replica.version == base and self.pending is not None:
+                self._apply_pending()
+        finally:
+            applied.set()  # never leave a worker's retry waiting, whatever happened here
         outcomes = [f.result() for f in futures]
         t_gathered = time.perf_counter()
 
