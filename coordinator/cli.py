@@ -51,6 +51,7 @@ HELP = {
     "output_dir": "where metrics.jsonl, checkpoints/ and final/ go",
     "checkpoint_dir": "checkpoint directory (default: OUTPUT_DIR/checkpoints)",
     "checkpoint_every": "save a checkpoint every N steps (0: only at the end)",
+    "keep_checkpoints": "keep only the newest N checkpoints (0: keep all)",
     "resume_from": "checkpoint directory (or checkpoint root) to continue from",
     "seed": "seed for model initialization and data order",
     "round_timeout": "deadline in seconds of every round and state-push call",

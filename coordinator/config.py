@@ -45,6 +45,7 @@ class TrainConfig:
     output_dir: str = "runs/gradwire"
     checkpoint_dir: str | None = None  # default: <output_dir>/checkpoints
     checkpoint_every: int = 0  # 0 = only at the end
+    keep_checkpoints: int = 0  # keep the newest N checkpoints; 0 = keep all
     resume_from: str | None = None
     seed: int = 0
     # Rounds
@@ -61,7 +62,7 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("micro_batch_size", "warmup_steps", "checkpoint_every", "eval_every"):
+        for name in ("micro_batch_size", "warmup_steps", "checkpoint_every", "eval_every", "keep_checkpoints"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):

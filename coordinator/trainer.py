@@ -26,7 +26,7 @@ import torch
 
 from gradwire.compression import ErrorFeedback, PayloadError
 from gradwire.compression.aggregate import Aggregator
-from gradwire.coordinator.checkpoint import load_checkpoint, save_checkpoint
+from gradwire.coordinator.checkpoint import keep_last, load_checkpoint, save_checkpoint
 from gradwire.coordinator.client import WorkerClient, WorkerError
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.data import batch_dtype, open_data
@@ -414,7 +414,10 @@ class Trainer:
             if buffers is not None:
                 tensors[f"feedback-{index}"] = buffers
         meta = {"config": self.config.to_dict(), "version": self.replica.version, "total_tokens": self.total_tokens, "data_step": self.step, "workers": len(self.slots)}
-        return save_checkpoint(self.checkpoint_dir, self.step, tensors, meta)
+        path = save_checkpoint(self.checkpoint_dir, self.step, tensors, meta)
+        if self.config.keep_checkpoints:
+            keep_last(self.checkpoint_dir, self.config.keep_checkpoints)
+        return path
 
     def _fetch_feedback(self, slot: WorkerSlot) -> dict[str, torch.Tensor] | None:
         if slot.version is None:

@@ -164,3 +164,10 @@ def test_jsonl_data_trains_through_the_service(tmp_path, two_workers, streaming)
     assert [r["successful_workers"] for r in records] == [2, 2, 2, 2]
     assert all(np.isfinite(r["eval_loss"]) for r in records if r["step"] % 2 == 0)
     assert type(trainer.data).__name__ == ("StreamingTokenSource" if streaming else "TokenStream")
+
+
+def test_keep_checkpoints_prunes_old_steps(tmp_path, two_workers):
+    _train(_config(tmp_path, steps=6, checkpoint_every=2, keep_checkpoints=2), two_workers)
+    root = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step-00000004", "step-00000006"]
+    assert (root / "latest").read_text().strip() == "step-00000006"
