@@ -2,6 +2,8 @@
 
     python -m benchmarks.codec --model gpt-10m --json
     python -m benchmarks.codec --model opt-125m --json --repeats 3
+    python -m benchmarks.codec --model gpt-10m --json --bins 4      # 2-bit values
+    python -m benchmarks.codec --model gpt-10m --json --values sign # 1-bit values
 
 Builds the model from the registry, takes ONE gradient of the language-model loss on the start of the
 shipped corpus, and measures on it:
@@ -18,6 +20,7 @@ Prints one JSON object (``--json``: on one line).
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -30,7 +33,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the registry builds HF models fr
 import torch
 
 from gradwire.assets import corpus_path
-from gradwire.compression import CodecConfig, CompressedGradient, Encoding, GradientCodec, ValueFormat
+from gradwire.compression import CodecConfig, CompressedGradient, Encoding, GradientCodec
+from gradwire.compression.config import VALUE_CODINGS
 from gradwire.compression.dct import dct_chunks
 from gradwire.memory import keep_freed_memory
 from gradwire.models import build_model, lm_loss, model_names, tokenizer_for
@@ -180,18 +184,18 @@ def payload_size(payload: CompressedGradient) -> tuple[int, str]:
     return len(gradient_to_bytes(payload)), "proto"
 
 
-def essential_bytes(payload: CompressedGradient) -> float:
+def essential_bytes(payload: CompressedGradient, codec: GradientCodec) -> float:
     """Bytes that carry the gradient itself: 12 bits per kept index plus the value bytes.
 
-    Sparse tensors: 1.5 bytes of index per kept coefficient plus its value (1 byte as an 8-bit code, 4 as
-    float32). Dense tensors: their value bytes. Everything else (lookup tables, shift/scale, index padding,
-    names, shapes, settings, protobuf framing) is metadata.
+    Sparse tensors: 1.5 bytes of index per kept coefficient plus its packed value (ceil(log2(bins)) bits
+    as a LUT code, 1 bit as a sign, 4 bytes as float32). Dense tensors: their value bytes. Everything else
+    (lookup tables, shift/scale, index and bit padding, names, shapes, settings, protobuf framing) is
+    metadata.
     """
     total = 0.0
-    for t in payload.tensors:
+    for plan, t in zip(codec.plan.tensors, payload.tensors):
         if t.encoding == Encoding.SPARSE:
-            per_value = 1 if t.value_format == ValueFormat.UINT8_LUT else 4
-            total += len(t.values) // per_value * INDEX_BYTES
+            total += plan.num_values * INDEX_BYTES
         total += len(t.values)
     return total
 
@@ -210,7 +214,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     del model  # the gradients are all we need; free the weights and activations' allocator slack
     names = list(grads)
 
-    config = CodecConfig(topk=args.topk, chunk=args.chunk, bins=args.bins)
+    config = CodecConfig(topk=args.topk, chunk=args.chunk, bins=args.bins, values=args.values)
     codec = GradientCodec({n: tuple(g.shape) for n, g in grads.items()}, config, device=device)
 
     payload = codec.compress(grads)
@@ -229,11 +233,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         for n in AGGREGATE_COUNTS
     }
-    del distinct
+    distinct.clear()  # free the payloads
 
     payload_bytes, measure = payload_size(payload)
     dense_bytes = 4 * sum(t.numel() for t in grads.values())
-    metadata = payload_bytes - essential_bytes(payload)
+    metadata = payload_bytes - essential_bytes(payload, codec)
     rates = dct_rates(codec, args.repeats, device)
     sparse = [t for t in codec.plan.tensors if t.encoding == Encoding.SPARSE]
     return {
@@ -242,7 +246,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "tensors": len(names),
         "sparse_tensors": len(sparse),
         "chunk_groups": [[list(gr.chunk_shape), gr.num_chunks] for gr in codec.plan.groups],
-        "codec": {"topk": config.topk, "chunk": config.chunk, "bins": config.bins},
+        "codec": {"topk": config.topk, "chunk": config.chunk, "bins": config.bins, "values": config.values},
+        "value_formats": dict(collections.Counter(t.value_format.name for t in codec.plan.tensors)),
         "batch_size": args.batch_size,
         "seq_len": seq,
         "loss": loss,
@@ -274,7 +279,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement (median)")
     parser.add_argument("--topk", type=int, default=CodecConfig.topk, help="coefficients kept per full chunk x chunk chunk")
     parser.add_argument("--chunk", type=int, default=CodecConfig.chunk, help="chunk edge (<= 64)")
-    parser.add_argument("--bins", type=int, default=CodecConfig.bins, help="quantization bins; 0 sends float32")
+    parser.add_argument("--bins", type=int, default=CodecConfig.bins, help="quantization bins (4: 2-bit codes); 0 sends float32")
+    parser.add_argument("--values", default=CodecConfig.values, choices=VALUE_CODINGS, help="value coding: LUT codes or sign bits")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per row (default min(256, model max))")
     parser.add_argument("--batch-size", type=int, default=4, help="rows of the gradient batch")
@@ -288,9 +294,9 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
     try:
-        CodecConfig(topk=args.topk, chunk=args.chunk, bins=args.bins)
+        CodecConfig(topk=args.topk, chunk=args.chunk, bins=args.bins, values=args.values)
     except ValueError as e:
-        parser.error(f"--topk/--chunk/--bins: {e}")
+        parser.error(f"--topk/--chunk/--bins/--values: {e}")
 
     result = run(args)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))

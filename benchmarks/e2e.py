@@ -30,7 +30,7 @@ from gradwire.coordinator.local import local_workers
 from gradwire.coordinator.trainer import Trainer
 from gradwire.memory import keep_freed_memory
 from gradwire.models import build_from_spec, lm_loss, model_spec
-from gradwire.replica import outer_step
+from gradwire.optim.outer import outer_step
 
 
 class BareStep:

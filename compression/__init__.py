@@ -1,4 +1,4 @@
-"""gradwire's gradient codec: chunked DCT-II, per-chunk top-k, 12-bit indices, 8-bit values.
+"""gradwire's gradient codec: chunked DCT-II, per-chunk top-k, 12-bit indices, bit-packed LUT or sign values.
 
 Pure tensor -> payload -> tensor code: no networking and no knowledge of models beyond tensor names and
 shapes. ``GradientCodec`` is the entry point; ``serde`` converts payloads to and from the proto messages.

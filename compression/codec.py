@@ -2,7 +2,8 @@
 
 Compression, per chunk group (all tensors whose chunks share a shape):
   gather every member's chunks into one (B, r, c) stack -> chunk DCT (two matmuls) -> error feedback
-  -> one top-k over all B chunks -> per-tensor 8-bit quantization (vectorized over tensors) -> bytes.
+  -> one top-k over all B chunks -> per-tensor quantization to LUT codes or sign bits (vectorized over
+  tensors) -> bit-packed bytes.
 Decoding validates a payload against the plan; ``aggregate.Aggregator`` sums decoded senders in the
 coefficient domain and runs a single inverse DCT per group.
 No Python loop touches individual chunks; the loops that remain run over tensors or senders.
@@ -21,7 +22,7 @@ import torch
 from gradwire.compression.config import FORMAT_VERSION, CodecConfig
 from gradwire.compression.dct import dct_chunks
 from gradwire.compression.feedback import ErrorFeedback
-from gradwire.compression.packing import pack12, packed_nbytes, unpack12_padded
+from gradwire.compression.packing import pack12, pack_bits, packed_nbytes, pad_bits, unpack12_padded, unpack_bits
 from gradwire.compression.payload import (
     GRADIENT,
     CompressedGradient,
@@ -30,8 +31,16 @@ from gradwire.compression.payload import (
     PayloadError,
     ValueFormat,
 )
-from gradwire.compression.plan import ChunkGroup, ModelPlan, TensorPlan, matrix_view
-from gradwire.compression.quant import dequantize, quantize
+from gradwire.compression.plan import (
+    ChunkGroup,
+    ModelPlan,
+    TensorPlan,
+    lut_nbytes,
+    matrix_view,
+    value_bits,
+    values_nbytes,
+)
+from gradwire.compression.quant import Quantized, dequantize, quantize, quantize_sign, sign_table
 
 if TYPE_CHECKING:
     from gradwire.compression.aggregate import Aggregator
@@ -47,8 +56,8 @@ class _GroupLayout:
     """Index arithmetic of one chunk group, computed once per plan."""
 
     row_member: torch.Tensor  # (B,) member index of every chunk
-    quantized: np.ndarray  # (M,) bool: member sends UINT8_LUT values
-    value_member_q: np.ndarray  # (N_q,) member index of every quantized value, in stack order
+    quantized: np.ndarray  # (M,) bool: member sends coded (LUT or SIGN) values
+    value_member_q: np.ndarray  # (N_q,) index among the quantized members of every quantized value
     value_starts: np.ndarray  # (M,) first value of each member in stack order
     pads: np.ndarray | None  # positions of odd-count pads among the group's unpacked indices
     pad_members: np.ndarray | None  # member owning each pad
@@ -79,6 +88,9 @@ class GradientCodec:
         self.config = config or CodecConfig()
         self.plan = ModelPlan.build(shapes, self.config)
         self.device = torch.device(device)
+        # The one coded format of this codec (tensors that do not use it send raw float32), and its width.
+        self._coded = ValueFormat.SIGN if self.config.values == "sign" else ValueFormat.LUT
+        self._bits = value_bits(self._coded, self.config)
         self._layouts = [self._layout(g) for g in self.plan.groups]
 
     # ---------------------------------------------------------------- compress
@@ -130,7 +142,7 @@ class GradientCodec:
         sent = vals
         if layout.quantized.any():
             seg = layout.row_member.to(coeffs.device)[:, None].expand(-1, k).reshape(-1)
-            q = quantize(vals.reshape(-1), seg, m, self.config.bins, self.config.range_sigmas)
+            q = self._quantize(vals.reshape(-1), seg, m)
             if layout.quantized.all():
                 sent = q.dequantized.view_as(vals)
             else:
@@ -146,25 +158,39 @@ class GradientCodec:
         out = {}
         for mi, (t, off) in enumerate(zip(group.members, group.offsets)):
             rows = slice(off, off + t.num_chunks)
-            if t.value_format == ValueFormat.UINT8_LUT:
-                fields = dict(values=codes_np[rows].tobytes(), shift=float(shift_np[mi]), scale=float(scale_np[mi]), lut=lut_np[mi].astype("<f2").tobytes())
+            if layout.quantized[mi]:
+                fields = self._coded_fields(codes_np[rows], lut_np[mi], shift_np[mi], scale_np[mi])
             else:
-                fields = dict(values=vals_np[rows].astype("<f4").tobytes())
+                fields = {"values": vals_np[rows].astype("<f4").tobytes()}
             out[t.name] = CompressedTensor(
                 t.name, t.shape, t.encoding, t.value_format, t.chunk_shape, t.k, pack12(idx_np[rows].reshape(-1)), **fields
             )
         return out
 
+    def _quantize(self, values: torch.Tensor, segment: torch.Tensor, num_segments: int) -> Quantized:
+        """This codec's coded format for values (N,) of ``num_segments`` tensors; see ``quant``."""
+        if self._coded == ValueFormat.SIGN:
+            return quantize_sign(values, segment, num_segments)
+        return quantize(values, segment, num_segments, self.config.bins, self.config.range_sigmas)
+
+    def _coded_fields(self, codes: np.ndarray, lut: np.ndarray, shift: float, scale: float) -> dict[str, object]:
+        """One tensor's ``values``, ``shift``, ``scale`` and ``lut`` fields in the coded format."""
+        sign = self._coded == ValueFormat.SIGN
+        return {
+            "values": pack_bits(codes.reshape(-1), self._bits),
+            "shift": float(shift),
+            "scale": float(scale),
+            "lut": b"" if sign else lut.astype("<f2").tobytes(),  # the sign table is implied, never sent
+        }
+
     def _encode_dense(self, t: TensorPlan, values: torch.Tensor, update_feedback: bool) -> dict[str, CompressedTensor]:
-        if t.value_format == ValueFormat.UINT8_LUT:
+        if t.value_format != ValueFormat.FLOAT32:
             seg = torch.zeros(values.numel(), dtype=torch.long, device=values.device)
-            q = quantize(values, seg, 1, self.config.bins, self.config.range_sigmas)
+            q = self._quantize(values, seg, 1)
             if update_feedback:
                 values.sub_(q.dequantized)
-            ct = CompressedTensor(
-                t.name, t.shape, t.encoding, t.value_format, (), 0, b"", q.codes.cpu().numpy().tobytes(),
-                float(q.shift[0]), float(q.scale[0]), q.lut[0].cpu().numpy().astype("<f2").tobytes(),
-            )
+            fields = self._coded_fields(q.codes.cpu().numpy(), q.lut[0].cpu().numpy(), q.shift[0].item(), q.scale[0].item())
+            ct = CompressedTensor(t.name, t.shape, t.encoding, t.value_format, (), 0, b"", **fields)
         else:
             ct = CompressedTensor(t.name, t.shape, t.encoding, t.value_format, (), 0, b"", values.cpu().numpy().astype("<f4").tobytes())
             if update_feedback:
@@ -216,24 +242,32 @@ class GradientCodec:
         want_idx = packed_nbytes(n) if t.encoding == Encoding.SPARSE else 0
         if len(ct.indices) != want_idx:
             fail("indices", f"expected {want_idx} bytes ({n} 12-bit indices), got {len(ct.indices)}")
-        quantized = t.value_format == ValueFormat.UINT8_LUT
-        want_vals = n if quantized else 4 * n
+        fmt = t.value_format
+        want_vals = values_nbytes(fmt, n, self.config)
         if len(ct.values) != want_vals:
-            fail("values", f"expected {want_vals} bytes, got {len(ct.values)}")
-        want_lut = 2 * self.config.bins if quantized else 0
+            fail("values", f"expected {want_vals} bytes ({n} {fmt.name} values), got {len(ct.values)}")
+        want_lut = lut_nbytes(fmt, self.config)
         if len(ct.lut) != want_lut:
             fail("lut", f"expected {want_lut} bytes, got {len(ct.lut)}")
-        if quantized:
-            if not (math.isfinite(ct.shift) and abs(ct.shift) <= VALUE_LIMIT):
-                fail("shift", f"must be finite and within +-{VALUE_LIMIT:g}, got {ct.shift}")
-            if not (math.isfinite(ct.scale) and 0 < ct.scale <= VALUE_LIMIT):
-                fail("scale", f"must be positive, finite and <= {VALUE_LIMIT:g}, got {ct.scale}")
-            if not np.isfinite(np.frombuffer(ct.lut, "<f2")).all():
-                fail("lut", "entries must be finite")
-            if self.config.bins < 256 and n and np.frombuffer(ct.values, np.uint8).max() >= self.config.bins:
-                fail("values", f"8-bit codes must be < bins={self.config.bins}")
-        elif not _finite_within(np.frombuffer(ct.values, "<f4"), VALUE_LIMIT):
-            fail("values", f"raw values must be finite and within +-{VALUE_LIMIT:g}")
+        if fmt == ValueFormat.FLOAT32:
+            if not _finite_within(np.frombuffer(ct.values, "<f4"), VALUE_LIMIT):
+                fail("values", f"raw values must be finite and within +-{VALUE_LIMIT:g}")
+            return
+        if pad_bits(ct.values, self._bits, n):
+            fail("values", f"the unused high bits of the last byte ({n} codes of {self._bits} bits) must be zero")
+        if fmt == ValueFormat.SIGN:
+            if ct.shift != 0:
+                fail("shift", f"must be 0 for SIGN values, got {ct.shift}")
+            if not (math.isfinite(ct.scale) and 0 <= ct.scale <= VALUE_LIMIT):
+                fail("scale", f"must be finite and in [0, {VALUE_LIMIT:g}], got {ct.scale}")
+            return
+        if not (math.isfinite(ct.shift) and abs(ct.shift) <= VALUE_LIMIT):
+            fail("shift", f"must be finite and within +-{VALUE_LIMIT:g}, got {ct.shift}")
+        if not (math.isfinite(ct.scale) and 0 < ct.scale <= VALUE_LIMIT):
+            fail("scale", f"must be positive, finite and <= {VALUE_LIMIT:g}, got {ct.scale}")
+        if not np.isfinite(np.frombuffer(ct.lut, "<f2")).all():
+            fail("lut", "entries must be finite")
+        # Codes >= bins (possible unless bins is a power of two) are checked where they are unpacked.
 
     def _decode_group(self, group: ChunkGroup, layout: _GroupLayout, by_name: Mapping[str, CompressedTensor]) -> tuple[torch.Tensor, torch.Tensor]:
         members = [by_name[t.name] for t in group.members]
@@ -250,13 +284,9 @@ class GradientCodec:
             raise PayloadError(owner.name, "indices", f"index {int(idx[too_big[0]])} outside a chunk of {group.chunk_numel} elements")
         k = group.k
         vals = np.empty(group.num_chunks * k, np.float32)
-        q_members = [ct for ct, q in zip(members, layout.quantized) if q]
-        if q_members:
-            codes = torch.from_numpy(np.frombuffer(b"".join(ct.values for ct in q_members), np.uint8).copy())
-            lut = torch.from_numpy(np.frombuffer(b"".join(ct.lut for ct in q_members), "<f2").reshape(len(q_members), -1).copy())
-            shift = torch.tensor([ct.shift for ct in q_members], dtype=torch.float32)
-            scale = torch.tensor([ct.scale for ct in q_members], dtype=torch.float32)
-            q_vals = dequantize(codes, torch.from_numpy(layout.value_member_q), lut, shift, scale).numpy()
+        q_plans = [t for t, q in zip(group.members, layout.quantized) if q]
+        if q_plans:
+            q_vals = self._dequantize(q_plans, [by_name[t.name] for t in q_plans], layout.value_member_q)
         if layout.quantized.all():
             vals = q_vals
         else:
@@ -277,14 +307,32 @@ class GradientCodec:
         )
 
     def _decode_values(self, t: TensorPlan, ct: CompressedTensor) -> torch.Tensor:
-        if t.value_format == ValueFormat.UINT8_LUT:
-            codes = torch.from_numpy(np.frombuffer(ct.values, np.uint8).copy())
-            lut = torch.from_numpy(np.frombuffer(ct.lut, "<f2").reshape(1, -1).copy())
-            seg = torch.zeros(codes.numel(), dtype=torch.long)
-            vals = dequantize(codes, seg, lut, torch.tensor([ct.shift]), torch.tensor([ct.scale]))
+        if t.value_format != ValueFormat.FLOAT32:
+            vals = torch.from_numpy(self._dequantize([t], [ct], np.zeros(t.num_values, np.int64)))
         else:
             vals = torch.from_numpy(np.frombuffer(ct.values, "<f4").copy())
         return vals.to(self.device)
+
+    def _dequantize(self, plans: Sequence[TensorPlan], cts: Sequence[CompressedTensor], member: np.ndarray) -> np.ndarray:
+        """Coded values of several tensors, (N,) float32 in order; ``member`` (N,) is each value's tensor.
+
+        Unpacks each tensor's codes (each is its own bit stream, padded to a byte), checks them against
+        ``bins`` and decodes all through one table lookup.
+        """
+        codes = np.concatenate([unpack_bits(ct.values, self._bits, t.num_values) for t, ct in zip(plans, cts)])  # (N,)
+        bins = self.config.bins
+        if self._coded == ValueFormat.LUT and bins & (bins - 1):  # not a power of two: codes can exceed it
+            bad = np.flatnonzero(codes >= bins)
+            if bad.size:
+                owner = plans[int(member[bad[0]])]
+                raise PayloadError(owner.name, "values", f"code {int(codes[bad[0]])} is not below bins={bins}")
+        if self._coded == ValueFormat.SIGN:
+            lut = sign_table(len(cts))
+        else:
+            lut = torch.from_numpy(np.frombuffer(b"".join(ct.lut for ct in cts), "<f2").reshape(len(cts), -1).copy())
+        shift = torch.tensor([ct.shift for ct in cts], dtype=torch.float32)
+        scale = torch.tensor([ct.scale for ct in cts], dtype=torch.float32)
+        return dequantize(torch.from_numpy(codes), torch.from_numpy(member), lut, shift, scale).numpy()
 
     # ---------------------------------------------------------------- aggregate
 
@@ -319,7 +367,7 @@ class GradientCodec:
     def _layout(self, group: ChunkGroup) -> _GroupLayout:
         counts = torch.tensor([t.num_chunks for t in group.members])
         row_member = torch.repeat_interleave(torch.arange(len(group.members)), counts)
-        quantized = np.array([t.value_format == ValueFormat.UINT8_LUT for t in group.members])
+        quantized = np.array([t.value_format != ValueFormat.FLOAT32 for t in group.members])
         q_counts = np.array([t.num_values for t in group.members])[quantized]
         value_member_q = np.repeat(np.arange(len(q_counts)), q_counts)
         num_values = np.array([t.num_values for t in group.members])

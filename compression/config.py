@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Literal
 
 # Bump when the meaning of any payload field changes. Receivers reject versions they do not know.
-FORMAT_VERSION = 1
+# 2: LUT codes bit-packed at ceil(log2(bins)) bits (was one byte each); SIGN values; settings.values.
+FORMAT_VERSION = 2
 
 # 12-bit indices address at most 4096 positions, so a chunk holds at most 64 x 64 elements.
 MAX_CHUNK_NUMEL = 1 << 12
+
+ValueCoding = Literal["lut", "sign"]
+VALUE_CODINGS: tuple[ValueCoding, ...] = ("lut", "sign")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -25,7 +30,12 @@ class CodecConfig:
         topk: coefficients kept per full ``chunk x chunk`` chunk. Smaller chunks keep proportionally fewer
             (at least one), so the density ``topk / chunk**2`` is the same for every tensor.
         use_dct: transform each chunk with an orthonormal DCT-II before top-k.
-        bins: quantization bins for the kept values (2..256); 0 sends them as raw float32.
+        values: how kept values are coded. ``"lut"``: quantized into ``bins`` bins, each code packed in
+            ``ceil(log2(bins))`` bits and decoded through a per-tensor table of bin means. ``"sign"``: one
+            bit per value (its sign) and one scale per tensor (the mean magnitude of its kept values), as
+            DisTrO sends; ``bins`` plays no part then. Either way a tensor whose coded form would not be
+            smaller than raw float32 travels raw.
+        bins: quantization bins for ``values="lut"`` (2..256); 0 sends the values as raw float32.
         range_sigmas: the quantizer covers ``mean +- range_sigmas * std`` of the kept values.
         min_sparse_numel: tensors with fewer elements are sent whole (dense) instead of sparsified.
     """
@@ -33,6 +43,7 @@ class CodecConfig:
     chunk: int = 64
     topk: int = 32
     use_dct: bool = True
+    values: ValueCoding = "lut"
     bins: int = 256
     range_sigmas: float = 6.0
     min_sparse_numel: int = 256
@@ -42,6 +53,8 @@ class CodecConfig:
             raise ValueError(f"chunk must be in [1, 64] so that indices fit 12 bits, got {self.chunk}")
         if not 1 <= self.topk <= self.chunk * self.chunk:
             raise ValueError(f"topk must be in [1, chunk*chunk={self.chunk * self.chunk}], got {self.topk}")
+        if self.values not in VALUE_CODINGS:
+            raise ValueError(f"values must be one of {', '.join(map(repr, VALUE_CODINGS))}, got {self.values!r}")
         if self.bins != 0 and not 2 <= self.bins <= 256:
             raise ValueError(f"bins must be 0 (no quantization) or in [2, 256], got {self.bins}")
         if not (math.isfinite(self.range_sigmas) and self.range_sigmas > 0):
@@ -51,7 +64,8 @@ class CodecConfig:
 
     @property
     def quantized(self) -> bool:
-        return self.bins > 0
+        """Values travel coded (sign bits or LUT codes) where that is smaller than raw float32."""
+        return self.values == "sign" or self.bins > 0
 
     @property
     def density(self) -> float:

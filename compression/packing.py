@@ -1,7 +1,11 @@
-"""12-bit index packing: two chunk-local indices (< 4096) in three bytes.
+"""Bit packing of the payload: 12-bit indices, and 1- to 8-bit value codes.
 
-Layout: the pair (a, b) becomes the little-endian 24-bit word ``a | b << 12``; an odd count is padded
-with a zero index. Pure numpy, vectorized: payload bytes live on the host anyway.
+Indices: the pair (a, b) becomes the little-endian 24-bit word ``a | b << 12``; an odd count is padded
+with a zero index.
+Codes (``pack_bits``): an LSB-first bit stream, ``bits`` per code: bit j of code i is stream bit
+``i * bits + j``, stored in byte ``(i * bits + j) // 8`` at position ``(i * bits + j) % 8``. The last
+byte's unused high bits are zero. At 8 bits that is one plain byte per code.
+Pure numpy, vectorized: payload bytes live on the host anyway.
 """
 
 from __future__ import annotations
@@ -51,3 +55,50 @@ def unpack12(data: bytes | np.ndarray, count: int) -> np.ndarray:
     if len(data) != packed_nbytes(count):
         raise ValueError(f"{count} indices pack into {packed_nbytes(count)} bytes, got {len(data)}")
     return unpack12_padded(data)[:count]
+
+
+def bits_nbytes(count: int, bits: int) -> int:
+    """Bytes of ``count`` codes of ``bits`` bits each: ``ceil(count * bits / 8)``."""
+    return (count * bits + 7) // 8
+
+
+def pack_bits(codes: np.ndarray, bits: int) -> bytes:
+    """Pack a 1-D array of ints in [0, 2**bits) into ``bits_nbytes(len, bits)`` bytes, LSB first."""
+    _check_bits(bits)
+    c = np.asarray(codes).reshape(-1)
+    if c.dtype != np.uint8 or bits < 8:  # a uint8 array cannot exceed 8 bits
+        if c.size and (c.min() < 0 or c.max() >= 1 << bits):
+            raise ValueError(f"codes must be in [0, {1 << bits}) to pack in {bits} bits")
+        c = c.astype(np.uint8)
+    if bits == 8:
+        return c.tobytes()
+    # (n, 8) bits of each code, LSB first; keep the low `bits` and pack them as one stream.
+    stream = np.unpackbits(c[:, None], axis=1, bitorder="little")[:, :bits]  # (n, bits)
+    return np.packbits(stream.reshape(-1), bitorder="little").tobytes()
+
+
+def unpack_bits(data: bytes | np.ndarray, bits: int, count: int) -> np.ndarray:
+    """Inverse of ``pack_bits``: ``count`` codes as uint8. Rejects a wrong length or nonzero pad bits."""
+    _check_bits(bits)
+    raw = np.frombuffer(data, np.uint8) if isinstance(data, (bytes, bytearray, memoryview)) else data
+    if raw.size != bits_nbytes(count, bits):
+        raise ValueError(f"{count} codes of {bits} bits pack into {bits_nbytes(count, bits)} bytes, got {raw.size}")
+    if bits == 8:
+        return raw
+    if pad_bits(raw, bits, count):
+        raise ValueError("the unused high bits of the last byte must be zero")
+    stream = np.unpackbits(raw, count=count * bits, bitorder="little").reshape(count, bits)  # (n, bits)
+    return np.packbits(stream, axis=1, bitorder="little").reshape(count)  # zero-fills bits..7
+
+
+def pad_bits(data: bytes | np.ndarray, bits: int, count: int) -> int:
+    """The unused high bits of the last byte of ``count`` packed codes, shifted down (0 when valid)."""
+    used = count * bits % 8
+    if used == 0 or len(data) == 0:
+        return 0
+    return int(data[-1]) >> used
+
+
+def _check_bits(bits: int) -> None:
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in [1, 8], got {bits}")

@@ -6,9 +6,18 @@ the two. Everything here is bytes and numbers: no tensors, no pickles.
 Byte layouts (all little-endian):
   indices  12-bit chunk-local indices, two per 3 bytes: ``a | b << 12``; an odd count ends with a zero pad.
            Ordered chunk by chunk (row-major chunk grid), ``k`` per chunk.
-  values   ``UINT8_LUT``: one bin id per value; the value is ``shift + scale * lut[bin]``, where ``lut``
-           holds ``bins`` float16 entries: each bin's mean in bin units, so the table stays exact to
-           ~1/16 of a bin whatever the gradient's magnitude. ``FLOAT32``: four bytes per value.
+  values   in the same order as the indices; ``n`` values per tensor.
+           ``LUT``: one bin id per value in ``bits = ceil(log2(bins))`` bits (bins=4: 2 bits, four values a
+           byte; bins=256: one byte each), packed as an LSB-first bit stream: bit j of code i is stream
+           bit ``i * bits + j``, in byte ``(i * bits + j) // 8`` at position ``(i * bits + j) % 8``;
+           ``ceil(n * bits / 8)`` bytes, the last byte's unused high bits zero; every code < bins. The
+           value is ``shift + scale * lut[bin]``, where ``lut`` holds ``bins`` float16 entries: each
+           bin's mean in bin units, so the table stays exact to ~1/16 of a bin whatever the gradient's
+           magnitude.
+           ``SIGN``: one bit per value in the same bit stream (``bits = 1``, ``ceil(n / 8)`` bytes), set
+           for a negative value; the value is ``-scale`` or ``+scale``, ``scale`` being the mean
+           magnitude of the tensor's kept values (finite, >= 0). ``shift`` is 0, ``lut`` empty.
+           ``FLOAT32``: four bytes per value.
 """
 
 from __future__ import annotations
@@ -29,8 +38,9 @@ class Encoding(enum.IntEnum):
 class ValueFormat(enum.IntEnum):
     """How the selected values are stored. Values match the proto enum."""
 
-    FLOAT32 = 1
-    UINT8_LUT = 2
+    FLOAT32 = 1  # raw, four bytes per value
+    LUT = 2  # ceil(log2(bins))-bit bin ids, decoded through a per-tensor table
+    SIGN = 3  # one sign bit per value, +-scale
 
 
 # The tensor name a PayloadError carries when the problem is about the payload as a whole.
@@ -57,9 +67,9 @@ class CompressedTensor:
     k: int  # kept per chunk; 0 for DENSE
     indices: bytes  # b"" for DENSE
     values: bytes
-    shift: float = 0.0  # UINT8_LUT only
-    scale: float = 0.0  # UINT8_LUT only
-    lut: bytes = b""  # UINT8_LUT only
+    shift: float = 0.0  # LUT only (0 for SIGN)
+    scale: float = 0.0  # LUT: bin width; SIGN: mean magnitude
+    lut: bytes = b""  # LUT only
 
     @property
     def nbytes(self) -> int:

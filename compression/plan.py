@@ -13,10 +13,12 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 from gradwire.compression.config import CodecConfig
+from gradwire.compression.packing import bits_nbytes, packed_nbytes
 from gradwire.compression.payload import Encoding, ValueFormat
 
 LUT_ENTRY_BYTES = 2  # float16
 QUANT_HEADER_BYTES = 8  # float32 shift + float32 scale
+SIGN_HEADER_BYTES = 4  # float32 scale
 
 
 def largest_divisor_at_most(n: int, limit: int) -> int:
@@ -36,16 +38,41 @@ def matrix_view(shape: Sequence[int]) -> tuple[int, int]:
     return rows, cols
 
 
-def value_format_for(num_values: int, config: CodecConfig) -> ValueFormat:
-    """The one rule for how values travel: 8-bit bins when that is smaller than raw float32.
+def code_bits(bins: int) -> int:
+    """Bits per LUT code: ``ceil(log2(bins))`` (bins=4: 2, bins=5: 3, bins=256: 8)."""
+    return max(1, (bins - 1).bit_length())
 
-    A quantized tensor carries a lookup table of ``bins`` float16 entries plus shift and scale, so a tensor
-    that sends only a few values (a small bias, a sparse norm weight) is cheaper raw - and exact.
+
+def value_bits(value_format: ValueFormat, config: CodecConfig) -> int:
+    """Bits per value on the wire: the packed code width, 1 for signs, 32 raw."""
+    if value_format == ValueFormat.LUT:
+        return code_bits(config.bins)
+    return 1 if value_format == ValueFormat.SIGN else 32
+
+
+def values_nbytes(value_format: ValueFormat, num_values: int, config: CodecConfig) -> int:
+    """Exact length of a tensor's ``values`` field."""
+    return bits_nbytes(num_values, value_bits(value_format, config))
+
+
+def lut_nbytes(value_format: ValueFormat, config: CodecConfig) -> int:
+    """Exact length of a tensor's ``lut`` field: ``bins`` float16 entries for LUT, else nothing."""
+    return config.bins * LUT_ENTRY_BYTES if value_format == ValueFormat.LUT else 0
+
+
+def value_format_for(num_values: int, config: CodecConfig) -> ValueFormat:
+    """The one rule for how values travel: coded when that is smaller in bytes than raw float32.
+
+    LUT costs ``ceil(n * bits / 8) + 2 * bins + 8`` (codes, float16 table, shift and scale), SIGN costs
+    ``ceil(n / 8) + 4`` (sign bits, scale), raw costs ``4n``. So a tensor that sends only a few values (a
+    small bias, a sparse norm weight) is cheaper raw - and exact.
     """
     if not config.quantized:
         return ValueFormat.FLOAT32
-    quantized = num_values + config.bins * LUT_ENTRY_BYTES + QUANT_HEADER_BYTES
-    return ValueFormat.UINT8_LUT if quantized < 4 * num_values else ValueFormat.FLOAT32
+    coded = ValueFormat.SIGN if config.values == "sign" else ValueFormat.LUT
+    header = SIGN_HEADER_BYTES if coded == ValueFormat.SIGN else QUANT_HEADER_BYTES
+    coded_bytes = values_nbytes(coded, num_values, config) + lut_nbytes(coded, config) + header
+    return coded if coded_bytes < 4 * num_values else ValueFormat.FLOAT32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,16 +178,14 @@ class ModelPlan:
         return sum(t.numel for t in self.tensors)
 
     def payload_bytes(self) -> int:
-        """Exact tensor-data bytes of every payload under this plan (they all have the same size)."""
-        from gradwire.compression.packing import packed_nbytes
+        """Exact tensor-data bytes (indices, values, tables) of every payload under this plan.
 
+        They all have the same size; shift, scale and protobuf framing are not counted.
+        """
         total = 0
         for t in self.tensors:
             n = t.num_values
             if t.encoding == Encoding.SPARSE:
                 total += packed_nbytes(n)
-            if t.value_format == ValueFormat.UINT8_LUT:
-                total += n + self.config.bins * LUT_ENTRY_BYTES
-            else:
-                total += 4 * n
+            total += values_nbytes(t.value_format, n, self.config) + lut_nbytes(t.value_format, self.config)
         return total

@@ -1,10 +1,13 @@
-"""8-bit value quantization with a per-tensor lookup table, vectorized over many tensors at once.
+"""Value quantization per tensor, vectorized over many tensors ("segments") at once.
 
-Each tensor ("segment") gets a shift (the mean of its values) and a scale (bin width) so that the window
+``quantize``: up to 256 bins with a per-tensor lookup table. Each tensor ("segment") gets a shift (the mean of its values) and a scale (bin width) so that the window
 ``mean +- range_sigmas * std`` spans ``bins`` bins; values outside clamp to the edge bins. The receiver
 reconstructs each value as the *mean of the values that fell in its bin* (the lookup table), not the bin
 centre, so the reconstruction is unbiased per bin and clamped outliers keep their average magnitude.
 The table is stored in bin units as float16: ``value = shift + scale * lut[bin]``.
+
+``quantize_sign``: one bit per value, decoded as ``+-scale`` with scale the tensor's mean magnitude (as
+DisTrO sends). That is the same decoder with shift 0 and the fixed two-entry table ``SIGN_TABLE``.
 """
 
 from __future__ import annotations
@@ -13,11 +16,14 @@ import dataclasses
 
 import torch
 
+# Code 0 is a non-negative value, code 1 a negative one, in units of the tensor's scale.
+SIGN_TABLE = (1.0, -1.0)
+
 
 @dataclasses.dataclass
 class Quantized:
-    codes: torch.Tensor  # (N,) uint8 bin ids
-    lut: torch.Tensor  # (T, bins) float16, bin means in bin units
+    codes: torch.Tensor  # (N,) uint8 bin ids (sign: 1 = negative)
+    lut: torch.Tensor  # (T, bins) float16, bin means in bin units (sign: SIGN_TABLE, never sent)
     shift: torch.Tensor  # (T,) float32
     scale: torch.Tensor  # (T,) float32
     dequantized: torch.Tensor  # (N,) float32, what the receiver will reconstruct
@@ -48,6 +54,24 @@ def quantize(values: torch.Tensor, segment: torch.Tensor, num_segments: int, bin
     lut16 = lut.clamp(-65504, 65504).half().view(t, bins)
     dequantized = dequantize(codes, seg, lut16, shift, scale)
     return Quantized(codes.to(torch.uint8), lut16, shift, scale, dequantized)
+
+
+def quantize_sign(values: torch.Tensor, segment: torch.Tensor, num_segments: int) -> Quantized:
+    """One sign bit per value (N,), each belonging to ``segment`` (N,) in [0, T); scale = mean |v|."""
+    v = values.float()
+    seg = segment.long()
+    t = num_segments
+    count = torch.zeros(t, device=v.device).index_add_(0, seg, torch.ones_like(v))
+    scale = torch.zeros(t, device=v.device).index_add_(0, seg, v.abs()) / count.clamp_min(1)  # (T,)
+    codes = (v < 0).to(torch.uint8)  # zero counts as positive: it has no sign to spend a bit on
+    lut = sign_table(t, v.device)
+    shift = torch.zeros(t, device=v.device)
+    return Quantized(codes, lut, shift, scale, dequantize(codes, seg, lut, shift, scale))
+
+
+def sign_table(num_segments: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``SIGN_TABLE`` for every segment, (T, 2) float16: sign codes decode through ``dequantize`` too."""
+    return torch.tensor(SIGN_TABLE, dtype=torch.float16, device=device).expand(num_segments, 2)
 
 
 def dequantize(codes: torch.Tensor, segment: torch.Tensor, lut: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

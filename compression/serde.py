@@ -43,11 +43,19 @@ def _enum_from_proto(cls: type[_E], number: int, tensor: str, field: str) -> _E:
 # --- settings -------------------------------------------------------------------------------------------
 
 
+class ValueCoding(enum.IntEnum):
+    """``CodecConfig.values`` as the proto enum ``ValueCoding``: a member's name, lowercased, is the setting."""
+
+    LUT = 1
+    SIGN = 2
+
+
 def settings_to_proto(config: CodecConfig) -> codec_pb2.CodecSettings:
     return codec_pb2.CodecSettings(
         chunk=config.chunk,
         topk=config.topk,
         use_dct=config.use_dct,
+        values=int(ValueCoding[config.values.upper()]),
         bins=config.bins,
         range_sigmas=config.range_sigmas,
         min_sparse_numel=config.min_sparse_numel,
@@ -55,11 +63,13 @@ def settings_to_proto(config: CodecConfig) -> codec_pb2.CodecSettings:
 
 
 def settings_from_proto(msg: codec_pb2.CodecSettings) -> CodecConfig:
+    values = _enum_from_proto(ValueCoding, msg.values, GRADIENT, "settings")
     try:
         return CodecConfig(
             chunk=msg.chunk,
             topk=msg.topk,
             use_dct=msg.use_dct,
+            values=values.name.lower(),  # type: ignore[arg-type]  # a member of VALUE_CODINGS
             bins=msg.bins,
             range_sigmas=msg.range_sigmas,
             min_sparse_numel=msg.min_sparse_numel,

@@ -12,14 +12,15 @@ import dataclasses
 import logging
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from gradwire.cliconfig import parse_args_with_config, subcommand_parser
 from gradwire.coordinator.client import WorkerClient, WorkerError
-from gradwire.coordinator.config import TrainConfig
+from gradwire.coordinator.config import AUTO_FIELDS, TrainConfig
 from gradwire.coordinator.local import local_workers
 from gradwire.models import model_names
+from gradwire.optim import INNER_OPTIMIZERS, OUTER_OPTIMIZERS, SCHEDULES
 
 HELP = {
     "model": f"a built-in model ({', '.join(model_names())}), a Hugging Face hub id (e.g. facebook/opt-125m) or a local model directory",
@@ -34,20 +35,37 @@ HELP = {
     "wandb_project": "log metrics and config to this Weights & Biases project (offline when no API key is set)",
     "wandb_run_name": "the Weights & Biases run name",
     "steps": "outer steps (rounds) to train for, in all (a resumed run continues to this step)",
-    "batch_size": "sequences per worker per round",
+    "batch_size": "sequences per worker per step (per inner step in local-SGD rounds)",
     "sequence_length": "tokens per sequence",
     "micro_batch_size": "sequences per forward/backward on a worker (0: the whole batch at once)",
-    "learning_rate": "outer learning rate",
-    "warmup_steps": "linear learning-rate warmup steps",
-    "outer_optimizer": "outer optimizer: sgd, signsgd (DeMo-style, decoupled weight decay) or adamw",
+    "outer_optimizer": "outer optimizer: sgd, nesterov (DiLoCo), signsgd (DeMo-style, decoupled weight decay) or adamw (auto: signsgd in gradient mode; with --inner-steps > 1 sgd, or nesterov with --no-compression)",
+    "learning_rate": "outer learning rate (auto: 1e-3 in gradient mode; with --inner-steps > 1, 1.0 for sgd, 0.7 for nesterov, else 1e-3)",
+    "momentum": "momentum of the sgd and nesterov outer optimizers (auto: 0.9 for nesterov, else 0)",
     "weight_decay": "decoupled weight decay of the outer optimizer",
-    "momentum": "heavy-ball momentum for --outer-optimizer sgd",
-    "topk": "coefficients kept per 64x64 chunk (scaled by area for smaller chunks)",
+    "lr_schedule": "outer learning-rate schedule after warmup: constant, cosine (optionally with restarts, --lr-cycles), linear (decay to --min-lr-ratio at --steps) or inverse-sqrt",
+    "warmup_steps": "linear outer learning-rate warmup steps",
+    "min_lr_ratio": "cosine/linear schedules end at this fraction of the learning rate",
+    "lr_cycles": "cosine schedule: restarts, as this many equal cycles after warmup",
+    "inner_steps": "local-SGD rounds: inner optimizer steps on every worker between syncs (1: gradient mode, one compressed gradient per step)",
+    "inner_optimizer": "the workers' inner optimizer in local-SGD rounds: adamw, sgd or muon (Newton-Schulz orthogonalised momentum for hidden matrices, AdamW for the rest)",
+    "inner_learning_rate": "inner learning rate",
+    "inner_weight_decay": "decoupled weight decay of the inner optimizer",
+    "inner_beta1": "inner AdamW beta1 (muon: for its AdamW part)",
+    "inner_beta2": "inner AdamW beta2 (muon: for its AdamW part)",
+    "inner_momentum": "momentum of the inner sgd or muon (auto: 0.95 for muon, else 0)",
+    "inner_nesterov": "Nesterov momentum for the inner sgd",
+    "clip_grad_norm": "clip every inner step's gradient to this global L2 norm (0: no clipping)",
+    "inner_lr_schedule": "inner learning-rate schedule over all inner steps (--steps x --inner-steps): constant, cosine, linear or inverse-sqrt",
+    "inner_warmup_steps": "linear inner learning-rate warmup, in inner steps",
+    "inner_min_lr_ratio": "inner cosine/linear schedules end at this fraction of the inner learning rate",
+    "inner_lr_cycles": "inner cosine schedule: restarts, as this many equal cycles after warmup",
+    "topk": "coefficients kept per 64x64 chunk (scaled by area for smaller chunks) (auto: 32 in gradient mode, 90 with --inner-steps > 1)",
     "target_chunk": "chunk edge: each dimension is cut into its largest divisor <= this (max 64)",
     "use_dct": "DCT-transform chunks before top-k",
-    "bins": "quantization bins for kept values (0: raw float32)",
+    "bins": "quantization bins for kept values, packed in ceil(log2(bins)) bits: 4 = 2 bits, 16 = 4 bits, 256 = 8 bits (0: raw float32; auto: 256 in gradient mode, 4 with --inner-steps > 1)",
+    "values": "how kept values travel: lut (quantized through --bins) or sign (1 bit each plus one scale per tensor, as DisTrO)",
     "no_compression": "send exact dense float32 gradients (a baseline)",
-    "feedback_beta": "decay of the workers' error-feedback buffers",
+    "feedback_beta": "decay of the workers' error-feedback buffers (auto: 0.999 in gradient mode, 0.95 with --inner-steps > 1)",
     "output_dir": "where metrics.jsonl, checkpoints/ and final/ go",
     "checkpoint_dir": "checkpoint directory (default: OUTPUT_DIR/checkpoints)",
     "checkpoint_every": "save a checkpoint every N steps (0: only at the end)",
@@ -59,14 +77,22 @@ HELP = {
     "sync_tolerance": "relative tolerance of the replica fingerprint check",
     "max_failed_rounds": "give up after this many rounds in a row with no usable worker",
 }
-CHOICES = {"outer_optimizer": ["sgd", "signsgd", "adamw"]}
+AUTO = "auto"
+CHOICES = {
+    "outer_optimizer": list(OUTER_OPTIMIZERS),
+    "inner_optimizer": list(INNER_OPTIMIZERS),
+    "lr_schedule": list(SCHEDULES),
+    "inner_lr_schedule": list(SCHEDULES),
+    "values": ["lut", "sign"],
+}
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
         default = field.default
-        kwargs: dict = {"dest": field.name, "help": f"{HELP[field.name]} (default: {default!r})"}
+        shown = "auto" if field.name in AUTO_FIELDS else repr(default)
+        kwargs: dict = {"dest": field.name, "help": f"{HELP[field.name]} (default: {shown})"}
         if field.name == "data":
             parser.add_argument(flag, nargs="+", default=[], metavar="PATH", **kwargs)
         elif field.name == "use_dct":
@@ -75,10 +101,27 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             dct.add_argument("--no-dct", dest="use_dct", action="store_false", help="select raw values, no DCT")
         elif isinstance(default, bool):
             parser.add_argument(flag, action="store_true", default=default, **kwargs)
-        elif default is None:
-            parser.add_argument(flag, type=str, default=None, **kwargs)
+        elif field.name in AUTO_FIELDS:  # "auto" (or nothing) leaves it to the mode's default
+            choices = CHOICES.get(field.name)
+            parser.add_argument(flag, type=_or_auto(_flag_type(field)), default=None, choices=[*choices, AUTO] if choices else None, **kwargs)
         else:
-            parser.add_argument(flag, type=type(default), default=default, choices=CHOICES.get(field.name), **kwargs)
+            parser.add_argument(flag, type=_flag_type(field), default=default, choices=CHOICES.get(field.name), **kwargs)
+
+
+def _flag_type(field: dataclasses.Field) -> type:
+    """The type a flag's text converts to: the field's, also for optional fields (``float | None``)."""
+    if field.default is not None:
+        return type(field.default)
+    annotation = str(field.type)  # a string: this module and config.py use postponed annotations
+    return next((t for t in (int, float) if annotation.startswith(t.__name__)), str)
+
+
+def _or_auto(convert: type) -> Callable[[str], object]:
+    def parse(text: str) -> object:
+        return AUTO if text == AUTO else convert(text)
+
+    parse.__name__ = convert.__name__  # argparse names the type in its "invalid float value" messages
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
+    values.update({name: None for name in AUTO_FIELDS if values[name] == AUTO})
     values["data"] = tuple(values["data"] or ())
     return TrainConfig(**values)
 

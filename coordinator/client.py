@@ -22,7 +22,7 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gradwire import protocol
-from gradwire.protocol import PROTOCOL_VERSION, FeedbackState, ModelState, RoundResult, WorkerInfo, WorkOrder
+from gradwire.protocol import PROTOCOL_VERSION, ModelState, RoundResult, WorkerInfo, WorkerState, WorkOrder
 from gradwire.replica import Fingerprint
 from gradwire.transport import DEFAULT_MESSAGE_MB, SERVICE_NAME, check_message_mb, grpc_options
 from gradwire.v1 import worker_pb2 as pb
@@ -110,11 +110,11 @@ class WorkerClient:
             raise WorkerError(self.address, grpc.StatusCode.DATA_LOSS, f"answered round {result.round} to an order for round {order.round}")
         return result
 
-    def fetch_feedback(self, run_id: str, timeout: float | None = None) -> FeedbackState:
-        """The error-feedback buffers of the worker's replica of ``run_id`` (for checkpoints)."""
-        request = pb.FetchFeedbackRequest(run_id=run_id)
+    def fetch_worker_state(self, run_id: str, timeout: float | None = None) -> WorkerState:
+        """The error feedback and inner optimizer state of the worker's session of ``run_id`` (for checkpoints)."""
+        request = pb.FetchWorkerStateRequest(run_id=run_id)
         up = _Counter()
-        state = self._framed(lambda: self._stub.FetchFeedback(request, timeout=self._timeout(timeout)), up, pb.FeedbackState, protocol.feedback_from_proto)
+        state = self._framed(lambda: self._stub.FetchWorkerState(request, timeout=self._timeout(timeout)), up, pb.WorkerState, protocol.worker_state_from_proto)
         self._record(request.ByteSize(), up.nbytes)
         return state
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
@@ -19,11 +20,14 @@ from google.protobuf.message import DecodeError, Message
 
 from gradwire.compression import CodecConfig, CompressedGradient, PayloadError
 from gradwire.compression import serde as codec_serde
+from gradwire.optim.inner import InnerOptimizerConfig
 from gradwire.replica import Fingerprint, StateUpdate
 from gradwire.v1 import worker_pb2 as pb
 
 # Bump when a message's meaning changes; both sides refuse to talk across versions.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+MAX_INNER_STEPS = 100_000  # H beyond this is a mistake, not a schedule (the field syncs every 30-500 steps)
+MAX_LEARNING_RATE = 1e6  # learning rates crossing the wire are finite, non-negative and below this
 PART_BYTES = 2 << 20  # well under gRPC's default 4 MB message limit
 
 
@@ -130,14 +134,21 @@ class WorkerInfo:
     device_name: str = ""
     local_devices: int = 1
     replicas: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    ranks: int = 1
+    rank_devices: tuple[str, ...] = ()
+    node_mode: str = ""
 
 
 def info_to_proto(info: WorkerInfo) -> pb.WorkerInfo:
-    return pb.WorkerInfo(**{**dataclasses.asdict(info), "replicas": dict(info.replicas)})
+    return pb.WorkerInfo(**{**dataclasses.asdict(info), "replicas": dict(info.replicas), "rank_devices": list(info.rank_devices)})
 
 
 def info_from_proto(msg: pb.WorkerInfo) -> WorkerInfo:
-    return WorkerInfo(msg.protocol_version, msg.gradwire_version, msg.torch_version, msg.device, msg.device_name, msg.local_devices, dict(msg.replicas))
+    # A worker that does not say is a single device (ranks 0 on the wire).
+    return WorkerInfo(
+        msg.protocol_version, msg.gradwire_version, msg.torch_version, msg.device, msg.device_name, msg.local_devices,
+        dict(msg.replicas), max(1, msg.ranks), tuple(msg.rank_devices), msg.node_mode,
+    )
 
 
 @dataclasses.dataclass
@@ -149,6 +160,7 @@ class ModelState:
     update_rule_json: str
     optimizer_state: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     feedback: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    inner_optimizer: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     protocol_version: int = PROTOCOL_VERSION
 
 
@@ -157,6 +169,7 @@ def state_to_proto(s: ModelState) -> pb.ModelState:
         protocol_version=s.protocol_version, run_id=s.run_id, version=s.version, model_json=s.model_json,
         parameters=tensors_to_proto(s.parameters), update_rule_json=s.update_rule_json,
         optimizer_state=tensors_to_proto(s.optimizer_state), feedback=tensors_to_proto(s.feedback),
+        inner_optimizer=tensors_to_proto(s.inner_optimizer),
     )
 
 
@@ -166,7 +179,8 @@ def state_from_proto(m: pb.ModelState) -> ModelState:
         raise ProtocolError("model state has no run_id")
     return ModelState(
         m.run_id, m.version, m.model_json, tensors_from_proto(m.parameters), m.update_rule_json,
-        tensors_from_proto(m.optimizer_state), tensors_from_proto(m.feedback), m.protocol_version,
+        tensors_from_proto(m.optimizer_state), tensors_from_proto(m.feedback), tensors_from_proto(m.inner_optimizer),
+        m.protocol_version,
     )
 
 
@@ -199,6 +213,57 @@ def update_from_proto(m: pb.StateUpdate) -> StateUpdate:
     raise ProtocolError("state update carries neither a replay nor a delta")
 
 
+@dataclasses.dataclass(frozen=True)
+class LocalSteps:
+    """A local-SGD round: ``steps`` inner steps of ``optimizer``, one learning rate each."""
+
+    steps: int
+    optimizer: InnerOptimizerConfig
+    learning_rates: tuple[float, ...]
+    clip_grad_norm: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.steps <= MAX_INNER_STEPS:
+            raise ProtocolError(f"local steps: steps must be in [1, {MAX_INNER_STEPS}], got {self.steps}")
+        if len(self.learning_rates) != self.steps:
+            raise ProtocolError(f"local steps: {len(self.learning_rates)} learning rates for {self.steps} steps")
+        for lr in self.learning_rates:
+            if not (math.isfinite(lr) and 0 <= lr <= MAX_LEARNING_RATE):
+                raise ProtocolError(f"local steps: learning_rates must be finite and in [0, {MAX_LEARNING_RATE:g}], got {lr}")
+        if not (math.isfinite(self.clip_grad_norm) and self.clip_grad_norm >= 0):
+            raise ProtocolError(f"local steps: clip_grad_norm must be finite and >= 0, got {self.clip_grad_norm}")
+
+
+def inner_optimizer_to_proto(c: InnerOptimizerConfig) -> pb.InnerOptimizer:
+    return pb.InnerOptimizer(
+        name=c.name, weight_decay=c.weight_decay, beta1=c.betas[0], beta2=c.betas[1], eps=c.eps,
+        momentum=c.momentum, nesterov=c.nesterov, ns_steps=c.ns_steps,
+    )
+
+
+def inner_optimizer_from_proto(m: pb.InnerOptimizer) -> InnerOptimizerConfig:
+    try:
+        return InnerOptimizerConfig(
+            name=m.name, weight_decay=m.weight_decay, betas=(m.beta1, m.beta2), eps=m.eps,
+            momentum=m.momentum, nesterov=m.nesterov, ns_steps=m.ns_steps,
+        )
+    except ValueError as e:  # the config names the setting; say where it came from
+        raise ProtocolError(f"local steps: inner optimizer: {e}") from None
+
+
+def local_steps_to_proto(ls: LocalSteps) -> pb.LocalSteps:
+    return pb.LocalSteps(
+        steps=ls.steps, optimizer=inner_optimizer_to_proto(ls.optimizer), learning_rates=ls.learning_rates,
+        clip_grad_norm=ls.clip_grad_norm,
+    )
+
+
+def local_steps_from_proto(m: pb.LocalSteps) -> LocalSteps:
+    if not m.HasField("optimizer"):
+        raise ProtocolError("local steps: optimizer missing")
+    return LocalSteps(m.steps, inner_optimizer_from_proto(m.optimizer), tuple(m.learning_rates), m.clip_grad_norm)
+
+
 _BATCH_DTYPES = {pb.DTYPE_UINT16: np.dtype("<u2"), pb.DTYPE_INT32: np.dtype("<i4")}
 
 
@@ -214,7 +279,12 @@ class WorkOrder:
     feedback_beta: float = 0.999
     micro_batch_size: int = 0
     sync_tolerance: float = 1e-4
+    local_steps: LocalSteps | None = None  # None: gradient mode
     protocol_version: int = PROTOCOL_VERSION
+
+    @property
+    def inner_steps(self) -> int:
+        return self.local_steps.steps if self.local_steps is not None else 1
 
 
 def order_to_proto(o: WorkOrder) -> pb.WorkOrder:
@@ -228,6 +298,7 @@ def order_to_proto(o: WorkOrder) -> pb.WorkOrder:
         fingerprint=fingerprint_to_proto(o.fingerprint), batch=batch,
         codec=codec_serde.settings_to_proto(o.codec), feedback_beta=o.feedback_beta, micro_batch_size=o.micro_batch_size,
         sync_tolerance=o.sync_tolerance,
+        local_steps=local_steps_to_proto(o.local_steps) if o.local_steps is not None else None,
     )
 
 
@@ -250,10 +321,13 @@ def order_from_proto(m: pb.WorkOrder) -> WorkOrder:
         codec = codec_serde.settings_from_proto(m.codec)
     except PayloadError as e:
         raise ProtocolError(f"work order codec settings: {e.reason}") from None
+    local_steps = local_steps_from_proto(m.local_steps) if m.HasField("local_steps") else None
+    if local_steps is not None and b.rows % local_steps.steps:
+        raise ProtocolError(f"token batch of {b.rows} rows does not split into {local_steps.steps} equal inner steps")
     return WorkOrder(
         m.run_id, m.round, m.base_version, batch, codec, fingerprint_from_proto(m.fingerprint),
         update_from_proto(m.update) if m.HasField("update") else None,
-        m.feedback_beta, m.micro_batch_size, m.sync_tolerance, m.protocol_version,
+        m.feedback_beta, m.micro_batch_size, m.sync_tolerance, local_steps, m.protocol_version,
     )
 
 
@@ -272,6 +346,7 @@ class RoundResult:
     tokens: int = 0
     version: int = 0
     timings: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    node_bytes: int = 0
 
 
 def result_to_proto(r: RoundResult) -> pb.RoundResult:
@@ -279,7 +354,7 @@ def result_to_proto(r: RoundResult) -> pb.RoundResult:
         status=_STATUS[r.status], reason=r.reason, round=r.round,
         gradient=codec_serde.gradient_to_proto(r.gradient) if r.gradient is not None else None,
         loss=r.loss, tokens=r.tokens, version=r.version,
-        timings=pb.Timings(**{f"{k}_seconds": v for k, v in r.timings.items()}),
+        timings=pb.Timings(**{f"{k}_seconds": v for k, v in r.timings.items()}), node_bytes=r.node_bytes,
     )
 
 
@@ -291,22 +366,28 @@ def result_from_proto(m: pb.RoundResult) -> RoundResult:
         raise ProtocolError("an OK round result must carry a gradient")
     timings = {f.name.removesuffix("_seconds"): v for f, v in m.timings.ListFields()}
     gradient = codec_serde.gradient_from_proto(m.gradient) if m.HasField("gradient") else None
-    return RoundResult(status, m.round, m.reason, gradient, m.loss, m.tokens, m.version, timings)
+    return RoundResult(status, m.round, m.reason, gradient, m.loss, m.tokens, m.version, timings, m.node_bytes)
 
 
 @dataclasses.dataclass
-class FeedbackState:
+class WorkerState:
+    """What a worker's session keeps between rounds besides the replica (checkpoints save it)."""
+
     run_id: str
     version: int
-    buffers: dict[str, torch.Tensor]
+    feedback: dict[str, torch.Tensor]
+    inner_optimizer: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
-def feedback_to_proto(f: FeedbackState) -> pb.FeedbackState:
-    return pb.FeedbackState(run_id=f.run_id, version=f.version, buffers=tensors_to_proto(f.buffers))
+def worker_state_to_proto(w: WorkerState) -> pb.WorkerState:
+    return pb.WorkerState(
+        run_id=w.run_id, version=w.version, feedback=tensors_to_proto(w.feedback),
+        inner_optimizer=tensors_to_proto(w.inner_optimizer),
+    )
 
 
-def feedback_from_proto(m: pb.FeedbackState) -> FeedbackState:
-    return FeedbackState(m.run_id, m.version, tensors_from_proto(m.buffers))
+def worker_state_from_proto(m: pb.WorkerState) -> WorkerState:
+    return WorkerState(m.run_id, m.version, tensors_from_proto(m.feedback), tensors_from_proto(m.inner_optimizer))
 
 
 def _check_version(v: int) -> None:

@@ -4,9 +4,9 @@ Workers' copies stay in sync without re-shipping the state: the coordinator send
 (``StateUpdate``) and every holder applies it with this same code, so replicas on the same kind of device
 stay bit-identical. Two kinds of update:
 
-* replay - the aggregate of the senders' payloads followed by the outer step, for rules whose step is a
-  function of that aggregate (``sgd`` with optional momentum, ``signsgd`` with decoupled weight decay as in
-  DeMo). The bytes are the senders' own payloads, already compressed.
+* replay - the aggregate of the senders' payloads followed by the outer step (``gradwire.optim.outer``),
+  for rules whose step is a function of that aggregate (``sgd``, ``nesterov``, ``signsgd``). The bytes are
+  the senders' own payloads, already compressed.
 * delta - a compressed parameter delta, for rules with state the workers should not have to mirror
   (``adamw``); the coordinator compresses it with its own error feedback and applies the same decoded
   delta to its copy of the workers' replica.
@@ -18,68 +18,17 @@ coordinator's; ``compare_fingerprints`` is the pure decision, with its reason.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import zlib
 from collections.abc import Mapping, Sequence
-from typing import Literal
 
 import torch
 
 from gradwire.compression import CodecConfig, CompressedGradient, GradientCodec
 from gradwire.compression.aggregate import Aggregator
+from gradwire.optim.outer import UpdateRule, outer_step
 
-Optimizer = Literal["sgd", "signsgd", "adamw"]
-REPLAYABLE = ("sgd", "signsgd")
 SAMPLES_PER_TENSOR = 4
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class UpdateRule:
-    """The outer optimizer, as data both sides agree on.
-
-    Attributes:
-        optimizer: ``sgd``, ``signsgd`` (DeMo's sign step) or ``adamw``.
-        weight_decay: decoupled: ``p <- p * (1 - lr * weight_decay)`` before the step.
-        momentum: heavy-ball momentum for ``sgd`` (replayed by workers too).
-        betas, eps: ``adamw`` only; its state lives on the coordinator alone.
-    """
-
-    optimizer: Optimizer = "signsgd"
-    weight_decay: float = 0.0
-    momentum: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-
-    def __post_init__(self) -> None:
-        if self.optimizer not in ("sgd", "signsgd", "adamw"):
-            raise ValueError(f"--outer-optimizer must be sgd, signsgd or adamw, got {self.optimizer!r}")
-        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
-            raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
-        if not 0 <= self.momentum < 1:
-            raise ValueError(f"--momentum must be in [0, 1), got {self.momentum}")
-        if self.momentum and self.optimizer != "sgd":
-            raise ValueError("--momentum applies to the sgd outer optimizer only")
-
-    @property
-    def replayable(self) -> bool:
-        return self.optimizer in REPLAYABLE
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> UpdateRule:
-        raw = json.loads(text)
-        if not isinstance(raw, dict):
-            raise ValueError("update rule must be a JSON object")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"unknown update rule keys {unknown}")
-        if "betas" in raw:
-            raw["betas"] = tuple(raw["betas"])
-        return cls(**raw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,27 +43,6 @@ class StateUpdate:
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.payloads) + (self.delta.nbytes if self.delta is not None else 0)
-
-
-@torch.no_grad()
-def outer_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], rule: UpdateRule, lr: float, momentum: list[torch.Tensor] | None = None) -> None:
-    """One replayable outer step in place. ``momentum`` holds sgd's buffers (created on first use)."""
-    if not rule.replayable:
-        raise ValueError(f"{rule.optimizer} is not replayed; its updates travel as deltas")
-    for i, (p, g) in enumerate(zip(params, grads)):
-        g = g.to(p.device, torch.float32)
-        if rule.weight_decay:
-            p.mul_(1 - lr * rule.weight_decay)
-        if rule.optimizer == "signsgd":
-            p.add_(torch.sign(g).to(p.dtype), alpha=-lr)
-            continue
-        if rule.momentum and momentum is not None:
-            if len(momentum) <= i:
-                momentum.append(g.clone())
-            else:
-                momentum[i].mul_(rule.momentum).add_(g)
-            g = momentum[i]
-        p.add_(g.to(p.dtype), alpha=-lr)
 
 
 # ------------------------------------------------------------------------------------------- fingerprint

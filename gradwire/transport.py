@@ -6,6 +6,8 @@ Large messages travel as ``protocol.PART_BYTES`` (2 MiB) parts, so one gRPC mess
 
 from __future__ import annotations
 
+import socket
+
 SERVICE_NAME = "gradwire.v1.Worker"
 
 GRPC_MESSAGE_MB = 16
@@ -32,3 +34,10 @@ def grpc_options() -> list[tuple[str, int]]:
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.keepalive_permit_without_calls", 1),
     ]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now (for local workers, a node's rendezvous, tests)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

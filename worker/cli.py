@@ -1,4 +1,4 @@
-"""The ``worker`` command: ``worker serve --port P [--host H] [--device D] [--max-message-mb N] [--grace S]``.
+"""The ``worker`` command: ``worker serve --port P [--host H] [--device D] [--nproc-per-node N] ...``.
 
 Also runs as ``python -m gradwire.worker``. Bad flag values exit with status 2 and a message naming the
 flag. torch and grpc are imported only once a command runs, so ``--help`` answers at once.
@@ -14,9 +14,15 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from gradwire.cliconfig import parse_args_with_config, subcommand_parser
 from gradwire.transport import DEFAULT_MESSAGE_MB, check_message_mb
+
+if TYPE_CHECKING:
+    from gradwire.worker.node import RankInfo
+
+log = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> str:
@@ -100,7 +106,40 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", type=_device, default="auto", help="where rounds run: auto (the default: cuda if available, else cpu), cpu, cuda or cuda:INDEX")
     serve.add_argument("--max-message-mb", type=_message_mb, default=DEFAULT_MESSAGE_MB, help=f"largest message accepted, in MiB, once its parts are joined: a model state, a work order with its update (default: {DEFAULT_MESSAGE_MB})")
     serve.add_argument("--grace", type=_seconds, default=5.0, help="seconds in-flight calls get to finish after SIGTERM before they are cancelled (default: 5)")
+    node = serve.add_argument_group("multi-GPU nodes", "One worker drives all of a box's GPUs: N ranks in one torch.distributed group (NCCL on CUDA, gloo on CPU); rank 0 serves gRPC. torchrun --nproc-per-node N -m gradwire.worker serve ... works the same.")
+    node.add_argument("--nproc-per-node", type=_nproc, default="1", help="ranks in this node: a number, or auto (every visible GPU; 1 on a CPU) (default: 1)")
+    node.add_argument("--node-mode", choices=["ddp", "local-sgd"], default="ddp", help="among the ranks: ddp (every backward all-reduces gradients) or local-sgd (independent inner steps, parameters averaged every --node-sync-steps and at the end of a round) (default: ddp)")
+    node.add_argument("--node-sync-steps", type=_count, default=0, help="local-sgd: average the ranks' parameters every S inner steps (0: at the end of each round only) (default: 0)")
+    node.add_argument("--node-comm-hook", choices=["none", "fp16", "powersgd", "dct"], default="none", help="ddp: how gradients travel between ranks (default: none, a float32 all-reduce)")
+    node.add_argument("--node-timeout", type=_seconds, default=300.0, help="seconds a collective among the ranks may take before the node counts a rank as lost (default: 300)")
+    node.add_argument("--max-restarts", type=_count, default=3, help="times the launcher restarts a node that lost a rank (default: 3)")
+    serve.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast forward/backward (weights, replica and codec stay float32) (default: fp32)")
     return parser
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
+
+
+def _nproc(text: str) -> str:
+    if text != "auto" and (not text.isdigit() or int(text) < 1):
+        raise argparse.ArgumentTypeError(f"must be a number >= 1 or auto, got {text!r}")
+    return text
+
+
+def ranks_for(nproc: str, device: str) -> int:
+    """``--nproc-per-node`` as a number: ``auto`` is every visible GPU on a CUDA worker, one on a CPU."""
+    if nproc != "auto":
+        return int(nproc)
+    import torch
+
+    return max(1, torch.cuda.device_count()) if device.startswith("cuda") else 1
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -118,16 +157,56 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Imported here: torch, the model code and grpc take a moment, and --help should not wait for them.
+    from gradwire.worker.node import rank_from_env
+
+    try:
+        rank = rank_from_env()
+    except ValueError as e:
+        print(f"worker serve: error: {e}", file=sys.stderr)
+        return 2
+    nproc = ranks_for(args.nproc_per_node, args.device)
+    if rank is None and nproc > 1:  # the launcher: this process supervises the node's ranks
+        from gradwire.worker.launch import launch
+
+        return launch(sys.argv[1:] if argv is None else list(argv), nproc, max_restarts=args.max_restarts, grace=args.grace)
+    return run_rank(args, rank)
+
+
+def run_rank(args: argparse.Namespace, rank: RankInfo | None) -> int:
+    """One worker process: a single-device worker, or one rank of a node (rank 0 serves gRPC)."""
+    import torch
+
     from gradwire.memory import keep_freed_memory
-    from gradwire.worker.engine import WorkerEngine
+    from gradwire.worker.compute import Placement
+    from gradwire.worker.engine import NodeFailure, WorkerEngine
+    from gradwire.worker.node import NodeGroup
     from gradwire.worker.server import serve
 
     keep_freed_memory()  # a long-lived daemon: reuse its model-sized buffers instead of re-faulting them
+    device = args.device
+    if rank is not None and device.startswith("cuda"):
+        device = f"cuda:{rank.local_rank}"  # one GPU per rank
+        torch.cuda.set_device(device)
+    node = NodeGroup(rank, torch.device(device), timeout=args.node_timeout) if rank is not None else None
+    placement = Placement(node, args.node_mode, args.node_sync_steps, args.node_comm_hook, args.precision)
+    engine = WorkerEngine(device, placement=placement)
     try:
-        return serve(WorkerEngine(args.device), host=args.host, port=args.port, max_message_mb=args.max_message_mb, grace=args.grace)
-    except OSError as e:  # the address cannot be bound
-        print(f"worker serve: error: {e}", file=sys.stderr)
-        return 1
+        if node is not None and not node.info.leader:
+            log.info("rank %d of %d on %s: following rank 0", rank.rank, rank.world_size, device)
+            try:
+                engine.follow()
+            except (NodeFailure, RuntimeError) as e:
+                print(f"worker serve: rank {rank.rank}: the node failed ({e}); exiting so that it restarts", file=sys.stderr)
+                return 1
+            return 0
+        try:
+            return serve(engine, host=args.host, port=args.port, max_message_mb=args.max_message_mb, grace=args.grace)
+        except OSError as e:  # the address cannot be bound
+            print(f"worker serve: error: {e}", file=sys.stderr)
+            return 1
+    finally:
+        if node is not None:
+            node.close()
 
 
 if __name__ == "__main__":

@@ -1,86 +1,72 @@
-"""The worker's core: turn a work order into a compressed gradient. No networking here.
+"""The worker's core: turn a work order into a compressed contribution. No networking here.
 
-A worker keeps one *session* per coordinator run: the model replica (built from the run's JSON spec),
-the error-feedback buffers, and the codecs. For each order it brings the replica to the order's version
-by applying the carried update, checks the replica's fingerprint against the coordinator's, runs
-forward/backward on the token batch, and compresses the gradient with error feedback. Anything that
-says the replica cannot be trusted becomes a NEEDS_STATE answer, not an exception: the coordinator then
-pushes the state and the worker carries on.
+A worker keeps one ``Session`` per coordinator run (the replica, error feedback, the local-SGD working copy).
+A round runs in four stages:
+
+  check (pure: version, fingerprint, token range; ``check``) -> advance the replica by the order's update
+  -> compute (a strategy: one gradient, or H local steps; ``compute``) -> encode (error feedback + codec).
+
+Anything that says the replica cannot be trusted becomes a NEEDS_STATE answer, not an exception: the
+coordinator then pushes the state and the worker carries on.
+
+On a node of several ranks (``worker.node``) every rank runs an engine: rank 0's takes the coordinator's
+calls and first hands each one, as its protobuf bytes, to the others (``follow`` is their loop); every
+rank then runs the same stages, the check's verdict is agreed on by all, and rank 0 encodes the node's
+single payload. A rank that is lost makes the node's collectives fail: that is a ``NodeFailure``, which
+the server answers UNAVAILABLE before the node is torn down and restarted.
 """
 
 from __future__ import annotations
 
 import collections
-import json
+import logging
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from types import TracebackType
+from typing import TypeVar
 
 import torch
+import torch.distributed as dist
+from google.protobuf.message import Message
 
 import gradwire
-from gradwire.compression import ErrorFeedback
-from gradwire.models import build_from_spec, lm_loss
+from gradwire import protocol
 from gradwire.protocol import (
     NEEDS_STATE,
     OK,
     PROTOCOL_VERSION,
-    FeedbackState,
     ModelState,
     ProtocolError,
     RoundResult,
     WorkerInfo,
+    WorkerState,
     WorkOrder,
 )
-from gradwire.replica import Fingerprint, Replica, UpdateRule, compare_fingerprints
+from gradwire.replica import Fingerprint
+from gradwire.v1 import worker_pb2 as pb
+from gradwire.worker.check import ReplicaView, Verdict, check_order
+from gradwire.worker.compute import Placement, strategy_for
+from gradwire.worker.node import Command, NodeGroup
+from gradwire.worker.session import Session, host_tensors
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
-class Cancelled(Exception):
-    """The caller went away (cancelled call, deadline, shutdown): the round's work is abandoned."""
-
-
-class Session:
-    """One coordinator run's replica and error feedback on this worker."""
-
-    def __init__(self, state: ModelState, device: torch.device) -> None:
-        try:
-            spec = json.loads(state.model_json)
-            rule = UpdateRule.from_json(state.update_rule_json)
-            model = build_from_spec(spec)
-        except (ValueError, TypeError, KeyError) as e:
-            raise ProtocolError(f"model state: {e}") from None
-        self.run_id = state.run_id
-        self.replica = Replica(model.to(device), rule)
-        momentum = [state.optimizer_state[k] for k in sorted(state.optimizer_state, key=_numeric_suffix)]
-        try:
-            self.replica.load_state(state.parameters, momentum, state.version)
-        except ValueError as e:
-            raise ProtocolError(f"model state: {e}") from None
-        self.vocab_size = _vocab_size(model)
-        self.feedback = ErrorFeedback()
-        if state.feedback:
-            self.feedback.load_state_dict({k: v.to(device) for k, v in state.feedback.items()})
-        self.stale = False
-
-
-def _vocab_size(model: torch.nn.Module) -> int | None:
-    """Token ids must be below this; None if the model does not say."""
-    get = getattr(model, "get_input_embeddings", None)  # transformers models
-    emb = get() if callable(get) else getattr(model, "tok_emb", None)  # the built-in GPT
-    return emb.num_embeddings if isinstance(emb, torch.nn.Embedding) else None
-
-
-def _numeric_suffix(key: str) -> int:
-    return int(key.rsplit(".", 1)[-1])
+class NodeFailure(RuntimeError):
+    """A collective among the node's ranks failed (a rank died, hung past the timeout, or disagreed)."""
 
 
 class WorkerEngine:
     """Serves rounds for any number of coordinator runs, one at a time; thread-safe."""
 
-    def __init__(self, device: str | torch.device = "cpu", max_sessions: int = 2) -> None:
+    def __init__(self, device: str | torch.device = "cpu", max_sessions: int = 2, placement: Placement | None = None) -> None:
         self.device = torch.device(device)
         self.max_sessions = max_sessions
+        self.placement = placement or Placement()
+        self.node: NodeGroup | None = self.placement.node
         self.sessions: collections.OrderedDict[str, Session] = collections.OrderedDict()
         # One round at a time: rounds of one run are sequential anyway, and two models' worth of
         # forward/backward at once would only fight over the same device.
@@ -89,103 +75,174 @@ class WorkerEngine:
         # each new calling thread gets an OpenMP team of its own, and idle teams spinning beside the busy
         # one cost ~5-15% of a CPU step (measured on gpt-10m: 2.21 s on one thread, 2.33-2.56 s on fresh ones).
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradwire-compute")
+        # What to do when the node loses a rank (the server sets it: stop, so that the node restarts).
+        self.on_node_failure: Callable[[], None] = lambda: None
+        self._last_command = time.monotonic()
+        if self.node is not None and self.node.info.leader:
+            # Every collective is bounded by the node's timeout, the command channel too, so an idle node
+            # must keep talking: a heartbeat whenever no command went out for a while. A rank that stopped
+            # answering (dead or hung) is then found within the timeout, idle or not.
+            self._heartbeat_every = max(0.5, self.node.timeout / 4)
+            threading.Thread(target=self._heartbeats, name="gradwire-node-heartbeat", daemon=True).start()
 
     def info(self) -> WorkerInfo:
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        ranks = self.placement.ranks
+        devices = tuple(f"cuda:{r}" for r in range(ranks)) if self.device.type == "cuda" else (str(self.device),) * ranks
         return WorkerInfo(
             PROTOCOL_VERSION, gradwire.__version__, torch.__version__, str(self.device), name,
             torch.cuda.device_count() if self.device.type == "cuda" else 1,
             {run: s.replica.version for run, s in self.sessions.items()},
+            ranks, devices, self.placement.mode if self.node is not None else "",
         )
 
     def push_state(self, state: ModelState) -> tuple[int, Fingerprint]:
-        return self._compute.submit(self._push_state, state).result()
+        return self._compute.submit(self._lead, Command.PUSH_STATE, lambda: protocol.state_to_proto(state), self._push_state, state).result()
+
+    def _lead(self, command: Command, message: Callable[[], Message], call: Callable[..., T], *args: object) -> T:
+        """Rank 0 of a node: hand the other ranks the call's message, then make it here too.
+
+        ``message`` builds the proto only on a node: a single-device worker serializes nothing twice.
+        """
+        if self.node is not None:
+            with _NodeErrors():
+                self.node.send(command, message().SerializeToString())
+            self._last_command = time.monotonic()
+        return call(*args)
+
+    def _heartbeats(self) -> None:
+        assert self.node is not None
+        while True:
+            time.sleep(self._heartbeat_every / 2)
+            if time.monotonic() - self._last_command < self._heartbeat_every:
+                continue
+            try:
+                self._compute.submit(self._beat).result()
+            except NodeFailure as e:
+                log.error("%s; stopping so that the node restarts", e)
+                self.on_node_failure()
+                return
+            except RuntimeError:  # the executor shut down: the worker is stopping
+                return
+
+    def _beat(self) -> None:
+        if time.monotonic() - self._last_command < self._heartbeat_every:
+            return  # a call went out while this waited its turn
+        with _NodeErrors():
+            self.node.send(Command.HEARTBEAT)
+        self._last_command = time.monotonic()
 
     def _push_state(self, state: ModelState) -> tuple[int, Fingerprint]:
         session = Session(state, self.device)  # built and validated before it replaces anything
         with self._lock:
             previous = self.sessions.pop(state.run_id, None)
-            if previous is not None and not state.feedback:
-                # A resync of the same run keeps what this worker has not sent yet.
-                session.feedback = previous.feedback
+            if previous is not None:
+                # A resync of the same run keeps what this worker has not sent yet, and its inner optimizer.
+                session.carry_over(previous, feedback=not state.feedback, inner=not state.inner_optimizer)
             self.sessions[state.run_id] = session
             while len(self.sessions) > self.max_sessions:
                 self.sessions.popitem(last=False)  # the least recently started run
             return session.replica.version, session.replica.fingerprint()
 
-    def feedback_state(self, run_id: str) -> FeedbackState:
+    def worker_state(self, run_id: str) -> WorkerState:
         with self._lock:
             session = self.sessions.get(run_id)
             if session is None:
                 raise ProtocolError(f"no replica for run {run_id!r}")
-            buffers = {k: v.detach().cpu() for k, v in session.feedback.state_dict().items()}
-            return FeedbackState(run_id, session.replica.version, buffers)
+            return WorkerState(run_id, session.replica.version, host_tensors(session.feedback.state_dict()), host_tensors(session.inner_state()))
 
     def run_round(self, order: WorkOrder, cancelled: Callable[[], bool] = lambda: False) -> RoundResult:
-        return self._compute.submit(self._locked_round, order, cancelled).result()
+        return self._compute.submit(self._lead, Command.RUN_ROUND, lambda: protocol.order_to_proto(order), self._locked_round, order, cancelled).result()
 
     def _locked_round(self, order: WorkOrder, cancelled: Callable[[], bool]) -> RoundResult:
-        with self._lock:
+        with self._lock, _NodeErrors(active=self.node is not None):
             return self._run_round(order, cancelled)
+
+    def follow(self) -> None:
+        """Ranks > 0 of a node: make every call rank 0 hands over, until it says stop (or the node fails).
+
+        A call that fails here fails on rank 0 too (the same bytes, the same code), which answers the
+        coordinator; this rank only logs it and waits for the next.
+        """
+        assert self.node is not None and not self.node.info.leader
+        while True:
+            command, data = self.node.receive()
+            if command == Command.STOP:
+                return
+            if command == Command.HEARTBEAT:
+                continue
+            try:
+                if command == Command.PUSH_STATE:
+                    self._push_state(protocol.state_from_proto(protocol.parse(pb.ModelState, data)))
+                else:
+                    self._locked_round(protocol.order_from_proto(protocol.parse(pb.WorkOrder, data)), lambda: False)
+            except ValueError as e:
+                log.warning("rank %d: %s rejected: %s", self.node.rank, command.name, e)
+
+    def stop_node(self) -> None:
+        """Rank 0: tell the other ranks to leave ``follow`` (best effort: a lost rank cannot hear it)."""
+        if self.node is not None and self.node.info.leader:
+            try:
+                self._compute.submit(self.node.send, Command.STOP).result(timeout=30)
+            except Exception as e:  # noqa: BLE001 - shutting down anyway
+                log.warning("could not tell the node's ranks to stop: %s", e)
 
     def _run_round(self, order: WorkOrder, cancelled: Callable[[], bool]) -> RoundResult:
         t0 = time.perf_counter()
         session = self.sessions.get(order.run_id)
-
-        def needs_state(reason: str) -> RoundResult:
+        # 1. check: may this replica serve the order? On a node, only if it may on every rank.
+        self.placement.check_rows(order)
+        verdict = check_order(order, _view(session))
+        if self.node is not None and not self.node.all_true(verdict.ok) and verdict.ok:
+            verdict = Verdict(False, "another rank of this node is out of sync")
+        if not verdict.ok:
             if session is not None:
                 session.stale = True
-            return RoundResult(NEEDS_STATE, order.round, reason, version=session.replica.version if session else 0)
-
-        if session is None:
-            return needs_state(f"no replica for run {order.run_id!r}")
-        if session.stale:
-            return needs_state("replica was found out of sync; waiting for a state push")
-        if session.vocab_size is not None:
-            # Checked here, before anything changes: an id past the embedding is an IndexError on a CPU
-            # and a device-side assert on a GPU, which leaves the worker's CUDA context unusable.
-            low, high = int(order.batch.min()), int(order.batch.max())
-            if low < 0 or high >= session.vocab_size:
-                raise ProtocolError(f"token id {high if high >= session.vocab_size else low} is outside the model's vocabulary [0, {session.vocab_size})")
+            return RoundResult(NEEDS_STATE, order.round, verdict.reason, version=session.replica.version if session else 0)
+        assert session is not None
         replica = session.replica
-        if replica.version != order.base_version:
-            return needs_state(f"replica at version {replica.version}, order starts from {order.base_version}")
-        # The fingerprint is the coordinator's replica at base_version: check before moving on, so the
-        # coordinator can send the order while it is still applying the same update to its own copy.
-        same, why = compare_fingerprints(order.fingerprint, replica.fingerprint(), replica.numels, order.sync_tolerance)
-        if not same:
-            return needs_state(f"fingerprint mismatch at version {replica.version}: {why}")
+        bus_before = self._bus_bytes()
+        # 2. advance the replica to the round's version (every payload is validated before a parameter moves).
         if order.update is not None:
-            replica.apply(order.update)  # validates every payload before touching a parameter
+            replica.apply(order.update)
         t_update = time.perf_counter()
-        loss, tokens = self._gradient(replica, order, cancelled)
+        # 3. compute: one gradient, or H local steps on the working copy.
+        tokens = torch.from_numpy(order.batch.astype("int64"))  # (rows, T + 1)
+        if self.device.type == "cuda":  # page-locked, so the copy overlaps with the work queued before it
+            tokens = tokens.pin_memory().to(self.device, non_blocking=True)
+        contribution = strategy_for(order)(session, order, tokens, cancelled, self.placement)
         t_compute = time.perf_counter()
+        if self.node is not None and not self.node.info.leader:  # rank 0 encodes the node's payload
+            return RoundResult(OK, order.round, "", None, contribution.loss, contribution.tokens, replica.version)
+        # 4. encode: error feedback and the codec.
         session.feedback.beta = order.feedback_beta
-        grads = {n: p.grad for n, p in replica.params.items()}
-        gradient = replica.codec(order.codec).compress(grads, session.feedback)
+        payload = replica.codec(order.codec).compress(contribution.tensors, session.feedback)
         t_done = time.perf_counter()
         timings = {"update": t_update - t0, "compute": t_compute - t_update, "compress": t_done - t_compute, "total": t_done - t0}
-        return RoundResult(OK, order.round, "", gradient, loss, tokens, replica.version, timings)
+        return RoundResult(OK, order.round, "", payload, contribution.loss, contribution.tokens, replica.version, timings, self._bus_bytes() - bus_before)
 
-    def _gradient(self, replica: Replica, order: WorkOrder, cancelled: Callable[[], bool]) -> tuple[float, int]:
-        """Mean loss over the batch and its gradient in ``.grad``, by micro-batches if asked."""
-        model = replica.model
-        model.train()
-        tokens = torch.from_numpy(order.batch.astype("int64")).to(self.device)  # (rows, T + 1)
-        rows = tokens.shape[0]
-        step = order.micro_batch_size or rows
-        for p in model.parameters():
-            p.grad = None
-        total = 0.0
-        for start in range(0, rows, step):
-            if cancelled():
-                raise Cancelled(f"round {order.round} cancelled")
-            micro = tokens[start : start + step]
-            loss = lm_loss(model, micro)
-            # Weight each micro-batch by its share of rows: the sum is the full batch's mean loss.
-            (loss * (micro.shape[0] / rows)).backward()
-            total += loss.item() * micro.shape[0]
-        for p in model.parameters():
-            if p.grad is None:  # a parameter the loss does not reach still needs a (zero) gradient
-                p.grad = torch.zeros_like(p)
-        return total / rows, rows * (tokens.shape[1] - 1)
+    def _bus_bytes(self) -> int:
+        """Bytes this rank has put on the node's bus so far (0 off a node)."""
+        return self.placement.bus.bytes + (self.node.bytes_sent if self.node is not None else 0)
+
+
+def _view(session: Session | None) -> ReplicaView | None:
+    if session is None:
+        return None
+    r = session.replica
+    return ReplicaView(r.version, r.fingerprint(), r.numels, session.vocab_size, session.stale)
+
+
+class _NodeErrors:
+    """Turns a failed collective (a lost or hung rank) into ``NodeFailure``; a no-op off a node."""
+
+    def __init__(self, active: bool = True) -> None:
+        self.active = active
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> bool:
+        if self.active and isinstance(error, (dist.DistError, RuntimeError)) and not isinstance(error, NodeFailure):
+            raise NodeFailure(f"the node lost a rank or its process group failed: {error}") from error
+        return False

@@ -112,16 +112,25 @@ def make_server(servicer: worker_pb2_grpc.WorkerServicer, *, host: str = "[::]",
 
 
 def serve(engine: Any, host: str = "[::]", port: int = 0, max_message_mb: int = DEFAULT_MESSAGE_MB, grace: float = 5.0) -> int:
-    """Serve ``engine`` until SIGTERM or SIGINT, then shut down gracefully; return the exit code (0).
+    """Serve ``engine`` until SIGTERM or SIGINT, then shut down gracefully; return the exit code: 0, or 1
+    when a node lost a rank (its launcher, or torchrun, then restarts the node).
 
     Must run on the main thread (signal handlers can only be installed there). A second signal during the
     grace period stops the server at once.
     """
     from gradwire.worker.servicer import WorkerServicer  # here: the servicer pulls in torch via the engine
 
-    server, bound, health_servicer = make_server(WorkerServicer(engine, max_message_mb=check_message_mb(max_message_mb)), host=host, port=port)
-    log.info("worker listening on %s:%d", host, bound)
     stop = threading.Event()
+    node_failed = threading.Event()
+
+    def on_node_failure() -> None:
+        node_failed.set()
+        stop.set()
+
+    engine.on_node_failure = on_node_failure  # from a failed call or a failed heartbeat alike
+    servicer = WorkerServicer(engine, max_message_mb=check_message_mb(max_message_mb))
+    server, bound, health_servicer = make_server(servicer, host=host, port=port)
+    log.info("worker listening on %s:%d", host, bound)
 
     def on_signal(signum: int, _frame: Any) -> None:
         if stop.is_set():
@@ -143,5 +152,11 @@ def serve(engine: Any, host: str = "[::]", port: int = 0, max_message_mb: int = 
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if node_failed.is_set():
+        log.error("worker stopped: the node lost a rank")
+        return 1
+    stop_node = getattr(engine, "stop_node", None)
+    if callable(stop_node):
+        stop_node()  # the node's other ranks leave their loop
     log.info("worker stopped")
     return 0

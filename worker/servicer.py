@@ -6,6 +6,8 @@ what they raise to status codes, so the server keeps serving after any bad reque
 * ``ValueError`` (``ProtocolError``, ``PayloadError``: malformed framing, bytes, versions, payloads)
   -> INVALID_ARGUMENT, with the message. A protocol version mismatch is one of these too.
 * ``Cancelled`` (the client cancelled, its deadline passed, or the server is stopping) -> CANCELLED.
+* ``NodeFailure`` (a node lost one of its ranks) -> UNAVAILABLE, and the server stops so that the node
+  restarts; the coordinator resyncs it like any failed worker.
 * anything else -> INTERNAL, with the traceback in the worker's log.
 
 The deadline rule (every call needs one) is enforced by ``server.RequireDeadline`` in front of this.
@@ -24,7 +26,8 @@ from gradwire.protocol import PROTOCOL_VERSION
 from gradwire.transport import DEFAULT_MESSAGE_MB
 from gradwire.v1 import worker_pb2 as pb
 from gradwire.v1 import worker_pb2_grpc
-from gradwire.worker.engine import Cancelled, WorkerEngine
+from gradwire.worker.compute import Cancelled
+from gradwire.worker.engine import NodeFailure, WorkerEngine
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +44,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             return protocol.info_to_proto(self.engine.info())
         except Exception as e:
-            _fail(context, "Describe", e)
+            self._fail(context, "Describe", e)
 
     def PushState(self, request_iterator: Iterator[pb.Part], context: grpc.ServicerContext) -> pb.PushStateReply:
         try:
@@ -51,7 +54,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             log.info("state of run %r at version %d from %s", state.run_id, version, context.peer())
             return pb.PushStateReply(version=version, fingerprint=protocol.fingerprint_to_proto(fingerprint))
         except Exception as e:
-            _fail(context, "PushState", e)
+            self._fail(context, "PushState", e)
 
     def RunRound(self, request_iterator: Iterator[pb.Part], context: grpc.ServicerContext) -> Iterator[pb.Part]:
         try:
@@ -64,15 +67,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 log.info("round %d of run %r: %s (%s)", order.round, order.run_id, result.status, result.reason)
             parts = list(protocol.to_parts(protocol.result_to_proto(result)))
         except Exception as e:
-            _fail(context, "RunRound", e)
+            self._fail(context, "RunRound", e)
         yield from parts
 
-    def FetchFeedback(self, request: pb.FetchFeedbackRequest, context: grpc.ServicerContext) -> Iterator[pb.Part]:
+    def FetchWorkerState(self, request: pb.FetchWorkerStateRequest, context: grpc.ServicerContext) -> Iterator[pb.Part]:
         try:
-            parts = list(protocol.to_parts(protocol.feedback_to_proto(self.engine.feedback_state(request.run_id))))
+            parts = list(protocol.to_parts(protocol.worker_state_to_proto(self.engine.worker_state(request.run_id))))
         except Exception as e:
-            _fail(context, "FetchFeedback", e)
+            self._fail(context, "FetchWorkerState", e)
         yield from parts
+
+
+    def _fail(self, context: grpc.ServicerContext, method: str, e: Exception) -> NoReturn:
+        if isinstance(e, NodeFailure):
+            log.error("%s from %s: %s; stopping so that the node restarts", method, context.peer(), e)
+            self.engine.on_node_failure()  # a node without a rank cannot serve: stop, so that it restarts
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{method}: {e}")
+        _fail(context, method, e)
 
 
 def _fail(context: grpc.ServicerContext, method: str, e: Exception) -> NoReturn:

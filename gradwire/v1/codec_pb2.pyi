@@ -17,29 +17,42 @@ class ValueFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     VALUE_FORMAT_UNSPECIFIED: _ClassVar[ValueFormat]
     VALUE_FORMAT_FLOAT32: _ClassVar[ValueFormat]
-    VALUE_FORMAT_UINT8_LUT: _ClassVar[ValueFormat]
+    VALUE_FORMAT_LUT: _ClassVar[ValueFormat]
+    VALUE_FORMAT_SIGN: _ClassVar[ValueFormat]
+
+class ValueCoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    VALUE_CODING_UNSPECIFIED: _ClassVar[ValueCoding]
+    VALUE_CODING_LUT: _ClassVar[ValueCoding]
+    VALUE_CODING_SIGN: _ClassVar[ValueCoding]
 ENCODING_UNSPECIFIED: Encoding
 ENCODING_SPARSE: Encoding
 ENCODING_DENSE: Encoding
 VALUE_FORMAT_UNSPECIFIED: ValueFormat
 VALUE_FORMAT_FLOAT32: ValueFormat
-VALUE_FORMAT_UINT8_LUT: ValueFormat
+VALUE_FORMAT_LUT: ValueFormat
+VALUE_FORMAT_SIGN: ValueFormat
+VALUE_CODING_UNSPECIFIED: ValueCoding
+VALUE_CODING_LUT: ValueCoding
+VALUE_CODING_SIGN: ValueCoding
 
 class CodecSettings(_message.Message):
-    __slots__ = ("chunk", "topk", "use_dct", "bins", "range_sigmas", "min_sparse_numel")
+    __slots__ = ("chunk", "topk", "use_dct", "bins", "range_sigmas", "min_sparse_numel", "values")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
     USE_DCT_FIELD_NUMBER: _ClassVar[int]
     BINS_FIELD_NUMBER: _ClassVar[int]
     RANGE_SIGMAS_FIELD_NUMBER: _ClassVar[int]
     MIN_SPARSE_NUMEL_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
     chunk: int
     topk: int
     use_dct: bool
     bins: int
     range_sigmas: float
     min_sparse_numel: int
-    def __init__(self, chunk: _Optional[int] = ..., topk: _Optional[int] = ..., use_dct: _Optional[bool] = ..., bins: _Optional[int] = ..., range_sigmas: _Optional[float] = ..., min_sparse_numel: _Optional[int] = ...) -> None: ...
+    values: ValueCoding
+    def __init__(self, chunk: _Optional[int] = ..., topk: _Optional[int] = ..., use_dct: _Optional[bool] = ..., bins: _Optional[int] = ..., range_sigmas: _Optional[float] = ..., min_sparse_numel: _Optional[int] = ..., values: _Optional[_Union[ValueCoding, str]] = ...) -> None: ...
 
 class CompressedTensor(_message.Message):
     __slots__ = ("name", "shape", "encoding", "value_format", "chunk_shape", "k", "indices", "values", "shift", "scale", "lut")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from gradwire.v1 import codec_pb2 as gradwire_dot_v1_dot_codec__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18gradwire/v1/worker.proto\x12\x0bgradwire.v1\x1a\x17gradwire/v1/codec.proto\"&\n\x14\x46\x65tchFeedbackRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"V\n\rFeedbackState\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12$\n\x07\x62uffers\x18\x03 \x03(\x0b\x32\x13.gradwire.v1.Tensor\"G\n\x04Part\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0c\n\x04last\x18\x02 \x01(\x08\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06sha256\x18\x04 \x01(\x0c\"+\n\x0f\x44\x65scribeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\"\xfd\x01\n\nWorkerInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x18\n\x10gradwire_version\x18\x02 \x01(\t\x12\x15\n\rtorch_version\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x05 \x01(\t\x12\x15\n\rlocal_devices\x18\x06 \x01(\r\x12\x37\n\x08replicas\x18\x07 \x03(\x0b\x32%.gradwire.v1.WorkerInfo.ReplicasEntry\x1a/\n\rReplicasEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"V\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12!\n\x05\x64type\x18\x03 \x01(\x0e\x32\x12.gradwire.v1.DType\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\xf3\x01\n\nModelState\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x12\n\nmodel_json\x18\x04 \x01(\t\x12\'\n\nparameters\x18\x05 \x03(\x0b\x32\x13.gradwire.v1.Tensor\x12\x18\n\x10update_rule_json\x18\x06 \x01(\t\x12,\n\x0foptimizer_state\x18\x07 \x03(\x0b\x32\x13.gradwire.v1.Tensor\x12%\n\x08\x66\x65\x65\x64\x62\x61\x63k\x18\x08 \x03(\x0b\x32\x13.gradwire.v1.Tensor\"P\n\x0ePushStateReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12-\n\x0b\x66ingerprint\x18\x02 \x01(\x0b\x32\x18.gradwire.v1.Fingerprint\"<\n\x0b\x46ingerprint\x12\x0c\n\x04sums\x18\x01 \x03(\x01\x12\x0e\n\x06sumsqs\x18\x02 \x03(\x01\x12\x0f\n\x07samples\x18\x03 \x03(\x02\"\x85\x01\n\x0bStateUpdate\x12%\n\x06replay\x18\x01 \x01(\x0b\x32\x13.gradwire.v1.ReplayH\x00\x12\x30\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x1f.gradwire.v1.CompressedGradientH\x00\x12\x15\n\rlearning_rate\x18\x03 \x01(\x01\x42\x06\n\x04kind\"L\n\x06Replay\x12\x31\n\x08payloads\x18\x01 \x03(\x0b\x32\x1f.gradwire.v1.CompressedGradient\x12\x0f\n\x07weights\x18\x02 \x03(\x01\"\\\n\nTokenBatch\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\x0f\n\x07\x63olumns\x18\x02 \x01(\r\x12!\n\x05\x64type\x18\x03 \x01(\x0e\x32\x12.gradwire.v1.DType\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\xcf\x02\n\tWorkOrder\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\x04\x12(\n\x06update\x18\x05 \x01(\x0b\x32\x18.gradwire.v1.StateUpdate\x12-\n\x0b\x66ingerprint\x18\x06 \x01(\x0b\x32\x18.gradwire.v1.Fingerprint\x12&\n\x05\x62\x61tch\x18\x07 \x01(\x0b\x32\x17.gradwire.v1.TokenBatch\x12)\n\x05\x63odec\x18\x08 \x01(\x0b\x32\x1a.gradwire.v1.CodecSettings\x12\x15\n\rfeedback_beta\x18\t \x01(\x01\x12\x18\n\x10micro_batch_size\x18\n \x01(\r\x12\x16\n\x0esync_tolerance\x18\x0b \x01(\x01\"k\n\x07Timings\x12\x16\n\x0eupdate_seconds\x18\x01 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\x12\x18\n\x10\x63ompress_seconds\x18\x03 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x04 \x01(\x01\"\xaf\x02\n\x0bRoundResult\x12/\n\x06status\x18\x01 \x01(\x0e\x32\x1f.gradwire.v1.RoundResult.Status\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x31\n\x08gradient\x18\x04 \x01(\x0b\x32\x1f.gradwire.v1.CompressedGradient\x12\x0c\n\x04loss\x18\x05 \x01(\x01\x12\x0e\n\x06tokens\x18\x06 \x01(\x04\x12%\n\x07timings\x18\x07 \x01(\x0b\x32\x14.gradwire.v1.Timings\x12\x0f\n\x07version\x18\x08 \x01(\x04\"G\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\r\n\tSTATUS_OK\x10\x01\x12\x16\n\x12STATUS_NEEDS_STATE\x10\x02*\x9d\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT32\x10\x04\x12\x10\n\x0c\x44TYPE_UINT16\x10\x05\x12\x0f\n\x0b\x44TYPE_INT64\x10\x06\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x07\x32\x89\x02\n\x06Worker\x12\x41\n\x08\x44\x65scribe\x12\x1c.gradwire.v1.DescribeRequest\x1a\x17.gradwire.v1.WorkerInfo\x12=\n\tPushState\x12\x11.gradwire.v1.Part\x1a\x1b.gradwire.v1.PushStateReply(\x01\x12\x34\n\x08RunRound\x12\x11.gradwire.v1.Part\x1a\x11.gradwire.v1.Part(\x01\x30\x01\x12G\n\rFetchFeedback\x12!.gradwire.v1.FetchFeedbackRequest\x1a\x11.gradwire.v1.Part0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18gradwire/v1/worker.proto\x12\x0bgradwire.v1\x1a\x17gradwire/v1/codec.proto\")\n\x17\x46\x65tchWorkerStateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x83\x01\n\x0bWorkerState\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12%\n\x08\x66\x65\x65\x64\x62\x61\x63k\x18\x03 \x03(\x0b\x32\x13.gradwire.v1.Tensor\x12,\n\x0finner_optimizer\x18\x04 \x03(\x0b\x32\x13.gradwire.v1.Tensor\"G\n\x04Part\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0c\n\x04last\x18\x02 \x01(\x08\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06sha256\x18\x04 \x01(\x0c\"+\n\x0f\x44\x65scribeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\"\xb5\x02\n\nWorkerInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x18\n\x10gradwire_version\x18\x02 \x01(\t\x12\x15\n\rtorch_version\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x05 \x01(\t\x12\x15\n\rlocal_devices\x18\x06 \x01(\r\x12\x37\n\x08replicas\x18\x07 \x03(\x0b\x32%.gradwire.v1.WorkerInfo.ReplicasEntry\x12\r\n\x05ranks\x18\x08 \x01(\r\x12\x14\n\x0crank_devices\x18\t \x03(\t\x12\x11\n\tnode_mode\x18\n \x01(\t\x1a/\n\rReplicasEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"V\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12!\n\x05\x64type\x18\x03 \x01(\x0e\x32\x12.gradwire.v1.DType\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\xa1\x02\n\nModelState\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x12\n\nmodel_json\x18\x04 \x01(\t\x12\'\n\nparameters\x18\x05 \x03(\x0b\x32\x13.gradwire.v1.Tensor\x12\x18\n\x10update_rule_json\x18\x06 \x01(\t\x12,\n\x0foptimizer_state\x18\x07 \x03(\x0b\x32\x13.gradwire.v1.Tensor\x12%\n\x08\x66\x65\x65\x64\x62\x61\x63k\x18\x08 \x03(\x0b\x32\x13.gradwire.v1.Tensor\x12,\n\x0finner_optimizer\x18\t \x03(\x0b\x32\x13.gradwire.v1.Tensor\"P\n\x0ePushStateReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12-\n\x0b\x66ingerprint\x18\x02 \x01(\x0b\x32\x18.gradwire.v1.Fingerprint\"<\n\x0b\x46ingerprint\x12\x0c\n\x04sums\x18\x01 \x03(\x01\x12\x0e\n\x06sumsqs\x18\x02 \x03(\x01\x12\x0f\n\x07samples\x18\x03 \x03(\x02\"\x85\x01\n\x0bStateUpdate\x12%\n\x06replay\x18\x01 \x01(\x0b\x32\x13.gradwire.v1.ReplayH\x00\x12\x30\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x1f.gradwire.v1.CompressedGradientH\x00\x12\x15\n\rlearning_rate\x18\x03 \x01(\x01\x42\x06\n\x04kind\"L\n\x06Replay\x12\x31\n\x08payloads\x18\x01 \x03(\x0b\x32\x1f.gradwire.v1.CompressedGradient\x12\x0f\n\x07weights\x18\x02 \x03(\x01\"\\\n\nTokenBatch\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\x0f\n\x07\x63olumns\x18\x02 \x01(\r\x12!\n\x05\x64type\x18\x03 \x01(\x0e\x32\x12.gradwire.v1.DType\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\xfd\x02\n\tWorkOrder\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\x04\x12(\n\x06update\x18\x05 \x01(\x0b\x32\x18.gradwire.v1.StateUpdate\x12-\n\x0b\x66ingerprint\x18\x06 \x01(\x0b\x32\x18.gradwire.v1.Fingerprint\x12&\n\x05\x62\x61tch\x18\x07 \x01(\x0b\x32\x17.gradwire.v1.TokenBatch\x12)\n\x05\x63odec\x18\x08 \x01(\x0b\x32\x1a.gradwire.v1.CodecSettings\x12\x15\n\rfeedback_beta\x18\t \x01(\x01\x12\x18\n\x10micro_batch_size\x18\n \x01(\r\x12\x16\n\x0esync_tolerance\x18\x0b \x01(\x01\x12,\n\x0blocal_steps\x18\x0c \x01(\x0b\x32\x17.gradwire.v1.LocalSteps\"{\n\nLocalSteps\x12\r\n\x05steps\x18\x01 \x01(\r\x12.\n\toptimizer\x18\x02 \x01(\x0b\x32\x1b.gradwire.v1.InnerOptimizer\x12\x16\n\x0elearning_rates\x18\x03 \x03(\x01\x12\x16\n\x0e\x63lip_grad_norm\x18\x04 \x01(\x01\"\x95\x01\n\x0eInnerOptimizer\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0cweight_decay\x18\x02 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x03 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x04 \x01(\x01\x12\x0b\n\x03\x65ps\x18\x05 \x01(\x01\x12\x10\n\x08momentum\x18\x06 \x01(\x01\x12\x10\n\x08nesterov\x18\x07 \x01(\x08\x12\x10\n\x08ns_steps\x18\x08 \x01(\r\"k\n\x07Timings\x12\x16\n\x0eupdate_seconds\x18\x01 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\x12\x18\n\x10\x63ompress_seconds\x18\x03 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x04 \x01(\x01\"\xc3\x02\n\x0bRoundResult\x12/\n\x06status\x18\x01 \x01(\x0e\x32\x1f.gradwire.v1.RoundResult.Status\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x31\n\x08gradient\x18\x04 \x01(\x0b\x32\x1f.gradwire.v1.CompressedGradient\x12\x0c\n\x04loss\x18\x05 \x01(\x01\x12\x0e\n\x06tokens\x18\x06 \x01(\x04\x12%\n\x07timings\x18\x07 \x01(\x0b\x32\x14.gradwire.v1.Timings\x12\x0f\n\x07version\x18\x08 \x01(\x04\x12\x12\n\nnode_bytes\x18\t \x01(\x04\"G\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\r\n\tSTATUS_OK\x10\x01\x12\x16\n\x12STATUS_NEEDS_STATE\x10\x02*\x9d\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT32\x10\x04\x12\x10\n\x0c\x44TYPE_UINT16\x10\x05\x12\x0f\n\x0b\x44TYPE_INT64\x10\x06\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x07\x32\x8f\x02\n\x06Worker\x12\x41\n\x08\x44\x65scribe\x12\x1c.gradwire.v1.DescribeRequest\x1a\x17.gradwire.v1.WorkerInfo\x12=\n\tPushState\x12\x11.gradwire.v1.Part\x1a\x1b.gradwire.v1.PushStateReply(\x01\x12\x34\n\x08RunRound\x12\x11.gradwire.v1.Part\x1a\x11.gradwire.v1.Part(\x01\x30\x01\x12M\n\x10\x46\x65tchWorkerState\x12$.gradwire.v1.FetchWorkerStateRequest\x1a\x11.gradwire.v1.Part0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,42 +34,46 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKERINFO_REPLICASENTRY']._loaded_options = None
   _globals['_WORKERINFO_REPLICASENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=2108
-  _globals['_DTYPE']._serialized_end=2265
-  _globals['_FETCHFEEDBACKREQUEST']._serialized_start=66
-  _globals['_FETCHFEEDBACKREQUEST']._serialized_end=104
-  _globals['_FEEDBACKSTATE']._serialized_start=106
-  _globals['_FEEDBACKSTATE']._serialized_end=192
-  _globals['_PART']._serialized_start=194
-  _globals['_PART']._serialized_end=265
-  _globals['_DESCRIBEREQUEST']._serialized_start=267
-  _globals['_DESCRIBEREQUEST']._serialized_end=310
-  _globals['_WORKERINFO']._serialized_start=313
-  _globals['_WORKERINFO']._serialized_end=566
-  _globals['_WORKERINFO_REPLICASENTRY']._serialized_start=519
-  _globals['_WORKERINFO_REPLICASENTRY']._serialized_end=566
-  _globals['_TENSOR']._serialized_start=568
-  _globals['_TENSOR']._serialized_end=654
-  _globals['_MODELSTATE']._serialized_start=657
-  _globals['_MODELSTATE']._serialized_end=900
-  _globals['_PUSHSTATEREPLY']._serialized_start=902
-  _globals['_PUSHSTATEREPLY']._serialized_end=982
-  _globals['_FINGERPRINT']._serialized_start=984
-  _globals['_FINGERPRINT']._serialized_end=1044
-  _globals['_STATEUPDATE']._serialized_start=1047
-  _globals['_STATEUPDATE']._serialized_end=1180
-  _globals['_REPLAY']._serialized_start=1182
-  _globals['_REPLAY']._serialized_end=1258
-  _globals['_TOKENBATCH']._serialized_start=1260
-  _globals['_TOKENBATCH']._serialized_end=1352
-  _globals['_WORKORDER']._serialized_start=1355
-  _globals['_WORKORDER']._serialized_end=1690
-  _globals['_TIMINGS']._serialized_start=1692
-  _globals['_TIMINGS']._serialized_end=1799
-  _globals['_ROUNDRESULT']._serialized_start=1802
-  _globals['_ROUNDRESULT']._serialized_end=2105
-  _globals['_ROUNDRESULT_STATUS']._serialized_start=2034
-  _globals['_ROUNDRESULT_STATUS']._serialized_end=2105
-  _globals['_WORKER']._serialized_start=2268
-  _globals['_WORKER']._serialized_end=2533
+  _globals['_DTYPE']._serialized_start=2602
+  _globals['_DTYPE']._serialized_end=2759
+  _globals['_FETCHWORKERSTATEREQUEST']._serialized_start=66
+  _globals['_FETCHWORKERSTATEREQUEST']._serialized_end=107
+  _globals['_WORKERSTATE']._serialized_start=110
+  _globals['_WORKERSTATE']._serialized_end=241
+  _globals['_PART']._serialized_start=243
+  _globals['_PART']._serialized_end=314
+  _globals['_DESCRIBEREQUEST']._serialized_start=316
+  _globals['_DESCRIBEREQUEST']._serialized_end=359
+  _globals['_WORKERINFO']._serialized_start=362
+  _globals['_WORKERINFO']._serialized_end=671
+  _globals['_WORKERINFO_REPLICASENTRY']._serialized_start=624
+  _globals['_WORKERINFO_REPLICASENTRY']._serialized_end=671
+  _globals['_TENSOR']._serialized_start=673
+  _globals['_TENSOR']._serialized_end=759
+  _globals['_MODELSTATE']._serialized_start=762
+  _globals['_MODELSTATE']._serialized_end=1051
+  _globals['_PUSHSTATEREPLY']._serialized_start=1053
+  _globals['_PUSHSTATEREPLY']._serialized_end=1133
+  _globals['_FINGERPRINT']._serialized_start=1135
+  _globals['_FINGERPRINT']._serialized_end=1195
+  _globals['_STATEUPDATE']._serialized_start=1198
+  _globals['_STATEUPDATE']._serialized_end=1331
+  _globals['_REPLAY']._serialized_start=1333
+  _globals['_REPLAY']._serialized_end=1409
+  _globals['_TOKENBATCH']._serialized_start=1411
+  _globals['_TOKENBATCH']._serialized_end=1503
+  _globals['_WORKORDER']._serialized_start=1506
+  _globals['_WORKORDER']._serialized_end=1887
+  _globals['_LOCALSTEPS']._serialized_start=1889
+  _globals['_LOCALSTEPS']._serialized_end=2012
+  _globals['_INNEROPTIMIZER']._serialized_start=2015
+  _globals['_INNEROPTIMIZER']._serialized_end=2164
+  _globals['_TIMINGS']._serialized_start=2166
+  _globals['_TIMINGS']._serialized_end=2273
+  _globals['_ROUNDRESULT']._serialized_start=2276
+  _globals['_ROUNDRESULT']._serialized_end=2599
+  _globals['_ROUNDRESULT_STATUS']._serialized_start=2528
+  _globals['_ROUNDRESULT_STATUS']._serialized_end=2599
+  _globals['_WORKER']._serialized_start=2762
+  _globals['_WORKER']._serialized_end=3033
 # @@protoc_insertion_point(module_scope)

@@ -27,21 +27,23 @@ DTYPE_UINT16: DType
 DTYPE_INT64: DType
 DTYPE_UINT8: DType
 
-class FetchFeedbackRequest(_message.Message):
+class FetchWorkerStateRequest(_message.Message):
     __slots__ = ("run_id",)
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
-class FeedbackState(_message.Message):
-    __slots__ = ("run_id", "version", "buffers")
+class WorkerState(_message.Message):
+    __slots__ = ("run_id", "version", "feedback", "inner_optimizer")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
-    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    FEEDBACK_FIELD_NUMBER: _ClassVar[int]
+    INNER_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     version: int
-    buffers: _containers.RepeatedCompositeFieldContainer[Tensor]
-    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+    feedback: _containers.RepeatedCompositeFieldContainer[Tensor]
+    inner_optimizer: _containers.RepeatedCompositeFieldContainer[Tensor]
+    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., feedback: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., inner_optimizer: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
 
 class Part(_message.Message):
     __slots__ = ("data", "last", "total_bytes", "sha256")
@@ -62,7 +64,7 @@ class DescribeRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("protocol_version", "gradwire_version", "torch_version", "device", "device_name", "local_devices", "replicas")
+    __slots__ = ("protocol_version", "gradwire_version", "torch_version", "device", "device_name", "local_devices", "replicas", "ranks", "rank_devices", "node_mode")
     class ReplicasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +79,9 @@ class WorkerInfo(_message.Message):
     DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
     LOCAL_DEVICES_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    RANK_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    NODE_MODE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     gradwire_version: str
     torch_version: str
@@ -84,7 +89,10 @@ class WorkerInfo(_message.Message):
     device_name: str
     local_devices: int
     replicas: _containers.ScalarMap[str, int]
-    def __init__(self, protocol_version: _Optional[int] = ..., gradwire_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., local_devices: _Optional[int] = ..., replicas: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    ranks: int
+    rank_devices: _containers.RepeatedScalarFieldContainer[str]
+    node_mode: str
+    def __init__(self, protocol_version: _Optional[int] = ..., gradwire_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., local_devices: _Optional[int] = ..., replicas: _Optional[_Mapping[str, int]] = ..., ranks: _Optional[int] = ..., rank_devices: _Optional[_Iterable[str]] = ..., node_mode: _Optional[str] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("name", "shape", "dtype", "data")
@@ -99,7 +107,7 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ModelState(_message.Message):
-    __slots__ = ("protocol_version", "run_id", "version", "model_json", "parameters", "update_rule_json", "optimizer_state", "feedback")
+    __slots__ = ("protocol_version", "run_id", "version", "model_json", "parameters", "update_rule_json", "optimizer_state", "feedback", "inner_optimizer")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +116,7 @@ class ModelState(_message.Message):
     UPDATE_RULE_JSON_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_STATE_FIELD_NUMBER: _ClassVar[int]
     FEEDBACK_FIELD_NUMBER: _ClassVar[int]
+    INNER_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     run_id: str
     version: int
@@ -116,7 +125,8 @@ class ModelState(_message.Message):
     update_rule_json: str
     optimizer_state: _containers.RepeatedCompositeFieldContainer[Tensor]
     feedback: _containers.RepeatedCompositeFieldContainer[Tensor]
-    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., version: _Optional[int] = ..., model_json: _Optional[str] = ..., parameters: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., update_rule_json: _Optional[str] = ..., optimizer_state: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., feedback: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+    inner_optimizer: _containers.RepeatedCompositeFieldContainer[Tensor]
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., version: _Optional[int] = ..., model_json: _Optional[str] = ..., parameters: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., update_rule_json: _Optional[str] = ..., optimizer_state: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., feedback: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., inner_optimizer: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
 
 class PushStateReply(_message.Message):
     __slots__ = ("version", "fingerprint")
@@ -167,7 +177,7 @@ class TokenBatch(_message.Message):
     def __init__(self, rows: _Optional[int] = ..., columns: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class WorkOrder(_message.Message):
-    __slots__ = ("protocol_version", "run_id", "round", "base_version", "update", "fingerprint", "batch", "codec", "feedback_beta", "micro_batch_size", "sync_tolerance")
+    __slots__ = ("protocol_version", "run_id", "round", "base_version", "update", "fingerprint", "batch", "codec", "feedback_beta", "micro_batch_size", "sync_tolerance", "local_steps")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +189,7 @@ class WorkOrder(_message.Message):
     FEEDBACK_BETA_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     SYNC_TOLERANCE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     run_id: str
     round: int
@@ -190,7 +201,40 @@ class WorkOrder(_message.Message):
     feedback_beta: float
     micro_batch_size: int
     sync_tolerance: float
-    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., base_version: _Optional[int] = ..., update: _Optional[_Union[StateUpdate, _Mapping]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., batch: _Optional[_Union[TokenBatch, _Mapping]] = ..., codec: _Optional[_Union[_codec_pb2.CodecSettings, _Mapping]] = ..., feedback_beta: _Optional[float] = ..., micro_batch_size: _Optional[int] = ..., sync_tolerance: _Optional[float] = ...) -> None: ...
+    local_steps: LocalSteps
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., base_version: _Optional[int] = ..., update: _Optional[_Union[StateUpdate, _Mapping]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., batch: _Optional[_Union[TokenBatch, _Mapping]] = ..., codec: _Optional[_Union[_codec_pb2.CodecSettings, _Mapping]] = ..., feedback_beta: _Optional[float] = ..., micro_batch_size: _Optional[int] = ..., sync_tolerance: _Optional[float] = ..., local_steps: _Optional[_Union[LocalSteps, _Mapping]] = ...) -> None: ...
+
+class LocalSteps(_message.Message):
+    __slots__ = ("steps", "optimizer", "learning_rates", "clip_grad_norm")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATES_FIELD_NUMBER: _ClassVar[int]
+    CLIP_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    optimizer: InnerOptimizer
+    learning_rates: _containers.RepeatedScalarFieldContainer[float]
+    clip_grad_norm: float
+    def __init__(self, steps: _Optional[int] = ..., optimizer: _Optional[_Union[InnerOptimizer, _Mapping]] = ..., learning_rates: _Optional[_Iterable[float]] = ..., clip_grad_norm: _Optional[float] = ...) -> None: ...
+
+class InnerOptimizer(_message.Message):
+    __slots__ = ("name", "weight_decay", "beta1", "beta2", "eps", "momentum", "nesterov", "ns_steps")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    NESTEROV_FIELD_NUMBER: _ClassVar[int]
+    NS_STEPS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    weight_decay: float
+    beta1: float
+    beta2: float
+    eps: float
+    momentum: float
+    nesterov: bool
+    ns_steps: int
+    def __init__(self, name: _Optional[str] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., ns_steps: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("update_seconds", "compute_seconds", "compress_seconds", "total_seconds")
@@ -205,7 +249,7 @@ class Timings(_message.Message):
     def __init__(self, update_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., compress_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ...) -> None: ...
 
 class RoundResult(_message.Message):
-    __slots__ = ("status", "reason", "round", "gradient", "loss", "tokens", "timings", "version")
+    __slots__ = ("status", "reason", "round", "gradient", "loss", "tokens", "timings", "version", "node_bytes")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATUS_UNSPECIFIED: _ClassVar[RoundResult.Status]
@@ -222,6 +266,7 @@ class RoundResult(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    NODE_BYTES_FIELD_NUMBER: _ClassVar[int]
     status: RoundResult.Status
     reason: str
     round: int
@@ -230,4 +275,5 @@ class RoundResult(_message.Message):
     tokens: int
     timings: Timings
     version: int
-    def __init__(self, status: _Optional[_Union[RoundResult.Status, str]] = ..., reason: _Optional[str] = ..., round: _Optional[int] = ..., gradient: _Optional[_Union[_codec_pb2.CompressedGradient, _Mapping]] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., version: _Optional[int] = ...) -> None: ...
+    node_bytes: int
+    def __init__(self, status: _Optional[_Union[RoundResult.Status, str]] = ..., reason: _Optional[str] = ..., round: _Optional[int] = ..., gradient: _Optional[_Union[_codec_pb2.CompressedGradient, _Mapping]] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., version: _Optional[int] = ..., node_bytes: _Optional[int] = ...) -> None: ...

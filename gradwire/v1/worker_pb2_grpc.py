@@ -49,9 +49,9 @@ class WorkerStub:
                 request_serializer=gradwire_dot_v1_dot_worker__pb2.Part.SerializeToString,
                 response_deserializer=gradwire_dot_v1_dot_worker__pb2.Part.FromString,
                 _registered_method=True)
-        self.FetchFeedback = channel.unary_stream(
-                '/gradwire.v1.Worker/FetchFeedback',
-                request_serializer=gradwire_dot_v1_dot_worker__pb2.FetchFeedbackRequest.SerializeToString,
+        self.FetchWorkerState = channel.unary_stream(
+                '/gradwire.v1.Worker/FetchWorkerState',
+                request_serializer=gradwire_dot_v1_dot_worker__pb2.FetchWorkerStateRequest.SerializeToString,
                 response_deserializer=gradwire_dot_v1_dot_worker__pb2.Part.FromString,
                 _registered_method=True)
 
@@ -80,8 +80,9 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def FetchFeedback(self, request, context):
-        """The error-feedback buffers of a run's replica, as Parts of a serialized FeedbackState (checkpoints).
+    def FetchWorkerState(self, request, context):
+        """What a run's session keeps between rounds besides the replica - error feedback and the inner
+        optimizer's state - as Parts of a serialized WorkerState (for checkpoints).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -105,9 +106,9 @@ def add_WorkerServicer_to_server(servicer, server):
                     request_deserializer=gradwire_dot_v1_dot_worker__pb2.Part.FromString,
                     response_serializer=gradwire_dot_v1_dot_worker__pb2.Part.SerializeToString,
             ),
-            'FetchFeedback': grpc.unary_stream_rpc_method_handler(
-                    servicer.FetchFeedback,
-                    request_deserializer=gradwire_dot_v1_dot_worker__pb2.FetchFeedbackRequest.FromString,
+            'FetchWorkerState': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchWorkerState,
+                    request_deserializer=gradwire_dot_v1_dot_worker__pb2.FetchWorkerStateRequest.FromString,
                     response_serializer=gradwire_dot_v1_dot_worker__pb2.Part.SerializeToString,
             ),
     }
@@ -203,7 +204,7 @@ class Worker:
             _registered_method=True)
 
     @staticmethod
-    def FetchFeedback(request,
+    def FetchWorkerState(request,
             target,
             options=(),
             channel_credentials=None,
@@ -216,8 +217,8 @@ class Worker:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/gradwire.v1.Worker/FetchFeedback',
-            gradwire_dot_v1_dot_worker__pb2.FetchFeedbackRequest.SerializeToString,
+            '/gradwire.v1.Worker/FetchWorkerState',
+            gradwire_dot_v1_dot_worker__pb2.FetchWorkerStateRequest.SerializeToString,
             gradwire_dot_v1_dot_worker__pb2.Part.FromString,
             options,
             channel_credentials,

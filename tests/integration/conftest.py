@@ -5,12 +5,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 import pytest
+import torch
 
 from gradwire.coordinator.client import WorkerClient
+from gradwire.coordinator.config import TrainConfig
+from gradwire.coordinator.trainer import Trainer
 from gradwire.worker.engine import WorkerEngine
 from gradwire.worker.server import make_server
 from gradwire.worker.servicer import WorkerServicer
@@ -41,6 +44,49 @@ def live_workers(n: int, engine_factory: Callable[[], WorkerEngine] = lambda: Wo
     finally:
         for w in workers:
             w.server.stop(grace=None)
+
+
+def run_trainer(config: TrainConfig, clients: Sequence) -> Trainer:
+    """Train ``config`` with ``clients`` to its last step (metrics, checkpoints and all); return the trainer."""
+    trainer = Trainer(config, clients, progress=False)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    return trainer
+
+
+def train(config: TrainConfig, workers: Sequence[LiveWorker]) -> Trainer:
+    return run_trainer(config, [w.client() for w in workers])
+
+
+def corrupt_replica(worker: LiveWorker) -> None:
+    """Fault: the worker's copy of the (only) run silently drifts from the coordinator's."""
+    (session,) = worker.engine.sessions.values()
+    with torch.no_grad():
+        next(iter(session.replica.params.values())).add_(0.05)
+
+
+def steps_with_fault(trainer: Trainer, fault: Callable[[], None], before: int = 3, after: int = 3) -> list[dict | None]:
+    """``before`` rounds, the fault, ``after`` rounds; the records of every round (None: no usable worker)."""
+    try:
+        trainer.connect()
+        records = [trainer.train_step() for _ in range(before)]
+        fault()
+        records += [trainer.train_step() for _ in range(after)]
+    finally:
+        trainer.close()
+    return records
+
+
+def assert_in_step(trainer: Trainer, worker: LiveWorker) -> None:
+    """The worker's replica is the coordinator's, bit for bit, once both apply the pending update."""
+    (session,) = worker.engine.sessions.values()
+    assert session.replica.version == trainer.replica.version == trainer.base_version
+    trainer.flush()
+    session.replica.apply(trainer.pending)
+    for name, p in trainer.replica.params.items():
+        assert torch.equal(session.replica.params[name], p), name
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,12 +19,13 @@ import pytest
 import yaml
 
 from gradwire.coordinator.metrics import read_metrics
+from gradwire.transport import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "deploy" / "compose.yaml"
 ENV_EXAMPLE = ROOT / "deploy" / ".env.example"
 # Everything compose.yaml reads from the environment: cleared so the file's own defaults apply.
-SETTINGS = ("MODEL", "STEPS", "BATCH_SIZE", "SEQUENCE_LENGTH", "LEARNING_RATE", "OUTER_OPTIMIZER", "CHECKPOINT_EVERY", "SEED", "RUN_NAME", "HF_HUB_OFFLINE", "WORKER_PORT", "DEVICE", "WORKER_GRACE", "IMAGE", "BASE_IMAGE", "TORCH_SPEC", "TORCH_INDEX_URL")
+SETTINGS = ("MODEL", "STEPS", "BATCH_SIZE", "SEQUENCE_LENGTH", "INNER_STEPS", "LEARNING_RATE", "OUTER_OPTIMIZER", "CHECKPOINT_EVERY", "SEED", "RUN_NAME", "HF_HUB_OFFLINE", "WORKER_PORT", "DEVICE", "WORKER_GRACE", "IMAGE", "BASE_IMAGE", "TORCH_SPEC", "TORCH_INDEX_URL")
 BASE_ENV = {k: v for k, v in os.environ.items() if k not in SETTINGS}
 
 
@@ -77,9 +77,10 @@ def test_compose_config_resolves_with_defaults(tmp_path: Path) -> None:
 
 
 def test_compose_settings_come_from_the_environment(tmp_path: Path) -> None:
-    env = {"MODEL": "gpt-10m", "STEPS": "7", "BATCH_SIZE": "3", "SEQUENCE_LENGTH": "64", "WORKER_PORT": "6000", "RUN_NAME": "exp1"}
+    env = {"MODEL": "gpt-10m", "STEPS": "7", "BATCH_SIZE": "3", "SEQUENCE_LENGTH": "64", "WORKER_PORT": "6000", "RUN_NAME": "exp1", "INNER_STEPS": "30"}
     services = compose_config(tmp_path, env)["services"]
     command = services["coordinator"]["command"]
+    assert [flag(command, f) for f in ("--inner-steps", "--learning-rate", "--outer-optimizer")] == ["30", "auto", "auto"]
     assert flag(command, "--workers") == "worker-1:6000,worker-2:6000"
     assert [flag(command, f) for f in ("--model", "--steps", "--batch-size", "--sequence-length", "--output-dir")] == ["gpt-10m", "7", "3", "64", "/runs/exp1"]
     assert flag(services["worker-2"]["command"], "--port") == "6000"
@@ -131,12 +132,6 @@ def argv_of(command: str | list[str]) -> list[str]:
 def replace_flag(argv: list[str], name: str, value: str) -> list[str]:
     i = argv.index(name)
     return [*argv[: i + 1], value, *argv[i + 2 :]]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -7,13 +7,14 @@ import json
 import numpy as np
 import pytest
 import torch
+
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.export import load_exported
 from gradwire.coordinator.metrics import METRIC_KEYS, read_metrics
-from gradwire.coordinator.trainer import Trainer, sync_action
+from gradwire.coordinator.trainer import Trainer
 from gradwire.models import build_from_spec, lm_loss, model_spec
 
-from .conftest import live_workers
+from .conftest import assert_in_step, corrupt_replica, live_workers, steps_with_fault, train
 
 
 def _config(tmp_path, **overrides) -> TrainConfig:
@@ -21,17 +22,8 @@ def _config(tmp_path, **overrides) -> TrainConfig:
     return TrainConfig(**{**base, **overrides})
 
 
-def _train(config, workers) -> Trainer:
-    trainer = Trainer(config, [w.client() for w in workers], progress=False)
-    try:
-        trainer.run()
-    finally:
-        trainer.close()
-    return trainer
-
-
 def test_loss_falls_and_metrics_are_complete(tmp_path, two_workers):
-    trainer = _train(_config(tmp_path), two_workers)
+    trainer = train(_config(tmp_path), two_workers)
     records = read_metrics(tmp_path / "run")
     assert [r["step"] for r in records] == list(range(1, 31))
     for r in records:
@@ -55,7 +47,7 @@ def test_loss_falls_and_metrics_are_complete(tmp_path, two_workers):
 
 def test_dense_sgd_through_the_service_equals_single_process_training(tmp_path, two_workers):
     config = _config(tmp_path, steps=4, no_compression=True, outer_optimizer="sgd", learning_rate=0.5)
-    trainer = _train(config, two_workers)
+    trainer = train(config, two_workers)
     # The same 2b sequences per step, in one process.
     model = build_from_spec(model_spec("gpt-tiny"), seed=config.seed)
     for step in range(config.steps):
@@ -74,11 +66,11 @@ def test_dense_sgd_through_the_service_equals_single_process_training(tmp_path, 
 def test_resume_continues_the_same_trajectory(tmp_path):
     straight_cfg = _config(tmp_path / "a", steps=20)
     with live_workers(2) as workers:
-        straight = _train(straight_cfg, workers)
+        straight = train(straight_cfg, workers)
     with live_workers(2) as workers:
-        _train(_config(tmp_path / "b", steps=10), workers)
+        train(_config(tmp_path / "b", steps=10), workers)
     with live_workers(2) as workers:  # fresh worker processes: error feedback comes from the checkpoint
-        resumed = _train(_config(tmp_path / "b", steps=20, resume_from=str(tmp_path / "b" / "run" / "checkpoints")), workers)
+        resumed = train(_config(tmp_path / "b", steps=20, resume_from=str(tmp_path / "b" / "run" / "checkpoints")), workers)
     losses_a = [r["loss"] for r in read_metrics(tmp_path / "a" / "run")]
     losses_b = [r["loss"] for r in read_metrics(tmp_path / "b" / "run")]
     assert losses_b == losses_a
@@ -87,30 +79,16 @@ def test_resume_continues_the_same_trajectory(tmp_path):
 
 
 def test_perturbed_worker_resyncs_and_training_continues(tmp_path, two_workers):
-    config = _config(tmp_path, steps=6)
-    trainer = Trainer(config, [w.client() for w in two_workers], progress=False)
-    try:
-        trainer.connect()
-        records = [trainer.train_step() for _ in range(3)]
-        (session,) = two_workers[1].engine.sessions.values()
-        with torch.no_grad():
-            next(iter(session.replica.params.values())).add_(0.05)  # a silently corrupted copy
-        records += [trainer.train_step() for _ in range(3)]
-    finally:
-        trainer.close()
+    trainer = Trainer(_config(tmp_path, steps=6), [w.client() for w in two_workers], progress=False)
+    records = steps_with_fault(trainer, lambda: corrupt_replica(two_workers[1]))
     assert [r["pushes"] for r in records] == [2, 0, 0, 1, 0, 0]
     assert all(r["successful_workers"] == 2 for r in records)
-    (session,) = two_workers[1].engine.sessions.values()
     # Both copies stand at the round's base; the last update is pending on both sides.
-    assert session.replica.version == trainer.replica.version == trainer.base_version
-    trainer.flush()
-    session.replica.apply(trainer.pending)
-    for name, p in trainer.replica.params.items():
-        assert torch.equal(session.replica.params[name], p), name
+    assert_in_step(trainer, two_workers[1])
 
 
 def test_adamw_travels_as_compressed_deltas(tmp_path, two_workers):
-    trainer = _train(_config(tmp_path, steps=15, outer_optimizer="adamw", learning_rate=3e-3), two_workers)
+    trainer = train(_config(tmp_path, steps=15, outer_optimizer="adamw", learning_rate=3e-3), two_workers)
     records = read_metrics(tmp_path / "run")
     assert np.mean([r["loss"] for r in records[-3:]]) < np.mean([r["loss"] for r in records[:3]])
     assert all(r["pushes"] == 0 for r in records[1:])  # deltas keep the workers' shadow replicas in sync
@@ -119,12 +97,6 @@ def test_adamw_travels_as_compressed_deltas(tmp_path, two_workers):
         session.replica.apply(trainer.pending)
         for name, p in trainer.replica.params.items():
             assert torch.equal(session.replica.params[name], p), name
-
-
-@pytest.mark.parametrize(("known", "base", "target", "action"), [(None, 2, 3, "push"), (3, 2, 3, "current"), (2, 2, 3, "replay"), (2, 2, 2, "current"), (1, 2, 3, "push"), (4, 2, 3, "push")])
-def test_sync_action(known, base, target, action):
-    got, reason = sync_action(known, base, target)
-    assert got == action and reason
 
 
 def test_a_dead_worker_spoils_only_its_share(tmp_path, two_workers):
@@ -142,7 +114,7 @@ def test_a_dead_worker_spoils_only_its_share(tmp_path, two_workers):
 
 
 def test_eval_every_reports_held_out_loss(tmp_path, two_workers):
-    _train(_config(tmp_path, steps=6, eval_every=3, eval_batches=2), two_workers)
+    train(_config(tmp_path, steps=6, eval_every=3, eval_batches=2), two_workers)
     records = read_metrics(tmp_path / "run")
     evals = {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
     assert sorted(evals) == [3, 6] and all(np.isfinite(v) for v in evals.values())
@@ -159,7 +131,7 @@ def test_jsonl_data_trains_through_the_service(tmp_path, two_workers, streaming)
         for i in range(0, len(text), 2000):
             f.write(json.dumps({"body": text[i : i + 2000], "id": i}) + "\n")
     config = _config(tmp_path, steps=4, data=(str(path),), text_field="body", streaming=streaming, eval_every=2, eval_batches=1)
-    trainer = _train(config, two_workers)
+    trainer = train(config, two_workers)
     records = read_metrics(tmp_path / "run")
     assert [r["successful_workers"] for r in records] == [2, 2, 2, 2]
     assert all(np.isfinite(r["eval_loss"]) for r in records if r["step"] % 2 == 0)
@@ -167,7 +139,7 @@ def test_jsonl_data_trains_through_the_service(tmp_path, two_workers, streaming)
 
 
 def test_keep_checkpoints_prunes_old_steps(tmp_path, two_workers):
-    _train(_config(tmp_path, steps=6, checkpoint_every=2, keep_checkpoints=2), two_workers)
+    train(_config(tmp_path, steps=6, checkpoint_every=2, keep_checkpoints=2), two_workers)
     root = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step-00000004", "step-00000006"]
     assert (root / "latest").read_text().strip() == "step-00000006"

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,12 +30,16 @@ from gradwire.compression import CodecConfig, GradientCodec
 from gradwire.coordinator import client as client_module
 from gradwire.coordinator.client import WorkerClient, WorkerError
 from gradwire.models import build_from_spec, model_spec
-from gradwire.protocol import NEEDS_STATE, OK, ModelState, RoundResult, WorkOrder
-from gradwire.replica import Fingerprint, Replica, StateUpdate, UpdateRule
+from gradwire.optim.inner import InnerOptimizerConfig
+from gradwire.optim.outer import UpdateRule
+from gradwire.protocol import NEEDS_STATE, OK, LocalSteps, ModelState, RoundResult, WorkOrder
+from gradwire.replica import Fingerprint, Replica, StateUpdate
+from gradwire.transport import free_port
 from gradwire.v1 import worker_pb2 as pb
 from gradwire.v1 import worker_pb2_grpc
 from gradwire.worker import cli
-from gradwire.worker.engine import Cancelled, WorkerEngine
+from gradwire.worker.compute import Cancelled
+from gradwire.worker.engine import WorkerEngine
 from gradwire.worker.server import make_server
 from gradwire.worker.servicer import WorkerServicer
 
@@ -170,9 +173,10 @@ def test_rounds_keep_the_replicas_in_step(worker: Worker, replica: Replica) -> N
     with worker.engine._lock:
         assert worker.engine.sessions[RUN].replica.fingerprint() == replica.fingerprint()
 
-    feedback = client.fetch_feedback(RUN)
-    assert (feedback.run_id, feedback.version) == (RUN, 1)
-    assert feedback.buffers and all(b.isfinite().all() for b in feedback.buffers.values())
+    state = client.fetch_worker_state(RUN)
+    assert (state.run_id, state.version) == (RUN, 1)
+    assert state.feedback and all(b.isfinite().all() for b in state.feedback.values())
+    assert state.inner_optimizer == {}  # no local-SGD round yet
 
 
 def test_needs_state_until_the_state_is_pushed_again(worker: Worker, replica: Replica) -> None:
@@ -246,6 +250,9 @@ BAD_ROUNDS = {
     "token-out-of-vocabulary": (lambda o: order_parts(dataclasses.replace(o, batch=np.full((2, 5), 9000, np.uint16))), "token id"),
     "sequence-too-long": (lambda o: order_parts(dataclasses.replace(o, batch=np.zeros((1, 500), np.uint16))), "max_seq_len"),
     "codec-settings": (lambda o: order_parts(_mangled(o, lambda m: setattr(m.codec, "topk", 0))), "codec settings"),
+    "local-steps-uneven-batch": (lambda o: order_parts(dataclasses.replace(o, local_steps=LocalSteps(3, InnerOptimizerConfig(), (1e-3,) * 3))), "does not split"),
+    "local-steps-bad-optimizer": (lambda o: order_parts(_mangled(dataclasses.replace(o, local_steps=LocalSteps(2, InnerOptimizerConfig(), (1e-3,) * 2)), lambda m: setattr(m.local_steps.optimizer, "name", "lion"))), "inner optimizer"),
+    "local-steps-nan-lr": (lambda o: order_parts(_mangled(dataclasses.replace(o, local_steps=LocalSteps(2, InnerOptimizerConfig(), (1e-3,) * 2)), lambda m: m.local_steps.learning_rates.__setitem__(0, float("nan")))), "finite"),
 }
 
 
@@ -304,9 +311,9 @@ def test_a_message_over_the_size_limit_is_invalid() -> None:
         server.stop(0).wait(5)
 
 
-def test_fetch_feedback_of_an_unknown_run_is_invalid(worker: Worker) -> None:
+def test_fetch_worker_state_of_an_unknown_run_is_invalid(worker: Worker) -> None:
     with pytest.raises(WorkerError) as info:
-        worker.client.fetch_feedback("nope")
+        worker.client.fetch_worker_state("nope")
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "no replica" in info.value.details
 
 
@@ -327,7 +334,7 @@ def test_calls_without_a_deadline_are_refused(worker: Worker, replica: Replica) 
     assert_rpc_error(lambda: stub.Describe(pb.DescribeRequest()), grpc.StatusCode.INVALID_ARGUMENT, "every call needs a deadline")
     parts = order_parts(make_order(replica, 0, 0))
     assert_rpc_error(lambda: raw_round(worker, parts, timeout=None), grpc.StatusCode.INVALID_ARGUMENT, "every call needs a deadline")
-    assert_rpc_error(lambda: list(stub.FetchFeedback(pb.FetchFeedbackRequest(run_id=RUN))), grpc.StatusCode.INVALID_ARGUMENT, "deadline")
+    assert_rpc_error(lambda: list(stub.FetchWorkerState(pb.FetchWorkerStateRequest(run_id=RUN))), grpc.StatusCode.INVALID_ARGUMENT, "deadline")
     # Health checks are exempt: load balancers and probes rarely set one.
     health = health_pb2_grpc.HealthStub(worker.client.channel)
     assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
@@ -384,12 +391,6 @@ def test_describe_refuses_another_protocol_version(worker: Worker, monkeypatch: 
     assert str(info.value) == f"worker at {worker.address} speaks protocol {protocol.PROTOCOL_VERSION}, this coordinator speaks {protocol.PROTOCOL_VERSION + 1}: upgrade the older one"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_wait_ready_gives_up_on_a_dead_address() -> None:
     with WorkerClient(f"127.0.0.1:{free_port()}", timeout=1.0) as client:
         with pytest.raises(WorkerError, match="not reachable") as info:
@@ -409,7 +410,7 @@ def test_help_names_the_flags(capsys: pytest.CaptureFixture[str]) -> None:
         assert "--port" in out and "--device" in out
 
 
-@pytest.mark.parametrize("argv", [["serve", "--port", "0", "--device", "tpu"], ["serve", "--port", "0", "--device", "cuda:99"], ["serve", "--port", "-1"], ["serve", "--port", "0", "--max-message-mb", "1"], ["serve"], []])
+@pytest.mark.parametrize("argv", [["serve", "--port", "0", "--device", "tpu"], ["serve", "--port", "0", "--device", "cuda:99"], ["serve", "--port", "-1"], ["serve", "--port", "0", "--max-message-mb", "1"], ["serve"], [], ["serve", "--port", "0", "--nproc-per-node", "0"], ["serve", "--port", "0", "--node-mode", "ring"], ["serve", "--port", "0", "--precision", "fp8"], ["serve", "--port", "0", "--node-comm-hook", "zip"]])
 def test_bad_flags_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     try:
         code = cli.main(argv)

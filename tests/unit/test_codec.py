@@ -1,5 +1,6 @@
 """The codec end to end: exact round trips, payload size, aggregation semantics, error feedback."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -8,6 +9,8 @@ import torch
 from gradwire.compression import CodecConfig, ErrorFeedback, GradientCodec
 from gradwire.compression.aggregate import Aggregator
 from gradwire.compression.dct import dct_chunks, idct_chunks
+
+from .codec_helpers import rounds_to_send
 
 SHAPES = {"w": (256, 192), "emb": (96, 64), "odd": (3, 5, 7, 11), "norm": (768,), "bias": (10,), "mid": (200,)}
 
@@ -44,8 +47,12 @@ def test_default_settings_keep_the_largest_coefficients():
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
 
 
-def test_payload_size_is_what_the_plan_says_and_small():
-    codec = GradientCodec(SHAPES, CodecConfig())
+CODINGS = {"8-bit": CodecConfig(), "2-bit": CodecConfig(bins=4), "3-bit": CodecConfig(bins=5), "4-bit": CodecConfig(bins=16), "sign": CodecConfig(values="sign")}
+
+
+@pytest.mark.parametrize("config", list(CODINGS.values()), ids=list(CODINGS))
+def test_payload_size_is_what_the_plan_says_and_small(config):
+    codec = GradientCodec(SHAPES, config)
     payload = codec.compress(_grads(2))
     assert payload.nbytes == codec.plan.payload_bytes()
     dense_bytes = 4 * codec.plan.numel
@@ -122,15 +129,8 @@ def test_missing_gradient_named():
 def test_error_feedback_sends_a_fixed_gradient_within_160_rounds_at_0_78_percent_density():
     shapes = {"w": (256, 256), "v": (512,), "b": (16,)}
     codec = GradientCodec(shapes, CodecConfig())  # 32 of 4096 per chunk: 0.78% density
-    g = _grads(5, shapes=shapes)
-    feedback = ErrorFeedback(beta=0.999)
-    sent = torch.zeros(sum(x.numel() for x in g.values()))
-    for rounds in range(1, 161):
-        sent += _cat(codec.decompress(codec.compress(g, feedback)))
-        cos = torch.nn.functional.cosine_similarity(sent, _cat(g), dim=0)
-        if cos >= 0.95:
-            break
-    assert cos >= 0.95, f"cosine {float(cos):.3f} after {rounds} rounds"
+    rounds, cos = rounds_to_send(codec, _grads(5, shapes=shapes), max_rounds=160)
+    assert cos >= 0.95, f"cosine {cos:.3f} after {rounds} rounds"
     assert rounds > 100  # sanity: at this density no codec can send it all much sooner
 
 
@@ -144,11 +144,10 @@ def test_error_feedback_equals_demo_parameter_domain_formula():
     for step in range(4):
         g = _grads(10 + step, shapes=shapes)
         ours = codec.decompress(codec.compress(g, feedback))
-        for k in m:
-            m[k] = beta * m[k] + g[k]
+        m = {k: beta * v + g[k] for k, v in m.items()}
         literal = codec.decompress(codec.compress(m))
+        m = {k: v - literal[k] for k, v in m.items()}
         for k in m:
-            m[k] = m[k] - literal[k]
             torch.testing.assert_close(ours[k], literal[k], atol=1e-5, rtol=1e-4)
 
 
@@ -165,10 +164,11 @@ def test_error_feedback_reset_forgets():
         ErrorFeedback(beta=1.5)
 
 
-def test_error_feedback_keeps_quantization_error():
+@pytest.mark.parametrize("config", list(CODINGS.values()), ids=list(CODINGS))
+def test_error_feedback_keeps_quantization_error(config):
     """After one step the residual is exactly g minus what the receiver decodes."""
     shapes = {"w": (128, 128), "b": (300,)}
-    codec = GradientCodec(shapes, CodecConfig(min_sparse_numel=512))  # b is dense, 8-bit
+    codec = GradientCodec(shapes, dataclasses.replace(config, min_sparse_numel=512))  # b is dense, coded
     g = _grads(7, shapes=shapes)
     feedback = ErrorFeedback(beta=1.0)
     sent = codec.decompress(codec.compress(g, feedback))

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from gradwire.assets import corpus_path, default_tokenizer
-from gradwire.coordinator import data as data_mod
 from gradwire.coordinator.data import DataConfig, TokenStream, batch_dtype, tokenize_corpus
+from gradwire.coordinator.data import corpus as data_mod
 
 SEQ = 32
 TEXT = corpus_path().read_text(encoding="utf-8")

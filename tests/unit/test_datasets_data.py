@@ -21,10 +21,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from gradwire.assets import corpus_path, default_tokenizer, gpt2_tokenizer
-from gradwire.coordinator import data as data_mod
-from gradwire.coordinator import streaming as streaming_mod
-from gradwire.coordinator import tokens as tokens_mod
 from gradwire.coordinator.data import StreamingTokenSource, TokenSource, TokenStream, open_data
+from gradwire.coordinator.data import corpus as data_mod
+from gradwire.coordinator.data import streaming as streaming_mod
+from gradwire.coordinator.data import tokens as tokens_mod
 
 SEQ = 16
 TEXT = corpus_path().read_text(encoding="utf-8")
@@ -45,7 +45,7 @@ def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-datasets")
 
 
-def expected_ids(tok, docs: list[str] = DOCS) -> list[int]:  # noqa: ANN001
+def expected_ids(tok, docs: list[str] = DOCS) -> list[int]:
     eot = tok.token_to_id("<|endoftext|>")
     return [i for d in docs for i in tok.encode(d).ids + [eot]]
 
@@ -65,7 +65,7 @@ def write_txt_dir(path: Path, docs: list[str]) -> Path:
     return path
 
 
-def open_stream(paths: list[Path], tok, **kw) -> StreamingTokenSource:  # noqa: ANN001
+def open_stream(paths: list[Path], tok, **kw) -> StreamingTokenSource:
     kw = {"seq_len": SEQ, "n_slots": 3, "val_rows": 4, **kw}
     source = open_data(paths=[str(p) for p in paths], tokenizer=tok, streaming=True, **kw)
     assert isinstance(source, StreamingTokenSource) and isinstance(source, TokenSource)

@@ -3,7 +3,7 @@
 import pytest
 
 from gradwire.compression import CodecConfig, Encoding, ModelPlan, ValueFormat
-from gradwire.compression.plan import largest_divisor_at_most, plan_tensor, value_format_for
+from gradwire.compression.plan import code_bits, largest_divisor_at_most, plan_tensor, value_format_for
 
 
 @pytest.mark.parametrize(("n", "limit", "want"), [(768, 64, 64), (50272, 64, 32), (2050, 64, 50), (50261, 64, 1), (7, 64, 7), (3072, 48, 48)])
@@ -43,10 +43,55 @@ def test_value_format_is_whichever_is_smaller():
     cfg = CodecConfig(bins=256)
     # 8-bit costs n + 512 (table) + 8 (shift, scale); raw costs 4n.
     assert value_format_for(173, cfg) == ValueFormat.FLOAT32
-    assert value_format_for(174, cfg) == ValueFormat.UINT8_LUT
+    assert value_format_for(174, cfg) == ValueFormat.LUT
     assert value_format_for(10**6, CodecConfig(bins=0)) == ValueFormat.FLOAT32
-    assert plan_tensor("w", (768, 768), cfg).value_format == ValueFormat.UINT8_LUT
+    assert plan_tensor("w", (768, 768), cfg).value_format == ValueFormat.LUT
     assert plan_tensor("norm", (768,), cfg).value_format == ValueFormat.FLOAT32
+
+
+@pytest.mark.parametrize(("bins", "bits"), [(2, 1), (3, 2), (4, 2), (5, 3), (8, 3), (9, 4), (16, 4), (17, 5), (129, 8), (256, 8)])
+def test_code_bits_is_ceil_log2_bins(bins, bits):
+    assert code_bits(bins) == bits
+
+
+def test_value_format_rule_counts_packed_bits():
+    # bins=4, 2-bit codes: ceil(2n / 8) + 8 (table) + 8 (shift, scale) against 4n.
+    assert value_format_for(4, CodecConfig(bins=4)) == ValueFormat.FLOAT32  # 1 + 16 = 17 > 16
+    assert value_format_for(5, CodecConfig(bins=4)) == ValueFormat.LUT  # 2 + 16 = 18 < 20
+    # bins=16, 4-bit codes: ceil(4n / 8) + 32 + 8 against 4n.
+    assert value_format_for(11, CodecConfig(bins=16)) == ValueFormat.FLOAT32  # 6 + 40 = 46 > 44
+    assert value_format_for(12, CodecConfig(bins=16)) == ValueFormat.LUT  # 6 + 40 = 46 < 48
+    # Sign: ceil(n / 8) + 4 (scale) against 4n, whatever bins says.
+    for bins in (0, 4, 256):
+        sign = CodecConfig(values="sign", bins=bins)
+        assert value_format_for(1, sign) == ValueFormat.FLOAT32  # 1 + 4 = 5 > 4
+        assert value_format_for(2, sign) == ValueFormat.SIGN  # 1 + 4 = 5 < 8
+        assert plan_tensor("norm", (768,), sign).value_format == ValueFormat.SIGN  # 12 values
+
+
+# w: 8 chunks x k=32 = 256 values, 384 index bytes; norm: 12 values, 18 index bytes; b: 100 dense values.
+PAYLOAD_SHAPES = {"w": (256, 128), "norm": (768,), "b": (100,)}
+
+
+@pytest.mark.parametrize(
+    ("config", "formats", "data_bytes"),
+    [
+        # 8-bit: w 256 + 512 (table); norm and b raw (12 + 520 > 48, 100 + 520 > 400): 48 + 400.
+        (CodecConfig(bins=256), ("LUT", "FLOAT32", "FLOAT32"), 256 + 512 + 48 + 400),
+        # 2-bit: w 64 + 8; norm 3 + 8; b 25 + 8.
+        (CodecConfig(bins=4), ("LUT", "LUT", "LUT"), 64 + 8 + 3 + 8 + 25 + 8),
+        # 3-bit: w 96 + 10; norm ceil(36 / 8) = 5 + 10; b ceil(300 / 8) = 38 + 10.
+        (CodecConfig(bins=5), ("LUT", "LUT", "LUT"), 96 + 10 + 5 + 10 + 38 + 10),
+        # sign bits: w 32; norm 2; b 13; no tables.
+        (CodecConfig(values="sign"), ("SIGN", "SIGN", "SIGN"), 32 + 2 + 13),
+        # raw: 4 bytes a value.
+        (CodecConfig(bins=0), ("FLOAT32", "FLOAT32", "FLOAT32"), 4 * (256 + 12 + 100)),
+    ],
+)
+def test_payload_bytes_is_exact_for_every_format(config, formats, data_bytes):
+    plan = ModelPlan.build(PAYLOAD_SHAPES, config)
+    assert tuple(t.value_format.name for t in plan.tensors) == formats
+    assert plan.payload_bytes() == 384 + 18 + data_bytes
 
 
 def test_groups_stack_tensors_by_chunk_shape():
@@ -63,7 +108,23 @@ def test_duplicate_names_rejected():
         ModelPlan.build([("a", (4,)), ("a", (4,))], CodecConfig())
 
 
-@pytest.mark.parametrize("kwargs", [dict(chunk=65), dict(chunk=0), dict(topk=0), dict(topk=5000), dict(bins=1), dict(bins=257), dict(range_sigmas=0.0), dict(range_sigmas=float("nan")), dict(min_sparse_numel=-1)])
+BAD_SETTINGS = [
+    {"chunk": 65},
+    {"chunk": 0},
+    {"topk": 0},
+    {"topk": 5000},
+    {"bins": 1},
+    {"bins": 257},
+    {"range_sigmas": 0.0},
+    {"range_sigmas": float("nan")},
+    {"min_sparse_numel": -1},
+    {"values": "int8"},
+    {"values": "LUT"},
+    {"bins": 300, "values": "sign"},  # bins plays no part in sign coding, but must still be valid
+]
+
+
+@pytest.mark.parametrize("kwargs", BAD_SETTINGS)
 def test_bad_settings_fail_early(kwargs):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
         CodecConfig(**kwargs)

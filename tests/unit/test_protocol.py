@@ -14,7 +14,17 @@ import torch
 
 from gradwire import protocol
 from gradwire.compression import CodecConfig, CompressedGradient, GradientCodec, PayloadError
-from gradwire.protocol import PROTOCOL_VERSION, FeedbackState, ModelState, ProtocolError, RoundResult, WorkerInfo, WorkOrder
+from gradwire.optim.inner import InnerOptimizerConfig
+from gradwire.protocol import (
+    PROTOCOL_VERSION,
+    LocalSteps,
+    ModelState,
+    ProtocolError,
+    RoundResult,
+    WorkerInfo,
+    WorkerState,
+    WorkOrder,
+)
 from gradwire.replica import Fingerprint, StateUpdate
 from gradwire.v1 import worker_pb2 as pb
 
@@ -42,14 +52,14 @@ def order(**changes: object) -> WorkOrder:
 
 @pytest.mark.parametrize("size", [0, 1, 99, 100, 101, 1000])
 def test_parts_round_trip(size: int) -> None:
-    msg = pb.FetchFeedbackRequest(run_id="x" * size)
+    msg = pb.FetchWorkerStateRequest(run_id="x" * size)
     parts = list(protocol.to_parts(msg, part_bytes=100))
     data = msg.SerializeToString()
     assert len(parts) == max(1, math.ceil(len(data) / 100))
     assert [p.last for p in parts] == [False] * (len(parts) - 1) + [True]
     assert parts[-1].total_bytes == len(data) and parts[-1].sha256 == hashlib.sha256(data).digest()
     assert protocol.join_parts(parts, max_bytes=1 << 20) == data
-    assert protocol.parse(pb.FetchFeedbackRequest, protocol.join_parts(parts, 1 << 20)) == msg
+    assert protocol.parse(pb.FetchWorkerStateRequest, protocol.join_parts(parts, 1 << 20)) == msg
 
 
 def framed(data: bytes) -> list[pb.Part]:
@@ -139,11 +149,12 @@ def test_info_round_trip() -> None:
 def test_model_state_round_trip() -> None:
     state = ModelState(
         "run", 5, '{"arch": "gpt"}', {"w": torch.randn(3, 4), "b": torch.randn(4).bfloat16()}, '{"optimizer": "sgd"}',
-        {"momentum.0": torch.randn(3, 4)}, {"w": torch.randn(3, 4)},
+        {"momentum.0": torch.randn(3, 4)}, {"w": torch.randn(3, 4)}, {"w/exp_avg": torch.randn(3, 4), "w/step": torch.tensor(2.0)},
     )
     back = protocol.state_from_proto(protocol.parse(pb.ModelState, protocol.state_to_proto(state).SerializeToString()))
     assert (back.run_id, back.version, back.model_json, back.update_rule_json) == (state.run_id, state.version, state.model_json, state.update_rule_json)
-    for mine, theirs in [(state.parameters, back.parameters), (state.optimizer_state, back.optimizer_state), (state.feedback, back.feedback)]:
+    pairs = [(state.parameters, back.parameters), (state.optimizer_state, back.optimizer_state), (state.feedback, back.feedback), (state.inner_optimizer, back.inner_optimizer)]
+    for mine, theirs in pairs:
         assert list(mine) == list(theirs)  # order matters: named_parameters() order
         assert all(torch.equal(mine[k], theirs[k]) for k in mine)
 
@@ -219,6 +230,44 @@ def test_order_from_proto_rejects(mangle, message: str, gradient: CompressedGrad
         protocol.order_from_proto(msg)
 
 
+def local(steps: int = 2, **changes: object) -> LocalSteps:
+    base = dict(optimizer=InnerOptimizerConfig(name="adamw", weight_decay=0.1), learning_rates=(1e-3,) * steps, clip_grad_norm=1.0)
+    return LocalSteps(steps=steps, **{**base, **changes})
+
+
+def test_work_order_with_local_steps_round_trips() -> None:
+    for plan in (local(2), local(1, optimizer=InnerOptimizerConfig(name="muon", momentum=0.95)), local(2, optimizer=InnerOptimizerConfig(name="sgd", momentum=0.9, nesterov=True))):
+        o = order(local_steps=plan)
+        back = protocol.order_from_proto(protocol.parse(pb.WorkOrder, protocol.order_to_proto(o).SerializeToString()))
+        assert_orders_equal(back, o)
+        assert back.inner_steps == plan.steps
+    assert order().inner_steps == 1 and not protocol.order_to_proto(order()).HasField("local_steps")
+
+
+@pytest.mark.parametrize(
+    ("mangle", "message"),
+    [
+        (lambda m: setattr(m.local_steps, "steps", 0), "steps must be in"),
+        (lambda m: setattr(m.local_steps, "steps", 10**9), "steps must be in"),
+        (lambda m: m.local_steps.learning_rates.append(1e-3), "3 learning rates for 2 steps"),
+        (lambda m: m.local_steps.learning_rates.__setitem__(0, float("nan")), "learning_rates must be finite"),
+        (lambda m: m.local_steps.learning_rates.__setitem__(1, -1.0), "learning_rates must be finite"),
+        (lambda m: m.local_steps.learning_rates.__setitem__(1, 1e300), "learning_rates must be finite"),
+        (lambda m: setattr(m.local_steps, "clip_grad_norm", float("inf")), "clip_grad_norm"),
+        (lambda m: setattr(m.local_steps.optimizer, "name", "lion"), "inner optimizer"),
+        (lambda m: setattr(m.local_steps.optimizer, "beta1", 1.5), "inner optimizer"),
+        (lambda m: setattr(m.local_steps.optimizer, "weight_decay", float("nan")), "inner optimizer"),
+        (lambda m: m.local_steps.ClearField("optimizer"), "optimizer missing"),
+        (lambda m: (setattr(m.local_steps, "steps", 3), m.local_steps.learning_rates.append(1e-3)), "does not split into 3"),
+    ],
+)
+def test_local_steps_from_proto_rejects(mangle, message: str) -> None:
+    msg = protocol.order_to_proto(order(local_steps=local(2)))
+    mangle(msg)
+    with pytest.raises(ProtocolError, match=message):
+        protocol.order_from_proto(msg)
+
+
 def test_order_from_proto_rejects_a_foreign_payload_version(gradient: CompressedGradient) -> None:
     msg = protocol.order_to_proto(order(update=StateUpdate(0.1, (gradient,), (1.0,))))
     msg.update.replay.payloads[0].format_version = 99
@@ -241,8 +290,9 @@ def test_round_result_rejects_unknown_status_and_ok_without_gradient() -> None:
         protocol.result_from_proto(pb.RoundResult(status=pb.RoundResult.STATUS_OK))
 
 
-def test_feedback_state_round_trip() -> None:
-    fb = FeedbackState("run", 3, {"w": torch.randn(4, 4)})
-    back = protocol.feedback_from_proto(protocol.feedback_to_proto(fb))
-    assert (back.run_id, back.version, list(back.buffers)) == ("run", 3, ["w"])
-    assert torch.equal(back.buffers["w"], fb.buffers["w"])
+def test_worker_state_round_trip() -> None:
+    ws = WorkerState("run", 3, {"w": torch.randn(4, 4)}, {"w/exp_avg": torch.randn(4, 4), "w/step": torch.tensor(3.0)})
+    back = protocol.worker_state_from_proto(protocol.worker_state_to_proto(ws))
+    assert (back.run_id, back.version, list(back.feedback), list(back.inner_optimizer)) == ("run", 3, ["w"], ["w/exp_avg", "w/step"])
+    assert torch.equal(back.feedback["w"], ws.feedback["w"])
+    assert all(torch.equal(back.inner_optimizer[k], v) for k, v in ws.inner_optimizer.items())

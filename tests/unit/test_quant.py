@@ -1,8 +1,9 @@
-"""8-bit LUT quantization: bounded error per bin, per-bin unbiased reconstruction, independent segments."""
+"""Value quantization: LUT bins (bounded error, per-bin unbiased, independent segments) and sign bits."""
 
+import pytest
 import torch
 
-from gradwire.compression.quant import dequantize, quantize
+from gradwire.compression.quant import dequantize, quantize, quantize_sign, sign_table
 
 
 def _heavy_tailed(n, seed=0):
@@ -59,3 +60,39 @@ def test_dequantize_matches_sender_view():
     q = quantize(v, seg, 3, 256, 6.0)
     assert torch.equal(dequantize(q.codes, seg, q.lut, q.shift, q.scale), q.dequantized)
     assert q.codes.dtype == torch.uint8 and q.lut.dtype == torch.float16 and q.lut.shape == (3, 256)
+
+
+@pytest.mark.parametrize("bins", [2, 3, 4, 5, 16])
+def test_few_bins_codes_stay_below_bins_and_decode_to_the_sender_view(bins):
+    v = _heavy_tailed(6000, 5)
+    seg = (torch.arange(6000) % 2).long()
+    q = quantize(v, seg, 2, bins, 3.0)
+    assert int(q.codes.max()) < bins and q.lut.shape == (2, bins)
+    assert torch.equal(dequantize(q.codes, seg, q.lut, q.shift, q.scale), q.dequantized)
+    # Fewer bins, coarser values, but every bin still reconstructs its own mean.
+    for b in q.codes[seg == 0].unique().tolist():
+        in_bin = (q.codes == b) & (seg == 0)
+        assert abs(q.dequantized[in_bin].mean() - v[in_bin].mean()) <= q.scale[0] * 2e-3 + v[in_bin].mean().abs() * 1e-3
+
+
+# ---------------------------------------------------------------- sign
+
+
+def test_sign_is_the_sign_times_mean_magnitude_per_segment():
+    a, b = _heavy_tailed(3000, 6), _heavy_tailed(5000, 7) * 100
+    v = torch.cat([a, b, torch.zeros(3)])  # a third segment of zeros
+    seg = torch.cat([torch.zeros(3000), torch.ones(5000), torch.full((3,), 2)]).long()
+    q = quantize_sign(v, seg, 3)
+    assert q.codes.dtype == torch.uint8 and torch.equal(q.codes, (v < 0).to(torch.uint8))
+    torch.testing.assert_close(q.scale, torch.stack([a.abs().mean(), b.abs().mean(), torch.tensor(0.0)]), rtol=1e-5, atol=0)
+    assert torch.equal(q.shift, torch.zeros(3))
+    want = torch.where(v < 0, -q.scale[seg], q.scale[seg])
+    assert torch.equal(q.dequantized, want)  # exactly +-scale: what the receiver decodes
+    assert torch.equal(dequantize(q.codes, seg, sign_table(3), torch.zeros(3), q.scale), q.dequantized)
+
+
+def test_sign_keeps_each_segments_mean_magnitude():
+    v = _heavy_tailed(4000, 8)
+    q = quantize_sign(v, torch.zeros(4000, dtype=torch.long), 1)
+    torch.testing.assert_close(q.dequantized.abs().mean(), v.abs().mean(), rtol=1e-5, atol=0)
+    assert (q.dequantized.sign() == v.sign()).all()  # no zeros in a continuous sample

@@ -34,16 +34,22 @@ def pack12(indices: list[int]) -> bytes:
 
 SETTINGS = CodecConfig(chunk=8, topk=3, use_dct=True, bins=16, range_sigmas=0.1, min_sparse_numel=64)
 
-# 16 x 8 with 8 x 8 chunks: two chunks, k=3 each, 6 indices. Bin ids index a 16-entry float16 table.
+def pack_bits(codes: list[int], bits: int) -> bytes:
+    """The documented value layout, the slow obvious way: an LSB-first stream, code i at bit i * bits."""
+    stream = sum(c << (i * bits) for i, c in enumerate(codes))
+    return stream.to_bytes((len(codes) * bits + 7) // 8, "little")
+
+
+# 16 x 8 with 8 x 8 chunks: two chunks, k=3 each, 6 indices. 4-bit bin ids index a 16-entry float16 table.
 SPARSE = CompressedTensor(
     name="blocks.0.attn.weight",
     shape=(16, 8),
     encoding=Encoding.SPARSE,
-    value_format=ValueFormat.UINT8_LUT,
+    value_format=ValueFormat.LUT,
     chunk_shape=(8, 8),
     k=3,
     indices=pack12([0, 9, 63, 1, 2, 4095]),
-    values=bytes([0, 15, 7, 3, 8, 12]),
+    values=pack_bits([0, 15, 7, 3, 8, 12], 4),
     # Exactly representable in float32, so the proto's float fields carry them unchanged.
     shift=-0.5,
     scale=0.0625,
@@ -64,12 +70,32 @@ DENSE = CompressedTensor(
 
 GRADIENT = CompressedGradient(settings=SETTINGS, tensors=(SPARSE, DENSE))
 
+# Sign bits: 8 chunks, k=1, 8 values in one byte; +-scale, no shift, no table.
+SIGNED = CompressedTensor(
+    name="blocks.0.mlp.weight",
+    shape=(64, 8),
+    encoding=Encoding.SPARSE,
+    value_format=ValueFormat.SIGN,
+    chunk_shape=(8, 8),
+    k=1,
+    indices=pack12([5, 0, 63, 7, 7, 1, 2, 3]),
+    values=pack_bits([1, 0, 0, 1, 1, 1, 0, 1], 1),
+    scale=0.375,
+)
+SIGN_GRADIENT = CompressedGradient(settings=dataclasses.replace(SETTINGS, values="sign"), tensors=(SIGNED, DENSE))
+
 
 def test_pack12_matches_documented_layout() -> None:
     # The helper itself: 0x123 and 0xABC -> 0xABC123 little-endian; odd counts pad with a zero index.
     assert pack12([0x123, 0xABC]) == bytes([0x23, 0xC1, 0xAB])
     assert pack12([0xFFF]) == bytes([0xFF, 0x0F, 0x00])
     assert len(SPARSE.indices) == 9
+
+
+def test_pack_bits_matches_documented_layout() -> None:
+    assert pack_bits([1, 2, 3, 0], 2) == bytes([0b00111001])
+    assert SPARSE.values == bytes([0xF0, 0x37, 0xC8])  # 0 | 15 << 4, 7 | 3 << 4, 8 | 12 << 4
+    assert SIGNED.values == bytes([0b10111001])
 
 
 def test_enum_numbers_match_proto() -> None:
@@ -83,17 +109,23 @@ def test_enum_numbers_match_proto() -> None:
         for name, number in codec_pb2.ValueFormat.items()
         if number != codec_pb2.VALUE_FORMAT_UNSPECIFIED
     }
+    assert {e.name: e.value for e in serde.ValueCoding} == {
+        name.removeprefix("VALUE_CODING_"): number
+        for name, number in codec_pb2.ValueCoding.items()
+        if number != codec_pb2.VALUE_CODING_UNSPECIFIED
+    }
 
 
 def test_proto_fields_carry_payload() -> None:
     msg = serde.gradient_to_proto(GRADIENT)
     assert msg.format_version == FORMAT_VERSION
     assert msg.settings.chunk == 8 and msg.settings.bins == 16 and msg.settings.range_sigmas == 0.1
+    assert msg.settings.values == codec_pb2.VALUE_CODING_LUT
     sparse, dense = msg.tensors
     assert sparse.name == SPARSE.name
     assert list(sparse.shape) == [16, 8] and list(sparse.chunk_shape) == [8, 8]
     assert sparse.encoding == codec_pb2.ENCODING_SPARSE
-    assert sparse.value_format == codec_pb2.VALUE_FORMAT_UINT8_LUT
+    assert sparse.value_format == codec_pb2.VALUE_FORMAT_LUT
     assert (sparse.indices, sparse.values, sparse.lut) == (SPARSE.indices, SPARSE.values, SPARSE.lut)
     assert (sparse.shift, sparse.scale, sparse.k) == (-0.5, 0.0625, 3)
     assert dense.encoding == codec_pb2.ENCODING_DENSE
@@ -117,6 +149,17 @@ def test_round_trip_through_bytes() -> None:
     assert GRADIENT.nbytes < len(data) < GRADIENT.nbytes + 200
 
 
+def test_sign_tensor_round_trip() -> None:
+    msg = serde.gradient_to_proto(SIGN_GRADIENT)
+    assert msg.settings.values == codec_pb2.VALUE_CODING_SIGN
+    sent = msg.tensors[0]
+    assert sent.value_format == codec_pb2.VALUE_FORMAT_SIGN
+    assert (sent.values, sent.scale, sent.shift, sent.lut) == (SIGNED.values, 0.375, 0.0, b"")
+    back = serde.gradient_from_bytes(serde.gradient_to_bytes(SIGN_GRADIENT))
+    assert back == SIGN_GRADIENT
+    assert back.settings.values == "sign" and back.tensors[0].value_format is ValueFormat.SIGN
+
+
 def test_round_trip_empty_gradient() -> None:
     empty = CompressedGradient(settings=CodecConfig(), tensors=())
     assert serde.gradient_from_bytes(serde.gradient_to_bytes(empty)) == empty
@@ -126,18 +169,26 @@ def test_round_trip_empty_gradient() -> None:
     chunk=st.integers(1, 64),
     topk_fraction=st.floats(0, 1),
     use_dct=st.booleans(),
+    values=st.sampled_from(["lut", "sign"]),
     bins=st.one_of(st.just(0), st.integers(2, 256)),
     range_sigmas=st.floats(min_value=1e-6, max_value=1e6),
     min_sparse_numel=st.integers(0, 2**40),
 )
 def test_settings_round_trip_exactly(
-    chunk: int, topk_fraction: float, use_dct: bool, bins: int, range_sigmas: float, min_sparse_numel: int
+    chunk: int,
+    topk_fraction: float,
+    use_dct: bool,
+    values: str,
+    bins: int,
+    range_sigmas: float,
+    min_sparse_numel: int,
 ) -> None:
     # Exactly, not approximately: receivers compare settings for equality.
     config = CodecConfig(
         chunk=chunk,
         topk=max(1, round(topk_fraction * chunk * chunk)),
         use_dct=use_dct,
+        values=values,  # type: ignore[arg-type]
         bins=bins,
         range_sigmas=range_sigmas,
         min_sparse_numel=min_sparse_numel,
@@ -208,7 +259,7 @@ def _with_tensor_field(field: str, number: int) -> bytes:
 
 
 @pytest.mark.parametrize("field", ["encoding", "value_format"])
-@pytest.mark.parametrize("number", [0, 3, 99])
+@pytest.mark.parametrize("number", [0, 4, 99])
 def test_unknown_enum_raises(field: str, number: int) -> None:
     data = _with_tensor_field(field, number)
     with pytest.raises(PayloadError) as err:
@@ -241,6 +292,17 @@ def test_invalid_settings_raise(settings: dict[str, float]) -> None:
         serde.gradient_from_bytes(msg.SerializeToString())
     assert err.value.tensor == serde.GRADIENT and err.value.field == "settings"
     assert next(iter(settings)) in err.value.reason  # CodecConfig's message names the setting
+
+
+@pytest.mark.parametrize("number", [codec_pb2.VALUE_CODING_UNSPECIFIED, 3, 99])
+def test_unknown_value_coding_raises(number: int) -> None:
+    # 0 is also what a sender from before the setting existed writes: its payloads mean something else.
+    msg = serde.gradient_to_proto(GRADIENT)
+    msg.settings.values = number
+    with pytest.raises(PayloadError) as err:
+        serde.gradient_from_bytes(msg.SerializeToString())
+    assert err.value.tensor == serde.GRADIENT and err.value.field == "settings"
+    assert "ValueCoding" in err.value.reason and str(number) in err.value.reason
 
 
 def test_missing_settings_raise() -> None:

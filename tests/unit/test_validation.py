@@ -21,18 +21,20 @@ from hypothesis import strategies as st
 from gradwire.compression import serde
 from gradwire.compression.codec import GradientCodec
 from gradwire.compression.config import FORMAT_VERSION, CodecConfig
-from gradwire.compression.packing import pack12, unpack12, unpack12_padded
+from gradwire.compression.packing import pack12, pack_bits, unpack12, unpack12_padded, unpack_bits
 from gradwire.compression.payload import CompressedGradient, CompressedTensor, Encoding, PayloadError, ValueFormat
+
+from .codec_helpers import check_corrupted_byte
 
 CONFIG = CodecConfig()  # chunk 64, topk 32, bins 256, min_sparse_numel 256
 
 # Plan order; the fixture asserts what each one plans to.
 SHAPES = {
-    "w": (384, 64),  # sparse, (64, 64) chunks, k=32, 192 values -> UINT8_LUT
+    "w": (384, 64),  # sparse, (64, 64) chunks, k=32, 192 values -> LUT
     "odd": (320,),  # sparse, (64,) chunks, k=1, 5 values -> FLOAT32, odd: pad in the middle of its group
-    "vec": (11200,),  # sparse, (64,) chunks, k=1, 175 values -> UINT8_LUT, odd: a second pad in the group
+    "vec": (11200,),  # sparse, (64,) chunks, k=1, 175 values -> LUT, odd: a second pad in the group
     "sp": (768,),  # sparse, (64,) chunks, k=1, 12 values -> FLOAT32, last of the mixed group
-    "d8": (200,),  # dense (< 256 elements), 200 values -> UINT8_LUT
+    "d8": (200,),  # dense (< 256 elements), 200 values -> LUT
     "d32": (10,),  # dense, 10 values -> FLOAT32
 }
 
@@ -53,14 +55,14 @@ def codec() -> GradientCodec:
         t = plan[name]
         assert (t.encoding, t.value_format) == (encoding, fmt), t
 
-    case("w", Encoding.SPARSE, ValueFormat.UINT8_LUT)
+    case("w", Encoding.SPARSE, ValueFormat.LUT)
     assert len(plan["w"].chunk_shape) == 2 and plan["w"].num_values % 2 == 0
     case("odd", Encoding.SPARSE, ValueFormat.FLOAT32)
-    case("vec", Encoding.SPARSE, ValueFormat.UINT8_LUT)
+    case("vec", Encoding.SPARSE, ValueFormat.LUT)
     case("sp", Encoding.SPARSE, ValueFormat.FLOAT32)
     assert plan["sp"].num_values == 12 and plan["sp"].chunk_numel == 64 and plan["sp"].num_values % 2 == 0
     assert plan["odd"].num_values % 2 == 1 and plan["vec"].num_values % 2 == 1
-    case("d8", Encoding.DENSE, ValueFormat.UINT8_LUT)
+    case("d8", Encoding.DENSE, ValueFormat.LUT)
     case("d32", Encoding.DENSE, ValueFormat.FLOAT32)
     # odd, vec and sp share one chunk group with both value formats: pads sit mid-group.
     groups = {g.chunk_shape: [m.name for m in g.members] for g in c.plan.groups}
@@ -203,6 +205,7 @@ GRADIENT_CASES: list[tuple[str, GradientEdit, tuple[str, ...] | str, str]] = [
     ("version-next", lambda p: dataclasses.replace(p, format_version=FORMAT_VERSION + 1), GRADIENT_LEVEL, "format_version"),
     ("settings-topk", lambda p: dataclasses.replace(p, settings=dataclasses.replace(CONFIG, topk=16)), GRADIENT_LEVEL, "settings"),
     ("settings-bins", lambda p: dataclasses.replace(p, settings=dataclasses.replace(CONFIG, bins=128)), GRADIENT_LEVEL, "settings"),
+    ("settings-values", lambda p: dataclasses.replace(p, settings=dataclasses.replace(CONFIG, values="sign")), GRADIENT_LEVEL, "settings"),
     ("settings-range", lambda p: dataclasses.replace(p, settings=dataclasses.replace(CONFIG, range_sigmas=5.0)), GRADIENT_LEVEL, "settings"),
     ("settings-dct", lambda p: dataclasses.replace(p, settings=dataclasses.replace(CONFIG, use_dct=False)), GRADIENT_LEVEL, "settings"),
     ("settings-min-sparse", lambda p: dataclasses.replace(p, settings=dataclasses.replace(CONFIG, min_sparse_numel=0)), GRADIENT_LEVEL, "settings"),
@@ -237,9 +240,9 @@ TENSOR_CASES: list[tuple[str, str, str, TensorChange]] = [
     ("encoding-sparse-as-dense", "w", "encoding", {"encoding": Encoding.DENSE}),
     ("encoding-dense-as-sparse", "d32", "encoding", {"encoding": Encoding.SPARSE}),
     ("value-format-lut-as-f32", "w", "value_format", {"value_format": ValueFormat.FLOAT32}),
-    ("value-format-f32-as-lut", "sp", "value_format", {"value_format": ValueFormat.UINT8_LUT}),
+    ("value-format-f32-as-lut", "sp", "value_format", {"value_format": ValueFormat.LUT}),
     ("value-format-dense-lut-as-f32", "d8", "value_format", {"value_format": ValueFormat.FLOAT32}),
-    ("value-format-dense-f32-as-lut", "d32", "value_format", {"value_format": ValueFormat.UINT8_LUT}),
+    ("value-format-dense-f32-as-lut", "d32", "value_format", {"value_format": ValueFormat.LUT}),
     ("chunk-shape-smaller", "w", "chunk_shape", {"chunk_shape": (32, 64)}),
     ("chunk-shape-1d", "w", "chunk_shape", {"chunk_shape": (4096,)}),
     ("chunk-shape-vector", "sp", "chunk_shape", {"chunk_shape": (128,)}),
@@ -323,7 +326,7 @@ def test_tensor_rule(codec: GradientCodec, good: CompressedGradient, name: str, 
 
 
 def test_shift_and_scale_of_float32_tensors_are_ignored(codec: GradientCodec, good: CompressedGradient) -> None:
-    """Shift and scale only mean something for UINT8_LUT tensors; a FLOAT32 tensor may carry anything there."""
+    """Shift and scale only mean something for LUT tensors; a FLOAT32 tensor may carry anything there."""
     codec.decode(with_tensor(good, "sp", shift=0.0, scale=0.0))
 
 
@@ -389,37 +392,34 @@ def test_truncated_bytes_fail_with_payload_error(codec: GradientCodec, good: Com
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(position=st.integers(min_value=0, max_value=1 << 30), flip=st.integers(min_value=1, max_value=255))
 def test_single_byte_corruption_raises_only_payload_error(codec: GradientCodec, good: CompressedGradient, position: int, flip: int) -> None:
-    data = bytearray(serde.gradient_to_bytes(good))
-    data[position % len(data)] ^= flip
-    try:
-        decoded = codec.decode(serde.gradient_from_bytes(bytes(data)))
-    except PayloadError as e:
-        assert isinstance(e.tensor, str) and isinstance(e.field, str)
-        return
-    assert len(decoded.indices) == len(codec.plan.groups)
+    check_corrupted_byte(codec, good, position, flip)
 
 
 # ---------------------------------------------------------------- code range and tensor order
 
 
-@pytest.mark.parametrize("code", [16, 255])
-def test_code_beyond_bins_is_rejected(code: int) -> None:
-    """With bins < 256 a uint8 code can exceed the table: it must be a PayloadError on ``values``.
+@pytest.mark.parametrize(("bins", "bits", "code"), [(12, 4, 12), (12, 4, 15), (5, 3, 5), (5, 3, 7), (3, 2, 3), (200, 8, 255)])
+@pytest.mark.parametrize("target", ["a", "b"])
+def test_code_beyond_bins_is_rejected(bins: int, bits: int, code: int, target: str) -> None:
+    """When bins is not a power of two a packed code can exceed the table: a PayloadError on ``values``.
 
-    Unchecked, code 16+j of the first tensor in a group would read entry j of the next tensor's table.
+    Unchecked, code bins+j of the first tensor in a group would read entry j of the next tensor's table.
     """
-    c = GradientCodec({"a": (256, 64), "b": (256, 64)}, dataclasses.replace(CONFIG, bins=16))
-    assert all(t.value_format == ValueFormat.UINT8_LUT for t in c.plan.tensors)
+    c = GradientCodec({"a": (512, 64), "b": (512, 64)}, dataclasses.replace(CONFIG, bins=bins))
+    assert all(t.value_format == ValueFormat.LUT for t in c.plan.tensors)
     gen = torch.Generator().manual_seed(0)
-    p = c.compress({"a": torch.randn(256, 64, generator=gen), "b": torch.randn(256, 64, generator=gen)})
-    codes = np.frombuffer(tensor(p, "a").values, np.uint8).copy()
-    codes[0] = code
+    p = c.compress({"a": torch.randn(512, 64, generator=gen), "b": torch.randn(512, 64, generator=gen)})
+    n = num_values(c, target)
+    codes = unpack_bits(tensor(p, target).values, bits, n).copy()
+    assert int(codes.max()) < bins
+    codes[n // 2] = code
     try:
-        c.decode(with_tensor(p, "a", values=codes.tobytes()))
+        c.decode(with_tensor(p, target, values=pack_bits(codes, bits)))
     except PayloadError as e:
-        assert (e.tensor, e.field) == ("a", "values")
+        assert (e.tensor, e.field) == (target, "values")
+        assert str(code) in e.reason
     else:
-        raise AssertionError(f"code {code} with bins=16 was accepted")
+        raise AssertionError(f"code {code} with bins={bins} was accepted")
 
 
 @pytest.mark.parametrize("order", ["swap", "duplicate"])

@@ -3,7 +3,7 @@
 ``Encoder`` is all the data modules know of a tokenizer: the ids of texts (in blocks cut at blank lines
 where that cannot change them, encoded in batches), the end-of-text id, the vocabulary size and so the
 smallest dtype holding every id (``batch_dtype``), and a fingerprint naming the ids for the token cache.
-``val_windows`` cuts the held-out rows both kinds of ``TokenSource`` serve. Shared by ``data`` (in memory)
+``val_windows`` cuts the held-out rows both kinds of ``TokenSource`` serve. Shared by ``corpus`` (in memory)
 and ``streaming``; it imports neither.
 """
 

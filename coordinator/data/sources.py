@@ -5,7 +5,7 @@ directories of ``*.txt``), jsonl/json/csv/parquet files (``.gz``/``.bz2``/``.xz`
 csv) or directories of them, or a single hub dataset name. ``open_files`` and ``load_hub`` open the rows of
 structured sources through ``datasets``; ``dataset_pieces`` yields each row's ``--text-field`` as one
 ``(text, ends_document)`` document and checks that the field exists and holds text. ``read_texts`` reads
-text files whole. This module knows nothing of tokenizers, caches or batches: ``data.open_data`` turns a
+text files whole. This module knows nothing of tokenizers, caches or batches: ``corpus.open_data`` turns a
 source into a ``TokenSource``.
 """
 

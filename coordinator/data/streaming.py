@@ -3,7 +3,7 @@
 ``StreamingTokenSource`` reads the corpus in order and tokenizes it on the fly. The rows of ``(step, slot)``
 are consecutive windows at a position computed from ``(step, slot)``, so they are the same on every run and
 a resume needs only the step; the first tokens of the stream (or of the validation split) are held out.
-``text_pieces`` reads text files in bounded memory for it. ``data.open_data`` builds one from ``--data``;
+``text_pieces`` reads text files in bounded memory for it. ``corpus.open_data`` builds one from ``--data``;
 this module knows nothing of file or hub resolution, only of ``(text, ends_document)`` pieces.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from gradwire.coordinator.tokens import BLOCK_SPLIT, Encoder, val_windows
+from gradwire.coordinator.data.tokens import BLOCK_SPLIT, Encoder, val_windows
 
 __all__ = ["StreamingTokenSource", "text_pieces"]
 

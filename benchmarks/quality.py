@@ -1,0 +1,279 @@
+"""How close to dense training does each way of syncing get, and at how many uplink bytes per token?
+
+    python -m benchmarks.quality --json                                  # gpt-5m, 2 workers, every method
+    python -m benchmarks.quality --methods dense,sparseloco --steps-total 300 --inner-steps 15
+    python -m benchmarks.quality --set sparseloco.topk=64 --set demo.learning_rate=2e-3   # tuning
+
+Trains the same model from the same seed on the embedded Shakespeare corpus once per method, with two
+workers simulated in this process (``coordinator.inprocess``: the service's own ``Trainer``, engine and
+codec, every message serialized as on the wire, no gRPC). Every method trains on the same number of tokens
+(``--steps-total`` inner steps per worker of ``--batch-size`` x ``--sequence-length`` tokens; local-SGD
+methods take them as ``steps-total / H`` rounds of H) and is evaluated on the same held-out batches.
+
+  dense            gradient mode, no compression, the coordinator's AdamW on the exact mean gradient (DDP's
+                   math): the reference.
+  demo             gradient mode as DeMo: DCT + top-32 of 4096 + 8-bit values, error feedback 0.999, sign-SGD.
+  diloco           H inner AdamW steps, uncompressed pseudo-gradients, outer Nesterov (lr 0.7, momentum 0.9).
+  sparseloco       H inner AdamW steps, pseudo-gradients through error feedback (0.95), DCT + top-90 of 4096
+                   (2.2%, the most that stays >= 3000x at H 30) + 2-bit values, outer SGD at lr 1.
+  sparseloco-sign  the same with 1-bit sign values.
+
+Reports per method the held-out loss at the end, the last round's training loss, uplink bytes per worker per
+trained token (the serialized round results, summed over rounds and workers, over the tokens trained by all
+workers), ``uplink_reduction_vs_dense`` (dense fp32 gradients -- 4 bytes per parameter per worker and step --
+over that) and ``loss_gap_vs_dense`` (relative to the ``dense`` run's held-out loss, when it ran). Prints one
+JSON object with ``--json`` (the markdown table then goes to stderr), and writes ``results.json``,
+``results.md`` and ``loss_vs_bytes.png`` (held-out loss against cumulative uplink bytes per worker) to
+``--output-dir``, each method's metrics in ``<output-dir>/<method>/metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
+
+from gradwire.coordinator.config import TrainConfig
+from gradwire.coordinator.inprocess import in_process_clients
+from gradwire.coordinator.trainer import Trainer
+from gradwire.memory import keep_freed_memory
+from gradwire.models import model_names
+
+WORKERS = 2
+EVAL_BATCHES = 16
+EVAL_POINTS = 10  # held-out evaluations along each run, at the same token counts for every method
+# The issue's targets: (largest relative loss gap, smallest uplink reduction) against dense fp32 gradients.
+TARGETS = {"sparseloco": (0.03, 3000.0), "demo": (0.02, 180.0)}
+
+WARMUP_FRACTION = 0.05  # of --steps-total: linear warmup, in inner steps (= steps in gradient mode)
+
+# Each method's TrainConfig settings, beyond the shared ones (model, sizes, seed, eval, warmup); see "What
+# we tried" at the end for how they were picked.
+_GRADIENT = {"inner_steps": 1, "lr_schedule": "cosine", "min_lr_ratio": 0.1}
+_LOCAL = {"inner_optimizer": "adamw", "inner_learning_rate": 1e-3, "inner_lr_schedule": "cosine", "inner_min_lr_ratio": 0.1}
+METHODS: dict[str, dict[str, Any]] = {
+    "dense": dict(_GRADIENT, no_compression=True, outer_optimizer="adamw", learning_rate=7e-4),
+    "demo": dict(_GRADIENT, outer_optimizer="signsgd", learning_rate=2e-3, topk=32, use_dct=True, bins=256, feedback_beta=0.999),
+    "diloco": dict(_LOCAL, no_compression=True, outer_optimizer="nesterov", learning_rate=0.7, momentum=0.9),
+    "sparseloco": dict(_LOCAL, outer_optimizer="sgd", learning_rate=1.0, topk=90, bins=4, values="lut", feedback_beta=0.95),
+    "sparseloco-sign": dict(_LOCAL, outer_optimizer="sgd", learning_rate=1.0, topk=90, values="sign", feedback_beta=0.95),
+}
+LOCAL_METHODS = ("diloco", "sparseloco", "sparseloco-sign")
+
+
+def method_config(name: str, args: argparse.Namespace, overrides: dict[str, Any]) -> TrainConfig:
+    """The run of one method: ``steps_total`` inner steps per worker, as rounds of 1 or of H."""
+    h = args.inner_steps if name in LOCAL_METHODS else 1
+    settings = {**METHODS[name], **overrides}
+    settings.setdefault("inner_steps", h)
+    h = settings["inner_steps"]
+    warmup = int(WARMUP_FRACTION * args.steps_total)
+    settings.setdefault("inner_warmup_steps" if h > 1 else "warmup_steps", warmup)
+    return TrainConfig(
+        model=args.model, seed=args.seed, batch_size=args.batch_size, sequence_length=args.sequence_length,
+        steps=args.steps_total // h, eval_every=max(1, args.steps_total // EVAL_POINTS // h), eval_batches=EVAL_BATCHES,
+        output_dir=str(Path(args.output_dir) / name), **settings,
+    )
+
+
+def run_method(name: str, config: TrainConfig) -> dict[str, Any]:
+    trainer = Trainer(config, in_process_clients(WORKERS), progress=False)
+    try:
+        t0 = time.perf_counter()
+        records = trainer.run()
+        wall = time.perf_counter() - t0
+        # run() evaluates the last round when eval_every divides the steps; otherwise do it here.
+        eval_loss = records[-1]["eval_loss"] if "eval_loss" in records[-1] else trainer.evaluate()
+        params = sum(p.numel() for p in trainer.model.parameters())
+    finally:
+        trainer.close()
+    bytes_up = sum(r["bytes_up"] for r in records)  # summed over workers
+    tokens = records[-1]["total_tokens"]  # summed over workers: the ratio is per worker per token
+    curve, sent = [], 0
+    for r in records:
+        sent += r["bytes_up"]
+        if "eval_loss" in r:
+            curve.append({"tokens": r["total_tokens"], "bytes_up_per_worker": sent / WORKERS, "eval_loss": r["eval_loss"]})
+    return {
+        "eval_loss": eval_loss,
+        "train_loss": records[-1]["loss"],
+        "bytes_up_per_token": bytes_up / tokens,
+        "bytes_up_per_worker": bytes_up / WORKERS,
+        "rounds": len(records),
+        "inner_steps": config.inner_steps,
+        "tokens": tokens,
+        "wall_s": wall,
+        "step_time_s": wall / len(records),
+        "params": params,
+        "settings": {k: getattr(config, k) for k in sorted(METHODS[name].keys() | {"inner_steps", "steps", "warmup_steps", "inner_warmup_steps"})},
+        "curve": curve,
+    }
+
+
+def compare(results: dict[str, dict[str, Any]], dense_bytes_per_token: float) -> None:
+    """Add the ratios against dense fp32 gradients and the ``dense`` run, and the targets where set."""
+    dense = results.get("dense")
+    for name, r in results.items():
+        r["uplink_reduction_vs_dense"] = dense_bytes_per_token / r["bytes_up_per_token"]
+        r["loss_gap_vs_dense"] = (r["eval_loss"] - dense["eval_loss"]) / dense["eval_loss"] if dense else None
+        if name in TARGETS and dense:
+            gap, reduction = TARGETS[name]
+            r["target"] = {"max_loss_gap": gap, "min_uplink_reduction": reduction}
+            r["meets_target"] = r["loss_gap_vs_dense"] <= gap and r["uplink_reduction_vs_dense"] >= reduction
+
+
+def table(results: dict[str, dict[str, Any]]) -> str:
+    lines = [
+        "| method | H | held-out loss | gap vs dense | train loss | uplink B/token/worker | x fewer than dense fp32 | rounds | tokens | wall |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        gap = f"{100 * r['loss_gap_vs_dense']:+.2f}%" if r["loss_gap_vs_dense"] is not None else "-"
+        lines.append(
+            f"| {name} | {r['inner_steps']} | {r['eval_loss']:.4f} | {gap} | {r['train_loss']:.4f} | {r['bytes_up_per_token']:.4g} "
+            f"| {r['uplink_reduction_vs_dense']:,.0f}x | {r['rounds']} | {r['tokens']:,} | {r['wall_s']:.0f} s |"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
+    # Figure directly, not pyplot, as coordinator.report does: no global state, no display.
+    fig = Figure(figsize=(8.0, 4.8), dpi=120, layout="constrained")
+    ax = fig.add_subplot()
+    for name, r in results.items():
+        x = [p["bytes_up_per_worker"] for p in r["curve"]]
+        y = [p["eval_loss"] for p in r["curve"]]
+        ax.plot(x, y, marker="o", ms=3, lw=1.5, label=f"{name} ({r['uplink_reduction_vs_dense']:,.0f}x)")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _bytes(x)))
+    ax.set_xlabel("uplink bytes per worker so far (log)")
+    ax.set_ylabel("held-out loss")
+    ax.set_title("Held-out loss vs uplink bytes, equal tokens per method")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    fig.savefig(path)
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def parse_overrides(items: list[str], methods: list[str]) -> dict[str, dict[str, Any]]:
+    """``--set METHOD.FIELD=VALUE`` (VALUE as JSON when it parses, else a string) -> {method: {field: value}}."""
+    out: dict[str, dict[str, Any]] = {m: {} for m in methods}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        method, dot, field = key.partition(".")
+        if not sep or not dot or method not in METHODS:
+            raise ValueError(f"--set {item!r}: expected METHOD.FIELD=VALUE with METHOD one of {', '.join(METHODS)}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        out.setdefault(method, {})[field] = value
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt-5m", choices=model_names(), help="registry name")
+    parser.add_argument("--steps-total", type=int, default=600, help="inner steps per worker, the same for every method")
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per worker per inner step")
+    parser.add_argument("--sequence-length", type=int, default=128)
+    parser.add_argument("--inner-steps", type=int, default=30, help="H of the local-SGD methods")
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ", ".join(METHODS))
+    parser.add_argument("--set", action="append", default=[], metavar="METHOD.FIELD=VALUE", help="override a method's TrainConfig field (repeatable)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the two workers already run concurrently)")
+    parser.add_argument("--output-dir", default="runs/quality")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout; the table goes to stderr")
+    args = parser.parse_args(argv)
+    methods = [m for m in args.methods.split(",") if m]
+    if unknown := [m for m in methods if m not in METHODS]:
+        parser.error(f"--methods: unknown {unknown}; known: {', '.join(METHODS)}")
+    if args.steps_total < 1 or args.batch_size < 1 or args.sequence_length < 1 or args.inner_steps < 1:
+        parser.error("--steps-total, --batch-size, --sequence-length and --inner-steps must be >= 1")
+    try:
+        overrides = parse_overrides(args.set, methods)
+    except ValueError as e:
+        parser.error(str(e))
+    keep_freed_memory()  # as the worker and coordinator processes do
+    torch.set_num_threads(args.threads)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    configs = {}
+    for name in methods:
+        try:
+            configs[name] = method_config(name, args, overrides[name])
+        except (ValueError, TypeError) as e:
+            parser.error(f"method {name}: {e}")
+        if args.steps_total % configs[name].inner_steps:
+            parser.error(f"--steps-total {args.steps_total} is not a multiple of {name}'s H = {configs[name].inner_steps}: tokens would differ")
+    results = {}
+    for name, config in configs.items():
+        results[name] = run_method(name, config)
+        print(f"{name}: held-out loss {results[name]['eval_loss']:.4f} in {results[name]['wall_s']:.0f} s", file=sys.stderr, flush=True)
+    params = next(iter(results.values()))["params"]
+    dense_bytes_per_token = 4 * params / (args.batch_size * args.sequence_length)  # fp32 gradient per worker step
+    compare(results, dense_bytes_per_token)
+    result = {
+        "model": args.model,
+        "params": params,
+        "workers": WORKERS,
+        "steps_total": args.steps_total,
+        "batch_size": args.batch_size,
+        "sequence_length": args.sequence_length,
+        "inner_steps": args.inner_steps,
+        "tokens_per_method": WORKERS * args.steps_total * args.batch_size * args.sequence_length,
+        "eval_batches": EVAL_BATCHES,
+        "seed": args.seed,
+        "dense_fp32_bytes_per_token": dense_bytes_per_token,
+        "methods": results,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+    markdown = table(results)
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    (out / "results.md").write_text(markdown + "\n")
+    plot(results, out / "loss_vs_bytes.png")
+    if args.json:
+        print(markdown, file=sys.stderr)
+        print(json.dumps(result))
+    else:
+        print(markdown)
+    return result
+
+
+if __name__ == "__main__":
+    main()
+
+
+# What we tried (gpt-5m, 2 workers, 600 inner steps per worker of 4 x 128 tokens, H 30 = 20 rounds unless
+# said; held-out loss at the end; "sim" = plain single-process AdamW on both workers' batches, the same math
+# as `dense` without the service, used to screen dense learning rates; warmup 30 + cosine to 0.1 throughout):
+#   dense adamw lr     4e-3 sim 5.489 at step 300 (stopped) | 2e-3 4.857 | 1e-3 sim 4.826 | 7e-4 sim 4.815 (kept) | 5e-4 sim 4.946 at 420 (worse, stopped)
+#   demo signsgd lr    5e-4 5.099 | 1e-3 5.069 | 2e-3 5.055 (kept) | 2e-3 with feedback beta 0.99 5.127
+#   single worker      adamw 2e-3, its own half of the data: 5.125 (the bar local SGD must clear)
+#   diloco (dense)     inner 2e-3: outer nesterov 0.7/0.9 5.549 | outer sgd lr 1 (plain averaging) 5.083
+#   sparseloco, inner adamw lr / topk / outer lr:  2e-3 / 32 / 1: 5.556 (8536x) | 2e-3 / 64 / 1: 5.386 (4328x)
+#                      2e-3 / 64 / 2: 5.501 | 5e-4 / 64 / 1: 5.294 | 1e-3 / 64 / 1: 5.196 | 7e-4 / 90 / 1: 5.205
+#                      1e-3 / 90 / 1: 5.142 (3091x, kept) | H 15, 40 rounds, 1e-3 / 45 / 1: 5.220 (3060x)
+#   final default run (28.5 min): dense 4.8148 | demo 5.0549 (+4.99%, 183x) | diloco, inner 1e-3, 5.2728 (+9.5%)
+#                      | sparseloco 5.1418 (+6.79%, 3091x) | sparseloco-sign 5.1268 (+6.48%, 3332x)
+# Targets not met at this size: demo stays ~5% and sparseloco ~7% above dense. Local SGD with two workers
+# here barely beats one worker alone (plain averaging 5.083 vs 5.125), and DiLoCo's outer Nesterov (0.7/0.9)
+# needs far more than 20 rounds; lower learning rates helped every method.

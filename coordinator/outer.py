@@ -1,0 +1,187 @@
+"""The coordinator's outer step and the replica the workers mirror: two strategies, one interface.
+
+Workers in sync hold the replica at ``base_version``; ``pending`` (the last round's update) moves it one
+version on. The coordinator applies ``pending`` to its own copy while the workers compute the next round
+(or earlier, on a ``flush`` before a checkpoint or an evaluation), so its replica is at ``base_version`` or
+``base_version + 1``, and every work order carries ``pending`` plus the fingerprint of ``base_version``.
+
+* ``ReplayOuter`` (``sgd``, ``nesterov``, ``signsgd``): the model *is* the replica. The update is the
+  senders' own payloads; every replica aggregates them with the same code and takes the same outer step
+  (momentum buffers included), so copies on the same kind of device stay bit-identical.
+* ``DeltaOuter`` (``adamw``): the optimizer's moments stay here. The coordinator steps its model, and
+  the workers follow a *shadow* replica through compressed parameter deltas (coordinator-side error
+  feedback), which the coordinator applies to its own shadow as well.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import logging
+
+import torch
+
+from gradwire.compression import CodecConfig, CompressedGradient, ErrorFeedback
+from gradwire.compression.aggregate import Aggregator
+from gradwire.models import build_from_spec
+from gradwire.optim.outer import UpdateRule
+from gradwire.protocol import ModelState
+from gradwire.replica import Fingerprint, Replica, StateUpdate
+
+log = logging.getLogger(__name__)
+
+TensorGroups = dict[str, dict[str, torch.Tensor]]
+
+
+class OuterStrategy(abc.ABC):
+    """The outer optimizer, the workers' replica, and the update in flight between them."""
+
+    def __init__(self, model: torch.nn.Module, replica: Replica, codec_config: CodecConfig) -> None:
+        self.model = model  # what is trained, evaluated and exported
+        self.replica = replica  # what every worker holds a copy of
+        self.codec = replica.codec(codec_config)
+        self.pending: StateUpdate | None = None
+        self.base_version = replica.version
+        self.base_fingerprint = replica.fingerprint()
+        self._target_fingerprint = self.base_fingerprint
+
+    # ------------------------------------------------------------------------------------------ versions
+
+    @property
+    def target_version(self) -> int:
+        """The version this round's contributions are computed at."""
+        return self.base_version + (1 if self.pending is not None else 0)
+
+    @property
+    def target_fingerprint(self) -> Fingerprint:
+        """The replica's fingerprint at ``target_version`` (once ``apply_pending`` has run)."""
+        return self.base_fingerprint if self.pending is None else self._target_fingerprint
+
+    def apply_pending(self) -> None:
+        """Bring the coordinator's replica to ``target_version``, if it is not there yet."""
+        if self.pending is not None and self.replica.version == self.base_version:
+            self._apply(self.pending)
+            self._target_fingerprint = self.replica.fingerprint()
+
+    def step(self, aggregator: Aggregator, payloads: tuple[CompressedGradient, ...], weights: tuple[float, ...], lr: float) -> float:
+        """Turn a round's validated, summed contributions into the next ``pending`` update.
+
+        The round's version (the one its contributions were computed at) becomes the new base. Returns
+        the aggregate's L2 norm.
+        """
+        self.apply_pending()  # a no-op when the round already did it, as it does while workers compute
+        target, target_fingerprint = self.target_version, self.target_fingerprint
+        norm = aggregator.norm()
+        self.pending = self._next_update(aggregator, payloads, weights, lr)
+        self.base_version, self.base_fingerprint = target, target_fingerprint
+        return norm
+
+    def rebase(self) -> None:
+        """After a resume: the replica as loaded is every worker's base, with nothing pending."""
+        self.pending = None
+        self.base_version = self.replica.version
+        self.base_fingerprint = self._target_fingerprint = self.replica.fingerprint()
+
+    # ------------------------------------------------------------------------------------------ state
+
+    def model_state(self, run_id: str, spec: dict, feedback: dict[str, torch.Tensor], inner_optimizer: dict[str, torch.Tensor]) -> ModelState:
+        """The replica's full state (at its current version), for a push to a worker."""
+        params = {n: p.detach() for n, p in self.replica.params.items()}
+        momentum = {f"momentum.{i}": m for i, m in enumerate(self.replica.momentum)}
+        return ModelState(run_id, self.replica.version, json.dumps(spec), params, self.replica.rule.to_json(), momentum, feedback, inner_optimizer)
+
+    def checkpoint(self) -> TensorGroups:
+        """Tensor groups for a checkpoint (after ``apply_pending``): the model and the outer optimizer's state."""
+        return {
+            "model": {n: p.detach() for n, p in self.model.named_parameters()},
+            "optimizer": {f"momentum.{i}": m for i, m in enumerate(self.replica.momentum)},
+        }
+
+    def restore(self, tensors: TensorGroups, version: int) -> None:
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(tensors["model"][name])
+        self._restore(tensors, version)
+        self.rebase()
+
+    @abc.abstractmethod
+    def _next_update(self, aggregator: Aggregator, payloads: tuple[CompressedGradient, ...], weights: tuple[float, ...], lr: float) -> StateUpdate: ...
+
+    @abc.abstractmethod
+    def _apply(self, update: StateUpdate) -> None: ...
+
+    @abc.abstractmethod
+    def _restore(self, tensors: TensorGroups, version: int) -> None: ...
+
+
+class ReplayOuter(OuterStrategy):
+    """Replayed outer steps: the update is the payloads, and every replica steps alike."""
+
+    def __init__(self, model: torch.nn.Module, rule: UpdateRule, codec_config: CodecConfig) -> None:
+        super().__init__(model, Replica(model, rule), codec_config)
+        self._aggregator: Aggregator | None = None  # the pending payloads, already summed
+
+    def _next_update(self, aggregator: Aggregator, payloads: tuple[CompressedGradient, ...], weights: tuple[float, ...], lr: float) -> StateUpdate:
+        # Our replica applies this during the next round, from this same aggregator: no second decode.
+        self._aggregator = aggregator
+        return StateUpdate(lr, payloads, weights)
+
+    def _apply(self, update: StateUpdate) -> None:
+        self.replica.apply(update, self._aggregator)
+        self._aggregator = None
+
+    def _restore(self, tensors: TensorGroups, version: int) -> None:
+        optimizer = tensors.get("optimizer", {})
+        momentum = [optimizer[f"momentum.{i}"] for i in range(sum(k.startswith("momentum.") for k in optimizer))]
+        self.replica.load_state(tensors["model"], momentum, version=version)
+        self._aggregator = None
+
+
+class DeltaOuter(OuterStrategy):
+    """AdamW on the coordinator; workers follow a shadow replica through compressed deltas."""
+
+    def __init__(self, model: torch.nn.Module, rule: UpdateRule, codec_config: CodecConfig, spec: dict, seed: int) -> None:
+        shadow = build_from_spec(spec, seed=seed)
+        shadow.load_state_dict(model.state_dict())  # the same (possibly pretrained) start
+        super().__init__(model, Replica(shadow, rule), codec_config)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1.0, betas=rule.betas, eps=rule.eps, weight_decay=rule.weight_decay)
+        self.feedback = ErrorFeedback(beta=1.0)
+
+    def _next_update(self, aggregator: Aggregator, payloads: tuple[CompressedGradient, ...], weights: tuple[float, ...], lr: float) -> StateUpdate:
+        aggregate = aggregator.result()
+        for name, p in self.model.named_parameters():
+            p.grad = aggregate[name].to(p.dtype)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        with torch.no_grad():
+            delta = {n: p.detach() - self.replica.params[n] for n, p in self.model.named_parameters()}
+        return StateUpdate(lr, delta=self.codec.compress(delta, self.feedback))
+
+    def _apply(self, update: StateUpdate) -> None:
+        self.replica.apply(update)
+
+    def checkpoint(self) -> TensorGroups:
+        groups = super().checkpoint()
+        groups["replica"] = {n: p.detach() for n, p in self.replica.params.items()}
+        for name, p in self.model.named_parameters():
+            for key, value in self.optimizer.state.get(p, {}).items():
+                groups["optimizer"][f"adamw.{name}.{key}"] = torch.as_tensor(value)
+        groups["delta-feedback"] = self.feedback.state_dict()
+        return groups
+
+    def _restore(self, tensors: TensorGroups, version: int) -> None:
+        self.replica.load_state(tensors["replica"], version=version)
+        optimizer = tensors.get("optimizer", {})
+        for name, p in self.model.named_parameters():
+            prefix = f"adamw.{name}."
+            state = {key[len(prefix) :]: v for key, v in optimizer.items() if key.startswith(prefix) and "." not in key[len(prefix) :]}
+            if state:
+                self.optimizer.state[p] = state
+        self.feedback.load_state_dict(tensors.get("delta-feedback", {}))
+
+
+def make_outer(model: torch.nn.Module, rule: UpdateRule, codec_config: CodecConfig, spec: dict, seed: int) -> OuterStrategy:
+    if rule.replayable:
+        return ReplayOuter(model, rule, codec_config)
+    return DeltaOuter(model, rule, codec_config, spec, seed)

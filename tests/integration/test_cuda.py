@@ -1,0 +1,79 @@
+"""The CUDA path, where a GPU is present (CI has none; the device machine runs these): the worker on a
+GPU, bf16 autocast, the codec on the device, and a node of NCCL ranks when the box has two GPUs.
+
+    HF_HUB_OFFLINE=1 python -m pytest -q -m cuda tests/integration/test_cuda.py
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from gradwire.compression import CodecConfig
+from gradwire.coordinator.client import WorkerClient
+from gradwire.coordinator.config import DENSE_CODEC
+from gradwire.models import build_from_spec, model_spec
+from gradwire.optim.outer import UpdateRule
+from gradwire.protocol import OK, ModelState, WorkOrder
+from gradwire.replica import Replica
+from gradwire.worker.compute import Placement
+from gradwire.worker.engine import WorkerEngine
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+SPEC = model_spec("gpt-tiny")
+
+
+def _state() -> tuple[Replica, ModelState]:
+    replica = Replica(build_from_spec(SPEC, seed=0), UpdateRule(optimizer="sgd"))
+    params = {n: p.detach().clone() for n, p in replica.params.items()}
+    return replica, ModelState("run", 0, json.dumps(SPEC), params, replica.rule.to_json())
+
+
+def _order(replica: Replica, codec: CodecConfig, rows: int = 4) -> WorkOrder:
+    batch = np.random.default_rng(0).integers(0, 8192, (rows, 65)).astype(np.uint16)
+    return WorkOrder("run", 0, 0, batch, codec, replica.fingerprint())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_gpu_worker_computes_the_cpu_gradient(precision):
+    replica, state = _state()
+    order = _order(replica, DENSE_CODEC)
+    results = {}
+    for device, p in (("cpu", "fp32"), ("cuda:0", precision)):
+        engine = WorkerEngine(device, placement=Placement(precision=p))
+        engine.push_state(state)
+        result = engine.run_round(order)
+        assert result.status == OK
+        results[device] = replica.codec(DENSE_CODEC).decompress(result.gradient)
+    for name, g in results["cpu"].items():
+        cos = torch.nn.functional.cosine_similarity(g.flatten(), results["cuda:0"][name].flatten(), dim=0)
+        assert cos > (0.999 if precision == "fp32" else 0.95) or g.abs().max() < 1e-6, name
+
+
+def test_the_codec_on_the_gpu_sends_what_the_cpu_decodes():
+    replica, state = _state()
+    engine = WorkerEngine("cuda:0")
+    engine.push_state(state)
+    payload = engine.run_round(_order(replica, CodecConfig())).gradient
+    decoded = replica.codec(CodecConfig()).decompress(payload)  # on the CPU
+    assert all(torch.isfinite(t).all() for t in decoded.values())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_two_gpu_nccl_node_computes_what_one_gpu_computes(tmp_path):
+    from .test_node import node  # the same launcher, on GPUs
+
+    replica, state = _state()
+    order = _order(replica, DENSE_CODEC)
+    single = WorkerEngine("cuda:0")
+    single.push_state(state)
+    reference = replica.codec(DENSE_CODEC).decompress(single.run_round(order).gradient)
+    with node(tmp_path, "--device", "cuda") as (address, _), WorkerClient(address, timeout=120) as client:
+        assert client.describe().rank_devices == ("cuda:0", "cuda:1")
+        client.push_state(state)
+        got = replica.codec(DENSE_CODEC).decompress(client.run_round(order).gradient)
+    for name in reference:
+        torch.testing.assert_close(got[name], reference[name], atol=1e-4, rtol=1e-3)

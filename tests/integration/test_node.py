@@ -1,0 +1,245 @@
+"""Multi-GPU worker nodes, on CPU with gloo: real rank processes started by ``worker serve --nproc-per-node``.
+
+A 2-rank node computes what one worker computes on the whole batch (ddp), local-SGD among its ranks is
+DDP at S = 1 and model averaging at S = H, a coordinator trains against nodes (also one under torchrun),
+and a node that loses a rank fails its round, restarts, and rejoins.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gradwire.compression import CodecConfig
+from gradwire.coordinator.client import WorkerClient
+from gradwire.coordinator.config import DENSE_CODEC, TrainConfig
+from gradwire.coordinator.metrics import read_metrics
+from gradwire.models import build_from_spec, lm_loss, model_spec
+from gradwire.optim.inner import InnerOptimizerConfig
+from gradwire.optim.outer import UpdateRule
+from gradwire.protocol import OK, LocalSteps, ModelState, RoundResult, WorkOrder
+from gradwire.replica import Replica
+from gradwire.transport import free_port
+from gradwire.worker.engine import WorkerEngine
+
+from .conftest import run_trainer
+
+pytestmark = pytest.mark.slow
+SPEC = model_spec("gpt-tiny")
+TIMEOUT = 60.0
+
+
+@contextlib.contextmanager
+def node(tmp_path: Path, *flags: str, ranks: int = 2, torchrun: bool = False, timeout: float = 20.0) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A node of ``ranks`` CPU ranks serving on a free loopback port; yields its address and process."""
+    port = free_port()
+    serve = ["serve", "--port", str(port), "--host", "127.0.0.1", "--device", "cpu", "--node-timeout", str(timeout), *flags]
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", str(free_port()), "-m", "gradwire.worker", *serve]
+    else:
+        cmd = [sys.executable, "-m", "gradwire.worker", *serve, "--nproc-per-node", str(ranks)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    log = open(tmp_path / f"node-{port}.log", "w+")  # noqa: SIM115 - closed below, after the process
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    address = f"127.0.0.1:{port}"
+    try:
+        with WorkerClient(address, timeout=TIMEOUT) as client:
+            client.wait_ready(timeout=60.0)
+        yield address, proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.seek(0)
+        output = log.read()
+        log.close()
+        print(output)  # shown when a test fails
+
+
+def state() -> tuple[Replica, ModelState]:
+    replica = Replica(build_from_spec(SPEC, seed=0), UpdateRule(optimizer="sgd"))
+    params = {n: p.detach().clone() for n, p in replica.params.items()}
+    return replica, ModelState("run", 0, json.dumps(SPEC), params, replica.rule.to_json())
+
+
+def batch(rows: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 8192, (rows, 17)).astype(np.uint16)
+
+
+def contribution(replica: Replica, result: RoundResult) -> dict[str, torch.Tensor]:
+    assert result.status == OK, result.reason
+    return replica.codec(DENSE_CODEC).decompress(result.gradient)
+
+
+def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 1e-5) -> None:
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0, msg=name)
+
+
+def test_a_ddp_node_computes_what_one_worker_computes_on_the_whole_batch(tmp_path):
+    replica, st = state()
+    order = WorkOrder("run", 0, 0, batch(4), DENSE_CODEC, replica.fingerprint())
+    single = WorkerEngine("cpu")
+    single.push_state(st)
+    reference = single.run_round(order)
+    compressed = WorkOrder("run", 1, 0, batch(4, seed=1), CodecConfig(), replica.fingerprint())
+    with node(tmp_path) as (address, _), WorkerClient(address, timeout=TIMEOUT) as client:
+        info = client.describe()
+        assert (info.ranks, info.node_mode, info.rank_devices) == (2, "ddp", ("cpu", "cpu"))
+        client.push_state(st)
+        result = client.run_round(order)
+        assert_close(contribution(replica, result), contribution(replica, reference))
+        assert result.tokens == reference.tokens and abs(result.loss - reference.loss) < 1e-5
+        assert result.node_bytes >= 4 * sum(p.numel() for p in replica.params.values())  # one fp32 all-reduce
+        # Compressed: one payload for the node, the size a single worker's would be.
+        single.push_state(st)
+        node_payload = client.run_round(compressed).gradient
+        assert node_payload.nbytes == single.run_round(compressed).gradient.nbytes
+        # A batch that does not split over the ranks is the caller's mistake; the node carries on.
+        with pytest.raises(Exception, match="split over"):
+            client.run_round(WorkOrder("run", 2, 0, batch(3), DENSE_CODEC, replica.fingerprint()))
+        assert client.run_round(WorkOrder("run", 3, 0, batch(2), DENSE_CODEC, replica.fingerprint())).status == OK
+
+
+def test_an_idle_node_outlives_its_timeout(tmp_path):
+    # Every collective, the command channel's too, is bounded by --node-timeout; rank 0's heartbeats keep
+    # an idle node's ranks talking, so no coordinator for a while is not a lost rank.
+    replica, st = state()
+    with node(tmp_path, timeout=2.0) as (address, proc), WorkerClient(address, timeout=TIMEOUT) as client:
+        time.sleep(6.0)
+        client.push_state(st)
+        assert client.run_round(WorkOrder("run", 0, 0, batch(2), DENSE_CODEC, replica.fingerprint())).status == OK
+        assert proc.poll() is None and client.describe().ranks == 2
+
+
+def _local(steps: int, lr: float = 0.5) -> LocalSteps:
+    return LocalSteps(steps, InnerOptimizerConfig(name="sgd"), (lr,) * steps)
+
+
+def test_local_sgd_among_ranks_is_ddp_at_s1_and_model_averaging_at_s_h(tmp_path):
+    replica, st = state()
+    h = 3
+    order = WorkOrder("run", 0, 0, batch(4 * h), DENSE_CODEC, replica.fingerprint(), local_steps=_local(h))
+    results = {}
+    for mode, flags in {"ddp": (), "s1": ("--node-mode", "local-sgd", "--node-sync-steps", "1"), "sh": ("--node-mode", "local-sgd")}.items():
+        with node(tmp_path, *flags) as (address, _), WorkerClient(address, timeout=TIMEOUT) as client:
+            client.push_state(st)
+            results[mode] = contribution(replica, client.run_round(order))
+    assert_close(results["s1"], results["ddp"])
+    # S = H: each rank takes H SGD steps on its own rows; the node returns the average model's delta.
+    models = []
+    for rank in range(2):
+        m = build_from_spec(SPEC, seed=0)
+        for step in range(h):
+            rows = order.batch[step * 4 : (step + 1) * 4][rank * 2 : (rank + 1) * 2]
+            m.zero_grad()
+            lm_loss(m, torch.from_numpy(rows.astype(np.int64))).backward()
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.add_(p.grad, alpha=-0.5)
+        models.append(dict(m.named_parameters()))
+    expected = {n: p - (models[0][n] + models[1][n]) / 2 for n, p in replica.params.items()}
+    assert_close(results["sh"], expected)
+    assert any((results["sh"][n] - results["ddp"][n]).abs().max() > 1e-4 for n in expected)  # they differ
+
+
+@pytest.mark.parametrize("hook", ["powersgd", "dct"])
+def test_compressing_node_hooks_train_and_send_less_on_the_bus(tmp_path, hook):
+    replica, st = state()
+    dense_bytes = 4 * sum(p.numel() for p in replica.params.values())
+    with node(tmp_path, "--node-comm-hook", hook) as (address, _), WorkerClient(address, timeout=TIMEOUT) as client:
+        client.push_state(st)
+        order = WorkOrder("run", 0, 0, batch(4 * 6), DENSE_CODEC, replica.fingerprint(), local_steps=LocalSteps(6, InnerOptimizerConfig(), (3e-3,) * 6))
+        result = client.run_round(order)
+    delta = contribution(replica, result)
+    assert all(torch.isfinite(d).all() for d in delta.values()) and any(d.abs().max() > 0 for d in delta.values())
+    # Six DDP steps; PowerSGD warms up with two plain all-reduces, the DCT hook sends ~8% of fp32 every step.
+    assert result.node_bytes < 6 * dense_bytes * (0.5 if hook == "powersgd" else 0.15), result.node_bytes
+    before = build_from_spec(SPEC, seed=0)
+    rows = torch.from_numpy(order.batch.astype(np.int64))
+    trained = build_from_spec(SPEC, seed=0)
+    with torch.no_grad():
+        for (n, p), q in zip(trained.named_parameters(), before.parameters()):
+            p.copy_(q - delta[n])
+        assert float(lm_loss(trained, rows)) < float(lm_loss(before, rows))  # the node's steps lowered the loss
+
+
+def test_a_coordinator_trains_with_two_nodes_one_under_torchrun(tmp_path):
+    with node(tmp_path) as (a, _), node(tmp_path, torchrun=True) as (b, _):
+        config = TrainConfig(model="gpt-tiny", steps=6, batch_size=2, sequence_length=32, inner_steps=2, inner_learning_rate=3e-3, output_dir=str(tmp_path / "run"), round_timeout=TIMEOUT)
+        run_trainer(config, [WorkerClient(a, timeout=TIMEOUT), WorkerClient(b, timeout=TIMEOUT)])
+    records = read_metrics(tmp_path / "run")
+    assert all(r["ranks"] == 4 and r["successful_workers"] == 2 for r in records)
+    assert records[-1]["total_tokens"] == 6 * 2 * 2 * (2 * 2) * 32  # rounds x H x nodes x (ranks x batch) x T
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert all(r["node_bus_bytes"] > 0 for r in records)
+
+
+def _rank_pid(launcher: subprocess.Popen, rank: int) -> int:
+    children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
+    for pid in children:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in environ:
+            return int(pid)
+    raise AssertionError(f"no rank {rank} among {children}")
+
+
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["dies", "hangs"])
+def test_a_node_that_loses_a_rank_fails_its_round_restarts_and_rejoins(tmp_path, fault):
+    with node(tmp_path) as (a, launcher), node(tmp_path, ranks=1) as (b, _):
+        config = TrainConfig(model="gpt-tiny", steps=12, batch_size=2, sequence_length=32, output_dir=str(tmp_path / "run"), round_timeout=30.0, max_failed_rounds=5)
+        from gradwire.coordinator.trainer import Trainer
+
+        trainer = Trainer(config, [WorkerClient(a, timeout=30.0), WorkerClient(b, timeout=30.0)], progress=False)
+        try:
+            trainer.connect()
+            records = [trainer.train_step() for _ in range(2)]
+            os.kill(_rank_pid(launcher, 1), fault)  # one GPU process of the node dies, or hangs
+            t0 = time.monotonic()
+            records.append(trainer.train_step())
+            assert time.monotonic() - t0 < 30.0  # within the round's deadline (a hang: the node's 20 s timeout)
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline:  # the launcher restarts the node; it rejoins after a push
+                record = trainer.train_step()
+                records.append(record)
+                if record and record["successful_workers"] == 2 and record["step"] > 3:
+                    break
+        finally:
+            trainer.close()
+        assert launcher.poll() is None  # the launcher lives on
+    assert [r["successful_workers"] for r in records[:2]] == [2, 2]
+    assert records[2] is not None and records[2]["successful_workers"] == 1  # the other worker carried the round
+    assert records[-1]["successful_workers"] == 2 and records[-1]["pushes"] >= 1
+
+
+def test_ranks_do_not_outlive_a_killed_launcher(tmp_path):
+    with node(tmp_path) as (_, launcher):
+        ranks = [_rank_pid(launcher, r) for r in (0, 1)]
+        launcher.kill()  # SIGKILL: no chance to stop its ranks itself
+        launcher.wait(10)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(map(_alive, ranks)):
+            time.sleep(0.2)
+        assert not any(map(_alive, ranks))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False

@@ -1,0 +1,70 @@
+"""TrainConfig: each mode's defaults fill what was not given, explicit values win, bad values name the flag."""
+
+from __future__ import annotations
+
+import pytest
+
+from gradwire.coordinator.cli import load_train
+from gradwire.coordinator.config import TrainConfig, mode_defaults
+
+
+def test_gradient_mode_keeps_demo_defaults() -> None:
+    c = TrainConfig()
+    assert (c.inner_steps, c.local_sgd) == (1, False)
+    assert (c.outer_optimizer, c.learning_rate, c.momentum, c.feedback_beta, c.bins) == ("signsgd", 1e-3, 0.0, 0.999, 256)
+
+
+def test_local_sgd_defaults_follow_sparseloco_and_diloco() -> None:
+    compressed = TrainConfig(inner_steps=30)
+    defaults = mode_defaults(inner_steps=30, no_compression=False, outer_optimizer=None, inner_optimizer="adamw")
+    assert compressed.local_sgd and compressed.outer_optimizer == "sgd"
+    assert {k: getattr(compressed, k) for k in defaults} == defaults
+    assert compressed.bins == 4 and compressed.feedback_beta == 0.95 and compressed.codec_config().bins == 4
+    assert (compressed.topk, TrainConfig().topk, TrainConfig(inner_steps=30, topk=16).topk) == (90, 32, 16)
+    dense = TrainConfig(inner_steps=30, no_compression=True)
+    assert (dense.outer_optimizer, dense.learning_rate, dense.momentum) == ("nesterov", 0.7, 0.9)
+    assert TrainConfig(inner_steps=30, inner_optimizer="muon").inner_momentum == 0.95
+
+
+def test_explicit_values_win_over_the_mode_defaults() -> None:
+    c = TrainConfig(inner_steps=30, outer_optimizer="nesterov", learning_rate=0.3, bins=16, feedback_beta=0.9)
+    assert (c.outer_optimizer, c.learning_rate, c.momentum, c.bins, c.feedback_beta) == ("nesterov", 0.3, 0.9, 16, 0.9)
+    c = TrainConfig(inner_steps=30, outer_optimizer="nesterov", momentum=0.5)
+    assert (c.learning_rate, c.momentum) == (0.7, 0.5)
+
+
+def test_schedules_are_evaluated_per_round_and_per_inner_step() -> None:
+    c = TrainConfig(steps=10, learning_rate=1.0, lr_schedule="linear", warmup_steps=2, inner_steps=4, inner_learning_rate=1.0, inner_warmup_steps=4)
+    assert [c.lr_at(s) for s in (0, 1)] == [0.5, 1.0] and c.lr_at(10) == 0.0
+    assert c.inner_lrs(0) == (0.25, 0.5, 0.75, 1.0)  # warmup counts inner steps, across rounds
+    assert c.inner_lrs(1) == (1.0,) * 4
+
+
+@pytest.mark.parametrize(
+    ("changes", "flag"),
+    [
+        ({"inner_steps": 0}, "--inner-steps"),
+        ({"inner_learning_rate": 0.0}, "--inner-learning-rate"),
+        ({"clip_grad_norm": -1.0}, "--clip-grad-norm"),
+        ({"inner_optimizer": "lion"}, "--inner-optimizer"),
+        ({"inner_optimizer": "sgd", "inner_nesterov": True}, "--inner-nesterov"),
+        ({"outer_optimizer": "nesterov", "momentum": 0.0}, "--momentum"),
+        ({"lr_schedule": "exp"}, "--lr-schedule"),
+        ({"inner_lr_schedule": "cosine", "inner_min_lr_ratio": 2.0}, "--inner-min-lr-ratio"),
+        ({"values": "float"}, "--values"),
+        ({"bins": 1}, "--bins"),
+    ],
+)
+def test_bad_values_name_the_flag(changes: dict, flag: str) -> None:
+    with pytest.raises(ValueError, match=flag):
+        TrainConfig(**changes)
+
+
+def test_the_command_line_reaches_the_mode_defaults() -> None:
+    config, _ = load_train(["train", "--local", "2", "--inner-steps", "30"])
+    assert (config.inner_steps, config.outer_optimizer, config.learning_rate, config.bins) == (30, "sgd", 1.0, 4)
+    config, _ = load_train(["train", "--local", "2", "--learning-rate", "0.25", "--bins", "16", "--values", "sign", "--inner-optimizer", "muon", "--inner-momentum", "0.8"])
+    assert (config.learning_rate, config.bins, config.values, config.inner_momentum) == (0.25, 16, "sign", 0.8)
+    # "auto" says so explicitly (compose passes it when a setting is left unset).
+    config, _ = load_train(["train", "--local", "2", "--inner-steps", "30", "--learning-rate", "auto", "--outer-optimizer", "auto", "--bins", "auto"])
+    assert (config.learning_rate, config.outer_optimizer, config.bins) == (1.0, "sgd", 4)

@@ -1,0 +1,276 @@
+"""The inner optimizer: exact state round trips, Muon's parameter rule and update, input checks, config."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+
+# Set before transformers is imported anywhere: without them a hub look-up retries for ~50 s.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import pytest
+import torch
+from torch import nn
+
+from gradwire.models import GPT, build_model, lm_loss
+from gradwire.optim import INNER_OPTIMIZERS, InnerOptimizer, InnerOptimizerConfig, muon_parameters
+
+VOCAB = 8192  # gpt-tiny's
+CONFIGS = {
+    "adamw": InnerOptimizerConfig(name="adamw", weight_decay=0.1),
+    "sgd": InnerOptimizerConfig(name="sgd", momentum=0.9, nesterov=True, weight_decay=0.01),
+    "muon": InnerOptimizerConfig(name="muon", momentum=0.95, weight_decay=0.1),
+}
+LR = {"adamw": 1e-2, "sgd": 0.5, "muon": 1e-2}
+
+
+@pytest.fixture(scope="module")
+def tiny() -> GPT:
+    model = build_model("gpt-tiny", seed=0)
+    assert isinstance(model, GPT)
+    return model
+
+
+def batch(step: int) -> torch.Tensor:
+    """(4, 33) random token ids, a pure function of the step."""
+    return torch.randint(0, VOCAB, (4, 33), generator=torch.Generator().manual_seed(1000 + step))
+
+
+def train(model: nn.Module, opt: InnerOptimizer, steps: range, lr: float) -> list[float]:
+    losses = []
+    for step in steps:
+        loss = lm_loss(model, batch(step))
+        loss.backward()
+        opt.step(lr)
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("name", INNER_OPTIMIZERS)
+def test_state_round_trip_continues_bit_identically(tiny: GPT, name: str) -> None:
+    config, lr = CONFIGS[name], LR[name]
+    straight = copy.deepcopy(tiny)
+    train(straight, InnerOptimizer(straight, config), range(5), lr)
+
+    first = copy.deepcopy(tiny)
+    opt = InnerOptimizer(first, config)
+    train(first, opt, range(3), lr)
+    saved = opt.state_tensors()
+    # What crosses the network: plain named CPU tensors (safetensors-ready), nothing else.
+    assert saved and all(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in saved.values())
+
+    resumed = copy.deepcopy(tiny)  # a fresh process: same parameters, new optimizer
+    resumed.load_state_dict(first.state_dict())
+    fresh = InnerOptimizer(resumed, config)
+    fresh.load_state_tensors(saved)
+    assert fresh.state_tensors().keys() == saved.keys()
+    train(resumed, fresh, range(3, 5), lr)
+
+    for (n, a), (_, b) in zip(straight.named_parameters(), resumed.named_parameters()):
+        assert torch.equal(a, b), n
+
+
+def test_state_keys_name_parameter_and_state(tiny: GPT) -> None:
+    names = [n for n, _ in tiny.named_parameters()]
+    keys = {}
+    for name in INNER_OPTIMIZERS:
+        model = copy.deepcopy(tiny)
+        opt = InnerOptimizer(model, CONFIGS[name])
+        assert opt.state_tensors() == {}  # no gradient yet, no state
+        train(model, opt, range(1), LR[name])
+        keys[name] = opt.state_tensors()
+    assert list(keys["adamw"]) == [f"{n}/{k}" for n in names for k in ("exp_avg", "exp_avg_sq", "step")]
+    assert list(keys["sgd"]) == [f"{n}/momentum_buffer" for n in names]
+    hidden = set(muon_parameters(tiny))
+    assert {k for k in keys["muon"] if k.endswith("/momentum_buffer")} == {f"{n}/momentum_buffer" for n in hidden}
+    assert {k.rpartition("/")[0] for k in keys["muon"] if k.endswith("/exp_avg")} == set(names) - hidden
+    assert keys["adamw"]["tok_emb.weight/step"].shape == () and keys["adamw"]["tok_emb.weight/step"].item() == 1
+
+
+def test_plain_sgd_keeps_no_state(tiny: GPT) -> None:
+    model = copy.deepcopy(tiny)
+    opt = InnerOptimizer(model, InnerOptimizerConfig(name="sgd"))
+    train(model, opt, range(2), 0.1)
+    assert opt.state_tensors() == {}
+    with pytest.raises(ValueError, match="norm.weight/momentum_buffer"):
+        opt.load_state_tensors({"norm.weight/momentum_buffer": torch.zeros(64)})
+
+
+def test_a_few_steps_of_each_optimizer_lower_the_loss(tiny: GPT) -> None:
+    fixed = batch(0)
+    for name in INNER_OPTIMIZERS:
+        model = copy.deepcopy(tiny)
+        opt = InnerOptimizer(model, CONFIGS[name])
+        losses = []
+        for _ in range(6):
+            loss = lm_loss(model, fixed)
+            loss.backward()
+            opt.step(LR[name])
+            opt.zero_grad()
+            losses.append(loss.item())
+        assert losses[-1] < losses[0] - 1.0, (name, losses)
+
+
+def test_muon_takes_exactly_the_hidden_matrices_of_the_gpt(tiny: GPT) -> None:
+    expected = [f"blocks.{i}.{m}.weight" for i in range(2)
+                for m in ("attn.qkv", "attn.proj", "mlp.gate", "mlp.up", "mlp.down")]
+    assert muon_parameters(tiny) == expected
+    # Not the embedding its head is tied to (one tensor, named tok_emb.weight), not the norms.
+    assert tiny.lm_head.weight is tiny.tok_emb.weight
+    assert "tok_emb.weight" not in expected and not any("norm" in n for n in expected)
+
+
+class _Untied(nn.Module):
+    """An HF-shaped toy: embeddings, a hidden matrix with a bias, an untied head behind get_output_embeddings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 8)
+        self.pos = nn.Embedding(16, 8)
+        self.hidden = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 50, bias=False)
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.head
+
+
+def test_muon_rule_leaves_embeddings_head_and_biases_to_adamw() -> None:
+    assert muon_parameters(_Untied()) == ["hidden.weight"]
+
+
+@pytest.mark.slow  # importing transformers takes seconds
+@pytest.mark.parametrize("tied", [False, True])
+def test_muon_rule_on_a_tiny_hf_model(tied: bool) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                                      tie_word_embeddings=tied)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    layer = "model.layers.0"
+    assert muon_parameters(model) == [f"{layer}.self_attn.{m}_proj.weight" for m in "qkvo"] + [
+        f"{layer}.mlp.{m}_proj.weight" for m in ("gate", "up", "down")]
+
+
+def test_muon_update_is_approximately_orthogonal() -> None:
+    model = nn.Sequential(nn.Linear(32, 32, bias=False))
+    assert muon_parameters(model) == ["0.weight"]
+    p = model[0].weight
+    before = p.detach().clone()
+    # A full-rank gradient whose singular values spread 1..4: orthogonalization should flatten them.
+    gen = torch.Generator().manual_seed(0)
+    u, _ = torch.linalg.qr(torch.randn(32, 32, generator=gen))
+    v, _ = torch.linalg.qr(torch.randn(32, 32, generator=gen))
+    p.grad = u @ torch.diag(torch.linspace(1.0, 4.0, 32)) @ v.T
+    opt = InnerOptimizer(model, InnerOptimizerConfig(name="muon", momentum=0.95))
+    lr = 1e-3
+    opt.step(lr)
+    # match_rms_adamw: the orthogonalized update is scaled by 0.2 * sqrt(max(A, B)).
+    update = (before - p.detach()).double() / (lr * 0.2 * 32**0.5)
+    s = torch.linalg.svdvals(update)  # (32,)
+    assert s.min() > 0.5 * s.mean() and s.max() < 1.5 * s.mean(), s
+    assert 0.6 < s.mean() < 1.4, s.mean()  # near 1: an orthogonal matrix times the expected scale
+    # It points downhill along the gradient's own singular directions.
+    assert torch.sum(update * p.grad.double()) > 0
+
+
+def test_load_rejects_bad_state_and_changes_nothing(tiny: GPT) -> None:
+    model = copy.deepcopy(tiny)
+    opt = InnerOptimizer(model, CONFIGS["adamw"])
+    train(model, opt, range(2), LR["adamw"])
+    good = opt.state_tensors()
+    w = "blocks.0.attn.qkv.weight"
+
+    nan = good[f"{w}/exp_avg"].clone()
+    nan[0, 0] = float("nan")
+    cases = [
+        ({"nope.weight/exp_avg": torch.zeros(1)}, "nope.weight"),
+        ({"exp_avg": torch.zeros(1)}, "'exp_avg'"),
+        ({f"{w}/": torch.zeros(1)}, f"{w}/"),
+        ({f"{w}/momentum_buffer": torch.zeros(192, 64)}, f"{w}/momentum_buffer"),
+        ({f"{w}/exp_avg": torch.zeros(64, 192)}, f"{w}/exp_avg"),
+        ({f"{w}/exp_avg": nan}, f"{w}/exp_avg"),
+        ({f"{w}/exp_avg_sq": -torch.ones(192, 64)}, f"{w}/exp_avg_sq"),
+        ({f"{w}/exp_avg": torch.zeros(192, 64, dtype=torch.int64)}, f"{w}/exp_avg"),
+        ({f"{w}/step": torch.tensor(float("inf"))}, f"{w}/step"),
+        ({f"{w}/step": torch.tensor(1.5)}, f"{w}/step"),
+        ({f"{w}/step": None}, f"{w}/step"),  # a parameter with only part of its state
+        ({f"{w}/exp_avg": [0.0]}, f"{w}/exp_avg"),
+    ]
+    # Every valid entry changed (zeros are valid state): had any been applied, the state would differ.
+    zeros = {k: v if k.endswith("/step") else torch.zeros_like(v) for k, v in good.items()}
+    for change, named in cases:
+        state = dict(zeros)
+        for key, value in change.items():
+            if value is None:
+                del state[key]
+            else:
+                state.pop(key, None)
+                state[key] = value  # last: checked after every valid entry
+        with pytest.raises(ValueError, match=re.escape(named)):
+            opt.load_state_tensors(state)
+        after = opt.state_tensors()
+        assert after.keys() == good.keys() and all(torch.equal(after[k], good[k]) for k in good), change
+
+
+def test_load_copies_and_empty_state_clears(tiny: GPT) -> None:
+    model = copy.deepcopy(tiny)
+    opt = InnerOptimizer(model, CONFIGS["muon"])
+    train(model, opt, range(1), LR["muon"])
+    state = opt.state_tensors()
+    kept = {k: v.clone() for k, v in state.items()}
+    opt.load_state_tensors(state)
+    for v in state.values():
+        v.add_(1.0)  # the caller's tensors are its own: the optimizer must not share them
+    after = opt.state_tensors()
+    assert after.keys() == kept.keys() and all(torch.equal(after[k], v) for k, v in kept.items())
+    opt.load_state_tensors({})
+    assert opt.state_tensors() == {}
+
+
+def test_step_refuses_a_bad_learning_rate(tiny: GPT) -> None:
+    opt = InnerOptimizer(copy.deepcopy(tiny), CONFIGS["adamw"])
+    for lr in (float("nan"), -1.0, float("inf")):
+        with pytest.raises(ValueError, match="learning rate"):
+            opt.step(lr)
+
+
+BAD_CONFIGS = [
+    ({"name": "lion"}, "--inner-optimizer"),
+    ({"weight_decay": -0.1}, "--inner-weight-decay"),
+    ({"weight_decay": float("nan")}, "--inner-weight-decay"),
+    ({"betas": (0.9,)}, "--inner-betas"),
+    ({"betas": (0.9, 1.0)}, "--inner-betas"),
+    ({"betas": (-0.1, 0.95)}, "--inner-betas"),
+    ({"eps": 0.0}, "--inner-eps"),
+    ({"momentum": 0.9}, "--inner-momentum"),  # adamw's momentum is beta1
+    ({"name": "sgd", "momentum": 1.0}, "--inner-momentum"),
+    ({"name": "sgd", "momentum": -0.5}, "--inner-momentum"),
+    ({"name": "muon"}, "--inner-momentum"),  # explicit: no hidden default
+    ({"name": "muon", "momentum": 1.0}, "--inner-momentum"),
+    ({"name": "sgd", "nesterov": True}, "--inner-nesterov"),  # without momentum
+    ({"name": "muon", "momentum": 0.95, "nesterov": True}, "--inner-nesterov"),
+    ({"nesterov": 1}, "--inner-nesterov"),
+    ({"name": "muon", "momentum": 0.95, "ns_steps": 0}, "--inner-ns-steps"),
+    ({"name": "muon", "momentum": 0.95, "ns_steps": 100}, "--inner-ns-steps"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "flag"), BAD_CONFIGS)
+def test_config_errors_name_the_flag(kwargs: dict, flag: str) -> None:
+    with pytest.raises(ValueError, match=flag):
+        InnerOptimizerConfig(**kwargs)
+
+
+def test_config_round_trips_as_json_and_refuses_unknown_keys() -> None:
+    for config in CONFIGS.values():
+        wire = json.loads(json.dumps(config.to_dict()))
+        back = InnerOptimizerConfig.from_dict(wire)
+        assert back == config and isinstance(back.betas, tuple)
+    with pytest.raises(ValueError, match="lr"):
+        InnerOptimizerConfig.from_dict({"name": "adamw", "lr": 0.1})
+    with pytest.raises(ValueError, match="--inner-optimizer"):
+        InnerOptimizerConfig.from_dict({"name": "adam"})

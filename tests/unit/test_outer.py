@@ -1,0 +1,65 @@
+"""The outer optimizer: each rule is the step it claims to be (torch's own SGD where one exists), as data."""
+
+import pytest
+import torch
+
+from gradwire.optim.outer import UpdateRule, outer_step
+
+
+def test_signsgd_is_demo_step_with_decoupled_weight_decay():
+    p = torch.tensor([1.0, -2.0, 0.5])
+    g = torch.tensor([0.3, -0.1, 0.0])
+    outer_step([p], [g], UpdateRule(optimizer="signsgd", weight_decay=0.5), lr=0.1)
+    torch.testing.assert_close(p, torch.tensor([1.0, -2.0, 0.5]) * (1 - 0.05) - 0.1 * torch.tensor([1.0, -1.0, 0.0]))
+
+
+def test_sgd_momentum_replays():
+    p, m = torch.zeros(2), []
+    rule = UpdateRule(optimizer="sgd", momentum=0.5)
+    outer_step([p], [torch.ones(2)], rule, 1.0, m)
+    outer_step([p], [torch.ones(2)], rule, 1.0, m)
+    torch.testing.assert_close(p, torch.full((2,), -2.5))  # -1, then -(0.5 + 1)
+
+
+@pytest.mark.parametrize(("optimizer", "nesterov"), [("sgd", False), ("nesterov", True)])
+def test_momentum_rules_match_torch_sgd_on_pseudo_gradients(optimizer, nesterov):
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(4, 3, generator=gen), torch.randn(5, generator=gen)]
+    ours = [t.clone() for t in start]
+    ref = [torch.nn.Parameter(t.clone()) for t in start]
+    torch_sgd = torch.optim.SGD(ref, lr=0.7, momentum=0.9, nesterov=nesterov)
+    rule, buffers = UpdateRule(optimizer=optimizer, momentum=0.9), []
+    for _ in range(5):
+        deltas = [torch.randn(t.shape, generator=gen) for t in start]  # a round's pseudo-gradients
+        outer_step(ours, deltas, rule, 0.7, buffers)
+        for p, d in zip(ref, deltas):
+            p.grad = d.clone()
+        torch_sgd.step()
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b.detach(), rtol=0, atol=1e-6)
+
+
+def test_outer_sgd_with_lr_one_lands_on_the_mean_model():
+    # DiLoCo's identity: pseudo-gradients replica - working_i, averaged, stepped with lr 1 = average of models.
+    replica = torch.tensor([1.0, 2.0])
+    workers = [torch.tensor([0.0, 3.0]), torch.tensor([1.0, 1.0])]
+    mean_delta = torch.stack([replica - w for w in workers]).mean(0)
+    outer_step([replica], [mean_delta], UpdateRule(optimizer="sgd"), 1.0)
+    torch.testing.assert_close(replica, torch.stack(workers).mean(0))
+
+
+def test_update_rule_validates_and_round_trips():
+    for rule in (UpdateRule(optimizer="sgd", momentum=0.9, weight_decay=0.01), UpdateRule(optimizer="nesterov", momentum=0.9)):
+        assert UpdateRule.from_json(rule.to_json()) == rule
+    assert UpdateRule(optimizer="nesterov", momentum=0.9).replayable and not UpdateRule(optimizer="adamw").replayable
+    with pytest.raises(ValueError, match="outer-optimizer"):
+        UpdateRule(optimizer="lion")
+    with pytest.raises(ValueError, match="momentum"):
+        UpdateRule(optimizer="signsgd", momentum=0.9)
+    with pytest.raises(ValueError, match="nesterov needs --momentum"):
+        UpdateRule(optimizer="nesterov")
+    with pytest.raises(ValueError, match="momentum"):
+        UpdateRule(optimizer="sgd", momentum=float("nan"))
+    for bad in ('{"optimizer": "sgd", "foo": 1}', "null", "[1]", '{"betas": 3}', '{"momentum": "x"}', "{not json"):
+        with pytest.raises(ValueError):
+            UpdateRule.from_json(bad)

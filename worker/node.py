@@ -1,0 +1,144 @@
+"""A worker node of several ranks: one process per GPU on a box, joined by torch.distributed.
+
+Only rank 0 talks to the coordinator. Whatever reaches it - a state push, a work order - is broadcast to
+every rank as the same protobuf bytes the wire carried (never a pickle), and every rank runs the same
+engine code on it: each replays updates on its own replica and checks its own fingerprint, so all ranks
+stay bit-identical, and the collectives inside a round (DDP's gradient all-reduce, local-SGD's parameter
+average) meet because every rank makes the same calls in the same order.
+
+``NodeGroup`` is that fast-bus side: the process group (gloo on CPU, NCCL on CUDA), the command channel
+and the few collectives the engine needs. Rank environment follows torchrun's conventions: RANK,
+LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import enum
+import logging
+import os
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+class Command(enum.IntEnum):
+    """What rank 0 asks of every rank; the payload is the serialized proto message."""
+
+    PUSH_STATE = 1  # a ModelState
+    RUN_ROUND = 2  # a WorkOrder
+    STOP = 3  # no payload: leave the loop, the node is shutting down
+    HEARTBEAT = 4  # no payload: rank 0 is alive and idle (keeps the bounded command channel busy)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankInfo:
+    """Where this process stands in its node."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+
+def rank_from_env(env: Mapping[str, str] | None = None) -> RankInfo | None:
+    """The rank torchrun (or ``worker serve --nproc-per-node``) gave this process; None outside a node.
+
+    A WORLD_SIZE of 1 is a node of one: the plain single-device worker.
+    """
+    env = os.environ if env is None else env
+    if "WORLD_SIZE" not in env:
+        return None
+    try:
+        world = int(env["WORLD_SIZE"])
+        rank = int(env.get("RANK", "0"))
+        local = int(env.get("LOCAL_RANK", str(rank)))
+    except ValueError as e:
+        raise ValueError(f"RANK, LOCAL_RANK and WORLD_SIZE must be integers: {e}") from None
+    if world < 1 or not 0 <= rank < world or not 0 <= local < world:
+        raise ValueError(f"RANK {rank} and LOCAL_RANK {local} must lie in [0, WORLD_SIZE={world})")
+    if world == 1:
+        return None
+    return RankInfo(rank, world, local)
+
+
+class NodeGroup:
+    """The node's process group and the collectives a round needs. Every rank calls every method alike."""
+
+    def __init__(self, info: RankInfo, device: torch.device, *, timeout: float = 600.0) -> None:
+        self.info = info
+        self.device = device
+        self.timeout = timeout
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if not dist.is_initialized():
+            # The timeout bounds every collective of a round: a rank that died or hangs fails the others'
+            # calls instead of holding them forever.
+            dist.init_process_group(backend, rank=info.rank, world_size=info.world_size, timeout=datetime.timedelta(seconds=timeout))
+        self.backend = backend
+        # Small CPU collectives of a round (verdicts, losses) on gloo, with the same timeout.
+        self._control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout)) if backend != "gloo" else dist.group.WORLD
+        # Commands, bounded by the same timeout: rank 0 sends a heartbeat when the node is idle.
+        self._commands = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+        self.bytes_sent = 0  # by this rank's parameter averages (DDP's gradient traffic: worker.hooks)
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.info.world_size
+
+    # ------------------------------------------------------------------------------------------ commands
+
+    def send(self, command: Command, payload: bytes = b"") -> None:
+        """Rank 0: hand every other rank a command (they are waiting in ``receive``)."""
+        assert self.info.leader, "only rank 0 sends commands"
+        header = torch.tensor([int(command), len(payload)], dtype=torch.int64)
+        dist.broadcast(header, src=0, group=self._commands)
+        if payload:
+            dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=self._commands)
+
+    def receive(self) -> tuple[Command, bytes]:
+        """Ranks > 0: wait for rank 0's next command."""
+        header = torch.empty(2, dtype=torch.int64)
+        dist.broadcast(header, src=0, group=self._commands)
+        command, size = Command(int(header[0])), int(header[1])
+        if not size:
+            return command, b""
+        data = torch.empty(size, dtype=torch.uint8)
+        dist.broadcast(data, src=0, group=self._commands)
+        return command, data.numpy().tobytes()
+
+    # ------------------------------------------------------------------------------------------ collectives
+
+    def all_true(self, flag: bool) -> bool:
+        """True only if ``flag`` is true on every rank (e.g. every replica passed its check)."""
+        t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._control)
+        return bool(t.item())
+
+    def mean(self, value: float) -> float:
+        """The mean of a number over the ranks (the node's loss)."""
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, group=self._control)
+        return float(t.item()) / self.world_size
+
+    @torch.no_grad()
+    def average(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Replace each tensor by its mean over the ranks, in place (local-SGD's parameter average)."""
+        for t in tensors:
+            dist.all_reduce(t.data)
+            t.data.div_(self.world_size)
+            self.bytes_sent += t.numel() * t.element_size()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

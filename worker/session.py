@@ -1,0 +1,115 @@
+"""What a worker keeps for one coordinator run: the replica, error feedback, and the local-SGD working copy.
+
+* ``replica`` - the coordinator's model, moved only by the updates every holder applies alike. It is never
+  trained on: gradient rounds only read its gradients, local-SGD rounds train a separate working copy.
+* ``feedback`` - what this worker has not sent yet (error feedback, in the codec's coefficient domain).
+* the *working* model and the *inner optimizer* of local-SGD rounds, built on first use. The working model
+  is reloaded from the replica at the start of every local round; the inner optimizer's state is kept
+  across rounds, as DiLoCo does.
+
+State that arrives from elsewhere (a checkpoint on resume, the previous session of a run on a resync push)
+is held as named tensors and loaded into the inner optimizer when it is built; a state that does not fit
+the optimizer the round asks for is dropped with a warning, and the optimizer starts fresh.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+
+import torch
+
+from gradwire.compression import ErrorFeedback
+from gradwire.models import build_from_spec
+from gradwire.optim.inner import InnerOptimizer, InnerOptimizerConfig
+from gradwire.optim.outer import UpdateRule
+from gradwire.protocol import ModelState, ProtocolError
+from gradwire.replica import Replica
+
+log = logging.getLogger(__name__)
+
+
+class Session:
+    """One coordinator run's replica, error feedback and local-SGD state on this worker."""
+
+    def __init__(self, state: ModelState, device: torch.device) -> None:
+        try:
+            spec = json.loads(state.model_json)
+            rule = UpdateRule.from_json(state.update_rule_json)
+            model = build_from_spec(spec)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ProtocolError(f"model state: {e}") from None
+        self.run_id = state.run_id
+        self.spec = spec
+        self.device = device
+        self.replica = Replica(model.to(device), rule)
+        momentum = [state.optimizer_state[k] for k in sorted(state.optimizer_state, key=_numeric_suffix)]
+        try:
+            self.replica.load_state(state.parameters, momentum, state.version)
+        except ValueError as e:
+            raise ProtocolError(f"model state: {e}") from None
+        self.vocab_size = _vocab_size(model)
+        self.feedback = ErrorFeedback()
+        if state.feedback:
+            self.feedback.load_state_dict({k: v.to(device) for k, v in state.feedback.items()})
+        self.stale = False  # found out of sync: every round answers NEEDS_STATE until the next push
+        self._working: torch.nn.Module | None = None
+        self._inner: InnerOptimizer | None = None
+        self._inner_config: InnerOptimizerConfig | None = None
+        self._inner_restore: dict[str, torch.Tensor] = dict(state.inner_optimizer)
+        self.wrappers: dict[int, torch.nn.Module] = {}  # a node's DDP wrappers of this session's models
+
+    def carry_over(self, previous: Session, *, feedback: bool, inner: bool) -> None:
+        """A resync push of a run this worker already serves keeps what the push does not replace."""
+        if feedback:
+            self.feedback = previous.feedback
+        if inner:
+            self._inner_restore = previous.inner_state()
+
+    def working_model(self) -> torch.nn.Module:
+        """The model local steps train: a copy of the replica at its current version."""
+        if self._working is None:
+            self._working = build_from_spec(self.spec).to(self.device)
+        with torch.no_grad():
+            for (name, w), p in zip(self._working.named_parameters(), self.replica.params.values()):
+                w.copy_(p)
+        self._working.train()
+        return self._working
+
+    def inner_optimizer(self, config: InnerOptimizerConfig) -> InnerOptimizer:
+        """The run's inner optimizer over the working model; a change of settings starts it afresh."""
+        if self._inner is not None and self._inner_config == config:
+            return self._inner
+        if self._inner is not None:
+            log.info("run %r: inner optimizer settings changed (%s -> %s); its state starts afresh", self.run_id, self._inner_config, config)
+        working = self._working if self._working is not None else self.working_model()
+        self._inner, self._inner_config = InnerOptimizer(working, config), config
+        if self._inner_restore:
+            try:
+                self._inner.load_state_tensors(self._inner_restore)
+            except ValueError as e:
+                log.warning("run %r: saved inner optimizer state does not fit %s (%s); starting afresh", self.run_id, config.name, e)
+            self._inner_restore = {}
+        return self._inner
+
+    def inner_state(self) -> dict[str, torch.Tensor]:
+        """The inner optimizer's state as named tensors (what is waiting to be loaded, before the first round)."""
+        if self._inner is not None:
+            return self._inner.state_tensors()
+        return dict(self._inner_restore)
+
+
+def _vocab_size(model: torch.nn.Module) -> int | None:
+    """Token ids must be below this; None if the model does not say."""
+    get = getattr(model, "get_input_embeddings", None)  # transformers models
+    emb = get() if callable(get) else getattr(model, "tok_emb", None)  # the built-in GPT
+    return emb.num_embeddings if isinstance(emb, torch.nn.Embedding) else None
+
+
+def _numeric_suffix(key: str) -> int:
+    return int(key.rsplit(".", 1)[-1])
+
+
+def host_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu() for k, v in tensors.items()}
