@@ -106,6 +106,9 @@ def test_offline_run_records_metrics_under_the_seed_names(no_wandb_key: Path, tm
         tracker.finish()
         tracker.finish()  # idempotent
     assert "offline" in caplog.text and not tracker.enabled
+    # finish() returns once wandb-core has the run's records, not once its writer has flushed them to the
+    # .wandb file; teardown waits for the service to exit (as the coordinator process's exit does).
+    wandb.teardown()
 
     (run_dir,) = (out / "wandb").glob("offline-run-*")
     (log_file,) = run_dir.glob("run-*.wandb")
@@ -114,7 +117,8 @@ def test_offline_run_records_metrics_under_the_seed_names(no_wandb_key: Path, tm
     for r in records:
         if r.WhichOneof("record_type") == "history":
             history.append({"/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in r.history.item})
-    assert [h["_step"] for h in history] == [1, 2, 3]
+    kinds = sorted(r.WhichOneof("record_type") or "?" for r in records)
+    assert [h["_step"] for h in history] == [1, 2, 3], f"records in {log_file.name}: {kinds}"
     assert [h["train/loss"] for h in history] == [4.0, 3.0, 2.0]
     assert [h.get("eval/loss") for h in history] == [None, 2.5, None]
     expected = {METRIC_NAMES[k] for k in METRIC_KEYS if k != "step"} | {"train/pushes"}
