@@ -45,18 +45,23 @@ class Aggregator:
         self._max_held = _max_sparse_senders(plan) if sparse and normalize == "mean" and codec.config.use_dct else 0
         self._dense = [torch.zeros(t.numel, device=device) for t in plan.dense]
 
-    def add(self, payload: CompressedGradient | DecodedGradient, weight: float = 1.0) -> None:
-        weight = float(weight)
+    def add(self, payload: CompressedGradient | DecodedGradient, weight: float = 1.0, scale: float = 1.0) -> None:
+        """Add one sender with ``weight`` (its share of the mean) times ``scale`` (a clip factor in [0, 1]:
+        the sender counts for less, the total weight the mean divides by stays)."""
+        weight, scale = float(weight), float(scale)
         if not (math.isfinite(weight) and weight >= 0):
             raise ValueError(f"weight must be finite and non-negative, got {weight}")
+        if not (math.isfinite(scale) and 0 <= scale <= 1):
+            raise ValueError(f"scale must be in [0, 1], got {scale}")
         d = payload if isinstance(payload, DecodedGradient) else self.codec.decode(payload)
+        effective = weight * scale if scale != 1.0 else weight
         if self._sums is None and len(self._held) < self._max_held:
-            self._held.append((d, weight))
+            self._held.append((d, effective))
         else:
             self._spill()
-            self._scatter(d, weight)
+            self._scatter(d, effective)
         for acc, vals in zip(self._dense, d.dense):
-            acc.add_(vals, alpha=weight)
+            acc.add_(vals, alpha=effective)
         self.total_weight += weight
         self.senders += 1
 

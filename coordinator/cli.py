@@ -15,12 +15,14 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from gradwire.cliconfig import parse_args_with_config, subcommand_parser
+from gradwire.cliconfig import add_security_flags, parse_args_with_config, subcommand_parser
+from gradwire.compression.robust import AGGREGATIONS
 from gradwire.coordinator.client import WorkerClient, WorkerError
 from gradwire.coordinator.config import AUTO_FIELDS, TrainConfig
 from gradwire.coordinator.local import local_workers
 from gradwire.models import model_names
 from gradwire.optim import INNER_OPTIMIZERS, OUTER_OPTIMIZERS, SCHEDULES
+from gradwire.security import ClientSecurity, resolve_token
 
 HELP = {
     "model": f"a built-in model ({', '.join(model_names())}), a Hugging Face hub id (e.g. facebook/opt-125m) or a local model directory",
@@ -76,6 +78,10 @@ HELP = {
     "connect_timeout": "seconds to wait for workers to come up",
     "sync_tolerance": "relative tolerance of the replica fingerprint check",
     "max_failed_rounds": "give up after this many rounds in a row with no usable worker",
+    "aggregate": "how the workers' contributions combine, in the DCT-coefficient domain: mean (weighted by tokens), or per coefficient trimmed-mean or median",
+    "clip_factor": "clip each worker's contribution to this many times the round's median norm (templar's rule; 0: off)",
+    "bench_after": "bench a worker after this many bad rounds in a row (payload rejected, false token count, or clipped below a quarter) (0: never)",
+    "bench_rounds": "rounds a benched worker sits out before it is tried again",
 }
 AUTO = "auto"
 CHOICES = {
@@ -84,6 +90,7 @@ CHOICES = {
     "lr_schedule": list(SCHEDULES),
     "inner_lr_schedule": list(SCHEDULES),
     "values": ["lut", "sign"],
+    "aggregate": list(AGGREGATIONS),
 }
 
 
@@ -139,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--workers", type=str, help="comma-separated worker addresses, host:port,host:port (in YAML also a list)")
     where.add_argument("--local", type=int, metavar="N", help="start N worker daemons on this machine and train with them")
     _add_config_flags(train)
+    add_security_flags(train, side="coordinator")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging level (default: INFO)")
     report = sub.add_parser("report", help="draw the charts of a run from its metrics.jsonl", description="Draw loss, loss-vs-bytes and step-time charts (PNG) of a run from OUTPUT_DIR/metrics.jsonl.")
@@ -191,13 +199,28 @@ def load_train(argv: Sequence[str] | None = None) -> tuple[TrainConfig, argparse
     return train_config_from_args(parser, args), args
 
 
+def client_security(args: argparse.Namespace) -> ClientSecurity:
+    """The token and TLS settings of ``coordinator train`` (never part of TrainConfig: checkpoints and
+    trackers record that, and secrets stay out of both). ``ValueError`` naming the flag."""
+    return ClientSecurity(
+        token=resolve_token(args.token, args.token_file), tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+        tls_key=args.tls_key, tls_server_name=args.tls_server_name,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser, args = parse_args(argv)
     if args.command == "report":
         return report(args.output_dir, args.report_dir)
     config = train_config_from_args(parser, args)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return train(config, workers=args.workers, local=args.local, progress=not args.no_progress)
+    try:
+        security = client_security(args)
+        if security.tls:
+            security.channel("127.0.0.1:1", []).close()  # read the TLS files now: a typo fails here
+    except ValueError as e:
+        subcommand_parser(parser, "train").error(_naming_keys(e, args))
+    return train(config, workers=args.workers, local=args.local, progress=not args.no_progress, security=security)
 
 
 def report(output_dir: str, report_dir: str | None = None) -> int:
@@ -222,14 +245,14 @@ def report(output_dir: str, report_dir: str | None = None) -> int:
     return 0
 
 
-def train(config: TrainConfig, *, workers: str | None = None, local: int | None = None, progress: bool = True) -> int:
+def train(config: TrainConfig, *, workers: str | None = None, local: int | None = None, progress: bool = True, security: ClientSecurity | None = None) -> int:
     from gradwire.coordinator.trainer import Trainer  # torch and models load only when training
     from gradwire.memory import keep_freed_memory
 
     keep_freed_memory()
 
     def run(addresses: list[str]) -> int:
-        clients = [WorkerClient(a, timeout=config.round_timeout) for a in addresses]
+        clients = [WorkerClient(a, timeout=config.round_timeout, security=security) for a in addresses]
         try:
             try:
                 trainer = Trainer(config, clients, progress=progress)
@@ -257,7 +280,7 @@ def train(config: TrainConfig, *, workers: str | None = None, local: int | None 
         # The local workers get the cores; the coordinator mostly waits, and its share of the work
         # (aggregating, replaying updates) would otherwise fight them for the same cores.
         torch.set_num_threads(1)
-        with local_workers(local) as addresses:
+        with local_workers(local, token=security.token if security else None) as addresses:
             return run(addresses)
     addresses = [a.strip() for a in (workers or "").split(",") if a.strip()]
     if not addresses:

@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gradwire import protocol
 from gradwire.protocol import PROTOCOL_VERSION, ModelState, RoundResult, WorkerInfo, WorkerState, WorkOrder
 from gradwire.replica import Fingerprint
+from gradwire.security import ClientSecurity
 from gradwire.transport import DEFAULT_MESSAGE_MB, SERVICE_NAME, check_message_mb, grpc_options
 from gradwire.v1 import worker_pb2 as pb
 from gradwire.v1 import worker_pb2_grpc
@@ -64,13 +65,17 @@ class WorkerClient:
     """Calls one worker. Each method takes ``timeout`` (seconds; default: the constructor's) as its deadline.
 
     Byte counters are per call: use one client from one thread at a time (as the round loop does).
+    ``security`` gives the channel (TLS or not) and what every call carries (the token, the run key); the
+    clients of one run share it, so that the run's key is the same at every worker.
     """
 
-    def __init__(self, address: str, *, timeout: float = 60.0, max_message_mb: int = DEFAULT_MESSAGE_MB) -> None:
+    def __init__(self, address: str, *, timeout: float = 60.0, max_message_mb: int = DEFAULT_MESSAGE_MB, security: ClientSecurity | None = None) -> None:
         self.address = address
         self.timeout = timeout
         self.max_bytes = check_message_mb(max_message_mb) << 20
-        self.channel = grpc.insecure_channel(address, options=[*grpc_options(), *_CLIENT_OPTIONS])
+        self.security = security or ClientSecurity()
+        self.call_metadata = self.security.metadata()  # what every call carries: the token, the run key
+        self.channel = self.security.channel(address, [*grpc_options(), *_CLIENT_OPTIONS])
         self._stub = worker_pb2_grpc.WorkerStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self.last_bytes_down = 0  # coordinator -> worker
@@ -81,7 +86,7 @@ class WorkerClient:
     def describe(self, timeout: float | None = None) -> WorkerInfo:
         """The worker's versions and device; raises ``WorkerError`` if it speaks another protocol."""
         request = pb.DescribeRequest(protocol_version=PROTOCOL_VERSION)
-        reply = self._call(lambda: self._stub.Describe(request, timeout=self._timeout(timeout)))
+        reply = self._call(lambda: self._stub.Describe(request, timeout=self._timeout(timeout), metadata=self.call_metadata))
         self._record(request.ByteSize(), reply.ByteSize())
         info = protocol.info_from_proto(reply)
         if info.protocol_version != PROTOCOL_VERSION:
@@ -93,7 +98,7 @@ class WorkerClient:
         """Replace the worker's replica of ``state.run_id``; return its version and fingerprint."""
         down = _Counter()
         parts = down.count(protocol.to_parts(protocol.state_to_proto(state)))
-        reply = self._call(lambda: self._stub.PushState(parts, timeout=self._timeout(timeout)))
+        reply = self._call(lambda: self._stub.PushState(parts, timeout=self._timeout(timeout), metadata=self.call_metadata))
         self._record(down.nbytes, reply.ByteSize())
         return reply.version, protocol.fingerprint_from_proto(reply.fingerprint)
 
@@ -104,7 +109,7 @@ class WorkerClient:
         """
         down, up = _Counter(), _Counter()
         parts = down.count(protocol.to_parts(protocol.order_to_proto(order)))
-        result = self._framed(lambda: self._stub.RunRound(parts, timeout=self._timeout(timeout)), up, pb.RoundResult, protocol.result_from_proto)
+        result = self._framed(lambda: self._stub.RunRound(parts, timeout=self._timeout(timeout), metadata=self.call_metadata), up, pb.RoundResult, protocol.result_from_proto)
         self._record(down.nbytes, up.nbytes)
         if result.round != order.round:
             raise WorkerError(self.address, grpc.StatusCode.DATA_LOSS, f"answered round {result.round} to an order for round {order.round}")
@@ -114,7 +119,7 @@ class WorkerClient:
         """The error feedback and inner optimizer state of the worker's session of ``run_id`` (for checkpoints)."""
         request = pb.FetchWorkerStateRequest(run_id=run_id)
         up = _Counter()
-        state = self._framed(lambda: self._stub.FetchWorkerState(request, timeout=self._timeout(timeout)), up, pb.WorkerState, protocol.worker_state_from_proto)
+        state = self._framed(lambda: self._stub.FetchWorkerState(request, timeout=self._timeout(timeout), metadata=self.call_metadata), up, pb.WorkerState, protocol.worker_state_from_proto)
         self._record(request.ByteSize(), up.nbytes)
         return state
 

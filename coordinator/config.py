@@ -15,6 +15,7 @@ import dataclasses
 import math
 
 from gradwire.compression import CodecConfig
+from gradwire.compression.robust import AggregationRule
 from gradwire.optim.inner import InnerOptimizerConfig
 from gradwire.optim.outer import UpdateRule
 from gradwire.optim.schedule import Schedule, lr_at
@@ -114,6 +115,11 @@ class TrainConfig:
     connect_timeout: float = 60.0
     sync_tolerance: float = 1e-4
     max_failed_rounds: int = 3  # consecutive rounds with no usable worker before giving up
+    # Robust aggregation (compression.robust) and benching (decisions.judge)
+    aggregate: str = "mean"  # mean | trimmed-mean | median, in the coefficient domain
+    clip_factor: float = 2.0  # each sender clipped to this x the round's median norm; 0 = off
+    bench_after: int = 3  # bad rounds in a row (rejected, or clipped hard) before a worker is benched; 0 = never
+    bench_rounds: int = 20  # rounds a benched worker sits out
     # Tracking
     wandb_project: str | None = None  # log to Weights & Biases (offline without an API key)
     wandb_run_name: str | None = None
@@ -142,6 +148,12 @@ class TrainConfig:
             raise ValueError(f"--clip-grad-norm must be >= 0 (0: no clipping), got {self.clip_grad_norm}")
         if not 0 <= self.sync_tolerance < 1:
             raise ValueError(f"--sync-tolerance must be in [0, 1), got {self.sync_tolerance}")
+        if not (math.isfinite(self.clip_factor) and (self.clip_factor == 0 or self.clip_factor >= 1)):
+            raise ValueError(f"--clip-factor must be 0 (off) or >= 1, got {self.clip_factor}")
+        for name in ("bench_after", "bench_rounds"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        self.aggregation_rule()  # validates --aggregate
         if self.round_timeout <= 0 or self.connect_timeout <= 0:
             raise ValueError("--round-timeout and --connect-timeout must be positive")
         self.data = tuple(self.data)
@@ -163,6 +175,9 @@ class TrainConfig:
             return CodecConfig(chunk=self.target_chunk, topk=self.topk, use_dct=self.use_dct, bins=self.bins, values=self.values)
         except ValueError as e:
             raise ValueError(f"codec flags (--topk, --target-chunk, --bins, --values): {e}") from None
+
+    def aggregation_rule(self) -> AggregationRule:
+        return AggregationRule(mode=self.aggregate)
 
     def update_rule(self) -> UpdateRule:
         return UpdateRule(optimizer=self.outer_optimizer, weight_decay=self.weight_decay, momentum=self.momentum)  # type: ignore[arg-type]

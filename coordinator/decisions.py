@@ -6,6 +6,7 @@ the reason.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 SyncAction = Literal["push", "replay", "current"]
@@ -24,3 +25,37 @@ def decide_sync(known_version: int | None, base_version: int, target_version: in
     if known_version == base_version:
         return "replay", "worker replays the pending update"
     return "push", f"worker at version {known_version}, round starts at {base_version}"
+
+
+# ------------------------------------------------------------------------------------------- benching
+
+Verdict = Literal["ok", "clipped", "rejected"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Standing:
+    """How a worker's recent contributions went: ``strikes`` bad rounds in a row, benched before ``until``."""
+
+    strikes: int = 0
+    until: int = 0  # the first step it works again (0: never benched)
+
+    def benched(self, step: int) -> bool:
+        return step < self.until
+
+
+def judge(standing: Standing, step: int, verdict: Verdict, *, bench_after: int, bench_rounds: int) -> tuple[Standing, str]:
+    """A worker's standing after round ``step``'s ``verdict``: ``rejected`` (a malformed payload, a false
+    token count, a norm the median clip would cut below ``HARD_CLIP`` of itself) is a strike, and so is
+    ``clipped`` for callers that count milder clipping; ``bench_after``
+    strikes in a row bench it for ``bench_rounds`` rounds (0 turns benching off). A good round clears
+    the strikes."""
+    if verdict == "ok":
+        return Standing(), "contribution accepted" if not standing.strikes else f"accepted after {standing.strikes} bad round(s): strikes cleared"
+    strikes = standing.strikes + 1
+    if bench_after and strikes >= bench_after:
+        until = step + 1 + bench_rounds
+        return Standing(0, until), f"{strikes} bad rounds in a row ({verdict} again): benched until step {until}"
+    return Standing(strikes, standing.until), f"{verdict}: strike {strikes}" + (f" of {bench_after}" if bench_after else "")
+
+
+HARD_CLIP = 0.25  # a sender the median-norm clip would scale below this is left out, with a strike

@@ -8,17 +8,22 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
+from gradwire.security import TOKEN_ENV
 from gradwire.transport import free_port
 
 
 @contextlib.contextmanager
-def local_workers(n: int, *, threads: int | None = None, device: str = "cpu") -> Iterator[list[str]]:
-    """Start ``n`` ``worker serve`` processes; yield their addresses; stop them (SIGTERM, then kill)."""
+def local_workers(n: int, *, threads: int | None = None, device: str = "cpu", token: str | None = None) -> Iterator[list[str]]:
+    """Start ``n`` ``worker serve`` processes; yield their addresses; stop them (SIGTERM, then kill).
+
+    With ``token`` the workers require it (handed over in the environment, not on a command line)."""
     if n < 1:
         raise ValueError(f"--local must be >= 1, got {n}")
     # Split the cores: n processes each using every core would only thrash.
     threads = threads or max(1, (os.cpu_count() or 1) // n)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    if token is not None:
+        env[TOKEN_ENV] = token
     procs, addresses = [], []
     try:
         for _ in range(n):

@@ -23,6 +23,7 @@ import torch
 
 from gradwire.compression import CodecConfig, CompressedGradient, ErrorFeedback
 from gradwire.compression.aggregate import Aggregator
+from gradwire.compression.robust import MEAN, AggregationRule, CoordinateAggregate
 from gradwire.models import build_from_spec
 from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import ModelState
@@ -31,6 +32,7 @@ from gradwire.replica import Fingerprint, Replica, StateUpdate
 log = logging.getLogger(__name__)
 
 TensorGroups = dict[str, dict[str, torch.Tensor]]
+Aggregate = Aggregator | CoordinateAggregate
 
 
 class OuterStrategy(abc.ABC):
@@ -63,8 +65,9 @@ class OuterStrategy(abc.ABC):
             self._apply(self.pending)
             self._target_fingerprint = self.replica.fingerprint()
 
-    def step(self, aggregator: Aggregator, payloads: tuple[CompressedGradient, ...], weights: tuple[float, ...], lr: float) -> float:
-        """Turn a round's validated, summed contributions into the next ``pending`` update.
+    def step(self, aggregator: Aggregate, payloads: tuple[CompressedGradient, ...], weights: tuple[float, ...], lr: float, *, scales: tuple[float, ...] = (), rule: AggregationRule = MEAN) -> float:
+        """Turn a round's validated, combined contributions (``compression.robust.aggregate`` of
+        ``payloads`` with ``weights``, clip ``scales`` and ``rule``) into the next ``pending`` update.
 
         The round's version (the one its contributions were computed at) becomes the new base. Returns
         the aggregate's L2 norm.
@@ -72,7 +75,7 @@ class OuterStrategy(abc.ABC):
         self.apply_pending()  # a no-op when the round already did it, as it does while workers compute
         target, target_fingerprint = self.target_version, self.target_fingerprint
         norm = aggregator.norm()
-        self.pending = self._next_update(aggregator, payloads, weights, lr)
+        self.pending = self._next_update(aggregator, StateUpdate(lr, payloads, weights, scales=scales, rule=rule))
         self.base_version, self.base_fingerprint = target, target_fingerprint
         return norm
 
@@ -105,7 +108,8 @@ class OuterStrategy(abc.ABC):
         self.rebase()
 
     @abc.abstractmethod
-    def _next_update(self, aggregator: Aggregator, payloads: tuple[CompressedGradient, ...], weights: tuple[float, ...], lr: float) -> StateUpdate: ...
+    def _next_update(self, aggregator: Aggregate, replay: StateUpdate) -> StateUpdate:
+        """The update that follows ``aggregator``; ``replay`` is the round's contributions as a replay."""
 
     @abc.abstractmethod
     def _apply(self, update: StateUpdate) -> None: ...
@@ -119,12 +123,12 @@ class ReplayOuter(OuterStrategy):
 
     def __init__(self, model: torch.nn.Module, rule: UpdateRule, codec_config: CodecConfig) -> None:
         super().__init__(model, Replica(model, rule), codec_config)
-        self._aggregator: Aggregator | None = None  # the pending payloads, already summed
+        self._aggregator: Aggregate | None = None  # the pending payloads, already combined
 
-    def _next_update(self, aggregator: Aggregator, payloads: tuple[CompressedGradient, ...], weights: tuple[float, ...], lr: float) -> StateUpdate:
+    def _next_update(self, aggregator: Aggregate, replay: StateUpdate) -> StateUpdate:
         # Our replica applies this during the next round, from this same aggregator: no second decode.
         self._aggregator = aggregator
-        return StateUpdate(lr, payloads, weights)
+        return replay
 
     def _apply(self, update: StateUpdate) -> None:
         self.replica.apply(update, self._aggregator)
@@ -147,8 +151,8 @@ class DeltaOuter(OuterStrategy):
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1.0, betas=rule.betas, eps=rule.eps, weight_decay=rule.weight_decay)
         self.feedback = ErrorFeedback(beta=1.0)
 
-    def _next_update(self, aggregator: Aggregator, payloads: tuple[CompressedGradient, ...], weights: tuple[float, ...], lr: float) -> StateUpdate:
-        aggregate = aggregator.result()
+    def _next_update(self, aggregator: Aggregate, replay: StateUpdate) -> StateUpdate:
+        aggregate, lr = aggregator.result(), replay.learning_rate
         for name, p in self.model.named_parameters():
             p.grad = aggregate[name].to(p.dtype)
         for group in self.optimizer.param_groups:

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from gradwire.coordinator.client import WorkerClient, WorkerError
-from gradwire.coordinator.decisions import decide_sync
+from gradwire.coordinator.decisions import Standing, decide_sync
 from gradwire.coordinator.outer import OuterStrategy
 from gradwire.protocol import NEEDS_STATE, OK, ModelState, ProtocolError, RoundResult, WorkOrder
 from gradwire.replica import Fingerprint, StateUpdate
@@ -37,6 +37,7 @@ class WorkerSlot:
     # What to restore on the worker with the next push (a resumed run): error feedback, inner optimizer.
     feedback: dict[str, torch.Tensor] | None = None
     inner_optimizer: dict[str, torch.Tensor] | None = None
+    standing: Standing = dataclasses.field(default_factory=Standing)  # strikes and benching (decisions.judge)
 
 
 @dataclasses.dataclass

@@ -10,6 +10,7 @@ run; a worker that lost track of the state gets it pushed and carries on.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -20,15 +21,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gradwire.compression import PayloadError
-from gradwire.compression.aggregate import Aggregator
+from gradwire.compression import PayloadError, robust
+from gradwire.compression.codec import DecodedGradient
 from gradwire.coordinator.checkpoint import keep_last, load_checkpoint, save_checkpoint
 from gradwire.coordinator.client import WorkerClient, WorkerError
 from gradwire.coordinator.config import TrainConfig
+from gradwire.coordinator.decisions import HARD_CLIP, Verdict, judge
 from gradwire.coordinator.data import batch_dtype, open_data
 from gradwire.coordinator.export import export_model
 from gradwire.coordinator.metrics import MetricsLog, ProgressBar
-from gradwire.coordinator.outer import make_outer
+from gradwire.coordinator.outer import Aggregate, make_outer
 from gradwire.coordinator.round import RoundDispatcher, RoundOutcome, SlotOutcome, WorkerSlot
 from gradwire.coordinator.tracking import make_tracker
 from gradwire.models import lm_loss, load_tokenizer_arg, resolve_model, tokenizer_vocab_size, vocab_size_of
@@ -44,6 +46,17 @@ def max_sequence_length(spec: dict) -> int | None:
         if isinstance(config.get(key), int):
             return int(config[key])
     return None
+
+
+@dataclasses.dataclass
+class Gathered:
+    """A round's usable contributions: their outcomes and results, combined, with their clip scales."""
+
+    outcomes: list[SlotOutcome]
+    results: list[RoundResult]
+    aggregator: Aggregate
+    scales: tuple[float, ...]
+    rejected: int  # results refused this round (a bad payload, a false token count)
 
 
 class Trainer:
@@ -162,19 +175,26 @@ class Trainer:
                 sync_tolerance=cfg.sync_tolerance, local_steps=local_steps,
             )
 
-        round_ = self.rounds.run(self.slots, step, make_order, self._state_for)
+        slots = [s for s in self.slots if not s.standing.benched(step)]
+        if not slots:
+            log.warning("step %d: every worker is benched; trying them all", step)
+            slots = list(self.slots)
+        round_ = self.rounds.run(slots, step, make_order, self._state_for)
         t_gathered = time.perf_counter()
-        gathered, aggregator = self._gather(round_, step)
-        if not gathered:
+        gathered = self._gather(round_, step, batches)
+        if gathered is None:
             return None
-        usable = [o.result for o in gathered]
-        ranks = sum(o.slot.ranks for o in gathered)
+        aggregator, usable, scales = gathered.aggregator, gathered.results, gathered.scales
+        ranks = sum(o.slot.ranks for o in gathered.outcomes)
         payloads = tuple(r.gradient for r in usable)
         weights = tuple(float(r.tokens) for r in usable)
-        grad_norm = self.outer.step(aggregator, payloads, weights, lr)
+        rule = self.config.aggregation_rule()
+        grad_norm = self.outer.step(aggregator, payloads, weights, lr, scales=scales if any(x < 1 for x in scales) else (), rule=rule)
         self.step += 1
         t_done = time.perf_counter()
-        return self._record(round_, usable, ranks, grad_norm, lr, t0, t_gathered, t_done)
+        record = self._record(round_, usable, ranks, grad_norm, lr, t0, t_gathered, t_done)
+        record.update(clipped=sum(x < 1 for x in scales), rejected=gathered.rejected, benched=sum(s.standing.benched(self.step) for s in self.slots))
+        return record
 
     def round_batch(self, step: int, slot: int, ranks: int = 1) -> np.ndarray:
         """A worker's rows for round ``step``: H inner steps' batches stacked, (H * ranks * batch_size, T + 1).
@@ -193,25 +213,56 @@ class Trainer:
             return None
         return LocalSteps(cfg.inner_steps, cfg.inner_optimizer_config(), cfg.inner_lrs(step), cfg.clip_grad_norm)
 
-    def _gather(self, round_: RoundOutcome, step: int) -> tuple[list[SlotOutcome], Aggregator]:
-        """Validate every result's payload and sum the good ones in the coefficient domain; the outcomes
-        whose contribution counts."""
-        usable: list[SlotOutcome] = []
-        aggregator = self.outer.codec.aggregator()
+    def _gather(self, round_: RoundOutcome, step: int, batches: dict[int, np.ndarray]) -> Gathered | None:
+        """Check every result (its token count against the batch it was sent, its payload against the
+        plan), clip the good ones to the round's median norm and combine them by ``--aggregate``; judge
+        each worker's standing (``decisions.judge``). ``None`` when no contribution is usable."""
+        cfg = self.config
+        good: list[SlotOutcome] = []
+        decoded: list[DecodedGradient] = []
+        verdicts: dict[int, Verdict] = {}
         for o in round_.outcomes:
             if o.result is None:
                 log.warning("step %d: worker %d (%s) failed: %s", step, o.slot.index, o.slot.client.address, o.error)
                 o.slot.version = None
                 continue
+            o.slot.version = o.result.version
+            batch = batches[o.slot.index]
+            expected = batch.shape[0] * (batch.shape[1] - 1)
+            if o.result.tokens != expected:
+                log.warning("step %d: worker %d reports %d tokens for a batch of %d; contribution ignored", step, o.slot.index, o.result.tokens, expected)
+                verdicts[o.slot.index] = "rejected"
+                continue
             try:
-                decoded = self.outer.codec.decode(o.result.gradient)  # validate before anything is aggregated
+                decoded.append(self.outer.codec.decode(o.result.gradient))  # validate before anything is combined
             except PayloadError as e:
                 log.warning("step %d: worker %d sent a bad payload, ignored: %s", step, o.slot.index, e)
+                verdicts[o.slot.index] = "rejected"
                 continue
-            aggregator.add(decoded, float(o.result.tokens))
-            usable.append(o)
-            o.slot.version = o.result.version
-        return usable, aggregator
+            good.append(o)
+        # Clip to --clip-factor x the median norm; a sender that would keep less than HARD_CLIP of itself
+        # (8x the median at the default factor) is no honest outlier: it is left out of this round.
+        scales = robust.clip_scales([robust.payload_norm(d) for d in decoded], cfg.clip_factor)
+        kept = [i for i, scale in enumerate(scales) if scale >= HARD_CLIP]
+        for i, (o, scale) in enumerate(zip(good, scales)):
+            verdicts[o.slot.index] = "ok" if scale >= HARD_CLIP else "rejected"
+            if scale < HARD_CLIP:
+                log.warning("step %d: worker %d sent %.3g x the bound of --clip-factor %g x the median norm; left out", step, o.slot.index, 1 / scale, cfg.clip_factor)
+            elif scale < 1:
+                log.info("step %d: worker %d clipped to %.3g of its norm (--clip-factor %g x the median)", step, o.slot.index, scale, cfg.clip_factor)
+        good, decoded, scales = [good[i] for i in kept], [decoded[i] for i in kept], tuple(scales[i] for i in kept)
+        for slot in self.slots:
+            if slot.index in verdicts:
+                before = slot.standing
+                slot.standing, reason = judge(before, step, verdicts[slot.index], bench_after=cfg.bench_after, bench_rounds=cfg.bench_rounds)
+                if slot.standing.until != before.until:
+                    log.warning("step %d: worker %d (%s): %s", step, slot.index, slot.client.address, reason)
+        rejected = sum(v == "rejected" for v in verdicts.values())
+        if not good:
+            return None
+        weights = [float(o.result.tokens) for o in good]
+        aggregator = robust.aggregate(self.outer.codec, decoded, weights, scales, cfg.aggregation_rule())
+        return Gathered(good, [o.result for o in good], aggregator, scales, rejected)
 
     def _record(self, round_: RoundOutcome, usable: list[RoundResult], ranks: int, grad_norm: float, lr: float, t0: float, t_gathered: float, t_done: float) -> dict:
         tokens = sum(r.tokens for r in usable)

@@ -151,3 +151,20 @@ def parse_args_with_config(
             setattr(args, dest, value)
             args.config_keys[dest] = key
     return parser, args
+
+
+def add_security_flags(parser: argparse.ArgumentParser, *, side: str) -> None:
+    """The token and TLS flags; ``side`` is "worker" (server files) or "coordinator" (client files)."""
+    group = parser.add_argument_group("security", "A shared token keeps strangers out; TLS keeps the token and the traffic private. Prefer --token-file or $GRADWIRE_TOKEN to --token: a command line is visible to every user of the machine.")
+    group.add_argument("--token", help="the shared secret every call must carry (default: $GRADWIRE_TOKEN)")
+    group.add_argument("--token-file", metavar="FILE", help="read the token from the first line of FILE")
+    if side == "worker":
+        group.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate (chain), with --tls-key")
+        group.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+        group.add_argument("--tls-client-ca", metavar="PEM", help="mutual TLS: accept only clients whose certificate this CA signed")
+    else:
+        group.add_argument("--tls", action="store_true", help="talk TLS to the workers, trusting the system's CAs (implied by --tls-ca)")
+        group.add_argument("--tls-ca", metavar="PEM", help="talk TLS to the workers, trusting the CA that signed their certificates")
+        group.add_argument("--tls-cert", metavar="PEM", help="mutual TLS: this coordinator's certificate, with --tls-key")
+        group.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+        group.add_argument("--tls-server-name", metavar="NAME", help="the name the workers' certificates are issued to, when it is not the host in --workers")

@@ -20,14 +20,16 @@ from google.protobuf.message import DecodeError, Message
 
 from gradwire.compression import CodecConfig, CompressedGradient, PayloadError
 from gradwire.compression import serde as codec_serde
+from gradwire.compression.robust import MEAN, AggregationRule
 from gradwire.optim.inner import InnerOptimizerConfig
 from gradwire.replica import Fingerprint, StateUpdate
 from gradwire.v1 import worker_pb2 as pb
 
 # Bump when a message's meaning changes; both sides refuse to talk across versions.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_INNER_STEPS = 100_000  # H beyond this is a mistake, not a schedule (the field syncs every 30-500 steps)
 MAX_LEARNING_RATE = 1e6  # learning rates crossing the wire are finite, non-negative and below this
+MAX_WEIGHT = 1e12  # a sender's weight is its token count (or a clip-scaled share of it)
 PART_BYTES = 2 << 20  # well under gRPC's default 4 MB message limit
 
 
@@ -39,6 +41,7 @@ class ProtocolError(ValueError):
 
 
 def to_parts(message: Message, part_bytes: int = PART_BYTES) -> Iterator[pb.Part]:
+    """``message`` serialized and cut into parts; every part declares the total, the last adds the hash."""
     data = message.SerializeToString()
     digest = hashlib.sha256(data).digest()
     view = memoryview(data)
@@ -46,23 +49,36 @@ def to_parts(message: Message, part_bytes: int = PART_BYTES) -> Iterator[pb.Part
     for i, start in enumerate(starts):
         last = i == len(starts) - 1
         chunk = bytes(view[start : start + part_bytes])
-        yield pb.Part(data=chunk, last=last, total_bytes=len(data) if last else 0, sha256=digest if last else b"")
+        yield pb.Part(data=chunk, last=last, total_bytes=len(data), sha256=digest if last else b"")
 
 
-def join_parts(parts: Iterable[pb.Part], max_bytes: int) -> bytes:
-    """Concatenate a framed message; check size, completeness and hash."""
+def join_parts(parts: Iterable[pb.Part], max_bytes: int, limit_reason: str = "--max-message-mb") -> bytes:
+    """Concatenate a framed message; check its declared size against ``max_bytes`` before buffering
+    anything, then that every part keeps to it, then completeness and hash. ``limit_reason`` says where
+    the limit comes from, for the error."""
     buf = bytearray()
+    declared = -1
     for part in parts:
+        if declared < 0:  # the first part: refuse an oversized message before holding any of it
+            declared = part.total_bytes
+            if declared > max_bytes:
+                raise ProtocolError(f"message declares {declared} bytes, over the {_size(max_bytes)} limit ({limit_reason})")
+        elif part.total_bytes != declared:
+            raise ProtocolError(f"a part declares {part.total_bytes} bytes in all, the first part {declared}")
+        if len(buf) + len(part.data) > declared:
+            raise ProtocolError(f"framed message runs past the {declared} bytes its parts declare")
         buf += part.data
-        if len(buf) > max_bytes:
-            raise ProtocolError(f"message exceeds the {max_bytes >> 20} MB limit (--max-message-mb)")
         if part.last:
-            if part.total_bytes != len(buf):
-                raise ProtocolError(f"framed message is {len(buf)} bytes, its last part says {part.total_bytes}")
+            if len(buf) != declared:
+                raise ProtocolError(f"framed message is {len(buf)} bytes, its parts declare {declared}")
             if hashlib.sha256(buf).digest() != part.sha256:
                 raise ProtocolError("framed message failed its SHA-256 check")
             return bytes(buf)
     raise ProtocolError("framed message ended before its last part")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} bytes"
 
 
 def parse(cls: type[Message], data: bytes) -> Message:
@@ -113,13 +129,23 @@ def tensors_to_proto(tensors: Mapping[str, torch.Tensor]) -> list[pb.Tensor]:
     return [tensor_to_proto(n, t) for n, t in tensors.items()]
 
 
-def tensors_from_proto(msgs: Iterable[pb.Tensor]) -> dict[str, torch.Tensor]:
+def tensors_from_proto(msgs: Iterable[pb.Tensor], field: str = "tensors") -> dict[str, torch.Tensor]:
+    """Named tensors; every floating-point one must be finite (``field`` names them in the error)."""
     out: dict[str, torch.Tensor] = {}
     for m in msgs:
         if m.name in out:
             raise ProtocolError(f"tensor {m.name!r} appears twice")
-        out[m.name] = tensor_from_proto(m)
+        t = tensor_from_proto(m)
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ProtocolError(f"{field}: tensor {m.name!r} has non-finite values")
+        out[m.name] = t
     return out
+
+
+def _finite(value: float, field: str, low: float = -math.inf, high: float = math.inf) -> float:
+    if not (math.isfinite(value) and low <= value <= high):
+        raise ProtocolError(f"{field} must be finite and in [{low:g}, {high:g}], got {value}")
+    return value
 
 
 # ------------------------------------------------------------------------------------------- messages
@@ -178,9 +204,9 @@ def state_from_proto(m: pb.ModelState) -> ModelState:
     if not m.run_id:
         raise ProtocolError("model state has no run_id")
     return ModelState(
-        m.run_id, m.version, m.model_json, tensors_from_proto(m.parameters), m.update_rule_json,
-        tensors_from_proto(m.optimizer_state), tensors_from_proto(m.feedback), tensors_from_proto(m.inner_optimizer),
-        m.protocol_version,
+        m.run_id, m.version, m.model_json, tensors_from_proto(m.parameters, "parameters"), m.update_rule_json,
+        tensors_from_proto(m.optimizer_state, "optimizer_state"), tensors_from_proto(m.feedback, "feedback"),
+        tensors_from_proto(m.inner_optimizer, "inner_optimizer"), m.protocol_version,
     )
 
 
@@ -189,6 +215,8 @@ def fingerprint_to_proto(f: Fingerprint) -> pb.Fingerprint:
 
 
 def fingerprint_from_proto(m: pb.Fingerprint) -> Fingerprint:
+    if not all(map(math.isfinite, (*m.sums, *m.sumsqs, *m.samples))):
+        raise ProtocolError("fingerprint has non-finite values")
     return Fingerprint(tuple(m.sums), tuple(m.sumsqs), tuple(m.samples))
 
 
@@ -197,19 +225,35 @@ def update_to_proto(u: StateUpdate) -> pb.StateUpdate:
         return pb.StateUpdate(delta=codec_serde.gradient_to_proto(u.delta), learning_rate=u.learning_rate)
     # No weights means equal weights (as in Replica.apply); the wire always carries one per payload.
     weights = u.weights or [1.0] * len(u.payloads)
-    replay = pb.Replay(payloads=[codec_serde.gradient_to_proto(p) for p in u.payloads], weights=weights)
+    replay = pb.Replay(
+        payloads=[codec_serde.gradient_to_proto(p) for p in u.payloads], weights=weights, scales=u.scales,
+        aggregation="" if u.rule == MEAN else u.rule.mode, trim=u.rule.trim if u.rule != MEAN else 0.0,
+    )
     return pb.StateUpdate(replay=replay, learning_rate=u.learning_rate)
 
 
 def update_from_proto(m: pb.StateUpdate) -> StateUpdate:
     kind = m.WhichOneof("kind")
+    _finite(m.learning_rate, "update learning_rate", 0.0, MAX_LEARNING_RATE)
     if kind == "delta":
         return StateUpdate(m.learning_rate, delta=codec_serde.gradient_from_proto(m.delta))
     if kind == "replay":
         if len(m.replay.weights) != len(m.replay.payloads) or not m.replay.payloads:
             raise ProtocolError(f"replay has {len(m.replay.payloads)} payloads and {len(m.replay.weights)} weights")
+        for w in m.replay.weights:
+            _finite(w, "replay weights", 0.0, MAX_WEIGHT)
+        if not sum(m.replay.weights) > 0:
+            raise ProtocolError("replay weights must not all be zero")
+        if m.replay.scales and len(m.replay.scales) != len(m.replay.payloads):
+            raise ProtocolError(f"replay has {len(m.replay.payloads)} payloads and {len(m.replay.scales)} clip scales")
+        for scale in m.replay.scales:
+            _finite(scale, "replay scales", 0.0, 1.0)
+        try:
+            rule = AggregationRule(mode=m.replay.aggregation, trim=m.replay.trim) if m.replay.aggregation else MEAN
+        except ValueError as e:
+            raise ProtocolError(f"replay aggregation: {e}") from None
         payloads = tuple(codec_serde.gradient_from_proto(p) for p in m.replay.payloads)
-        return StateUpdate(m.learning_rate, payloads, tuple(m.replay.weights))
+        return StateUpdate(m.learning_rate, payloads, tuple(m.replay.weights), scales=tuple(m.replay.scales), rule=rule)
     raise ProtocolError("state update carries neither a replay nor a delta")
 
 
@@ -387,7 +431,7 @@ def worker_state_to_proto(w: WorkerState) -> pb.WorkerState:
 
 
 def worker_state_from_proto(m: pb.WorkerState) -> WorkerState:
-    return WorkerState(m.run_id, m.version, tensors_from_proto(m.feedback), tensors_from_proto(m.inner_optimizer))
+    return WorkerState(m.run_id, m.version, tensors_from_proto(m.feedback, "feedback"), tensors_from_proto(m.inner_optimizer, "inner_optimizer"))
 
 
 def _check_version(v: int) -> None:

@@ -25,10 +25,15 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from gradwire.compression import CodecConfig, CompressedGradient, GradientCodec
+from gradwire.compression import robust
 from gradwire.compression.aggregate import Aggregator
+from gradwire.compression.robust import MEAN, AggregationRule
 from gradwire.optim.outer import UpdateRule, outer_step
 
 SAMPLES_PER_TENSOR = 4
+# No honest update moves a parameter by more than this (learning rate x largest aggregate value); a larger
+# step, or a non-finite one, is refused before anything moves instead of overflowing the replica.
+STEP_LIMIT = 1e20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +44,8 @@ class StateUpdate:
     payloads: tuple[CompressedGradient, ...] = ()
     weights: tuple[float, ...] = ()
     delta: CompressedGradient | None = None
+    scales: tuple[float, ...] = ()  # each payload's clip scale (empty: all 1); see compression.robust
+    rule: AggregationRule = MEAN
 
     @property
     def nbytes(self) -> int:
@@ -133,7 +140,7 @@ class Replica:
         return self._codecs[config]
 
     @torch.no_grad()
-    def apply(self, update: StateUpdate, aggregator: Aggregator | None = None) -> dict[str, torch.Tensor]:
+    def apply(self, update: StateUpdate, aggregator: Aggregator | robust.CoordinateAggregate | None = None) -> dict[str, torch.Tensor]:
         """Apply ``update``; return what was applied (the aggregate gradient, or the delta).
 
         Every payload is validated before any parameter changes, so a bad update leaves the replica as
@@ -142,6 +149,7 @@ class Replica:
         """
         if update.delta is not None:
             delta = self.codec(update.delta.settings).decompress(update.delta)
+            _check_step(delta, 1.0)
             for name, p in self.params.items():
                 p.add_(delta[name].to(p.device, p.dtype))
             self.version += 1
@@ -153,8 +161,10 @@ class Replica:
         if aggregator is not None:
             aggregate = aggregator.result()
         else:
-            settings = update.payloads[0].settings
-            aggregate = self.codec(settings).aggregate(list(update.payloads), list(update.weights) or None)
+            codec = self.codec(update.payloads[0].settings)
+            weights = update.weights or (1.0,) * len(update.payloads)
+            aggregate = robust.aggregate(codec, update.payloads, weights, update.scales, update.rule).result()
+        _check_step(aggregate, update.learning_rate)
         outer_step(list(self.params.values()), [aggregate[n] for n in self.params], self.rule, update.learning_rate, self.momentum)
         self.version += 1
         return aggregate
@@ -164,6 +174,9 @@ class Replica:
 
     def load_state(self, parameters: Mapping[str, torch.Tensor], momentum: Sequence[torch.Tensor] = (), version: int = 0) -> None:
         """Overwrite the parameters (and sgd momentum) with a full state, e.g. on a push."""
+        unknown = sorted(set(parameters) - set(self.params))
+        if unknown:
+            raise ValueError(f"state has parameters the model does not: {unknown[:5]}")
         with torch.no_grad():
             for name, p in self.params.items():
                 if name not in parameters:
@@ -174,3 +187,14 @@ class Replica:
                 p.copy_(src)
         self.momentum = [m.detach().clone().to(next(iter(self.params.values())).device) for m in momentum]
         self.version = version
+
+
+def _check_step(tensors: Mapping[str, torch.Tensor], lr: float) -> None:
+    """``ValueError`` unless every value is finite and ``lr`` times the largest stays under ``STEP_LIMIT``."""
+    if not tensors:
+        return
+    largest = torch.stack([torch.linalg.vector_norm(t, float("inf"), dtype=torch.float32) for t in tensors.values()]).cpu()  # one sync
+    worst = float(largest.max())
+    if not math.isfinite(worst) or lr * worst > STEP_LIMIT:
+        name = list(tensors)[int(largest.nan_to_num(math.inf).argmax())]
+        raise ValueError(f"update would move {name!r} by {lr * worst:.3g} (learning rate {lr:g}); refused, nothing changed")

@@ -18,6 +18,7 @@ from gradwire.models.registry import (
     load_tokenizer,
     model_names,
     model_spec,
+    spec_elements,
     tokenizer_for,
 )
 
@@ -33,6 +34,7 @@ __all__ = [
     "model_names",
     "model_spec",
     "resolve_model",
+    "spec_elements",
     "tokenizer_for",
     "tokenizer_vocab_size",
     "vocab_size_of",

@@ -116,6 +116,30 @@ def build_from_spec(spec: dict[str, Any], seed: int = 0) -> nn.Module:
     return model.train()
 
 
+# What a spec may ask for before it is even counted: building millions of layers is itself the attack.
+MAX_LAYERS = 1024
+MAX_DIMENSION = 2**31 - 1  # any integer setting (a width, a vocabulary, a context length)
+_LAYER_KEYS = ("n_layer", "num_hidden_layers", "num_layers", "n_layers", "num_decoder_layers", "encoder_layers", "decoder_layers")
+
+
+def spec_elements(spec: dict[str, Any]) -> int:
+    """How many tensor elements (parameters and buffers) ``spec`` builds, counted without allocating them:
+    the model is built on torch's meta device, after a check of its layer counts and integer settings.
+    ``ValueError`` naming the setting if the spec is malformed or absurd."""
+    config = spec.get("config") if isinstance(spec, dict) else None
+    if not isinstance(config, dict):
+        raise ValueError("spec 'config' must be a dict")
+    for key, value in config.items():
+        if isinstance(value, int) and not isinstance(value, bool):
+            if key in _LAYER_KEYS and value > MAX_LAYERS:
+                raise ValueError(f"spec config[{key!r}] = {value} layers, more than {MAX_LAYERS}")
+            if abs(value) > MAX_DIMENSION:
+                raise ValueError(f"spec config[{key!r}] = {value} is beyond any model's size")
+    with torch.device("meta"):
+        model = build_from_spec(spec)
+    return sum(t.numel() for t in model.parameters()) + sum(b.numel() for b in model.buffers())
+
+
 def _build_hf(config: dict[str, Any]) -> nn.Module:
     # Imported here: transformers takes seconds to import and the built-in GPT does not need it.
     from transformers import AutoConfig, AutoModelForCausalLM

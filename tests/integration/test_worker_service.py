@@ -58,9 +58,9 @@ class SpyEngine(WorkerEngine):
         super().__init__("cpu")
         self.cancelled_rounds: list[int] = []
 
-    def run_round(self, order: WorkOrder, cancelled=lambda: False) -> RoundResult:
+    def run_round(self, order: WorkOrder, cancelled=lambda: False, owner: bytes = b"") -> RoundResult:
         try:
-            return super().run_round(order, cancelled)
+            return super().run_round(order, cancelled, owner)
         except Cancelled:
             self.cancelled_rounds.append(order.round)
             raise
@@ -128,7 +128,7 @@ def assert_rpc_error(call, code: grpc.StatusCode, match: str = "") -> grpc.RpcEr
 def raw_round(worker: Worker, parts: list[pb.Part], timeout: float | None = TIMEOUT) -> bytes:
     """RunRound with hand-made parts; returns the reply's bytes."""
     stub = worker_pb2_grpc.WorkerStub(worker.client.channel)
-    return protocol.join_parts(stub.RunRound(iter(parts), timeout=timeout), 1 << 30)
+    return protocol.join_parts(stub.RunRound(iter(parts), timeout=timeout, metadata=worker.client.call_metadata), 1 << 30)
 
 
 # ------------------------------------------------------------------------------------------- rounds
@@ -239,9 +239,13 @@ def _mangled(order: WorkOrder, mangle) -> pb.WorkOrder:
 
 BAD_ROUNDS = {
     # name: (parts from a valid order, expected message)
-    "garbage-part": (lambda o: [pb.Part(data=os.urandom(64))], "ended before its last part"),
+    "garbage-part": (lambda o: [pb.Part(data=os.urandom(64))], "runs past the 0 bytes its parts declare"),
+    "declared-huge": (lambda o: [pb.Part(data=b"x", total_bytes=1 << 40)], "over the"),
+    "parts-disagree-on-total": (lambda o: [order_parts(o, 64)[0], pb.Part(data=b"x", total_bytes=5)], "the first part"),
+    "runs-past-declared": (lambda o: [pb.Part(data=b"x" * 64, total_bytes=10)], "runs past"),
     "garbage-last-part": (lambda o: [pb.Part(data=b"junk", last=True, total_bytes=4, sha256=b"nope")], "SHA-256"),
     "no-parts": (lambda o: [], "ended before its last part"),
+    "short-of-declared": (lambda o: [pb.Part(data=b"x", total_bytes=10, last=True, sha256=hashlib.sha256(b"x").digest())], "declare 10"),
     "truncated": (lambda o: order_parts(o, 64)[:-1], "ended before its last part"),
     "wrong-sha": (lambda o: _wrong_sha(order_parts(o, 64)), "SHA-256"),
     "framed-garbage": (lambda o: frame(b"\xff" * 32), "not a WorkOrder"),
@@ -291,7 +295,7 @@ def test_bad_pushes_are_invalid_and_the_server_carries_on(worker: Worker, replic
     for state, message in cases:
         parts = iter(protocol.to_parts(protocol.state_to_proto(state)))
         assert_rpc_error(lambda: stub.PushState(parts, timeout=TIMEOUT), grpc.StatusCode.INVALID_ARGUMENT, message)
-    assert_rpc_error(lambda: stub.PushState(iter([pb.Part(data=b"\xff")]), timeout=TIMEOUT), grpc.StatusCode.INVALID_ARGUMENT, "last part")
+    assert_rpc_error(lambda: stub.PushState(iter([pb.Part(data=b"\xff")]), timeout=TIMEOUT), grpc.StatusCode.INVALID_ARGUMENT, "runs past the 0 bytes")
     worker.client.push_state(good)
     assert_round_ok(worker, replica)
 
@@ -318,7 +322,7 @@ def test_fetch_worker_state_of_an_unknown_run_is_invalid(worker: Worker) -> None
 
 
 def test_an_engine_bug_is_internal_and_the_server_carries_on(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(worker.engine, "info", lambda: 1 / 0)
+    monkeypatch.setattr(worker.engine, "info", lambda owner=None: 1 / 0)
     with pytest.raises(WorkerError) as info:
         worker.client.describe()
     assert info.value.code == grpc.StatusCode.INTERNAL and "ZeroDivisionError" in info.value.details
@@ -369,7 +373,7 @@ def test_a_round_past_its_deadline_stops_on_the_worker(worker: Worker, replica: 
 def test_a_cancelled_round_stops_on_the_worker(worker: Worker, replica: Replica) -> None:
     worker.client.push_state(state_of(replica))
     stub = worker_pb2_grpc.WorkerStub(worker.client.channel)
-    call = stub.RunRound(iter(order_parts(_long_order(replica))), timeout=TIMEOUT)
+    call = stub.RunRound(iter(order_parts(_long_order(replica))), timeout=TIMEOUT, metadata=worker.client.call_metadata)
     timer = threading.Timer(0.5, call.cancel)
     timer.start()
     try:

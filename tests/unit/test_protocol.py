@@ -63,8 +63,15 @@ def test_parts_round_trip(size: int) -> None:
 
 
 def framed(data: bytes) -> list[pb.Part]:
-    half = len(data) // 2
-    return [pb.Part(data=data[:half]), pb.Part(data=data[half:], last=True, total_bytes=len(data), sha256=hashlib.sha256(data).digest())]
+    half, total = len(data) // 2, len(data)
+    return [pb.Part(data=data[:half], total_bytes=total), pb.Part(data=data[half:], last=True, total_bytes=total, sha256=hashlib.sha256(data).digest())]
+
+
+def _with_total(part: pb.Part, total: int) -> pb.Part:
+    out = pb.Part()
+    out.CopyFrom(part)
+    out.total_bytes = total
+    return out
 
 
 @pytest.mark.parametrize(
@@ -72,12 +79,14 @@ def framed(data: bytes) -> list[pb.Part]:
     [
         (lambda ps: ps[:-1], "ended before its last part"),
         (lambda ps: [], "ended before its last part"),
-        (lambda ps: [ps[0], pb.Part(data=ps[1].data, last=True, total_bytes=ps[1].total_bytes + 1, sha256=ps[1].sha256)], "its last part says"),
+        (lambda ps: [ps[0], _with_total(ps[1], 201)], "a part declares 201 bytes in all, the first part 200"),
+        (lambda ps: [_with_total(ps[0], 201), _with_total(ps[1], 201)], "framed message is 200 bytes, its parts declare 201"),
         (lambda ps: [ps[0], pb.Part(data=ps[1].data, last=True, total_bytes=ps[1].total_bytes, sha256=b"\0" * 32)], "SHA-256"),
-        (lambda ps: [pb.Part(data=b"x" + ps[0].data), ps[1]], "its last part says"),
-        (lambda ps: [pb.Part(data=bytes([ps[0].data[0] ^ 1]) + ps[0].data[1:]), ps[1]], "SHA-256"),
+        (lambda ps: [pb.Part(data=b"x" + ps[0].data, total_bytes=200), ps[1]], "runs past the 200 bytes"),
+        (lambda ps: [pb.Part(data=bytes([ps[0].data[0] ^ 1]) + ps[0].data[1:], total_bytes=200), ps[1]], "SHA-256"),
+        (lambda ps: [pb.Part(data=ps[0].data), ps[1]], "runs past the 0 bytes"),  # protocol 2 framing: no total up front
     ],
-    ids=["no-last-part", "empty-stream", "wrong-total", "wrong-hash", "extra-byte", "flipped-bit"],
+    ids=["no-last-part", "empty-stream", "totals-disagree", "short-of-total", "wrong-hash", "extra-byte", "flipped-bit", "no-total-first"],
 )
 def test_join_parts_rejects_broken_frames(mangle, message: str) -> None:
     parts = mangle(framed(bytes(range(200))))
@@ -85,17 +94,36 @@ def test_join_parts_rejects_broken_frames(mangle, message: str) -> None:
         protocol.join_parts(parts, max_bytes=1 << 20)
 
 
-def test_join_parts_stops_at_the_size_limit_before_reading_everything() -> None:
+def test_every_part_declares_the_total() -> None:
+    msg = pb.FetchWorkerStateRequest(run_id="y" * 1000)
+    parts = list(protocol.to_parts(msg, part_bytes=128))
+    assert len(parts) > 2 and {p.total_bytes for p in parts} == {msg.ByteSize()}
+
+
+def test_join_parts_refuses_a_declared_oversize_before_reading_on() -> None:
+    consumed = []
+
+    def huge():
+        while True:
+            consumed.append(1)
+            yield pb.Part(data=b"\0" * 1024, total_bytes=1 << 40)
+
+    with pytest.raises(ProtocolError, match=r"declares 1099511627776 bytes, over the 1.0 MiB limit \(--max-message-mb\)"):
+        protocol.join_parts(huge(), max_bytes=1 << 20)
+    assert len(consumed) == 1  # one part looked at, none kept
+
+
+def test_join_parts_stops_at_the_declared_size_when_parts_run_on() -> None:
     consumed = []
 
     def endless():
         while True:
             consumed.append(1)
-            yield pb.Part(data=b"\0" * (1 << 19))
+            yield pb.Part(data=b"\0" * (1 << 18), total_bytes=1 << 20)
 
-    with pytest.raises(ProtocolError, match="--max-message-mb"):
+    with pytest.raises(ProtocolError, match="runs past the 1048576 bytes"):
         protocol.join_parts(endless(), max_bytes=1 << 20)
-    assert len(consumed) == 3
+    assert len(consumed) == 5
 
 
 @pytest.mark.parametrize("data", [b"\xff" * 16, b"\x0f", b"\x0a\x05ab"], ids=["truncated-varint", "bad-wire-type", "short-field"])

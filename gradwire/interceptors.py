@@ -1,0 +1,85 @@
+"""Server interceptors every gradwire server puts in front of its methods: a deadline rule and the token.
+
+Both check a call before its handler reads a byte of the request (a refused stream is never buffered),
+and both leave the standard health service open, so that probes and load balancers work without
+credentials. An interceptor cannot see a call's context, so each wraps the method's handler and checks at
+the top of the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from gradwire.security import bearer, token_matches
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+# Without a deadline grpc reports the time left as ~9.2e18 s (not None); beyond a year means "none".
+_NO_DEADLINE_SECONDS = 365 * 24 * 3600.0
+
+Check = Callable[[grpc.ServicerContext], None]  # aborts the call (context.abort raises) or returns
+
+
+def has_deadline(context: grpc.ServicerContext) -> bool:
+    remaining = context.time_remaining()
+    return remaining is not None and remaining < _NO_DEADLINE_SECONDS
+
+
+class _Guard(grpc.ServerInterceptor):
+    """Runs ``check`` at the top of every call but the health service's."""
+
+    def check(self, context: grpc.ServicerContext) -> None:
+        raise NotImplementedError
+
+    def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None], details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        handler = continuation(details)
+        if handler is None or details.method.startswith(HEALTH_PREFIX):
+            return handler
+        return guarded(handler, self.check)
+
+
+class RequireDeadline(_Guard):
+    """Rejects every call that carries no deadline (INVALID_ARGUMENT): without one, a client that hangs
+    can hold a server thread forever."""
+
+    MESSAGE = "every call needs a deadline"
+
+    def check(self, context: grpc.ServicerContext) -> None:
+        if not has_deadline(context):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.MESSAGE)
+
+
+class RequireToken(_Guard):
+    """Rejects every call without ``authorization: Bearer <token>`` (UNAUTHENTICATED), compared in
+    constant time."""
+
+    MESSAGE = "a valid token is required (coordinator train --token-file / $GRADWIRE_TOKEN)"
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    def check(self, context: grpc.ServicerContext) -> None:
+        if not token_matches(bearer(context.invocation_metadata()), self._token):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, self.MESSAGE)
+
+
+def guarded(handler: grpc.RpcMethodHandler, check: Check) -> grpc.RpcMethodHandler:
+    """``handler`` with ``check(context)`` run before its behaviour, whatever its streaming kind."""
+
+    def wrap(behavior: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[[Any, grpc.ServicerContext], Any]:
+        def call(request: Any, context: grpc.ServicerContext) -> Any:
+            check(context)
+            return behavior(request, context)
+
+        return call
+
+    kinds = {
+        (False, False): (grpc.unary_unary_rpc_method_handler, handler.unary_unary),
+        (False, True): (grpc.unary_stream_rpc_method_handler, handler.unary_stream),
+        (True, False): (grpc.stream_unary_rpc_method_handler, handler.stream_unary),
+        (True, True): (grpc.stream_stream_rpc_method_handler, handler.stream_stream),
+    }
+    make, behavior = kinds[(handler.request_streaming, handler.response_streaming)]
+    return make(wrap(behavior), request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)

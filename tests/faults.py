@@ -1,0 +1,80 @@
+"""Fault injection for tests: workers that misbehave on purpose, at chosen rounds.
+
+``FaultyEngine`` is the project's own ``WorkerEngine`` (served by the real servicer and server) whose
+answers are tampered with after it computed them honestly, the way a compromised or broken worker would:
+
+* ``scale``       - the payload stands for ``factor`` times the real contribution (x1000, or -x1000 for a
+                    sign-flipping attacker): decoded, scaled and encoded again with the run's codec;
+* ``nan``         - a payload with a NaN in it;
+* ``wrong-shape`` - a payload whose first tensor claims another shape;
+* ``lie-tokens``  - an honest payload with ``factor`` times the tokens it trained on (to weigh more).
+
+Use it through ``faulty(action, ...)``, an engine factory for ``tests.integration.conftest.live_workers``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Collection
+
+from gradwire.compression import CompressedGradient
+from gradwire.protocol import OK, RoundResult, WorkOrder
+from gradwire.worker.engine import WorkerEngine
+
+ACTIONS = ("scale", "nan", "wrong-shape", "lie-tokens")
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultPlan:
+    """What to do, and in which rounds (``None``: every round)."""
+
+    action: str
+    factor: float = 1000.0
+    rounds: Collection[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.action not in ACTIONS:
+            raise ValueError(f"unknown fault {self.action!r}; known: {ACTIONS}")
+
+    def applies(self, round: int) -> bool:
+        return self.rounds is None or round in self.rounds
+
+
+class FaultyEngine(WorkerEngine):
+    """A worker engine that tampers with its own OK results as ``plan`` says; ``injected`` lists the rounds."""
+
+    def __init__(self, plan: FaultPlan, device: str = "cpu", **kwargs: object) -> None:
+        super().__init__(device, **kwargs)
+        self.plan = plan
+        self.injected: list[int] = []
+
+    def run_round(self, order: WorkOrder, cancelled: Callable[[], bool] = lambda: False, owner: bytes = b"") -> RoundResult:
+        result = super().run_round(order, cancelled, owner)
+        if result.status != OK or result.gradient is None or not self.plan.applies(order.round):
+            return result
+        self.injected.append(order.round)
+        return dataclasses.replace(result, **self._tamper(order, result))
+
+    def _tamper(self, order: WorkOrder, result: RoundResult) -> dict[str, object]:
+        plan, gradient = self.plan, result.gradient
+        assert gradient is not None
+        if plan.action == "lie-tokens":
+            return {"tokens": int(result.tokens * plan.factor)}
+        if plan.action == "scale":
+            codec = self.sessions[order.run_id].replica.codec(gradient.settings)
+            dense = codec.decompress(gradient)
+            return {"gradient": codec.compress({k: v * plan.factor for k, v in dense.items()})}
+        first, *rest = gradient.tensors
+        if plan.action == "nan":
+            return {"gradient": _with_first(gradient, dataclasses.replace(first, scale=float("nan")), rest)}
+        return {"gradient": _with_first(gradient, dataclasses.replace(first, shape=tuple(s + 1 for s in first.shape)), rest)}
+
+
+def _with_first(gradient: CompressedGradient, first: object, rest: list) -> CompressedGradient:
+    return dataclasses.replace(gradient, tensors=(first, *rest))
+
+
+def faulty(action: str, *, factor: float = 1000.0, rounds: Collection[int] | None = None) -> Callable[[], FaultyEngine]:
+    """An engine factory: a CPU worker that misbehaves as told."""
+    plan = FaultPlan(action, factor, rounds)
+    return lambda: FaultyEngine(plan)

@@ -1,0 +1,96 @@
+"""Two honest workers and one bad one (tests/faults.py) against real servers: the run ends within 2% of the
+honest pair's held-out loss, every worker still in the run holds the coordinator's replica bit for bit,
+and the bad worker is clipped, rejected or benched as the log and metrics say."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradwire.coordinator.config import TrainConfig
+from gradwire.coordinator.metrics import read_metrics
+from gradwire.worker.engine import WorkerEngine
+
+from ..faults import FaultyEngine, faulty
+from .conftest import LiveWorker, live_workers, train
+
+STEPS = 24
+
+
+def config(tmp_path: Path, name: str, **changes: object) -> TrainConfig:
+    settings = dict(model="gpt-tiny", steps=STEPS, batch_size=4, sequence_length=32, eval_batches=4, output_dir=str(tmp_path / name), seed=3)
+    settings.update(changes)
+    return TrainConfig(**settings)
+
+
+def held_out_loss(trainer) -> float:
+    trainer.flush()
+    return trainer.evaluate()
+
+
+def assert_replica_is_the_coordinators(trainer, worker: LiveWorker) -> None:
+    (session,) = worker.engine.sessions.values()
+    trainer.flush()
+    if session.replica.version == trainer.replica.version - 1:
+        session.replica.apply(trainer.outer.pending)  # the last round's update, which it would replay next
+    assert session.replica.version == trainer.replica.version
+    for name, p in trainer.replica.params.items():
+        assert torch.equal(session.replica.params[name], p), name
+
+
+@pytest.fixture(scope="module")
+def honest_loss(tmp_path_factory: pytest.TempPathFactory) -> float:
+    with live_workers(2) as workers:
+        return held_out_loss(train(config(tmp_path_factory.mktemp("honest"), "run"), workers))
+
+
+BEHAVIOURS = {
+    # name: (fault, what the coordinator must have done about it)
+    "x1000": (faulty("scale", factor=1000.0), "rejected"),  # far beyond the clip bound: left out, benched
+    "minus-x1000": (faulty("scale", factor=-1000.0), "rejected"),
+    "x4": (faulty("scale", factor=4.0), "clipped"),  # an outlier within reach: clipped to 2x the median, kept
+    "nan": (faulty("nan"), "rejected"),
+    "wrong-shape": (faulty("wrong-shape"), "rejected"),
+    "lie-about-tokens": (faulty("lie-tokens", factor=100.0), "rejected"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(BEHAVIOURS))
+def test_one_bad_worker_among_three_does_not_hurt(tmp_path: Path, honest_loss: float, name: str) -> None:
+    fault, expected = BEHAVIOURS[name]
+    # Slots 0 and 1 are the honest pair of the baseline run: same data, same seed.
+    with live_workers(3, [lambda: WorkerEngine("cpu"), lambda: WorkerEngine("cpu"), fault]) as workers:
+        trainer = train(config(tmp_path, name), workers)
+        loss = held_out_loss(trainer)
+        bad = workers[2].engine
+        assert isinstance(bad, FaultyEngine) and bad.injected, "the fault never fired"
+        for worker in workers[:2]:
+            assert_replica_is_the_coordinators(trainer, worker)
+    records = read_metrics(tmp_path / name)
+    assert len(records) == STEPS
+    assert sum(r[expected] for r in records) >= 1, f"no round {expected} the bad worker"
+    assert max(r["benched"] for r in records) == (0 if expected == "clipped" else 1)  # benched after its strikes
+    assert loss <= 1.02 * honest_loss, f"{name}: held-out loss {loss:.4f} vs {honest_loss:.4f} for the honest pair"
+
+
+@pytest.mark.slow
+def test_without_defences_a_sign_flipping_worker_does_hurt(tmp_path: Path, honest_loss: float) -> None:
+    """The control: the same attacker, clipping and benching off, really does damage (so the test above
+    measures the defence, not a harmless fault)."""
+    with live_workers(3, [lambda: WorkerEngine("cpu"), lambda: WorkerEngine("cpu"), faulty("scale", factor=-1000.0)]) as workers:
+        loss = held_out_loss(train(config(tmp_path, "open", clip_factor=0.0, bench_after=0), workers))
+    assert loss > 1.02 * honest_loss
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["median", "trimmed-mean"])
+def test_coordinate_rules_train_and_keep_replicas_identical(tmp_path: Path, mode: str) -> None:
+    with live_workers(3, [lambda: WorkerEngine("cpu"), lambda: WorkerEngine("cpu"), faulty("scale", factor=-1000.0)]) as workers:
+        trainer = train(config(tmp_path, mode, aggregate=mode, no_compression=True, outer_optimizer="sgd", learning_rate=0.05, bench_after=0, steps=8), workers)
+        for worker in workers:  # the bad worker replays the same updates too
+            assert_replica_is_the_coordinators(trainer, worker)
+    records = read_metrics(tmp_path / mode)
+    assert records[-1]["loss"] < records[0]["loss"]

@@ -1,0 +1,129 @@
+"""Robust aggregation (compression.robust), its wire form in replays, and the benching decision."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+from gradwire import protocol
+from gradwire.compression import CodecConfig, GradientCodec
+from gradwire.compression.robust import MEAN, AggregationRule, aggregate, clip_scales, payload_norm
+from gradwire.coordinator.decisions import Standing, judge
+from gradwire.replica import StateUpdate
+
+SHAPES = {"w": (64, 48), "b": (48,), "v": (4096,)}
+
+
+def grads(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [{k: torch.randn(s, generator=g) for k, s in SHAPES.items()} for _ in range(n)]
+
+
+def payloads(codec: GradientCodec, gs: list[dict[str, torch.Tensor]]):
+    return [codec.compress(g) for g in gs]
+
+
+def test_clip_scales_follow_the_median() -> None:
+    assert clip_scales([1.0, 2.0, 3.0], 0) == (1.0, 1.0, 1.0)
+    assert clip_scales([1.0, 1.2, 1000.0], 2.0) == pytest.approx((1.0, 1.0, 2.4 / 1000.0))
+    assert clip_scales([2.0, 4.0], 2.0) == (1.0, 1.0)  # two senders: neither exceeds twice their median
+    assert clip_scales([], 2.0) == ()
+
+
+def test_payload_norm_is_the_gradients_norm() -> None:
+    codec = GradientCodec(SHAPES, CodecConfig(topk=4096))  # every coefficient kept: exact
+    (g,) = grads(1)
+    decoded = codec.decode(codec.compress(g))
+    dense = torch.cat([t.reshape(-1) for t in g.values()])
+    assert payload_norm(decoded) == pytest.approx(float(torch.linalg.vector_norm(dense)), rel=1e-3)
+
+
+def test_clipped_mean_scales_a_sender_and_keeps_the_others_weight() -> None:
+    codec = GradientCodec(SHAPES, CodecConfig(topk=32))
+    ps = payloads(codec, grads(3))
+    decs = [codec.decompress(p) for p in ps]
+    got = aggregate(codec, ps, [1.0, 2.0, 3.0], [1.0, 0.5, 1.0]).result()
+    for k in SHAPES:
+        want = (1.0 * decs[0][k] + 2.0 * 0.5 * decs[1][k] + 3.0 * decs[2][k]) / 6.0
+        torch.testing.assert_close(got[k], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["median", "trimmed-mean"])
+def test_coordinate_rules_without_dct_are_elementwise_over_senders(mode: str) -> None:
+    codec = GradientCodec(SHAPES, CodecConfig(topk=4096, use_dct=False, bins=0))  # raw and complete: exact
+    gs = grads(5, seed=3)
+    gs[4] = {k: v * 1000 for k, v in gs[4].items()}  # one huge sender
+    got = aggregate(codec, payloads(codec, gs), [1.0] * 5, (), AggregationRule(mode=mode, trim=0.2)).result()
+    for k in SHAPES:
+        stack = torch.stack([g[k] for g in gs]).sort(dim=0).values
+        want = stack[2] if mode == "median" else stack[1:4].mean(dim=0)
+        torch.testing.assert_close(got[k], want, rtol=1e-5, atol=1e-5)
+        assert got[k].abs().max() < 10  # the huge sender moved nothing
+
+
+def test_rules_do_not_depend_on_sender_order() -> None:
+    codec = GradientCodec(SHAPES, CodecConfig(topk=64))
+    ps = payloads(codec, grads(4, seed=5))
+    for rule in (MEAN, AggregationRule(mode="median"), AggregationRule(mode="trimmed-mean")):
+        results = [aggregate(codec, [ps[i] for i in order], [1.0] * 4, (), rule).result() for order in itertools.permutations(range(4), 4)][:6]
+        for r in results[1:]:
+            for k in SHAPES:
+                torch.testing.assert_close(r[k], results[0][k], rtol=1e-6, atol=1e-7)
+
+
+def test_median_of_one_sender_is_its_decompression_and_norms_agree() -> None:
+    codec = GradientCodec(SHAPES, CodecConfig(topk=32))
+    (p,) = payloads(codec, grads(1))
+    agg = aggregate(codec, [p], [1.0], (), AggregationRule(mode="median"))
+    dense = codec.decompress(p)
+    for k in SHAPES:
+        torch.testing.assert_close(agg.result()[k], dense[k], rtol=1e-5, atol=1e-6)
+    assert agg.norm() == pytest.approx(float(torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in dense.values()]))), rel=1e-4)
+
+
+def test_bad_arguments() -> None:
+    codec = GradientCodec(SHAPES, CodecConfig())
+    ps = payloads(codec, grads(2))
+    with pytest.raises(ValueError, match="scales"):
+        aggregate(codec, ps, [1.0, 1.0], [1.0])
+    with pytest.raises(ValueError, match=r"in \[0, 1\]"):
+        aggregate(codec, ps, [1.0, 1.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match="--aggregate"):
+        AggregationRule(mode="mode")
+
+
+def test_a_replay_carries_its_scales_and_rule() -> None:
+    codec = GradientCodec(SHAPES, CodecConfig())
+    ps = tuple(payloads(codec, grads(3)))
+    update = StateUpdate(0.5, ps, (1.0, 2.0, 3.0), scales=(1.0, 0.25, 1.0), rule=AggregationRule(mode="trimmed-mean", trim=0.3))
+    back = protocol.update_from_proto(protocol.update_to_proto(update))
+    assert (back.scales, back.rule, back.weights) == (update.scales, update.rule, update.weights)
+    plain = protocol.update_from_proto(protocol.update_to_proto(dataclasses.replace(update, scales=(), rule=MEAN)))
+    assert (plain.scales, plain.rule) == ((), MEAN)
+    msg = protocol.update_to_proto(update)
+    msg.replay.scales[1] = 1.5
+    with pytest.raises(protocol.ProtocolError, match="replay scales"):
+        protocol.update_from_proto(msg)
+    msg.replay.scales[1] = 0.5
+    msg.replay.aggregation = "mode"
+    with pytest.raises(protocol.ProtocolError, match="replay aggregation"):
+        protocol.update_from_proto(msg)
+    del msg.replay.scales[0]
+    with pytest.raises(protocol.ProtocolError, match="clip scales"):
+        protocol.update_from_proto(msg)
+
+
+def test_judge_benches_after_strikes_in_a_row_and_forgives_a_good_round() -> None:
+    s = Standing()
+    s, why = judge(s, 10, "clipped", bench_after=3, bench_rounds=5)
+    assert (s.strikes, s.benched(11)) == (1, False) and "strike 1 of 3" in why
+    s, _ = judge(s, 11, "rejected", bench_after=3, bench_rounds=5)
+    s, why = judge(s, 12, "rejected", bench_after=3, bench_rounds=5)
+    assert s.benched(13) and s.benched(17) and not s.benched(18) and "benched until step 18" in why
+    s2, why = judge(Standing(strikes=2), 5, "ok", bench_after=3, bench_rounds=5)
+    assert s2 == Standing() and "cleared" in why
+    s3, _ = judge(Standing(strikes=9), 5, "rejected", bench_after=0, bench_rounds=5)
+    assert s3.strikes == 10 and not s3.benched(6)  # benching off
