@@ -1,9 +1,11 @@
-"""Server interceptors every gradwire server puts in front of its methods: a deadline rule and the token.
+"""Server interceptors every gradwire server puts in front of its methods: the token, a deadline rule, and
+requests that do not parse.
 
-Both check a call before its handler reads a byte of the request (a refused stream is never buffered),
-and both leave the standard health service open, so that probes and load balancers work without
-credentials. An interceptor cannot see a call's context, so each wraps the method's handler and checks at
-the top of the call.
+The first two check a call before its handler reads a byte of the request (a refused stream is never
+buffered), and both leave the standard health service open, so that probes and load balancers work
+without credentials. An interceptor cannot see a call's context, so each wraps the method's handler and
+checks at the top of the call. ``RejectMalformed`` makes a request that is not the method's message an
+INVALID_ARGUMENT (grpc itself would answer INTERNAL, "Exception deserializing request").
 """
 
 from __future__ import annotations
@@ -65,6 +67,50 @@ class RequireToken(_Guard):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, self.MESSAGE)
 
 
+class _Malformed:
+    """What a request that failed to parse becomes, so that the handler can answer for it."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class RejectMalformed(grpc.ServerInterceptor):
+    """Requests (or stream messages) that do not parse as the method's message -> INVALID_ARGUMENT."""
+
+    def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None], details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        handler = continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+        method = details.method.rsplit("/", 1)[-1]
+
+        def safe_parse(data: bytes) -> Any:
+            try:
+                return parse(data)
+            except Exception as e:  # noqa: BLE001 - any parse failure is the caller's mistake
+                return _Malformed(e)
+
+        def check(request: Any, context: grpc.ServicerContext) -> Any:
+            if isinstance(request, _Malformed):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request does not parse: {request.error}")
+            return request
+
+        def checked_stream(requests: Any, context: grpc.ServicerContext) -> Any:
+            for request in requests:
+                if isinstance(request, _Malformed):
+                    raise ValueError(f"{method}: a streamed message does not parse: {request.error}")  # the servicer answers INVALID_ARGUMENT
+                yield request
+
+        def wrap(behavior: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[[Any, grpc.ServicerContext], Any]:
+            def call(request: Any, context: grpc.ServicerContext) -> Any:
+                request = checked_stream(request, context) if handler.request_streaming else check(request, context)
+                return behavior(request, context)
+
+            return call
+
+        return _rebuild(handler, wrap, request_deserializer=safe_parse)
+
+
 def guarded(handler: grpc.RpcMethodHandler, check: Check) -> grpc.RpcMethodHandler:
     """``handler`` with ``check(context)`` run before its behaviour, whatever its streaming kind."""
 
@@ -75,6 +121,11 @@ def guarded(handler: grpc.RpcMethodHandler, check: Check) -> grpc.RpcMethodHandl
 
         return call
 
+    return _rebuild(handler, wrap)
+
+
+def _rebuild(handler: grpc.RpcMethodHandler, wrap: Callable[[Callable[[Any, grpc.ServicerContext], Any]], Callable[[Any, grpc.ServicerContext], Any]], request_deserializer: Callable[[bytes], Any] | None = None) -> grpc.RpcMethodHandler:
+    """``handler`` with its behaviour wrapped (and, if given, another request deserializer), whatever its kind."""
     kinds = {
         (False, False): (grpc.unary_unary_rpc_method_handler, handler.unary_unary),
         (False, True): (grpc.unary_stream_rpc_method_handler, handler.unary_stream),
@@ -82,4 +133,4 @@ def guarded(handler: grpc.RpcMethodHandler, check: Check) -> grpc.RpcMethodHandl
         (True, True): (grpc.stream_stream_rpc_method_handler, handler.stream_stream),
     }
     make, behavior = kinds[(handler.request_streaming, handler.response_streaming)]
-    return make(wrap(behavior), request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    return make(wrap(behavior), request_deserializer=request_deserializer or handler.request_deserializer, response_serializer=handler.response_serializer)

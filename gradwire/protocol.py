@@ -37,6 +37,18 @@ class ProtocolError(ValueError):
     """A message that is malformed or not what this side expects."""
 
 
+MAX_RUN_ID = 128  # a run id names a run in logs and errors: short, printable
+
+
+def check_run_id(run_id: str, where: str) -> str:
+    """``run_id`` if it is 1-128 printable ASCII characters; ``ProtocolError`` otherwise (without echoing it)."""
+    if not run_id:
+        raise ProtocolError(f"{where} has no run_id")
+    if len(run_id) > MAX_RUN_ID or not all(" " <= c <= "~" for c in run_id):
+        raise ProtocolError(f"{where}: run_id must be 1-{MAX_RUN_ID} printable ASCII characters (got {len(run_id)} characters)")
+    return run_id
+
+
 # ------------------------------------------------------------------------------------------- framing
 
 
@@ -201,8 +213,7 @@ def state_to_proto(s: ModelState) -> pb.ModelState:
 
 def state_from_proto(m: pb.ModelState) -> ModelState:
     _check_version(m.protocol_version)
-    if not m.run_id:
-        raise ProtocolError("model state has no run_id")
+    check_run_id(m.run_id, "model state")
     return ModelState(
         m.run_id, m.version, m.model_json, tensors_from_proto(m.parameters, "parameters"), m.update_rule_json,
         tensors_from_proto(m.optimizer_state, "optimizer_state"), tensors_from_proto(m.feedback, "feedback"),
@@ -348,8 +359,7 @@ def order_to_proto(o: WorkOrder) -> pb.WorkOrder:
 
 def order_from_proto(m: pb.WorkOrder) -> WorkOrder:
     _check_version(m.protocol_version)
-    if not m.run_id:
-        raise ProtocolError("work order has no run_id")
+    check_run_id(m.run_id, "work order")
     b = m.batch
     if b.dtype not in _BATCH_DTYPES:
         raise ProtocolError(f"token batch dtype {b.dtype} is not uint16 or int32")

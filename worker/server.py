@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from gradwire.interceptors import RequireDeadline, RequireToken
+from gradwire.interceptors import RejectMalformed, RequireDeadline, RequireToken
 from gradwire.security import ServerSecurity
 from gradwire.transport import DEFAULT_MESSAGE_MB, SERVICE_NAME, check_message_mb, grpc_options
 from gradwire.v1 import worker_pb2_grpc
@@ -50,7 +50,7 @@ def make_server(servicer: worker_pb2_grpc.WorkerServicer, *, host: str = "[::]",
     """
     security = security or ServerSecurity()
     credentials = security.credentials()  # before anything binds: a bad file fails the start
-    interceptors: list[grpc.ServerInterceptor] = [RequireDeadline()]
+    interceptors: list[grpc.ServerInterceptor] = [RequireDeadline(), RejectMalformed()]
     if security.token is not None:
         interceptors.insert(0, RequireToken(security.token))  # strangers learn nothing, not even the deadline rule
     server = grpc.server(

@@ -78,7 +78,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def FetchWorkerState(self, request: pb.FetchWorkerStateRequest, context: grpc.ServicerContext) -> Iterator[pb.Part]:
         try:
-            parts = list(protocol.to_parts(protocol.worker_state_to_proto(self.engine.worker_state(request.run_id, owner=caller(context)))))
+            parts = list(protocol.to_parts(protocol.worker_state_to_proto(self.engine.worker_state(protocol.check_run_id(request.run_id, "FetchWorkerState"), owner=caller(context)))))
         except Exception as e:
             self._fail(context, "FetchWorkerState", e)
         yield from parts
@@ -100,17 +100,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         _fail(context, method, e)
 
 
+MAX_DETAILS = 1000  # an error's text travels as call metadata: keep it well under grpc's limits
+
+
 def _fail(context: grpc.ServicerContext, method: str, e: Exception) -> NoReturn:
     """End the call with the status ``e`` deserves (``context.abort`` raises)."""
+    text = str(e) if len(str(e)) <= MAX_DETAILS else str(e)[:MAX_DETAILS] + "..."
     if isinstance(e, Cancelled) or not context.is_active():
         # Reading a cancelled call's request stream raises a bare RpcError; nobody is listening anyway.
-        log.info("%s from %s ended early: %s", method, context.peer(), str(e) or type(e).__name__)
-        context.abort(grpc.StatusCode.CANCELLED, f"{method} cancelled: {e}")
+        log.info("%s from %s ended early: %s", method, context.peer(), text or type(e).__name__)
+        context.abort(grpc.StatusCode.CANCELLED, f"{method} cancelled: {text}")
     if isinstance(e, AccessDenied):
-        log.warning("%s from %s refused: %s", method, context.peer(), e)
-        context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+        log.warning("%s from %s refused: %s", method, context.peer(), text)
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, text)
     if isinstance(e, ValueError):
-        log.warning("%s from %s rejected: %s", method, context.peer(), e)
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        log.warning("%s from %s rejected: %s", method, context.peer(), text)
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, text)
     log.exception("%s from %s failed", method, context.peer())
-    context.abort(grpc.StatusCode.INTERNAL, f"{method} failed on the worker: {type(e).__name__}: {e} (see the worker's log)")
+    context.abort(grpc.StatusCode.INTERNAL, f"{method} failed on the worker: {type(e).__name__}: {text} (see the worker's log)")

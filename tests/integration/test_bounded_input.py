@@ -181,3 +181,25 @@ def test_spec_elements_counts_without_allocating() -> None:
 def test_protocol_refuses_non_finite_fingerprints() -> None:
     with pytest.raises(protocol.ProtocolError, match="fingerprint"):
         protocol.fingerprint_from_proto(pb.Fingerprint(sums=[1.0, float("nan")], sumsqs=[1.0, 1.0], samples=[]))
+
+
+def test_run_ids_are_short_and_printable_and_never_echoed_whole(worker) -> None:
+    engine, client = worker
+    long_id = "x" * 100_000
+    refused(lambda: client.push_state(state(run_id=long_id)), "run_id must be 1-128 printable ASCII characters (got 100000 characters)")
+    refused(lambda: client.push_state(state(run_id="bad\nid")), "printable")
+    refused(lambda: client.fetch_worker_state(long_id), "run_id must be")
+    assert engine.sessions == {}
+
+
+def test_unparseable_requests_are_invalid_not_internal(worker) -> None:
+    _, client = worker
+    raw = client.channel.unary_unary("/gradwire.v1.Worker/Describe", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    with pytest.raises(grpc.RpcError) as info:
+        raw(b"\xff\xff\xff", timeout=TIMEOUT)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not parse" in info.value.details()
+    stream = client.channel.stream_stream("/gradwire.v1.Worker/RunRound", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    with pytest.raises(grpc.RpcError) as info:
+        list(stream(iter([b"\xff\xff\xff"]), timeout=TIMEOUT))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not parse" in info.value.details()
+    assert client.describe().device == "cpu"
