@@ -82,7 +82,7 @@ def method_config(name: str, args: argparse.Namespace, overrides: dict[str, Any]
     return TrainConfig(
         model=args.model, seed=args.seed, batch_size=args.batch_size, sequence_length=args.sequence_length,
         steps=args.steps_total // h, eval_every=max(1, args.steps_total // EVAL_POINTS // h), eval_batches=EVAL_BATCHES,
-        output_dir=str(Path(args.output_dir) / name), **settings,
+        output_dir=str(Path(args.output_dir) / name), overwrite=True, **settings,
     )
 
 

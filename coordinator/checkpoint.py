@@ -26,7 +26,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-__all__ = ["CHECKPOINT_FORMAT", "keep_last", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CHECKPOINT_FORMAT", "keep_last", "latest_checkpoint", "load_checkpoint", "remove_leftovers", "save_checkpoint"]
 
 # Version of the directory layout and the reserved meta.json keys below (not of the caller's metadata).
 CHECKPOINT_FORMAT = 1
@@ -233,10 +233,21 @@ def keep_last(root: Path | str, n: int) -> list[Path]:
         (int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.fullmatch(p.name))
     )
     doomed = [p for _, p in steps[:-n] if p != current]
-    doomed += [p for p in root.iterdir() if p.name.startswith((".tmp-", ".old-"))]
-    for p in doomed:
+    _remove(doomed)
+    return doomed + remove_leftovers(root)
+
+
+def remove_leftovers(root: Path | str) -> list[Path]:
+    """Delete what interrupted saves left in ``root`` (``.tmp-*``/``.old-*``); returns it. Only from the
+    process that saves, between saves."""
+    leftovers = [p for p in Path(root).iterdir() if p.name.startswith((".tmp-", ".old-"))]
+    _remove(leftovers)
+    return leftovers
+
+
+def _remove(paths: list[Path]) -> None:
+    for p in paths:
         if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
         else:
             p.unlink(missing_ok=True)
-    return doomed

@@ -8,21 +8,31 @@ same flags (keys are the flags without dashes, see ``configs/``); flags typed on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import re
+import shlex
+import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gradwire.cliconfig import add_security_flags, parse_args_with_config, subcommand_parser
 from gradwire.compression.robust import AGGREGATIONS
+from gradwire.coordinator.checkpoint import latest_checkpoint
 from gradwire.coordinator.client import WorkerClient, WorkerError
 from gradwire.coordinator.config import AUTO_FIELDS, TrainConfig
 from gradwire.coordinator.local import local_workers
 from gradwire.models import model_names
 from gradwire.optim import INNER_OPTIMIZERS, OUTER_OPTIMIZERS, SCHEDULES
 from gradwire.security import ClientSecurity, resolve_token
+
+if TYPE_CHECKING:
+    from gradwire.coordinator.trainer import Trainer
+
+log = logging.getLogger(__name__)
 
 HELP = {
     "model": f"a built-in model ({', '.join(model_names())}), a Hugging Face hub id (e.g. facebook/opt-125m) or a local model directory",
@@ -70,14 +80,16 @@ HELP = {
     "feedback_beta": "decay of the workers' error-feedback buffers (auto: 0.999 in gradient mode, 0.95 with --inner-steps > 1)",
     "output_dir": "where metrics.jsonl, checkpoints/ and final/ go",
     "checkpoint_dir": "checkpoint directory (default: OUTPUT_DIR/checkpoints)",
-    "checkpoint_every": "save a checkpoint every N steps (0: only at the end)",
+    "checkpoint_every": "save a checkpoint every N steps, and at the end (0: only at the end); SIGINT/SIGTERM also save one",
     "keep_checkpoints": "keep only the newest N checkpoints (0: keep all)",
     "resume_from": "checkpoint directory (or checkpoint root) to continue from",
     "seed": "seed for model initialization and data order",
     "round_timeout": "deadline in seconds of every round and state-push call",
     "connect_timeout": "seconds to wait for workers to come up",
     "sync_tolerance": "relative tolerance of the replica fingerprint check",
-    "max_failed_rounds": "give up after this many rounds in a row with no usable worker",
+    "max_failed_rounds": "give up after this many rounds in a row with no usable worker, once they also span --max-failed-seconds",
+    "max_failed_seconds": "seconds of failed rounds in a row before giving up (failed rounds back off: 0.5 s, doubling to 30 s)",
+    "overwrite": "replace the run already in --output-dir (its metrics and checkpoints are deleted); without it a new run there is refused",
     "aggregate": "how the workers' contributions combine, in the DCT-coefficient domain: mean (weighted by tokens), or per coefficient trimmed-mean or median",
     "clip_factor": "clip each worker's contribution to this many times the round's median norm (templar's rule; 0: off)",
     "bench_after": "bench a worker after this many bad rounds in a row (payload rejected, false token count, or clipped below a quarter) (0: never)",
@@ -245,6 +257,41 @@ def report(output_dir: str, report_dir: str | None = None) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def stop_on_signals(trainer: Trainer) -> Iterator[None]:
+    """SIGINT/SIGTERM: finish the round in flight, checkpoint, close the workers' sessions (``Trainer.run``
+    returns with ``interrupted``). A second signal stops at once (KeyboardInterrupt)."""
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if trainer.stop_requested:
+            raise KeyboardInterrupt
+        log.warning("%s: finishing the round in flight, then a checkpoint (again to stop at once)", signal.Signals(signum).name)
+        trainer.request_stop()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def resume_command(checkpoint_dir: Path) -> str:
+    """This command line with ``--resume-from checkpoint_dir`` (replacing any it had)."""
+    argv, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip:
+            skip = False
+            continue
+        if arg == "--resume-from":
+            skip = True
+            continue
+        if arg.startswith("--resume-from="):
+            continue
+        argv.append(arg)
+    return shlex.join(["coordinator", *argv, "--resume-from", str(checkpoint_dir)])
+
+
 def train(config: TrainConfig, *, workers: str | None = None, local: int | None = None, progress: bool = True, security: ClientSecurity | None = None) -> int:
     from gradwire.coordinator.trainer import Trainer  # torch and models load only when training
     from gradwire.memory import keep_freed_memory
@@ -260,15 +307,23 @@ def train(config: TrainConfig, *, workers: str | None = None, local: int | None 
                 print(f"coordinator train: error: {e}", file=sys.stderr)
                 return 2
             try:
-                records = trainer.run()
+                with stop_on_signals(trainer):
+                    records = trainer.run()
             except (RuntimeError, WorkerError) as e:
                 print(f"coordinator train: {e}", file=sys.stderr)
                 return 1
+            except KeyboardInterrupt:
+                latest = latest_checkpoint(trainer.checkpoint_dir)
+                print(f"coordinator train: stopped at once at step {trainer.step}; the newest checkpoint is {latest or 'none'}", file=sys.stderr)
+                return 130
             finally:
                 trainer.close()
         finally:
             for c in clients:
                 c.close()
+        if trainer.interrupted:
+            print(f"stopped at step {trainer.step} of {config.steps}; checkpoint in {trainer.last_checkpoint}. Resume with: {resume_command(trainer.checkpoint_dir)}")
+            return 0
         if records:
             last = records[-1]
             print(f"step {last['step']}: loss {last['loss']:.4f}, {last['tokens_per_sec']:.0f} tokens/s, compression {last['compression_ratio']:.0f}x; outputs in {config.output_dir}")

@@ -123,6 +123,13 @@ class WorkerClient:
         self._record(request.ByteSize(), up.nbytes)
         return state
 
+    def close_run(self, run_id: str, timeout: float | None = None) -> bool:
+        """Ask the worker to drop its session of ``run_id``; whether it held one."""
+        request = pb.CloseRunRequest(run_id=run_id)
+        reply = self._call(lambda: self._stub.CloseRun(request, timeout=self._timeout(timeout), metadata=self.call_metadata))
+        self._record(request.ByteSize(), reply.ByteSize())
+        return reply.closed
+
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until the worker is reachable and its health says SERVING; ``WorkerError`` (UNAVAILABLE) if not."""
         timeout = self._timeout(timeout)

@@ -106,15 +106,17 @@ class TrainConfig:
     # Runs, checkpoints
     output_dir: str = "runs/gradwire"
     checkpoint_dir: str | None = None  # default: <output_dir>/checkpoints
-    checkpoint_every: int = 0  # 0 = only at the end
-    keep_checkpoints: int = 0  # keep the newest N checkpoints; 0 = keep all
+    checkpoint_every: int = 100  # a checkpoint every N steps, and at the end; 0 = only at the end
+    keep_checkpoints: int = 3  # keep the newest N checkpoints; 0 = keep all
     resume_from: str | None = None
     seed: int = 0
     # Rounds
     round_timeout: float = 600.0  # seconds; the deadline of every round RPC
     connect_timeout: float = 60.0
     sync_tolerance: float = 1e-4
-    max_failed_rounds: int = 3  # consecutive rounds with no usable worker before giving up
+    max_failed_rounds: int = 3  # consecutive rounds with no usable worker before giving up ...
+    max_failed_seconds: float = 60.0  # ... once they also span this long (failed rounds back off, 0.5 s doubling to 30 s)
+    overwrite: bool = False  # replace the run already in output_dir (without it, a new run there is refused)
     # Robust aggregation (compression.robust) and benching (decisions.judge)
     aggregate: str = "mean"  # mean | trimmed-mean | median, in the coefficient domain
     clip_factor: float = 2.0  # each sender clipped to this x the round's median norm; 0 = off
@@ -154,6 +156,8 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         self.aggregation_rule()  # validates --aggregate
+        if not (math.isfinite(self.max_failed_seconds) and self.max_failed_seconds >= 0):
+            raise ValueError(f"--max-failed-seconds must be >= 0, got {self.max_failed_seconds}")
         if self.round_timeout <= 0 or self.connect_timeout <= 0:
             raise ValueError("--round-timeout and --connect-timeout must be positive")
         self.data = tuple(self.data)

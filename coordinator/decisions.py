@@ -59,3 +59,25 @@ def judge(standing: Standing, step: int, verdict: Verdict, *, bench_after: int, 
 
 
 HARD_CLIP = 0.25  # a sender the median-norm clip would scale below this is left out, with a strike
+
+
+# ------------------------------------------------------------------------------------------- failed rounds
+
+RetryAction = Literal["retry", "give-up"]
+
+
+def after_failed_round(failed_in_a_row: int, failing_for: float, *, max_rounds: int, max_seconds: float, first_delay: float = 0.5, max_delay: float = 30.0) -> tuple[RetryAction, float, str]:
+    """What to do after a round with no usable worker: wait and retry, or give up.
+
+    Waits double from ``first_delay`` up to ``max_delay``, so a restart or a network blip that takes every
+    worker away for a few seconds costs a few rounds' waiting, not the run. The run gives up only once
+    both ``max_rounds`` rounds in a row have failed and they span ``max_seconds``. Returns (action, seconds
+    to wait, reason).
+    """
+    if failed_in_a_row >= max_rounds and failing_for >= max_seconds:
+        return "give-up", 0.0, (
+            f"{failed_in_a_row} rounds in a row over {failing_for:.0f} s with no usable worker "
+            f"(--max-failed-rounds {max_rounds}, --max-failed-seconds {max_seconds:g})"
+        )
+    delay = min(max_delay, first_delay * 2 ** max(0, failed_in_a_row - 1))
+    return "retry", delay, f"no usable worker ({failed_in_a_row} round(s) in a row, {failing_for:.1f} s); next round in {delay:.1f} s"

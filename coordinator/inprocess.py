@@ -55,6 +55,9 @@ class InProcessClient:
         self.last_bytes_down, self.last_bytes_up = 0, up.ByteSize()
         return protocol.worker_state_from_proto(_wire(up, pb.WorkerState))
 
+    def close_run(self, run_id: str, timeout: float | None = None) -> bool:
+        return self.engine.close_run(run_id)
+
     def close(self) -> None:
         return None
 

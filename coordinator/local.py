@@ -9,6 +9,7 @@ import sys
 from collections.abc import Iterator
 
 from gradwire.security import TOKEN_ENV
+from gradwire.worker.launch import die_with_parent
 from gradwire.transport import free_port
 
 
@@ -29,7 +30,10 @@ def local_workers(n: int, *, threads: int | None = None, device: str = "cpu", to
         for _ in range(n):
             port = free_port()
             cmd = [sys.executable, "-m", "gradwire.worker", "serve", "--host", "127.0.0.1", "--port", str(port), "--device", device]
-            procs.append(subprocess.Popen(cmd, env=env))
+            # A session of their own: Ctrl-C in the terminal reaches the coordinator alone, which finishes its
+            # round and checkpoints with the workers still up, then stops them; if it is killed outright,
+            # they die with it.
+            procs.append(subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent))  # noqa: PLW1509 - one prctl call
             addresses.append(f"127.0.0.1:{port}")
         yield addresses
     finally:

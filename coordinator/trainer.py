@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -26,12 +27,13 @@ from gradwire.compression.codec import DecodedGradient
 from gradwire.coordinator.checkpoint import keep_last, load_checkpoint, save_checkpoint
 from gradwire.coordinator.client import WorkerClient, WorkerError
 from gradwire.coordinator.config import TrainConfig
-from gradwire.coordinator.decisions import HARD_CLIP, Verdict, judge
+from gradwire.coordinator.decisions import HARD_CLIP, Verdict, after_failed_round, judge
 from gradwire.coordinator.data import batch_dtype, open_data
 from gradwire.coordinator.export import export_model
 from gradwire.coordinator.metrics import MetricsLog, ProgressBar
 from gradwire.coordinator.outer import Aggregate, make_outer
 from gradwire.coordinator.round import RoundDispatcher, RoundOutcome, SlotOutcome, WorkerSlot
+from gradwire.coordinator.rundir import claim, truncate_metrics
 from gradwire.coordinator.tracking import make_tracker
 from gradwire.models import lm_loss, load_tokenizer_arg, resolve_model, tokenizer_vocab_size, vocab_size_of
 from gradwire.protocol import LocalSteps, ModelState, RoundResult, WorkOrder
@@ -95,6 +97,10 @@ class Trainer:
         self.progress = progress
         self._pool = ThreadPoolExecutor(max_workers=len(self.slots), thread_name_prefix="dispatch")
         self.rounds = RoundDispatcher(self.outer, self._pool, timeout=config.round_timeout)
+        self._stop = threading.Event()
+        self.interrupted = False  # run() stopped early on request_stop
+        self.last_checkpoint: Path | None = None
+        claim(self.output_dir, self.checkpoint_dir, resuming=bool(config.resume_from), overwrite=config.overwrite)
         if config.resume_from:
             self.resume(config.resume_from)
 
@@ -123,20 +129,35 @@ class Trainer:
             log.info("worker %d at %s: %s (%s), torch %s%s", slot.index, slot.client.address, info.device, info.device_name, info.torch_version, node)
 
     def run(self) -> list[dict]:
-        """Train from ``self.step`` to ``config.steps``; returns the metrics records of this call."""
+        """Train from ``self.step`` to ``config.steps``; returns the metrics records of this call.
+
+        After ``request_stop`` (SIGINT/SIGTERM in the CLI) the round in flight finishes, a checkpoint is
+        written, the workers' sessions are closed and ``run`` returns with ``interrupted`` set.
+        """
         self.connect()
         records = []
+        if self.config.resume_from:
+            dropped = truncate_metrics(self.output_dir, self.step)
+            if dropped:
+                log.info("resume at step %d: dropped %d metrics record(s) past it", self.step, dropped)
         log_path = MetricsLog(self.output_dir)
         bar = ProgressBar(self.config.steps, self.step, disable=not self.progress)
         tracker = make_tracker(self.config)  # None unless --wandb-project
-        failed_in_a_row, exit_code = 0, 1
+        failed_in_a_row, failing_since, exit_code = 0, 0.0, 1
         try:
-            while self.step < self.config.steps:
+            while self.step < self.config.steps and not self._stop.is_set():
                 record = self.train_step()
                 if record is None:
                     failed_in_a_row += 1
-                    if failed_in_a_row >= self.config.max_failed_rounds:
-                        raise RuntimeError(f"{failed_in_a_row} rounds in a row with no usable worker; see the log for each worker's error")
+                    failing_since = failing_since if failed_in_a_row > 1 else time.monotonic()
+                    action, delay, reason = after_failed_round(
+                        failed_in_a_row, time.monotonic() - failing_since,
+                        max_rounds=self.config.max_failed_rounds, max_seconds=self.config.max_failed_seconds,
+                    )
+                    if action == "give-up":
+                        raise RuntimeError(f"{reason}; see the log for each worker's error")
+                    log.warning("step %d: %s", self.step, reason)
+                    self._stop.wait(delay)
                     continue
                 failed_in_a_row = 0
                 if self.config.eval_every and self.step % self.config.eval_every == 0:
@@ -147,10 +168,15 @@ class Trainer:
                 bar.update(record)
                 records.append(record)
                 every = self.config.checkpoint_every
-                if every and self.step % every == 0 and self.step < self.config.steps:
+                if every and self.step % every == 0 and self.step < self.config.steps and not self._stop.is_set():
                     self.save_checkpoint()
-            self.save_checkpoint()
-            self.save_final()
+            if self._stop.is_set() and self.step < self.config.steps:
+                self.last_checkpoint = self.save_checkpoint()
+                self.close_sessions()
+                self.interrupted = True
+            else:
+                self.last_checkpoint = self.save_checkpoint()
+                self.save_final()
             exit_code = 0
         finally:
             if tracker:
@@ -158,6 +184,22 @@ class Trainer:
             bar.close()
             log_path.close()
         return records
+
+    def request_stop(self) -> None:
+        """Stop after the round in flight, with a checkpoint (safe to call from a signal handler)."""
+        self._stop.set()
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop.is_set()
+
+    def close_sessions(self) -> None:
+        """Ask every worker to drop this run's session (best effort: a worker that is gone has none)."""
+        for slot in self.slots:
+            try:
+                slot.client.close_run(self.run_id, timeout=min(10.0, self.config.round_timeout))
+            except WorkerError as e:
+                log.info("worker %d: could not close the session: %s", slot.index, e)
 
     def train_step(self) -> dict | None:
         """One round. Returns its metrics, or None when no worker produced a usable contribution."""

@@ -177,6 +177,18 @@ class WorkerEngine:
                 self.sessions.popitem(last=False)  # the least recently started run
             return session.replica.version, session.replica.fingerprint()
 
+    def close_run(self, run_id: str, owner: bytes = b"") -> bool:
+        """Drop ``run_id``'s session (its owner only); whether there was one. Ranks > 0 of a node keep
+        theirs until it is replaced or evicted."""
+        with self._lock:
+            session = self.sessions.get(run_id)
+            if session is None:
+                return False
+            if not same_owner(session.owner, owner):
+                raise AccessDenied(f"run {run_id!r} belongs to another coordinator")
+            del self.sessions[run_id]
+            return True
+
     def worker_state(self, run_id: str, owner: bytes = b"") -> WorkerState:
         with self._lock:
             session = self.sessions.get(run_id)

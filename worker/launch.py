@@ -50,7 +50,7 @@ def launch(argv: Sequence[str], nproc: int, *, max_restarts: int = 3, grace: flo
             port = free_port()
             # Own sessions: a terminal's Ctrl-C reaches the launcher alone, which stops rank 0 first.
             procs = [
-                subprocess.Popen([sys.executable, "-m", "gradwire.worker", *argv], env=rank_env(r, nproc, port, restart), start_new_session=True, preexec_fn=_die_with_parent)  # noqa: PLW1509 - one prctl call, no locks
+                subprocess.Popen([sys.executable, "-m", "gradwire.worker", *argv], env=rank_env(r, nproc, port, restart), start_new_session=True, preexec_fn=die_with_parent)  # noqa: PLW1509 - one prctl call, no locks
                 for r in range(nproc)
             ]
             log.info("node of %d ranks started (pids %s)%s", nproc, [p.pid for p in procs], f", restart {restart}" if restart else "")
@@ -73,8 +73,9 @@ def launch(argv: Sequence[str], nproc: int, *, max_restarts: int = 3, grace: flo
             signal.signal(sig, handler)
 
 
-def _die_with_parent() -> None:
-    """In a rank, before it starts: a launcher that is killed outright takes its ranks with it (Linux)."""
+def die_with_parent() -> None:
+    """In a child, before it starts: a parent that is killed outright takes the child with it (Linux).
+    (A node's ranks under their launcher; ``--local`` workers under their coordinator.)"""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

@@ -84,6 +84,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         yield from parts
 
 
+    def CloseRun(self, request: pb.CloseRunRequest, context: grpc.ServicerContext) -> pb.CloseRunReply:
+        try:
+            closed = self.engine.close_run(protocol.check_run_id(request.run_id, "CloseRun"), owner=caller(context))
+            if closed:
+                log.info("run %r closed by %s", request.run_id, context.peer())
+            return pb.CloseRunReply(closed=closed)
+        except Exception as e:
+            self._fail(context, "CloseRun", e)
+
     def _join(self, parts: Iterator[pb.Part], owner: bytes, kind: str) -> bytes:
         """The request's bytes, refused on its first part if it declares more than the caller's model
         justifies (``WorkerEngine.request_limit``) or than ``--max-message-mb``."""

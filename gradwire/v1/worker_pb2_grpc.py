@@ -54,6 +54,11 @@ class WorkerStub:
                 request_serializer=gradwire_dot_v1_dot_worker__pb2.FetchWorkerStateRequest.SerializeToString,
                 response_deserializer=gradwire_dot_v1_dot_worker__pb2.Part.FromString,
                 _registered_method=True)
+        self.CloseRun = channel.unary_unary(
+                '/gradwire.v1.Worker/CloseRun',
+                request_serializer=gradwire_dot_v1_dot_worker__pb2.CloseRunRequest.SerializeToString,
+                response_deserializer=gradwire_dot_v1_dot_worker__pb2.CloseRunReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -88,6 +93,13 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CloseRun(self, request, context):
+        """Drop a run's session (the coordinator stopped, e.g. on SIGINT, and will resume elsewhere or later).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +122,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.FetchWorkerState,
                     request_deserializer=gradwire_dot_v1_dot_worker__pb2.FetchWorkerStateRequest.FromString,
                     response_serializer=gradwire_dot_v1_dot_worker__pb2.Part.SerializeToString,
+            ),
+            'CloseRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseRun,
+                    request_deserializer=gradwire_dot_v1_dot_worker__pb2.CloseRunRequest.FromString,
+                    response_serializer=gradwire_dot_v1_dot_worker__pb2.CloseRunReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +237,33 @@ class Worker:
             '/gradwire.v1.Worker/FetchWorkerState',
             gradwire_dot_v1_dot_worker__pb2.FetchWorkerStateRequest.SerializeToString,
             gradwire_dot_v1_dot_worker__pb2.Part.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradwire.v1.Worker/CloseRun',
+            gradwire_dot_v1_dot_worker__pb2.CloseRunRequest.SerializeToString,
+            gradwire_dot_v1_dot_worker__pb2.CloseRunReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -146,6 +146,9 @@ def test_one_run_cannot_read_or_replace_another() -> None:
         assert other.describe().replicas == {"run-b": 0} and owner.describe().replicas == {RUN: 0}
         assert owner.run_round(order(replica)).status == OK
         assert owner.fetch_worker_state(RUN).run_id == RUN
+        assert code_of(lambda: other.close_run(RUN)) == grpc.StatusCode.PERMISSION_DENIED
+        assert owner.close_run(RUN) is True and owner.close_run(RUN) is False
+        assert list(worker.engine.sessions) == ["run-b"]
 
 
 def test_the_run_key_is_what_owns_a_run() -> None:

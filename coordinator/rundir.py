@@ -1,0 +1,78 @@
+"""A run's output directory: one run per directory, nothing stale left in it, each step recorded once.
+
+* ``claim`` - a new run refuses a directory that already holds one (its metrics or checkpoints), unless it
+  resumes (``--resume-from``) or replaces it (``--overwrite``, which removes the old run's files); leftovers
+  of checkpoints a crash interrupted are removed either way.
+* ``truncate_metrics`` - a resumed run drops the records past the step it resumes from (and any torn
+  last line), so that metrics.jsonl holds every step once however often the run was killed and resumed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from gradwire.coordinator.checkpoint import LATEST, remove_leftovers
+from gradwire.coordinator.metrics import METRICS_FILE
+
+log = logging.getLogger(__name__)
+
+RUN_FILES = (METRICS_FILE, "final", "wandb")  # what a run writes into its output directory, besides checkpoints
+
+
+def holds_a_run(output_dir: Path, checkpoint_dir: Path) -> bool:
+    metrics = output_dir / METRICS_FILE
+    return (metrics.is_file() and metrics.stat().st_size > 0) or (checkpoint_dir / LATEST).is_file()
+
+
+def claim(output_dir: Path, checkpoint_dir: Path, *, resuming: bool, overwrite: bool) -> None:
+    """Make ``output_dir`` this run's. ``ValueError`` (naming the flags) if it holds another run and the
+    run neither resumes nor overwrites it."""
+    if not resuming and holds_a_run(output_dir, checkpoint_dir):
+        if not overwrite:
+            raise ValueError(
+                f"--output-dir {output_dir} already holds a run (metrics.jsonl or checkpoints): "
+                f"continue it with --resume-from {checkpoint_dir}, replace it with --overwrite, or pick another --output-dir"
+            )
+        log.warning("--overwrite: removing the run in %s", output_dir)
+        for name in RUN_FILES:
+            path = output_dir / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+        if checkpoint_dir.is_dir():
+            shutil.rmtree(checkpoint_dir)
+    if checkpoint_dir.is_dir():
+        for path in remove_leftovers(checkpoint_dir):
+            log.info("removed %s, left by an interrupted checkpoint", path)
+
+
+def truncate_metrics(output_dir: Path, step: int) -> int:
+    """Keep the records of steps <= ``step`` (written atomically); return how many were dropped."""
+    path = output_dir / METRICS_FILE
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line torn by a kill mid-write
+            dropped += 1
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        fd, tmp = tempfile.mkstemp(dir=output_dir, prefix=".tmp-metrics-")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write("".join(line + "\n" for line in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return dropped
