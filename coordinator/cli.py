@@ -89,6 +89,7 @@ HELP = {
     "sync_tolerance": "relative tolerance of the replica fingerprint check",
     "max_failed_rounds": "give up after this many rounds in a row with no usable worker, once they also span --max-failed-seconds",
     "max_failed_seconds": "seconds of failed rounds in a row before giving up (failed rounds back off: 0.5 s, doubling to 30 s)",
+    "replay_window": "updates the coordinator keeps for workers that missed rounds: one behind by fewer replays them instead of receiving the state (0: always push)",
     "overwrite": "replace the run already in --output-dir (its metrics and checkpoints are deleted); without it a new run there is refused",
     "aggregate": "how the workers' contributions combine, in the DCT-coefficient domain: mean (weighted by tokens), or per coefficient trimmed-mean or median",
     "clip_factor": "clip each worker's contribution to this many times the round's median norm (templar's rule; 0: off)",

@@ -116,6 +116,7 @@ class TrainConfig:
     sync_tolerance: float = 1e-4
     max_failed_rounds: int = 3  # consecutive rounds with no usable worker before giving up ...
     max_failed_seconds: float = 60.0  # ... once they also span this long (failed rounds back off, 0.5 s doubling to 30 s)
+    replay_window: int = 8  # updates kept for workers that missed rounds (catch-up by replay instead of a push)
     overwrite: bool = False  # replace the run already in output_dir (without it, a new run there is refused)
     # Robust aggregation (compression.robust) and benching (decisions.judge)
     aggregate: str = "mean"  # mean | trimmed-mean | median, in the coefficient domain
@@ -152,7 +153,7 @@ class TrainConfig:
             raise ValueError(f"--sync-tolerance must be in [0, 1), got {self.sync_tolerance}")
         if not (math.isfinite(self.clip_factor) and (self.clip_factor == 0 or self.clip_factor >= 1)):
             raise ValueError(f"--clip-factor must be 0 (off) or >= 1, got {self.clip_factor}")
-        for name in ("bench_after", "bench_rounds"):
+        for name in ("bench_after", "bench_rounds", "replay_window"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         self.aggregation_rule()  # validates --aggregate

@@ -9,14 +9,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-SyncAction = Literal["push", "replay", "current"]
+SyncAction = Literal["push", "replay", "current", "catch-up"]
 
 
-def decide_sync(known_version: int | None, base_version: int, target_version: int) -> tuple[SyncAction, str]:
+def decide_sync(known_version: int | None, base_version: int, target_version: int, catch_up_bytes: int | None = None) -> tuple[SyncAction, str]:
     """What a worker needs before it computes at ``target_version``.
 
     ``base_version`` is where every in-sync worker starts the round; the pending update (if any) moves it
-    to ``target_version``. ``known_version`` is the replica version we know the worker holds.
+    to ``target_version``. ``known_version`` is the replica version we believe the worker holds.
+    ``catch_up_bytes`` is what the updates it missed would cost (``None``: out of the replay window, or
+    dearer than the state).
     """
     if known_version is None:
         return "push", "worker state unknown (new, failed or resumed)"
@@ -24,7 +26,9 @@ def decide_sync(known_version: int | None, base_version: int, target_version: in
         return "current", "worker is at the round's version"
     if known_version == base_version:
         return "replay", "worker replays the pending update"
-    return "push", f"worker at version {known_version}, round starts at {base_version}"
+    if known_version < base_version and catch_up_bytes is not None:
+        return "catch-up", f"worker at version {known_version} replays {base_version - known_version} missed update(s) ({catch_up_bytes} bytes)"
+    return "push", f"worker at version {known_version}, round starts at {base_version}, missed updates out of the replay window"
 
 
 # ------------------------------------------------------------------------------------------- benching

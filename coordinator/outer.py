@@ -16,6 +16,7 @@ version on. The coordinator applies ``pending`` to its own copy while the worker
 from __future__ import annotations
 
 import abc
+import collections
 import json
 import logging
 
@@ -46,6 +47,22 @@ class OuterStrategy(abc.ABC):
         self.base_version = replica.version
         self.base_fingerprint = replica.fingerprint()
         self._target_fingerprint = self.base_fingerprint
+        # The last updates before ``pending``, for workers that missed rounds: (from version, fingerprint
+        # there, update), oldest first (``catch_up``).
+        self.history: collections.deque[tuple[int, Fingerprint, StateUpdate]] = collections.deque(maxlen=8)
+
+    def set_replay_window(self, n: int) -> None:
+        self.history = collections.deque(self.history, maxlen=n)
+
+    def catch_up(self, version: int) -> tuple[Fingerprint, tuple[StateUpdate, ...]] | None:
+        """For a worker at ``version`` (behind ``base_version``): the fingerprint it should have there and
+        the updates that bring it to ``base_version``, oldest first; ``None`` if they left the window."""
+        if version == self.base_version:
+            return self.base_fingerprint, ()
+        start = next((i for i, (v, _, _) in enumerate(self.history) if v == version), None)
+        if start is None:
+            return None
+        return self.history[start][1], tuple(u for _, _, u in list(self.history)[start:])
 
     # ------------------------------------------------------------------------------------------ versions
 
@@ -75,6 +92,8 @@ class OuterStrategy(abc.ABC):
         self.apply_pending()  # a no-op when the round already did it, as it does while workers compute
         target, target_fingerprint = self.target_version, self.target_fingerprint
         norm = aggregator.norm()
+        if self.pending is not None:
+            self.history.append((self.base_version, self.base_fingerprint, self.pending))
         self.pending = self._next_update(aggregator, StateUpdate(lr, payloads, weights, scales=scales, rule=rule))
         self.base_version, self.base_fingerprint = target, target_fingerprint
         return norm
@@ -82,6 +101,7 @@ class OuterStrategy(abc.ABC):
     def rebase(self) -> None:
         """After a resume: the replica as loaded is every worker's base, with nothing pending."""
         self.pending = None
+        self.history.clear()
         self.base_version = self.replica.version
         self.base_fingerprint = self._target_fingerprint = self.replica.fingerprint()
 

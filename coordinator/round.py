@@ -1,10 +1,12 @@
 """The dispatch of one round: state pushes, concurrent work orders, retries, and what each worker did.
 
-``RoundDispatcher.run`` pushes the full state to the workers that need it (``decisions.decide_sync``),
-sends every worker its order concurrently, applies the pending update to the coordinator's own replica
-while they compute, and handles a worker's NEEDS_STATE answer with a push and one retry. It never raises
-for a worker's failure: each worker ends the round with a ``SlotOutcome``, a result or the error that
-spoiled its share.
+``RoundDispatcher.run`` pushes the full state to the workers that have never had it, sends every worker
+its order concurrently, and applies the pending update to the coordinator's own replica while they
+compute. A worker whose version is not known (it failed or was cut off last round) gets an order as if it
+were in step; a BEHIND answer says which version it holds, and if the updates it missed are still in
+the replay window (and smaller than the state) it *catches up by replay*, else it gets the state pushed
+(``decisions.decide_sync``). It never raises for a worker's failure: each worker ends the round with a
+``SlotOutcome``, a result or the error that spoiled its share.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from gradwire.coordinator.client import WorkerClient, WorkerError
 from gradwire.coordinator.decisions import Standing, decide_sync
 from gradwire.coordinator.outer import OuterStrategy
-from gradwire.protocol import NEEDS_STATE, OK, ModelState, ProtocolError, RoundResult, WorkOrder
+from gradwire.protocol import BEHIND, OK, ModelState, ProtocolError, RoundResult, WorkOrder
 from gradwire.replica import Fingerprint, StateUpdate
 
 log = logging.getLogger("gradwire.coordinator")
@@ -33,6 +35,7 @@ class WorkerSlot:
     index: int
     client: WorkerClient
     version: int | None = None
+    guess: int | None = None  # the version it held when it was last heard of (its version is unknown now)
     ranks: int = 1  # a node of several GPUs trains ranks x batch_size rows per step and counts as that many
     # What to restore on the worker with the next push (a resumed run): error feedback, inner optimizer.
     feedback: dict[str, torch.Tensor] | None = None
@@ -48,6 +51,7 @@ class SlotOutcome:
     bytes_up: int = 0
     bytes_down: int = 0
     pushes: int = 0  # state pushes during the round (a worker that reported NEEDS_STATE)
+    catch_ups: int = 0  # orders that carried missed updates (catch-up by replay instead of a push)
 
 
 @dataclasses.dataclass
@@ -57,8 +61,8 @@ class RoundOutcome:
     push_bytes: int  # bytes of the pushes made before the round (retries count in their slot's outcome)
 
 
-# (slot, base version, update or None, fingerprint of the base) -> the slot's work order
-MakeOrder = Callable[[WorkerSlot, int, StateUpdate | None, Fingerprint], WorkOrder]
+# (slot, base version, update or None, fingerprint of the base, missed updates before it) -> the order
+MakeOrder = Callable[[WorkerSlot, int, StateUpdate | None, Fingerprint, tuple[StateUpdate, ...]], WorkOrder]
 # slot -> the full state to push to it
 MakeState = Callable[[WorkerSlot], ModelState]
 
@@ -70,17 +74,18 @@ class _Push:
 
 
 class RoundDispatcher:
-    def __init__(self, outer: OuterStrategy, pool: ThreadPoolExecutor, *, timeout: float) -> None:
+    def __init__(self, outer: OuterStrategy, pool: ThreadPoolExecutor, *, timeout: float, state_bytes: int = 0) -> None:
         self.outer = outer
         self.pool = pool
         self.timeout = timeout
+        self.state_bytes = state_bytes  # a catch-up must cost less than a push of this
 
     def run(self, slots: Sequence[WorkerSlot], step: int, make_order: MakeOrder, make_state: MakeState) -> RoundOutcome:
         outer = self.outer
         base, target = outer.base_version, outer.target_version
         # Pushes first, from a replica nothing is writing to; then the round and, alongside it, our own
         # copy of the pending update.
-        to_push = [s for s in slots if decide_sync(s.version, base, target)[0] == "push"]
+        to_push = [s for s in slots if s.version is None and s.guess is None]  # never had the state
         pushed = dict(zip((s.index for s in to_push), self.pool.map(lambda s: self._push(s, make_state), to_push)))
         applied = threading.Event()
         futures = [self.pool.submit(self._work, slot, step, pushed.get(slot.index), applied, make_order, make_state) for slot in slots]
@@ -92,20 +97,32 @@ class RoundDispatcher:
         return RoundOutcome(outcomes, len(to_push) + sum(o.pushes for o in outcomes), sum(p.bytes_down for p in pushed.values()))
 
     def _work(self, slot: WorkerSlot, step: int, push: _Push | None, applied: threading.Event, make_order: MakeOrder, make_state: MakeState) -> SlotOutcome:
-        """Everything one worker does this round; runs on the dispatch pool. Never raises."""
+        """Everything one worker does this round; runs on the dispatch pool. Never raises.
+
+        Up to three orders: as the worker is believed to stand; after a BEHIND answer, from the version it
+        says it holds (a catch-up, when the window allows); after a push."""
         outer = self.outer
         outcome = SlotOutcome(slot, None)
         if push is not None and push.error:
             outcome.error = push.error
             return outcome
         target = outer.target_version
+        version = slot.version if slot.version is not None else slot.guess
         try:
-            for _attempt in range(2):
-                if slot.version == outer.base_version and outer.pending is not None:
-                    order = make_order(slot, outer.base_version, outer.pending, outer.base_fingerprint)
-                else:  # pushed at the round's version (a push after the pending update was applied)
-                    applied.wait()
-                    order = make_order(slot, target, None, outer.target_fingerprint)
+            for _attempt in range(4):  # an order, a catch-up order, a push, an order
+                action, why = decide_sync(version, outer.base_version, target, self._catch_up_bytes(version))
+                if action == "push":
+                    log.info("step %d: worker %d gets the state: %s", step, slot.index, why)
+                    applied.wait()  # push the round's version, not one being written
+                    retry = self._push(slot, make_state)
+                    if retry.error:
+                        raise WorkerError(slot.client.address, None, retry.error)
+                    outcome.pushes += 1
+                    outcome.bytes_down += retry.bytes_down
+                    version = slot.version
+                    continue
+                order = self._order(slot, action, version, applied, make_order)
+                outcome.catch_ups += action == "catch-up"
                 result = slot.client.run_round(order, timeout=self.timeout)
                 outcome.bytes_down += slot.client.last_bytes_down
                 outcome.bytes_up += slot.client.last_bytes_up
@@ -114,18 +131,36 @@ class RoundDispatcher:
                         raise ProtocolError(f"result for round {result.round} at version {result.version}, expected {step} at {target}")
                     outcome.result = result
                     return outcome
-                assert result.status == NEEDS_STATE
-                log.info("step %d: worker %d needs the state (%s)", step, slot.index, result.reason)
-                applied.wait()  # push the round's version, not one being written
-                retry = self._push(slot, make_state)
-                if retry.error:
-                    raise WorkerError(slot.client.address, None, retry.error)
-                outcome.pushes += 1
-                outcome.bytes_down += retry.bytes_down
+                log.info("step %d: worker %d is %s (%s)", step, slot.index, "behind" if result.status == BEHIND else "out of sync", result.reason)
+                # A sound replica at another version may catch up by replay; a missing or suspect one (or
+                # one that claims the version it was just sent) gets the state.
+                version = result.version if result.status == BEHIND and result.version != version else None
             outcome.error = "worker still out of sync after a state push"
         except (WorkerError, ValueError) as e:
             outcome.error = str(e)
         return outcome
+
+    def _catch_up_bytes(self, version: int | None) -> int | None:
+        """What the updates a worker at ``version`` missed (pending included) cost; ``None`` if they left
+        the window or would cost more than a push."""
+        if version is None:
+            return None
+        missed = self.outer.catch_up(version) if version <= self.outer.base_version else None
+        if missed is None:
+            return None
+        total = sum(u.nbytes for u in missed[1]) + (self.outer.pending.nbytes if self.outer.pending is not None else 0)
+        return total if not self.state_bytes or total < self.state_bytes else None
+
+    def _order(self, slot: WorkerSlot, action: str, version: int | None, applied: threading.Event, make_order: MakeOrder) -> WorkOrder:
+        outer = self.outer
+        if action == "replay":
+            return make_order(slot, outer.base_version, outer.pending, outer.base_fingerprint, ())
+        if action == "catch-up":
+            assert version is not None
+            fingerprint, missed = outer.catch_up(version)  # type: ignore[misc]
+            return make_order(slot, version, outer.pending, fingerprint, missed)
+        applied.wait()  # at the round's version (pushed after the pending update was applied, or current)
+        return make_order(slot, outer.target_version, None, outer.target_fingerprint, ())
 
     def _push(self, slot: WorkerSlot, make_state: MakeState) -> _Push:
         """Send the replica's full state (at its current version) to a worker. Never raises."""

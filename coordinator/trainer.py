@@ -96,7 +96,8 @@ class Trainer:
         self.state_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.progress = progress
         self._pool = ThreadPoolExecutor(max_workers=len(self.slots), thread_name_prefix="dispatch")
-        self.rounds = RoundDispatcher(self.outer, self._pool, timeout=config.round_timeout)
+        self.outer.set_replay_window(config.replay_window)
+        self.rounds = RoundDispatcher(self.outer, self._pool, timeout=config.round_timeout, state_bytes=self.state_bytes)
         self._stop = threading.Event()
         self.interrupted = False  # run() stopped early on request_stop
         self.last_checkpoint: Path | None = None
@@ -209,12 +210,12 @@ class Trainer:
         local_steps = self._local_steps(step)
         batches = {slot.index: self.round_batch(step, slot.index, slot.ranks) for slot in self.slots}
 
-        def make_order(slot: WorkerSlot, base: int, update: StateUpdate | None, fingerprint: Fingerprint) -> WorkOrder:
+        def make_order(slot: WorkerSlot, base: int, update: StateUpdate | None, fingerprint: Fingerprint, catch_up: tuple[StateUpdate, ...]) -> WorkOrder:
             cfg = self.config
             return WorkOrder(
                 self.run_id, step, base, batches[slot.index], self.codec_config, fingerprint, update,
                 feedback_beta=cfg.feedback_beta, micro_batch_size=cfg.micro_batch_size,
-                sync_tolerance=cfg.sync_tolerance, local_steps=local_steps,
+                sync_tolerance=cfg.sync_tolerance, local_steps=local_steps, catch_up=catch_up,
             )
 
         slots = [s for s in self.slots if not s.standing.benched(step)]
@@ -235,7 +236,10 @@ class Trainer:
         self.step += 1
         t_done = time.perf_counter()
         record = self._record(round_, usable, ranks, grad_norm, lr, t0, t_gathered, t_done)
-        record.update(clipped=sum(x < 1 for x in scales), rejected=gathered.rejected, benched=sum(s.standing.benched(self.step) for s in self.slots))
+        record.update(
+            clipped=sum(x < 1 for x in scales), rejected=gathered.rejected, benched=sum(s.standing.benched(self.step) for s in self.slots),
+            catch_ups=sum(o.catch_ups for o in round_.outcomes),
+        )
         return record
 
     def round_batch(self, step: int, slot: int, ranks: int = 1) -> np.ndarray:
@@ -266,6 +270,8 @@ class Trainer:
         for o in round_.outcomes:
             if o.result is None:
                 log.warning("step %d: worker %d (%s) failed: %s", step, o.slot.index, o.slot.client.address, o.error)
+                # Its version is unknown now; the next round asks (it may catch up by replay, not a push).
+                o.slot.guess = o.slot.version if o.slot.version is not None else o.slot.guess
                 o.slot.version = None
                 continue
             o.slot.version = o.result.version

@@ -29,6 +29,7 @@ from gradwire.v1 import worker_pb2 as pb
 PROTOCOL_VERSION = 3
 MAX_INNER_STEPS = 100_000  # H beyond this is a mistake, not a schedule (the field syncs every 30-500 steps)
 MAX_LEARNING_RATE = 1e6  # learning rates crossing the wire are finite, non-negative and below this
+MAX_CATCH_UP = 1024  # missed updates one order may carry (--replay-window is far smaller)
 MAX_WEIGHT = 1e12  # a sender's weight is its token count (or a clip-scaled share of it)
 PART_BYTES = 2 << 20  # well under gRPC's default 4 MB message limit
 
@@ -336,6 +337,7 @@ class WorkOrder:
     sync_tolerance: float = 1e-4
     local_steps: LocalSteps | None = None  # None: gradient mode
     protocol_version: int = PROTOCOL_VERSION
+    catch_up: tuple[StateUpdate, ...] = ()  # missed updates, oldest first, applied before ``update``
 
     @property
     def inner_steps(self) -> int:
@@ -354,6 +356,7 @@ def order_to_proto(o: WorkOrder) -> pb.WorkOrder:
         codec=codec_serde.settings_to_proto(o.codec), feedback_beta=o.feedback_beta, micro_batch_size=o.micro_batch_size,
         sync_tolerance=o.sync_tolerance,
         local_steps=local_steps_to_proto(o.local_steps) if o.local_steps is not None else None,
+        catch_up=[update_to_proto(u) for u in o.catch_up],
     )
 
 
@@ -378,16 +381,22 @@ def order_from_proto(m: pb.WorkOrder) -> WorkOrder:
     local_steps = local_steps_from_proto(m.local_steps) if m.HasField("local_steps") else None
     if local_steps is not None and b.rows % local_steps.steps:
         raise ProtocolError(f"token batch of {b.rows} rows does not split into {local_steps.steps} equal inner steps")
+    if len(m.catch_up) > MAX_CATCH_UP:
+        raise ProtocolError(f"work order carries {len(m.catch_up)} catch-up updates, more than {MAX_CATCH_UP}")
+    if m.catch_up and not m.HasField("update"):
+        raise ProtocolError("catch-up updates come before a round's update, and this order has none")
     return WorkOrder(
         m.run_id, m.round, m.base_version, batch, codec, fingerprint_from_proto(m.fingerprint),
         update_from_proto(m.update) if m.HasField("update") else None,
         m.feedback_beta, m.micro_batch_size, m.sync_tolerance, local_steps, m.protocol_version,
+        tuple(update_from_proto(u) for u in m.catch_up),
     )
 
 
 OK = "ok"
-NEEDS_STATE = "needs_state"
-_STATUS = {OK: pb.RoundResult.STATUS_OK, NEEDS_STATE: pb.RoundResult.STATUS_NEEDS_STATE}
+NEEDS_STATE = "needs_state"  # no replica, or a suspect one: push the state
+BEHIND = "behind"  # a sound replica at another version (``RoundResult.version``): catch up or push
+_STATUS = {OK: pb.RoundResult.STATUS_OK, NEEDS_STATE: pb.RoundResult.STATUS_NEEDS_STATE, BEHIND: pb.RoundResult.STATUS_BEHIND}
 
 
 @dataclasses.dataclass

@@ -7,7 +7,9 @@ answers are tampered with after it computed them honestly, the way a compromised
                     sign-flipping attacker): decoded, scaled and encoded again with the run's codec;
 * ``nan``         - a payload with a NaN in it;
 * ``wrong-shape`` - a payload whose first tensor claims another shape;
-* ``lie-tokens``  - an honest payload with ``factor`` times the tokens it trained on (to weigh more).
+* ``lie-tokens``  - an honest payload with ``factor`` times the tokens it trained on (to weigh more);
+* ``drop``        - the call fails before the worker does anything, as when the network drops it (the
+                    worker then holds the version it had: it missed that round's update).
 
 Use it through ``faulty(action, ...)``, an engine factory for ``tests.integration.conftest.live_workers``.
 """
@@ -19,9 +21,10 @@ from collections.abc import Callable, Collection
 
 from gradwire.compression import CompressedGradient
 from gradwire.protocol import OK, RoundResult, WorkOrder
+from gradwire.worker.compute import Cancelled
 from gradwire.worker.engine import WorkerEngine
 
-ACTIONS = ("scale", "nan", "wrong-shape", "lie-tokens")
+ACTIONS = ("scale", "nan", "wrong-shape", "lie-tokens", "drop")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +52,9 @@ class FaultyEngine(WorkerEngine):
         self.injected: list[int] = []
 
     def run_round(self, order: WorkOrder, cancelled: Callable[[], bool] = lambda: False, owner: bytes = b"") -> RoundResult:
+        if self.plan.action == "drop" and self.plan.applies(order.round):
+            self.injected.append(order.round)
+            raise Cancelled(f"round {order.round} dropped (fault injection)")
         result = super().run_round(order, cancelled, owner)
         if result.status != OK or result.gradient is None or not self.plan.applies(order.round):
             return result

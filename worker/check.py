@@ -21,6 +21,7 @@ from gradwire.replica import Fingerprint, compare_fingerprints
 class Verdict:
     ok: bool
     reason: str
+    stale: bool = False  # the replica itself is suspect (not merely at another version): only a push helps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +44,7 @@ def check_order(order: WorkOrder, replica: ReplicaView | None) -> Verdict:
     if replica is None:
         return Verdict(False, f"no replica for run {order.run_id!r}")
     if replica.stale:
-        return Verdict(False, "replica was found out of sync; waiting for a state push")
+        return Verdict(False, "replica was found out of sync; waiting for a state push", stale=True)
     check_token_range(order.batch, replica.vocab_size)
     if replica.version != order.base_version:
         return Verdict(False, f"replica at version {replica.version}, order starts from {order.base_version}")
@@ -51,7 +52,7 @@ def check_order(order: WorkOrder, replica: ReplicaView | None) -> Verdict:
     # coordinator can send the order while it is still applying the same update to its own copy.
     same, why = compare_fingerprints(order.fingerprint, replica.fingerprint, replica.numels, order.sync_tolerance)
     if not same:
-        return Verdict(False, f"fingerprint mismatch at version {replica.version}: {why}")
+        return Verdict(False, f"fingerprint mismatch at version {replica.version}: {why}", stale=True)
     return Verdict(True, "replica is at the order's base version")
 
 

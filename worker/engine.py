@@ -34,6 +34,7 @@ from google.protobuf.message import Message
 import gradwire
 from gradwire import protocol
 from gradwire.protocol import (
+    BEHIND,
     NEEDS_STATE,
     OK,
     PROTOCOL_VERSION,
@@ -242,17 +243,19 @@ class WorkerEngine:
         self.placement.check_rows(order)
         verdict = check_order(order, _view(session))
         if self.node is not None and not self.node.all_true(verdict.ok) and verdict.ok:
-            verdict = Verdict(False, "another rank of this node is out of sync")
+            verdict = Verdict(False, "another rank of this node is out of sync", stale=True)
         if not verdict.ok:
-            if session is not None:
+            if session is not None and verdict.stale:
                 session.stale = True
+            if session is not None and not verdict.stale:  # sound, at another version: it may catch up by replay
+                return RoundResult(BEHIND, order.round, verdict.reason, version=session.replica.version)
             return RoundResult(NEEDS_STATE, order.round, verdict.reason, version=session.replica.version if session else 0)
         assert session is not None
         replica = session.replica
         bus_before = self._bus_bytes()
         # 2. advance the replica to the round's version (every payload is validated before a parameter moves).
-        if order.update is not None:
-            replica.apply(order.update)
+        for update in (*order.catch_up, *([order.update] if order.update is not None else [])):
+            replica.apply(update)
         t_update = time.perf_counter()
         # 3. compute: one gradient, or H local steps on the working copy.
         tokens = torch.from_numpy(order.batch.astype("int64"))  # (rows, T + 1)

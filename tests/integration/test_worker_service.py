@@ -32,7 +32,7 @@ from gradwire.coordinator.client import WorkerClient, WorkerError
 from gradwire.models import build_from_spec, model_spec
 from gradwire.optim.inner import InnerOptimizerConfig
 from gradwire.optim.outer import UpdateRule
-from gradwire.protocol import NEEDS_STATE, OK, LocalSteps, ModelState, RoundResult, WorkOrder
+from gradwire.protocol import BEHIND, NEEDS_STATE, OK, LocalSteps, ModelState, RoundResult, WorkOrder
 from gradwire.replica import Fingerprint, Replica, StateUpdate
 from gradwire.transport import free_port
 from gradwire.v1 import worker_pb2 as pb
@@ -205,10 +205,29 @@ def test_a_perturbed_worker_replica_needs_state(worker: Worker, replica: Replica
     assert_round_ok(worker, replica)
 
 
-def test_an_order_for_another_version_needs_state(worker: Worker, replica: Replica) -> None:
+def test_an_order_for_another_version_is_behind_and_the_replica_stays_usable(worker: Worker, replica: Replica) -> None:
     worker.client.push_state(state_of(replica))
     result = worker.client.run_round(make_order(replica, 0, 5))
-    assert result.status == NEEDS_STATE and "version" in result.reason
+    assert (result.status, result.version) == (BEHIND, 0) and "version" in result.reason
+    assert_round_ok(worker, replica)  # not marked stale: a sound replica at another version may catch up
+
+
+def test_catch_up_replays_missed_updates_before_the_rounds_update(worker: Worker, replica: Replica) -> None:
+    """A worker at version 0 gets the updates 0->1 and 1->2 in one order and ends where the coordinator is."""
+    worker.client.push_state(state_of(replica))
+    coordinator = Replica(build_from_spec(SPEC, seed=0), RULE)
+    updates, fingerprints = [], []
+    for r in range(3):  # three rounds' updates, made from the coordinator's own gradients
+        payload = codec_for(coordinator).compress({n: torch.randn_like(p) * 1e-2 for n, p in coordinator.params.items()})
+        fingerprints.append(coordinator.fingerprint())
+        updates.append(StateUpdate(0.1, (payload,), (1.0,)))
+        coordinator.apply(updates[-1])
+    order = dataclasses.replace(make_order(replica, 7, 0, updates[2], fingerprint=fingerprints[0]), catch_up=tuple(updates[:2]))
+    result = worker.client.run_round(order)
+    assert (result.status, result.version) == (OK, 3)
+    (session,) = worker.engine.sessions.values()
+    for name, p in coordinator.params.items():
+        assert torch.equal(session.replica.params[name], p), name
 
 
 # ------------------------------------------------------------------------------------------- bad requests
