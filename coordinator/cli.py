@@ -89,6 +89,8 @@ HELP = {
     "sync_tolerance": "relative tolerance of the replica fingerprint check",
     "max_failed_rounds": "give up after this many rounds in a row with no usable worker, once they also span --max-failed-seconds",
     "max_failed_seconds": "seconds of failed rounds in a row before giving up (failed rounds back off: 0.5 s, doubling to 30 s)",
+    "min_workers": "quorum: once this many workers' results are in, wait --straggler-grace for the rest, then cut them off (0: wait for every worker)",
+    "straggler_grace": "how long a round with its quorum waits for stragglers: seconds (10) or a factor of the quorum's median time (1.5x)",
     "replay_window": "updates the coordinator keeps for workers that missed rounds: one behind by fewer replays them instead of receiving the state (0: always push)",
     "overwrite": "replace the run already in --output-dir (its metrics and checkpoints are deleted); without it a new run there is refused",
     "aggregate": "how the workers' contributions combine, in the DCT-coefficient domain: mean (weighted by tokens), or per coefficient trimmed-mean or median",

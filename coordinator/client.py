@@ -80,6 +80,7 @@ class WorkerClient:
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self.last_bytes_down = 0  # coordinator -> worker
         self.last_bytes_up = 0  # worker -> coordinator
+        self._in_flight: Any = None  # the streaming call in progress, for ``cancel``
 
     # ---------------------------------------------------------------- calls
 
@@ -152,6 +153,13 @@ class WorkerClient:
                 raise WorkerError(self.address, grpc.StatusCode.UNAVAILABLE, f"not SERVING within {timeout:g} s (health: {last})")
             time.sleep(min(0.1, left))
 
+    def cancel(self) -> None:
+        """Cancel the round or fetch in flight, if any (from another thread): it fails with CANCELLED, and
+        the worker abandons it at its next check (between micro-batches and inner steps)."""
+        call = self._in_flight
+        if call is not None:
+            call.cancel()
+
     def close(self) -> None:
         self.channel.close()
 
@@ -180,6 +188,7 @@ class WorkerClient:
 
         def receive() -> bytes:
             responses = start()
+            self._in_flight = responses
             try:
                 data = protocol.join_parts(up.count(responses), self.max_bytes)
                 for _ in responses:  # also surfaces a status the worker sent after the parts
@@ -187,6 +196,8 @@ class WorkerClient:
             except ValueError:
                 responses.cancel()
                 raise
+            finally:
+                self._in_flight = None
             return data
 
         try:

@@ -16,6 +16,7 @@ import math
 
 from gradwire.compression import CodecConfig
 from gradwire.compression.robust import AggregationRule
+from gradwire.coordinator.decisions import Grace
 from gradwire.optim.inner import InnerOptimizerConfig
 from gradwire.optim.outer import UpdateRule
 from gradwire.optim.schedule import Schedule, lr_at
@@ -116,6 +117,8 @@ class TrainConfig:
     sync_tolerance: float = 1e-4
     max_failed_rounds: int = 3  # consecutive rounds with no usable worker before giving up ...
     max_failed_seconds: float = 60.0  # ... once they also span this long (failed rounds back off, 0.5 s doubling to 30 s)
+    min_workers: int = 0  # quorum: once this many results are in, stragglers get --straggler-grace; 0 = wait for all
+    straggler_grace: str = "1.0x"  # seconds ("10") or a factor of the quorum's median time ("1.5x")
     replay_window: int = 8  # updates kept for workers that missed rounds (catch-up by replay instead of a push)
     overwrite: bool = False  # replace the run already in output_dir (without it, a new run there is refused)
     # Robust aggregation (compression.robust) and benching (decisions.judge)
@@ -153,10 +156,11 @@ class TrainConfig:
             raise ValueError(f"--sync-tolerance must be in [0, 1), got {self.sync_tolerance}")
         if not (math.isfinite(self.clip_factor) and (self.clip_factor == 0 or self.clip_factor >= 1)):
             raise ValueError(f"--clip-factor must be 0 (off) or >= 1, got {self.clip_factor}")
-        for name in ("bench_after", "bench_rounds", "replay_window"):
+        for name in ("bench_after", "bench_rounds", "replay_window", "min_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         self.aggregation_rule()  # validates --aggregate
+        self.grace()  # validates --straggler-grace
         if not (math.isfinite(self.max_failed_seconds) and self.max_failed_seconds >= 0):
             raise ValueError(f"--max-failed-seconds must be >= 0, got {self.max_failed_seconds}")
         if self.round_timeout <= 0 or self.connect_timeout <= 0:
@@ -180,6 +184,9 @@ class TrainConfig:
             return CodecConfig(chunk=self.target_chunk, topk=self.topk, use_dct=self.use_dct, bins=self.bins, values=self.values)
         except ValueError as e:
             raise ValueError(f"codec flags (--topk, --target-chunk, --bins, --values): {e}") from None
+
+    def grace(self) -> Grace:
+        return Grace.parse(self.straggler_grace)
 
     def aggregation_rule(self) -> AggregationRule:
         return AggregationRule(mode=self.aggregate)

@@ -85,3 +85,45 @@ def after_failed_round(failed_in_a_row: int, failing_for: float, *, max_rounds: 
         )
     delay = min(max_delay, first_delay * 2 ** max(0, failed_in_a_row - 1))
     return "retry", delay, f"no usable worker ({failed_in_a_row} round(s) in a row, {failing_for:.1f} s); next round in {delay:.1f} s"
+
+
+# ------------------------------------------------------------------------------------------- stragglers
+
+
+@dataclasses.dataclass(frozen=True)
+class Grace:
+    """How long a round waits for stragglers once it has its quorum: ``seconds``, or ``factor`` times the
+    median time the quorum's results took (``--straggler-grace 10`` or ``--straggler-grace 1.5x``)."""
+
+    seconds: float = 0.0
+    factor: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> Grace:
+        try:
+            grace = cls(factor=float(text[:-1])) if text.endswith("x") else cls(seconds=float(text))
+        except ValueError:
+            raise ValueError(f"--straggler-grace must be seconds (10) or a factor of the median time (1.5x), got {text!r}") from None
+        if not all(v >= 0 and v < float("inf") for v in (grace.seconds, grace.factor)):
+            raise ValueError(f"--straggler-grace must be >= 0, got {text!r}")
+        return grace
+
+    def after(self, arrivals: list[float]) -> float:
+        return self.seconds if not self.factor else self.factor * sorted(arrivals)[len(arrivals) // 2]
+
+
+def decide_close(elapsed: float, arrivals: list[float], waiting: int, *, quorum: int, grace: Grace) -> tuple[bool, float, str]:
+    """Whether a round stops waiting for its last workers: (close, seconds until it would, reason).
+
+    ``arrivals`` are the times (since the round began) at which its usable results came in, ``waiting``
+    the workers still computing. Until ``quorum`` results are in, or with ``quorum`` 0 (every worker), the
+    round waits; once they are, it waits ``grace`` longer for the rest, then closes without them.
+    """
+    if waiting == 0:
+        return True, 0.0, "every worker answered"
+    if quorum <= 0 or len(arrivals) < quorum:
+        return False, float("inf"), f"{len(arrivals)} of {quorum or 'all'} results in"
+    deadline = sorted(arrivals)[quorum - 1] + grace.after(arrivals)
+    if elapsed >= deadline:
+        return True, 0.0, f"quorum of {quorum} in; {waiting} straggler(s) cut off after {deadline:.2f} s"
+    return False, deadline - elapsed, f"quorum of {quorum} in; waiting up to {deadline - elapsed:.2f} s for {waiting} more"

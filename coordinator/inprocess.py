@@ -8,15 +8,19 @@ of the serialized messages the wire would carry (without the gRPC framing).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import TypeVar
 
+import grpc
 from google.protobuf.message import Message
 
 from gradwire import protocol
+from gradwire.coordinator.client import WorkerError
 from gradwire.protocol import ModelState, RoundResult, WorkerInfo, WorkerState, WorkOrder
 from gradwire.replica import Fingerprint
 from gradwire.v1 import worker_pb2 as pb
+from gradwire.worker.compute import Cancelled
 from gradwire.worker.engine import WorkerEngine
 
 T = TypeVar("T")
@@ -30,6 +34,7 @@ class InProcessClient:
         self.address = address
         self.last_bytes_down = 0  # coordinator -> worker
         self.last_bytes_up = 0  # worker -> coordinator
+        self._cancelled = threading.Event()
 
     def wait_ready(self, timeout: float | None = None) -> None:
         return None
@@ -45,7 +50,11 @@ class InProcessClient:
 
     def run_round(self, order: WorkOrder, timeout: float | None = None) -> RoundResult:
         down = protocol.order_to_proto(order)
-        result = self.engine.run_round(protocol.order_from_proto(_wire(down, pb.WorkOrder)))
+        self._cancelled.clear()
+        try:
+            result = self.engine.run_round(protocol.order_from_proto(_wire(down, pb.WorkOrder)), cancelled=self._cancelled.is_set)
+        except Cancelled as e:
+            raise WorkerError(self.address, grpc.StatusCode.CANCELLED, str(e)) from None
         up = protocol.result_to_proto(result)
         self.last_bytes_down, self.last_bytes_up = down.ByteSize(), up.ByteSize()
         return protocol.result_from_proto(_wire(up, pb.RoundResult))
@@ -54,6 +63,9 @@ class InProcessClient:
         up = protocol.worker_state_to_proto(self.engine.worker_state(run_id))
         self.last_bytes_down, self.last_bytes_up = 0, up.ByteSize()
         return protocol.worker_state_from_proto(_wire(up, pb.WorkerState))
+
+    def cancel(self) -> None:
+        self._cancelled.set()
 
     def close_run(self, run_id: str, timeout: float | None = None) -> bool:
         return self.engine.close_run(run_id)

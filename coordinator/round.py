@@ -14,13 +14,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 
+import grpc
 import torch
 
 from gradwire.coordinator.client import WorkerClient, WorkerError
-from gradwire.coordinator.decisions import Standing, decide_sync
+from gradwire.coordinator.decisions import Grace, Standing, decide_close, decide_sync
 from gradwire.coordinator.outer import OuterStrategy
 from gradwire.protocol import BEHIND, OK, ModelState, ProtocolError, RoundResult, WorkOrder
 from gradwire.replica import Fingerprint, StateUpdate
@@ -52,6 +55,7 @@ class SlotOutcome:
     bytes_down: int = 0
     pushes: int = 0  # state pushes during the round (a worker that reported NEEDS_STATE)
     catch_ups: int = 0  # orders that carried missed updates (catch-up by replay instead of a push)
+    straggler: bool = False  # cut off after the round had its quorum and the grace ran out
 
 
 @dataclasses.dataclass
@@ -74,11 +78,13 @@ class _Push:
 
 
 class RoundDispatcher:
-    def __init__(self, outer: OuterStrategy, pool: ThreadPoolExecutor, *, timeout: float, state_bytes: int = 0) -> None:
+    def __init__(self, outer: OuterStrategy, pool: ThreadPoolExecutor, *, timeout: float, state_bytes: int = 0, quorum: int = 0, grace: Grace | None = None) -> None:
         self.outer = outer
         self.pool = pool
         self.timeout = timeout
         self.state_bytes = state_bytes  # a catch-up must cost less than a push of this
+        self.quorum = quorum  # 0: wait for every worker
+        self.grace = grace or Grace()
 
     def run(self, slots: Sequence[WorkerSlot], step: int, make_order: MakeOrder, make_state: MakeState) -> RoundOutcome:
         outer = self.outer
@@ -88,15 +94,39 @@ class RoundDispatcher:
         to_push = [s for s in slots if s.version is None and s.guess is None]  # never had the state
         pushed = dict(zip((s.index for s in to_push), self.pool.map(lambda s: self._push(s, make_state), to_push)))
         applied = threading.Event()
-        futures = [self.pool.submit(self._work, slot, step, pushed.get(slot.index), applied, make_order, make_state) for slot in slots]
+        cut_off = {slot.index: threading.Event() for slot in slots}  # set for a straggler: make no further call
+        futures = [self.pool.submit(self._work, slot, step, pushed.get(slot.index), applied, make_order, make_state, cut_off[slot.index]) for slot in slots]
         try:
             outer.apply_pending()
         finally:
             applied.set()  # never leave a worker's retry waiting, whatever happened here
-        outcomes = [f.result() for f in futures]
+        cut = self._close(futures, slots, step, time.monotonic(), cut_off)
+        outcomes = [f.result() for f in futures]  # the cut-off ones return at once, cancelled
+        for o in outcomes:
+            o.straggler = o.slot.index in cut and o.result is None
+            if o.straggler:
+                o.error = f"cut off as a straggler ({o.error})"
         return RoundOutcome(outcomes, len(to_push) + sum(o.pushes for o in outcomes), sum(p.bytes_down for p in pushed.values()))
 
-    def _work(self, slot: WorkerSlot, step: int, push: _Push | None, applied: threading.Event, make_order: MakeOrder, make_state: MakeState) -> SlotOutcome:
+    def _close(self, futures: list[Future[SlotOutcome]], slots: Sequence[WorkerSlot], step: int, start: float, cut_off: dict[int, threading.Event]) -> set[int]:
+        """Wait for the round's results until ``decisions.decide_close`` closes it; cancel the calls of the
+        workers still computing then, and return their slot indices."""
+        by_future = dict(zip(futures, slots))
+        waiting, arrivals = set(futures), []
+        while True:
+            close, wait, why = decide_close(time.monotonic() - start, arrivals, len(waiting), quorum=self.quorum, grace=self.grace)
+            if close:
+                break
+            done, waiting = wait_for(waiting, timeout=None if wait == float("inf") else wait, return_when=FIRST_COMPLETED)
+            arrivals += [time.monotonic() - start for f in done if f.result().result is not None]
+        for f in waiting:
+            cut_off[by_future[f].index].set()  # before the cancel: a call it has not started yet never starts
+            by_future[f].client.cancel()
+        if waiting:
+            log.info("step %d: %s", step, why)
+        return {by_future[f].index for f in waiting}
+
+    def _work(self, slot: WorkerSlot, step: int, push: _Push | None, applied: threading.Event, make_order: MakeOrder, make_state: MakeState, cut_off: threading.Event) -> SlotOutcome:
         """Everything one worker does this round; runs on the dispatch pool. Never raises.
 
         Up to three orders: as the worker is believed to stand; after a BEHIND answer, from the version it
@@ -110,6 +140,8 @@ class RoundDispatcher:
         version = slot.version if slot.version is not None else slot.guess
         try:
             for _attempt in range(4):  # an order, a catch-up order, a push, an order
+                if cut_off.is_set():
+                    raise WorkerError(slot.client.address, grpc.StatusCode.CANCELLED, "the round closed without it")
                 action, why = decide_sync(version, outer.base_version, target, self._catch_up_bytes(version))
                 if action == "push":
                     log.info("step %d: worker %d gets the state: %s", step, slot.index, why)

@@ -97,7 +97,7 @@ class Trainer:
         self.progress = progress
         self._pool = ThreadPoolExecutor(max_workers=len(self.slots), thread_name_prefix="dispatch")
         self.outer.set_replay_window(config.replay_window)
-        self.rounds = RoundDispatcher(self.outer, self._pool, timeout=config.round_timeout, state_bytes=self.state_bytes)
+        self.rounds = RoundDispatcher(self.outer, self._pool, timeout=config.round_timeout, state_bytes=self.state_bytes, quorum=config.min_workers, grace=config.grace())
         self._stop = threading.Event()
         self.interrupted = False  # run() stopped early on request_stop
         self.last_checkpoint: Path | None = None
@@ -238,7 +238,7 @@ class Trainer:
         record = self._record(round_, usable, ranks, grad_norm, lr, t0, t_gathered, t_done)
         record.update(
             clipped=sum(x < 1 for x in scales), rejected=gathered.rejected, benched=sum(s.standing.benched(self.step) for s in self.slots),
-            catch_ups=sum(o.catch_ups for o in round_.outcomes),
+            catch_ups=sum(o.catch_ups for o in round_.outcomes), stragglers=sum(o.straggler for o in round_.outcomes),
         )
         return record
 
@@ -271,7 +271,8 @@ class Trainer:
             if o.result is None:
                 log.warning("step %d: worker %d (%s) failed: %s", step, o.slot.index, o.slot.client.address, o.error)
                 # Its version is unknown now; the next round asks (it may catch up by replay, not a push).
-                o.slot.guess = o.slot.version if o.slot.version is not None else o.slot.guess
+                # A straggler most likely applied the round's update before it was cut off.
+                o.slot.guess = self.outer.target_version if o.straggler else o.slot.version if o.slot.version is not None else o.slot.guess
                 o.slot.version = None
                 continue
             o.slot.version = o.result.version

@@ -9,7 +9,9 @@ answers are tampered with after it computed them honestly, the way a compromised
 * ``wrong-shape`` - a payload whose first tensor claims another shape;
 * ``lie-tokens``  - an honest payload with ``factor`` times the tokens it trained on (to weigh more);
 * ``drop``        - the call fails before the worker does anything, as when the network drops it (the
-                    worker then holds the version it had: it missed that round's update).
+                    worker then holds the version it had: it missed that round's update);
+* ``stall``       - the worker sits on the call for ``factor`` seconds before it starts (a straggler),
+                    giving up early if the call is cancelled.
 
 Use it through ``faulty(action, ...)``, an engine factory for ``tests.integration.conftest.live_workers``.
 """
@@ -17,6 +19,7 @@ Use it through ``faulty(action, ...)``, an engine factory for ``tests.integratio
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Collection
 
 from gradwire.compression import CompressedGradient
@@ -24,7 +27,7 @@ from gradwire.protocol import OK, RoundResult, WorkOrder
 from gradwire.worker.compute import Cancelled
 from gradwire.worker.engine import WorkerEngine
 
-ACTIONS = ("scale", "nan", "wrong-shape", "lie-tokens", "drop")
+ACTIONS = ("scale", "nan", "wrong-shape", "lie-tokens", "drop", "stall")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +58,15 @@ class FaultyEngine(WorkerEngine):
         if self.plan.action == "drop" and self.plan.applies(order.round):
             self.injected.append(order.round)
             raise Cancelled(f"round {order.round} dropped (fault injection)")
+        if self.plan.action == "stall" and self.plan.applies(order.round):
+            self.injected.append(order.round)
+            until = time.monotonic() + self.plan.factor
+            while time.monotonic() < until:
+                if cancelled():
+                    raise Cancelled(f"round {order.round} cancelled while stalled")
+                time.sleep(0.02)
         result = super().run_round(order, cancelled, owner)
-        if result.status != OK or result.gradient is None or not self.plan.applies(order.round):
+        if self.plan.action in ("drop", "stall") or result.status != OK or result.gradient is None or not self.plan.applies(order.round):
             return result
         self.injected.append(order.round)
         return dataclasses.replace(result, **self._tamper(order, result))
@@ -73,6 +83,7 @@ class FaultyEngine(WorkerEngine):
         first, *rest = gradient.tensors
         if plan.action == "nan":
             return {"gradient": _with_first(gradient, dataclasses.replace(first, scale=float("nan")), rest)}
+        assert plan.action == "wrong-shape"
         return {"gradient": _with_first(gradient, dataclasses.replace(first, shape=tuple(s + 1 for s in first.shape)), rest)}
 
 

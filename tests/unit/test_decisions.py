@@ -9,3 +9,35 @@ from gradwire.coordinator.decisions import decide_sync
 def test_decide_sync(known, base, target, action):
     got, reason = decide_sync(known, base, target)
     assert got == action and reason
+
+
+def test_grace_parses_seconds_and_factors() -> None:
+    from gradwire.coordinator.decisions import Grace
+
+    assert Grace.parse("10") == Grace(seconds=10.0) and Grace.parse("1.5x") == Grace(factor=1.5)
+    assert Grace.parse("2x").after([1.0, 3.0, 2.0]) == 4.0  # twice the median arrival
+    assert Grace.parse("0.5").after([9.0]) == 0.5
+    for bad in ("soon", "-1", "inf", "x"):
+        with pytest.raises(ValueError, match="--straggler-grace"):
+            Grace.parse(bad)
+
+
+def test_decide_close_waits_for_the_quorum_then_the_grace() -> None:
+    from gradwire.coordinator.decisions import Grace, decide_close
+
+    grace = Grace(seconds=1.0)
+    assert decide_close(5.0, [1.0], 2, quorum=2, grace=grace)[:2] == (False, float("inf"))  # no quorum yet
+    close, wait, why = decide_close(2.5, [1.0, 2.0], 1, quorum=2, grace=grace)
+    assert (close, wait) == (False, 0.5) and "waiting up to 0.50 s for 1 more" in why
+    close, _, why = decide_close(3.0, [1.0, 2.0], 1, quorum=2, grace=grace)
+    assert close and "1 straggler(s) cut off after 3.00 s" in why
+    assert decide_close(99.0, [1.0], 1, quorum=0, grace=grace)[0] is False  # quorum 0: wait for every worker
+    assert decide_close(0.1, [0.1, 0.1], 0, quorum=0, grace=grace) == (True, 0.0, "every worker answered")
+    assert decide_close(2.0, [1.0, 1.0, 2.0], 1, quorum=2, grace=Grace(factor=1.0))[0] is True  # 1 + median 1.0
+
+
+def test_decide_sync_catches_up_when_the_missed_updates_are_in_the_window() -> None:
+    action, why = decide_sync(1, 4, 5, catch_up_bytes=1200)
+    assert action == "catch-up" and "replays 3 missed update(s) (1200 bytes)" in why
+    assert decide_sync(1, 4, 5, catch_up_bytes=None)[0] == "push"  # out of the window, or dearer than the state
+    assert decide_sync(6, 4, 5, catch_up_bytes=10)[0] == "push"  # ahead of the coordinator: never replayed

@@ -1,0 +1,84 @@
+"""Stragglers: once --min-workers results are in, a round waits --straggler-grace for the rest and then
+cuts them off; a cut-off worker rejoins the next round without a state push (its missed update replays)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradwire.coordinator.client import WorkerClient
+from gradwire.coordinator.config import TrainConfig
+from gradwire.coordinator.metrics import read_metrics
+from gradwire.coordinator.trainer import Trainer
+from gradwire.transport import free_port
+from gradwire.worker.engine import WorkerEngine
+
+from ..faults import faulty
+from .conftest import live_workers, train
+
+STALLED = {2, 3}
+
+
+def test_a_stalled_worker_is_cut_off_after_the_grace_and_rejoins_without_a_push(tmp_path: Path) -> None:
+    config = TrainConfig(model="gpt-tiny", steps=7, batch_size=2, sequence_length=32, output_dir=str(tmp_path), min_workers=2, straggler_grace="0.3")
+    honest = lambda: WorkerEngine("cpu")  # noqa: E731
+    with live_workers(3, [honest, honest, faulty("stall", factor=20.0, rounds=STALLED)]) as workers:
+        trainer = train(config, workers)
+        trainer.flush()
+        session = next(iter(workers[2].engine.sessions.values()))
+        if session.replica.version < trainer.replica.version:
+            session.replica.apply(trainer.outer.pending)
+        for name, p in trainer.replica.params.items():
+            assert torch.equal(session.replica.params[name], p), name
+    records = {r["step"]: r for r in read_metrics(tmp_path)}
+    for step in (3, 4):  # rounds 2 and 3: cut off after the grace, not after 20 s
+        assert (records[step]["successful_workers"], records[step]["stragglers"]) == (2, 1)
+        assert records[step]["step_time"] < 5.0
+    assert records[5]["successful_workers"] == 3 and records[5]["stragglers"] == 0
+    assert sum(r["pushes"] for r in records.values()) == 3  # the first round's, and never again
+
+
+def test_a_factor_grace_and_no_quorum_wait_for_everyone(tmp_path: Path) -> None:
+    config = TrainConfig(model="gpt-tiny", steps=3, batch_size=2, sequence_length=32, output_dir=str(tmp_path))  # min_workers 0
+    with live_workers(2, [lambda: WorkerEngine("cpu"), faulty("stall", factor=1.0, rounds={1})]) as workers:
+        train(config, workers)
+    records = {r["step"]: r for r in read_metrics(tmp_path)}
+    assert records[2]["successful_workers"] == 2 and records[2]["step_time"] >= 1.0
+
+
+@pytest.mark.slow
+def test_a_sigstopped_worker_process_does_not_hold_rounds_and_rejoins_after_sigcont(tmp_path: Path) -> None:
+    procs, clients = [], []
+    try:
+        for _ in range(3):
+            port = free_port()
+            procs.append(subprocess.Popen([sys.executable, "-m", "gradwire.worker", "serve", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"}))
+            clients.append(WorkerClient(f"127.0.0.1:{port}", timeout=60))
+        config = TrainConfig(model="gpt-tiny", steps=10, batch_size=2, sequence_length=32, output_dir=str(tmp_path), min_workers=2, straggler_grace="0.5")
+        trainer = Trainer(config, clients, progress=False)
+        try:
+            trainer.connect()
+            records = [trainer.train_step() for _ in range(2)]
+            procs[2].send_signal(signal.SIGSTOP)
+            records += [trainer.train_step() for _ in range(3)]
+            procs[2].send_signal(signal.SIGCONT)
+            records += [trainer.train_step() for _ in range(3)]
+        finally:
+            trainer.close()
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGCONT)
+            proc.terminate()
+            proc.wait(30)
+        for c in clients:
+            c.close()
+    stopped, resumed = records[2:5], records[5:]
+    assert all(r["stragglers"] == 1 and r["successful_workers"] == 2 and r["step_time"] < 10 for r in stopped)
+    assert resumed[-1]["successful_workers"] == 3
+    assert sum(r["pushes"] for r in records) == 3  # rejoined by replaying what it missed, never pushed again
