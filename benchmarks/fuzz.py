@@ -131,7 +131,7 @@ class _Raw:
     def __init__(self, data: bytes) -> None:
         self.data = data
 
-    def SerializeToString(self) -> bytes:  # noqa: N802 - protobuf's name
+    def SerializeToString(self) -> bytes:
         return self.data
 
 

@@ -134,7 +134,7 @@ def train_with(factories: list[Callable[[], WorkerEngine]], steps: int, director
 
 
 def run_bad_workers(steps: int) -> dict:
-    honest = lambda: WorkerEngine("cpu")  # noqa: E731
+    honest = lambda: WorkerEngine("cpu")
     cases = {
         "x1000": faulty("scale", factor=1000.0),
         "minus_x1000": faulty("scale", factor=-1000.0),

@@ -25,6 +25,7 @@ from gradwire.coordinator.checkpoint import latest_checkpoint
 from gradwire.coordinator.client import WorkerClient, WorkerError
 from gradwire.coordinator.config import AUTO_FIELDS, TrainConfig
 from gradwire.coordinator.local import local_workers
+from gradwire.coordinator.membership import WorkersFile
 from gradwire.models import model_names
 from gradwire.optim import INNER_OPTIMIZERS, OUTER_OPTIMIZERS, SCHEDULES
 from gradwire.security import ClientSecurity, resolve_token
@@ -160,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     where = train.add_mutually_exclusive_group()
     where.add_argument("--workers", type=str, help="comma-separated worker addresses, host:port,host:port (in YAML also a list)")
     where.add_argument("--local", type=int, metavar="N", help="start N worker daemons on this machine and train with them")
+    where.add_argument("--workers-file", metavar="FILE", help="worker addresses in FILE (one per line or comma-separated, # comments), re-read before every round: workers added join after a state push, workers removed stop getting work")
     _add_config_flags(train)
     add_security_flags(train, side="coordinator")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -196,8 +198,8 @@ def train_config_from_args(parser: argparse.ArgumentParser, args: argparse.Names
     """The validated ``TrainConfig`` of a parsed ``train`` command line; exits 2 naming the flag (or key)."""
     train = subcommand_parser(parser, "train")
     try:
-        if args.workers is None and args.local is None:
-            raise ValueError("one of --workers or --local is required (on the command line, or workers: / local: in the --config file)")
+        if args.workers is None and args.local is None and args.workers_file is None:
+            raise ValueError("one of --workers, --workers-file or --local is required (on the command line, or workers: / local: in the --config file)")
         if args.local is not None and args.local < 1:
             raise ValueError(f"--local must be >= 1, got {args.local}")
         return config_from_args(args)
@@ -235,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             security.channel("127.0.0.1:1", []).close()  # read the TLS files now: a typo fails here
     except ValueError as e:
         subcommand_parser(parser, "train").error(_naming_keys(e, args))
-    return train(config, workers=args.workers, local=args.local, progress=not args.no_progress, security=security)
+    return train(config, workers=args.workers, local=args.local, progress=not args.no_progress, security=security, workers_file=args.workers_file)
 
 
 def report(output_dir: str, report_dir: str | None = None) -> int:
@@ -295,17 +297,20 @@ def resume_command(checkpoint_dir: Path) -> str:
     return shlex.join(["coordinator", *argv, "--resume-from", str(checkpoint_dir)])
 
 
-def train(config: TrainConfig, *, workers: str | None = None, local: int | None = None, progress: bool = True, security: ClientSecurity | None = None) -> int:
+def train(config: TrainConfig, *, workers: str | None = None, local: int | None = None, progress: bool = True, security: ClientSecurity | None = None, workers_file: str | None = None) -> int:
     from gradwire.coordinator.trainer import Trainer  # torch and models load only when training
     from gradwire.memory import keep_freed_memory
 
     keep_freed_memory()
 
-    def run(addresses: list[str]) -> int:
-        clients = [WorkerClient(a, timeout=config.round_timeout, security=security) for a in addresses]
+    def connect(address: str) -> WorkerClient:
+        return WorkerClient(address, timeout=config.round_timeout, security=security)
+
+    def run(addresses: list[str], members: WorkersFile | None = None) -> int:
+        clients = [connect(a) for a in addresses]
         try:
             try:
-                trainer = Trainer(config, clients, progress=progress)
+                trainer = Trainer(config, clients, progress=progress, members=members, connect=connect)
             except (ValueError, FileNotFoundError) as e:  # a flag, a model, a file: say which, no traceback
                 print(f"coordinator train: error: {e}", file=sys.stderr)
                 return 2
@@ -340,6 +345,18 @@ def train(config: TrainConfig, *, workers: str | None = None, local: int | None 
         torch.set_num_threads(1)
         with local_workers(local, token=security.token if security else None) as addresses:
             return run(addresses)
+    if workers_file is not None:
+        members = WorkersFile(workers_file)
+        try:
+            addresses = members.read()
+            members.poll()  # what the trainer compares with before every round
+        except ValueError as e:
+            print(f"coordinator train: error: {e}", file=sys.stderr)
+            return 2
+        if not addresses:
+            print(f"coordinator train: error: --workers-file {workers_file} names no worker (host:port, one per line)", file=sys.stderr)
+            return 2
+        return run(addresses, members)
     addresses = [a.strip() for a in (workers or "").split(",") if a.strip()]
     if not addresses:
         print("coordinator: --workers needs at least one host:port", file=sys.stderr)

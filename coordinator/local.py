@@ -9,8 +9,8 @@ import sys
 from collections.abc import Iterator
 
 from gradwire.security import TOKEN_ENV
-from gradwire.worker.launch import die_with_parent
 from gradwire.transport import free_port
+from gradwire.worker.launch import die_with_parent
 
 
 @contextlib.contextmanager

@@ -88,7 +88,6 @@ class RoundDispatcher:
 
     def run(self, slots: Sequence[WorkerSlot], step: int, make_order: MakeOrder, make_state: MakeState) -> RoundOutcome:
         outer = self.outer
-        base, target = outer.base_version, outer.target_version
         # Pushes first, from a replica nothing is writing to; then the round and, alongside it, our own
         # copy of the pending update.
         to_push = [s for s in slots if s.version is None and s.guess is None]  # never had the state
@@ -148,7 +147,8 @@ class RoundDispatcher:
                     applied.wait()  # push the round's version, not one being written
                     retry = self._push(slot, make_state)
                     if retry.error:
-                        raise WorkerError(slot.client.address, None, retry.error)
+                        outcome.error = retry.error
+                        return outcome
                     outcome.pushes += 1
                     outcome.bytes_down += retry.bytes_down
                     version = slot.version

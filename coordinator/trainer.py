@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,9 +28,10 @@ from gradwire.compression.codec import DecodedGradient
 from gradwire.coordinator.checkpoint import keep_last, load_checkpoint, save_checkpoint
 from gradwire.coordinator.client import WorkerClient, WorkerError
 from gradwire.coordinator.config import TrainConfig
-from gradwire.coordinator.decisions import HARD_CLIP, Verdict, after_failed_round, judge
 from gradwire.coordinator.data import batch_dtype, open_data
+from gradwire.coordinator.decisions import HARD_CLIP, Verdict, after_failed_round, judge
 from gradwire.coordinator.export import export_model
+from gradwire.coordinator.membership import WorkersFile, diff_members
 from gradwire.coordinator.metrics import MetricsLog, ProgressBar
 from gradwire.coordinator.outer import Aggregate, make_outer
 from gradwire.coordinator.round import RoundDispatcher, RoundOutcome, SlotOutcome, WorkerSlot
@@ -50,6 +52,11 @@ def max_sequence_length(spec: dict) -> int | None:
     return None
 
 
+def worker_key(slot: WorkerSlot) -> str:
+    """A worker's name in checkpoints: its address, as a tensor-group name (``w-127.0.0.1_50051``)."""
+    return "w-" + re.sub(r"[^A-Za-z0-9_.-]", "_", slot.client.address)
+
+
 @dataclasses.dataclass
 class Gathered:
     """A round's usable contributions: their outcomes and results, combined, with their clip scales."""
@@ -62,9 +69,14 @@ class Gathered:
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, clients: Sequence[WorkerClient], *, progress: bool = True) -> None:
+    def __init__(self, config: TrainConfig, clients: Sequence[WorkerClient], *, progress: bool = True, members: WorkersFile | None = None, connect: Callable[[str], WorkerClient] | None = None) -> None:
+        """``members`` (with ``connect``, which makes a client for an address) re-reads the run's workers
+        before every round: workers it adds join after a state push, workers it drops stop getting work."""
         if not clients:
             raise ValueError("--workers (or --local N) must name at least one worker")
+        if members is not None and (connect is None or config.streaming):
+            raise ValueError("--workers-file needs a client factory, and does not work with --streaming yet (a stream's layout fixes the number of workers)")
+        self.members, self._connect = members, connect
         self.config = config
         # A resumed run takes its weights from the checkpoint: no need to load (or have) pretrained ones.
         resolved = resolve_model(config.model, from_scratch=config.from_scratch or bool(config.resume_from), seed=config.seed)
@@ -88,6 +100,7 @@ class Trainer:
         if limit is not None and config.sequence_length > limit:
             raise ValueError(f"--sequence-length {config.sequence_length} exceeds the {limit} positions of --model {config.model}")
         self.slots = [WorkerSlot(i, c) for i, c in enumerate(clients)]
+        self._next_index = len(self.slots)
         self.run_id = uuid.uuid4().hex
         self.step = 0
         self.total_tokens = 0
@@ -95,7 +108,7 @@ class Trainer:
         self.checkpoint_dir = Path(config.checkpoint_dir) if config.checkpoint_dir else self.output_dir / "checkpoints"
         self.state_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.progress = progress
-        self._pool = ThreadPoolExecutor(max_workers=len(self.slots), thread_name_prefix="dispatch")
+        self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="dispatch")  # threads start as needed
         self.outer.set_replay_window(config.replay_window)
         self.rounds = RoundDispatcher(self.outer, self._pool, timeout=config.round_timeout, state_bytes=self.state_bytes, quorum=config.min_workers, grace=config.grace())
         self._stop = threading.Event()
@@ -208,7 +221,9 @@ class Trainer:
         t0 = time.perf_counter()
         lr = self.config.lr_at(step)
         local_steps = self._local_steps(step)
-        batches = {slot.index: self.round_batch(step, slot.index, slot.ranks) for slot in self.slots}
+        self._update_members(step)
+        # Rows by position among the run's workers: disjoint within a step, whoever is present.
+        batches = {slot.index: self.round_batch(step, position, slot.ranks) for position, slot in enumerate(self.slots)}
 
         def make_order(slot: WorkerSlot, base: int, update: StateUpdate | None, fingerprint: Fingerprint, catch_up: tuple[StateUpdate, ...]) -> WorkOrder:
             cfg = self.config
@@ -241,6 +256,38 @@ class Trainer:
             catch_ups=sum(o.catch_ups for o in round_.outcomes), stragglers=sum(o.straggler for o in round_.outcomes),
         )
         return record
+
+    def _update_members(self, step: int) -> None:
+        """Apply a change of ``--workers-file``: drop the workers it no longer names, add the new ones
+        (each after a short readiness check; one that is not ready yet is tried again next round)."""
+        if self.members is None:
+            return
+        wanted = self.members.poll()
+        if wanted is None:
+            return
+        joining, leaving = diff_members([s.client.address for s in self.slots], wanted)
+        for slot in [s for s in self.slots if s.client.address in leaving]:
+            if len(self.slots) == 1:
+                log.warning("step %d: --workers-file drops the last worker (%s); keeping it", step, slot.client.address)
+                break
+            self.slots.remove(slot)
+            slot.client.close()
+            log.info("step %d: worker %d (%s) left the run", step, slot.index, slot.client.address)
+        for address in joining:
+            assert self._connect is not None
+            client = self._connect(address)
+            try:
+                client.wait_ready(min(5.0, self.config.connect_timeout))
+                info = client.describe()
+            except WorkerError as e:
+                log.warning("step %d: %s is not ready to join yet (%s); trying again next round", step, address, e)
+                client.close()
+                self.members.forget()
+                continue
+            slot = WorkerSlot(self._next_index, client, ranks=info.ranks)
+            self._next_index += 1
+            self.slots.append(slot)
+            log.info("step %d: worker %d (%s) joins the run (%s, %d rank(s)); it gets the state first", step, slot.index, address, info.device, info.ranks)
 
     def round_batch(self, step: int, slot: int, ranks: int = 1) -> np.ndarray:
         """A worker's rows for round ``step``: H inner steps' batches stacked, (H * ranks * batch_size, T + 1).
@@ -378,14 +425,17 @@ class Trainer:
         tensors = {**self.outer.checkpoint(), "rng": {"torch": torch.get_rng_state()}}
         # The workers' error feedback and inner optimizer state are part of the trajectory: without them a
         # resumed run would differ.
-        futures = {slot.index: self._pool.submit(self._fetch_worker_state, slot) for slot in self.slots}
-        for index, future in futures.items():
+        futures = {worker_key(slot): self._pool.submit(self._fetch_worker_state, slot) for slot in self.slots}
+        for key, future in futures.items():
             feedback, inner = future.result()
             if feedback is not None:
-                tensors[f"feedback-{index}"] = feedback
+                tensors[f"feedback-{key}"] = feedback
             if inner:
-                tensors[f"inner-{index}"] = inner
-        meta = {"config": self.config.to_dict(), "version": self.replica.version, "total_tokens": self.total_tokens, "data_step": self.step, "workers": len(self.slots)}
+                tensors[f"inner-{key}"] = inner
+        meta = {
+            "config": self.config.to_dict(), "version": self.replica.version, "total_tokens": self.total_tokens,
+            "data_step": self.step, "workers": len(self.slots), "worker_keys": list(futures),
+        }
         path = save_checkpoint(self.checkpoint_dir, self.step, tensors, meta)
         if self.config.keep_checkpoints:
             keep_last(self.checkpoint_dir, self.config.keep_checkpoints)
@@ -410,9 +460,15 @@ class Trainer:
         self.step = int(meta["step"])
         self.total_tokens = int(meta.get("total_tokens", 0))
         torch.set_rng_state(tensors["rng"]["torch"])
-        for slot in self.slots:
-            slot.feedback = tensors.get(f"feedback-{slot.index}")
-            slot.inner_optimizer = tensors.get(f"inner-{slot.index}")
+        saved_keys = meta.get("worker_keys", [])
+        for position, slot in enumerate(self.slots):
+            # A worker's state follows its address; a worker at a new address (fresh --local workers)
+            # takes the state of the one that had its position.
+            key = worker_key(slot)
+            if f"feedback-{key}" not in tensors and f"inner-{key}" not in tensors and position < len(saved_keys):
+                key = saved_keys[position]
+            slot.feedback = tensors.get(f"feedback-{key}", tensors.get(f"feedback-{slot.index}"))
+            slot.inner_optimizer = tensors.get(f"inner-{key}", tensors.get(f"inner-{slot.index}"))
             slot.version = None
         if meta.get("workers") != len(self.slots):
             log.warning("resuming %d-worker checkpoint with %d workers: worker state restored by slot where it exists", meta.get("workers"), len(self.slots))

@@ -24,8 +24,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from gradwire.compression import CodecConfig, CompressedGradient, GradientCodec
-from gradwire.compression import robust
+from gradwire.compression import CodecConfig, CompressedGradient, GradientCodec, robust
 from gradwire.compression.aggregate import Aggregator
 from gradwire.compression.robust import MEAN, AggregationRule
 from gradwire.optim.outer import UpdateRule, outer_step

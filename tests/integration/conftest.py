@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator, Sequence
 
 import grpc
@@ -96,3 +98,11 @@ def assert_in_step(trainer: Trainer, worker: LiveWorker) -> None:
 def two_workers() -> Iterator[list[LiveWorker]]:
     with live_workers(2) as workers:
         yield workers
+
+
+def worker_process(port: int, *extra: str, log: object = subprocess.DEVNULL) -> subprocess.Popen:
+    """A real ``worker serve`` process on loopback ``port`` (one thread), for tests where a process must
+    die, stop or restart."""
+    argv = [sys.executable, "-m", "gradwire.worker", "serve", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)

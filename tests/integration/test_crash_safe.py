@@ -106,3 +106,31 @@ def test_a_stop_request_finishes_the_round_checkpoints_and_closes_the_sessions(t
         assert all(w.engine.sessions == {} for w in workers)  # closed on the workers
         _, meta = load_checkpoint(trainer.last_checkpoint)
         assert meta["step"] == 3 and not (tmp_path / "final").exists()
+
+
+@pytest.mark.slow
+def test_the_run_survives_every_worker_being_killed_and_restarted(tmp_path: Path) -> None:
+    from gradwire.transport import free_port
+
+    ports = [free_port() for _ in range(2)]
+
+    from .conftest import worker_process
+
+    workers = [worker_process(p) for p in ports]
+    out = tmp_path / "run"
+    try:
+        argv = coordinator("--workers", ",".join(f"127.0.0.1:{p}" for p in ports), *TRAIN[2:], "--output-dir", str(out), "--steps", "20", "--round-timeout", "10")
+        proc = start_and_wait_for(argv, out, 4)
+        for w in workers:
+            w.kill()
+            w.wait(10)
+        time.sleep(2.0)  # every worker down: rounds fail and back off instead of ending the run
+        workers = [worker_process(p) for p in ports]
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-3000:]
+    finally:
+        for w in workers:
+            w.kill()
+            w.wait(10)
+    assert [s for s, _ in steps_and_losses(out)] == list(range(1, 21))  # every step once
+    assert "no usable worker" in stderr and "next round in" in stderr

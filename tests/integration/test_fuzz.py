@@ -5,9 +5,6 @@ and serves a normal round afterwards."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -22,6 +19,8 @@ from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import OK, ModelState, WorkOrder
 from gradwire.replica import Replica, StateUpdate
 from gradwire.transport import free_port
+
+from .conftest import worker_process
 
 SPEC = model_spec("gpt-tiny")
 RULE = UpdateRule(optimizer="sgd")
@@ -50,10 +49,7 @@ def valid_messages(client: WorkerClient) -> tuple[ModelState, WorkOrder, Replica
 def test_the_worker_survives_fuzzing_and_serves_a_round_afterwards(tmp_path) -> None:
     port = free_port()
     log = open(tmp_path / "worker.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gradwire.worker", "serve", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--max-model-params", "5000000"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = worker_process(port, "--max-model-params", "5000000", log=log)
     try:
         client = WorkerClient(f"127.0.0.1:{port}", timeout=60)
         client.wait_ready(60)

@@ -3,10 +3,7 @@ cuts them off; a cut-off worker rejoins the next round without a state push (its
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,14 +17,14 @@ from gradwire.transport import free_port
 from gradwire.worker.engine import WorkerEngine
 
 from ..faults import faulty
-from .conftest import live_workers, train
+from .conftest import live_workers, train, worker_process
 
 STALLED = {2, 3}
 
 
 def test_a_stalled_worker_is_cut_off_after_the_grace_and_rejoins_without_a_push(tmp_path: Path) -> None:
     config = TrainConfig(model="gpt-tiny", steps=7, batch_size=2, sequence_length=32, output_dir=str(tmp_path), min_workers=2, straggler_grace="0.3")
-    honest = lambda: WorkerEngine("cpu")  # noqa: E731
+    honest = lambda: WorkerEngine("cpu")
     with live_workers(3, [honest, honest, faulty("stall", factor=20.0, rounds=STALLED)]) as workers:
         trainer = train(config, workers)
         trainer.flush()
@@ -58,7 +55,7 @@ def test_a_sigstopped_worker_process_does_not_hold_rounds_and_rejoins_after_sigc
     try:
         for _ in range(3):
             port = free_port()
-            procs.append(subprocess.Popen([sys.executable, "-m", "gradwire.worker", "serve", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"}))
+            procs.append(worker_process(port))
             clients.append(WorkerClient(f"127.0.0.1:{port}", timeout=60))
         config = TrainConfig(model="gpt-tiny", steps=10, batch_size=2, sequence_length=32, output_dir=str(tmp_path), min_workers=2, straggler_grace="0.5")
         trainer = Trainer(config, clients, progress=False)

@@ -41,7 +41,7 @@ def test_overwrite_removes_the_old_run(tmp_path: Path) -> None:
 
 def test_leftovers_of_an_interrupted_checkpoint_are_removed_and_the_last_complete_one_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ckpt = a_run(tmp_path / "run")
-    import gradwire.coordinator.checkpoint as checkpoint
+    from gradwire.coordinator import checkpoint
 
     calls = []
 

@@ -1,0 +1,98 @@
+"""Workers join and leave a running job through --workers-file: a new one gets the state and contributes
+from its next round, a removed one stops getting work, and the rows of a round stay disjoint."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gradwire.coordinator.client import WorkerClient
+from gradwire.coordinator.config import TrainConfig
+from gradwire.coordinator.membership import WorkersFile, diff_members, parse_addresses
+from gradwire.coordinator.metrics import read_metrics
+from gradwire.coordinator.trainer import Trainer
+
+from .conftest import live_workers, worker_process
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def test_parse_and_diff() -> None:
+    assert parse_addresses("a:1, b:2\n# gone:3\n\nc:4  # the new one\na:1\n") == ["a:1", "b:2", "c:4"]
+    with pytest.raises(ValueError, match="host:port"):
+        parse_addresses("nohost\n")
+    assert diff_members(["a:1", "b:2"], ["b:2", "c:3"]) == (["c:3"], ["a:1"])
+
+
+def test_a_workers_file_change_adds_and_removes_workers_between_rounds(tmp_path: Path) -> None:
+    listing = tmp_path / "workers.txt"
+    with live_workers(3) as workers:
+        a, b, c = (w.address for w in workers)
+        listing.write_text(f"{a}\n{b}\n")
+        members = WorkersFile(listing)
+        members.poll()
+        connect = lambda address: WorkerClient(address, timeout=30)
+        config = TrainConfig(model="gpt-tiny", steps=9, batch_size=2, sequence_length=32, output_dir=str(tmp_path / "run"))
+        trainer = Trainer(config, [connect(a), connect(b)], progress=False, members=members, connect=connect)
+        rows: dict[int, list] = {}
+        step_batch = trainer.round_batch
+
+        def spy(step: int, position: int, ranks: int = 1):
+            batch = step_batch(step, position, ranks)
+            rows.setdefault(step, []).append(batch)
+            return batch
+
+        trainer.round_batch = spy
+        try:
+            trainer.connect()
+            for _ in range(3):
+                trainer.train_step()
+            time.sleep(0.01)
+            listing.write_text(f"{a}\n{b}\n{c}   # joins\n")
+            for _ in range(3):
+                trainer.train_step()
+            listing.write_text(f"{b}, {c}\n")  # a leaves
+            for _ in range(3):
+                trainer.train_step()
+        finally:
+            trainer.close()
+        assert [s.client.address for s in trainer.slots] == [b, c]
+        # a computed rounds 0-5 (the last at version 5) and got no work after it left; c joined at round 3.
+        assert list(workers[0].engine.sessions.values())[0].replica.version == 5
+        assert list(workers[2].engine.sessions.values())[0].replica.version == 8
+    for step, batches in rows.items():  # disjoint rows within every round
+        flat = [tuple(r) for b in batches for r in b.tolist()]
+        assert len(flat) == len(set(flat)), step
+    assert [len(rows[s]) for s in range(9)] == [2, 2, 2, 3, 3, 3, 2, 2, 2]
+
+
+@pytest.mark.slow
+def test_coordinator_train_with_a_workers_file_picks_up_a_new_worker(tmp_path: Path) -> None:
+    from gradwire.transport import free_port
+
+    ports = [free_port() for _ in range(2)]
+    procs = [worker_process(p) for p in ports]
+    listing = tmp_path / "workers.txt"
+    listing.write_text(f"127.0.0.1:{ports[0]}\n")
+    out = tmp_path / "run"
+    try:
+        coordinator = subprocess.Popen([sys.executable, "-m", "gradwire.coordinator", "train", "--workers-file", str(listing), "--model", "gpt-tiny", "--steps", "40", "--batch-size", "2", "--sequence-length", "32", "--output-dir", str(out), "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+        deadline = time.monotonic() + 120
+        while not ((out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= 5):
+            assert coordinator.poll() is None and time.monotonic() < deadline, coordinator.communicate()[1][-3000:]
+            time.sleep(0.1)
+        listing.write_text(f"127.0.0.1:{ports[0]}\n127.0.0.1:{ports[1]}\n")
+        _, stderr = coordinator.communicate(timeout=300)
+        assert coordinator.returncode == 0, stderr[-3000:]
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(30)
+    records = read_metrics(out)
+    workers = [r["successful_workers"] for r in records]
+    assert workers[0] == 1 and workers[-1] == 2 and "joins the run" in stderr
