@@ -25,10 +25,10 @@ from gradwire.coordinator.checkpoint import latest_checkpoint
 from gradwire.coordinator.client import WorkerClient, WorkerError
 from gradwire.coordinator.config import AUTO_FIELDS, TrainConfig
 from gradwire.coordinator.local import local_workers
-from gradwire.coordinator.membership import WorkersFile
+from gradwire.coordinator.membership import MemberSource, WorkersFile
 from gradwire.models import model_names
 from gradwire.optim import INNER_OPTIMIZERS, OUTER_OPTIMIZERS, SCHEDULES
-from gradwire.security import ClientSecurity, resolve_token
+from gradwire.security import ClientSecurity, ServerSecurity, resolve_token
 
 if TYPE_CHECKING:
     from gradwire.coordinator.trainer import Trainer
@@ -161,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     where = train.add_mutually_exclusive_group()
     where.add_argument("--workers", type=str, help="comma-separated worker addresses, host:port,host:port (in YAML also a list)")
     where.add_argument("--local", type=int, metavar="N", help="start N worker daemons on this machine and train with them")
+    where.add_argument("--listen", metavar="[HOST:]PORT", help="let workers join: serve the Coordinator service on PORT (every interface unless HOST is given) for `worker serve --join`; training starts once --min-workers (at least one) have joined, and workers come and go as they announce themselves or go quiet")
     where.add_argument("--workers-file", metavar="FILE", help="worker addresses in FILE (one per line or comma-separated, # comments), re-read before every round: workers added join after a state push, workers removed stop getting work")
     _add_config_flags(train)
     add_security_flags(train, side="coordinator")
@@ -198,8 +199,8 @@ def train_config_from_args(parser: argparse.ArgumentParser, args: argparse.Names
     """The validated ``TrainConfig`` of a parsed ``train`` command line; exits 2 naming the flag (or key)."""
     train = subcommand_parser(parser, "train")
     try:
-        if args.workers is None and args.local is None and args.workers_file is None:
-            raise ValueError("one of --workers, --workers-file or --local is required (on the command line, or workers: / local: in the --config file)")
+        if args.workers is None and args.local is None and args.workers_file is None and args.listen is None:
+            raise ValueError("one of --workers, --workers-file, --listen or --local is required (on the command line, or workers: / local: in the --config file)")
         if args.local is not None and args.local < 1:
             raise ValueError(f"--local must be >= 1, got {args.local}")
         return config_from_args(args)
@@ -237,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             security.channel("127.0.0.1:1", []).close()  # read the TLS files now: a typo fails here
     except ValueError as e:
         subcommand_parser(parser, "train").error(_naming_keys(e, args))
-    return train(config, workers=args.workers, local=args.local, progress=not args.no_progress, security=security, workers_file=args.workers_file)
+    return train(config, workers=args.workers, local=args.local, progress=not args.no_progress, security=security, workers_file=args.workers_file, listen=args.listen)
 
 
 def report(output_dir: str, report_dir: str | None = None) -> int:
@@ -260,6 +261,34 @@ def report(output_dir: str, report_dir: str | None = None) -> int:
     for path in paths:
         print(path)
     return 0
+
+
+def train_listening(listen: str, config: TrainConfig, run: Callable[[list[str], MemberSource], int], security: ClientSecurity | None) -> int:
+    """``--listen``: serve Join, wait for the first workers, train with whoever has joined."""
+    from gradwire.coordinator.join import JoinRegistry, serve_joins
+
+    host, _, port_text = listen.rpartition(":")
+    if not port_text.isdigit() or not 0 <= int(port_text) < 65536:
+        print(f"coordinator train: error: --listen takes [HOST:]PORT, got {listen!r}", file=sys.stderr)
+        return 2
+    registry = JoinRegistry()
+    token = security.token if security else None
+    try:
+        server, bound = serve_joins(registry, host=host or "[::]", port=int(port_text), security=ServerSecurity(token=token))
+    except OSError as e:
+        print(f"coordinator train: error: {e}", file=sys.stderr)
+        return 1
+    try:
+        need = max(1, config.min_workers)
+        print(f"listening for workers on {host or '[::]'}:{bound} (worker serve --join THIS_HOST:{bound}); waiting for {need}", file=sys.stderr, flush=True)
+        addresses = registry.wait_for(need, config.connect_timeout)
+        if len(addresses) < need:
+            print(f"coordinator train: {len(addresses)} of {need} worker(s) joined within --connect-timeout {config.connect_timeout:g} s", file=sys.stderr)
+            return 1
+        registry.poll()  # the trainer sees changes from here on
+        return run(addresses, registry)
+    finally:
+        server.stop(1)
 
 
 @contextlib.contextmanager
@@ -297,7 +326,7 @@ def resume_command(checkpoint_dir: Path) -> str:
     return shlex.join(["coordinator", *argv, "--resume-from", str(checkpoint_dir)])
 
 
-def train(config: TrainConfig, *, workers: str | None = None, local: int | None = None, progress: bool = True, security: ClientSecurity | None = None, workers_file: str | None = None) -> int:
+def train(config: TrainConfig, *, workers: str | None = None, local: int | None = None, progress: bool = True, security: ClientSecurity | None = None, workers_file: str | None = None, listen: str | None = None) -> int:
     from gradwire.coordinator.trainer import Trainer  # torch and models load only when training
     from gradwire.memory import keep_freed_memory
 
@@ -306,7 +335,7 @@ def train(config: TrainConfig, *, workers: str | None = None, local: int | None 
     def connect(address: str) -> WorkerClient:
         return WorkerClient(address, timeout=config.round_timeout, security=security)
 
-    def run(addresses: list[str], members: WorkersFile | None = None) -> int:
+    def run(addresses: list[str], members: MemberSource | None = None) -> int:
         clients = [connect(a) for a in addresses]
         try:
             try:
@@ -345,6 +374,8 @@ def train(config: TrainConfig, *, workers: str | None = None, local: int | None 
         torch.set_num_threads(1)
         with local_workers(local, token=security.token if security else None) as addresses:
             return run(addresses)
+    if listen is not None:
+        return train_listening(listen, config, run, security)
     if workers_file is not None:
         members = WorkersFile(workers_file)
         try:

@@ -11,6 +11,7 @@ import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,16 @@ def parse_addresses(text: str) -> list[str]:
 def diff_members(current: Sequence[str], wanted: Sequence[str]) -> tuple[list[str], list[str]]:
     """(joining, leaving): addresses in ``wanted`` but not ``current``, and the other way round."""
     return [a for a in wanted if a not in current], [a for a in current if a not in wanted]
+
+
+class MemberSource(Protocol):
+    """Where a run's workers come from, asked before every round (``WorkersFile``, ``join.JoinRegistry``)."""
+
+    def poll(self) -> list[str] | None:
+        """The addresses now, if they changed since the last poll; else ``None``."""
+
+    def forget(self) -> None:
+        """Make the next ``poll`` answer even without a change (an address was not ready to join)."""
 
 
 class WorkersFile:

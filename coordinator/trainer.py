@@ -31,7 +31,7 @@ from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.data import batch_dtype, open_data
 from gradwire.coordinator.decisions import HARD_CLIP, Verdict, after_failed_round, judge
 from gradwire.coordinator.export import export_model
-from gradwire.coordinator.membership import WorkersFile, diff_members
+from gradwire.coordinator.membership import MemberSource, diff_members
 from gradwire.coordinator.metrics import MetricsLog, ProgressBar
 from gradwire.coordinator.outer import Aggregate, make_outer
 from gradwire.coordinator.round import RoundDispatcher, RoundOutcome, SlotOutcome, WorkerSlot
@@ -69,13 +69,13 @@ class Gathered:
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, clients: Sequence[WorkerClient], *, progress: bool = True, members: WorkersFile | None = None, connect: Callable[[str], WorkerClient] | None = None) -> None:
+    def __init__(self, config: TrainConfig, clients: Sequence[WorkerClient], *, progress: bool = True, members: MemberSource | None = None, connect: Callable[[str], WorkerClient] | None = None) -> None:
         """``members`` (with ``connect``, which makes a client for an address) re-reads the run's workers
         before every round: workers it adds join after a state push, workers it drops stop getting work."""
         if not clients:
             raise ValueError("--workers (or --local N) must name at least one worker")
         if members is not None and (connect is None or config.streaming):
-            raise ValueError("--workers-file needs a client factory, and does not work with --streaming yet (a stream's layout fixes the number of workers)")
+            raise ValueError("--workers-file and --listen need a client factory, and do not work with --streaming yet (a stream's layout fixes the number of workers)")
         self.members, self._connect = members, connect
         self.config = config
         # A resumed run takes its weights from the checkpoint: no need to load (or have) pretrained ones.

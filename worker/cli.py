@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--node-timeout", type=_seconds, default=300.0, help="seconds a collective among the ranks may take before the node counts a rank as lost (default: 300)")
     node.add_argument("--max-restarts", type=_count, default=3, help="times the launcher restarts a node that lost a rank (default: 3)")
     serve.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast forward/backward (weights, replica and codec stay float32) (default: fp32)")
+    join = serve.add_argument_group("joining a run", "Instead of (or besides) being named in the coordinator's --workers, a worker can announce itself to a coordinator started with --listen PORT.")
+    join.add_argument("--join", metavar="HOST:PORT", help="announce this worker to the coordinator at HOST:PORT (coordinator train --listen), every few seconds while it serves")
+    join.add_argument("--advertise", metavar="HOST:PORT", help="the address the coordinator should call this worker at (default: --host, or this machine's name, and --port)")
     add_security_flags(serve, side="worker")
     return parser
 
@@ -226,7 +229,7 @@ def run_rank(args: argparse.Namespace, rank: RankInfo | None) -> int:
                 return 1
             return 0
         try:
-            return serve(engine, host=args.host, port=args.port, max_message_mb=args.max_message_mb, grace=args.grace, security=server_security(args))
+            return serve(engine, host=args.host, port=args.port, max_message_mb=args.max_message_mb, grace=args.grace, security=server_security(args), join=args.join, advertise=args.advertise)
         except OSError as e:  # the address cannot be bound
             print(f"worker serve: error: {e}", file=sys.stderr)
             return 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from concurrent import futures
 from typing import Any
 
@@ -42,10 +43,12 @@ def _server_options() -> list[tuple[str, int]]:
 # ------------------------------------------------------------------------------------------- factory
 
 
-def make_server(servicer: worker_pb2_grpc.WorkerServicer, *, host: str = "[::]", port: int = 0, max_workers: int = 8, security: ServerSecurity | None = None) -> tuple[grpc.Server, int, health.HealthServicer]:
-    """Build and start a worker server; return it, the bound port (useful with ``port=0``) and its health.
+def make_server(servicer: Any, *, host: str = "[::]", port: int = 0, max_workers: int = 8, security: ServerSecurity | None = None, add: Callable[[Any, grpc.Server], None] = worker_pb2_grpc.add_WorkerServicer_to_server, service_name: str = SERVICE_NAME) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """Build and start a server for ``servicer`` (a Worker by default; ``add`` registers another service,
+    as the coordinator's Join service does); return it, the bound port (useful with ``port=0``) and its
+    health.
 
-    Health reports SERVING for "" and the Worker service once the server has started; it needs no token.
+    Health reports SERVING for "" and ``service_name`` once the server has started; it needs no token.
     Raises ``OSError`` if the address cannot be bound, ``ValueError`` if a TLS file cannot be read.
     """
     security = security or ServerSecurity()
@@ -58,7 +61,7 @@ def make_server(servicer: worker_pb2_grpc.WorkerServicer, *, host: str = "[::]",
         interceptors=interceptors,
         options=_server_options(),
     )
-    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    add(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{host}:{port}"
@@ -69,12 +72,12 @@ def make_server(servicer: worker_pb2_grpc.WorkerServicer, *, host: str = "[::]",
     if bound == 0:  # grpc raises RuntimeError, or in older versions returns 0
         raise OSError(f"cannot listen on {host}:{port}: the port is in use or the address is not this machine's (--host, --port)")
     server.start()
-    for service in ("", SERVICE_NAME):
+    for service in ("", service_name):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     return server, bound, health_servicer
 
 
-def serve(engine: Any, host: str = "[::]", port: int = 0, max_message_mb: int = DEFAULT_MESSAGE_MB, grace: float = 5.0, security: ServerSecurity | None = None) -> int:
+def serve(engine: Any, host: str = "[::]", port: int = 0, max_message_mb: int = DEFAULT_MESSAGE_MB, grace: float = 5.0, security: ServerSecurity | None = None, join: str | None = None, advertise: str | None = None) -> int:
     """Serve ``engine`` until SIGTERM or SIGINT, then shut down gracefully; return the exit code: 0, or 1
     when a node lost a rank (its launcher, or torchrun, then restarts the node).
 
@@ -99,6 +102,11 @@ def serve(engine: Any, host: str = "[::]", port: int = 0, max_message_mb: int = 
         log.warning("!" * 100)
         log.warning("%s", warning)
         log.warning("!" * 100)
+    joiner = None
+    if join:  # announce ourselves to a coordinator (--join), with our token, until we stop
+        from gradwire.worker.joiner import Joiner, advertised_address
+
+        joiner = Joiner(join, advertised_address(host, bound, advertise), token=security.token).start()
 
     def on_signal(signum: int, _frame: Any) -> None:
         if stop.is_set():
@@ -113,6 +121,8 @@ def serve(engine: Any, host: str = "[::]", port: int = 0, max_message_mb: int = 
         # A timed wait, so the main thread wakes up to run signal handlers.
         while not stop.wait(0.5):
             pass
+        if joiner is not None:
+            joiner.stop()
         health_servicer.enter_graceful_shutdown()  # every service NOT_SERVING, and it stays that way
         stopped = server.stop(grace)
         while not stopped.wait(0.5):

@@ -1,0 +1,111 @@
+"""``coordinator train --listen PORT``: workers join the run by calling the coordinator.
+
+``JoinRegistry`` is the core: addresses with the time each was last heard of, thread-safe, with ``poll``
+(the live addresses, oldest joiner first, when they changed) and ``forget`` as the trainer's member
+source - the same interface as ``--workers-file``. An address not heard of for ``expiry`` seconds leaves
+(a worker repeats Join every ``rejoin`` seconds, so only a dead or unreachable one goes quiet).
+``CoordinatorServicer`` is thin over it; ``serve_joins`` starts the server (the worker's server factory:
+token, deadlines, malformed requests, health).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+
+from gradwire.coordinator.membership import parse_addresses
+from gradwire.protocol import PROTOCOL_VERSION
+from gradwire.security import ServerSecurity
+from gradwire.v1 import coordinator_pb2 as pb
+from gradwire.v1 import coordinator_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "gradwire.v1.Coordinator"
+REJOIN_SECONDS = 5.0
+EXPIRY_SECONDS = 30.0
+MAX_MEMBERS = 1024
+
+
+class JoinRegistry:
+    """The workers that have joined, by address, with when each was last heard of."""
+
+    def __init__(self, expiry: float = EXPIRY_SECONDS, clock: Callable[[], float] = time.monotonic) -> None:
+        self.expiry = expiry
+        self._clock = clock
+        self._seen: dict[str, float] = {}  # insertion order = join order
+        self._lock = threading.Lock()
+        self._last: list[str] | None = None
+        self._changed = threading.Condition(self._lock)
+
+    def join(self, address: str) -> tuple[bool, str]:
+        """Record ``address`` (host:port) as alive now; (accepted, why not)."""
+        try:
+            (address,) = parse_addresses(address)
+        except ValueError as e:
+            return False, str(e)
+        with self._lock:
+            if address not in self._seen and len(self._seen) >= MAX_MEMBERS:
+                return False, f"the run has {MAX_MEMBERS} workers already"
+            new = address not in self._seen
+            self._seen[address] = self._clock()
+            if new:
+                log.info("%s joined", address)
+                self._changed.notify_all()
+        return True, ""
+
+    def live(self) -> list[str]:
+        """The addresses heard of within ``expiry``, oldest joiner first (the expired ones are dropped)."""
+        with self._lock:
+            now = self._clock()
+            for address in [a for a, t in self._seen.items() if now - t > self.expiry]:
+                log.info("%s left (not heard of for %.0f s)", address, now - self._seen.pop(address))
+            return list(self._seen)
+
+    def wait_for(self, count: int, timeout: float) -> list[str]:
+        """Block until ``count`` workers have joined (or ``timeout``); the live addresses then."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while len(self._seen) < count and time.monotonic() < deadline:
+                self._changed.wait(min(1.0, deadline - time.monotonic()))
+        return self.live()
+
+    def poll(self) -> list[str] | None:
+        """The live addresses if they changed since the last poll, else ``None``."""
+        live = self.live()
+        if live == self._last:
+            return None
+        self._last = live
+        return live
+
+    def forget(self) -> None:
+        self._last = None
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    def __init__(self, registry: JoinRegistry) -> None:
+        self.registry = registry
+
+    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
+        if request.protocol_version != PROTOCOL_VERSION:
+            reason = f"this coordinator speaks protocol {PROTOCOL_VERSION}, the worker {request.protocol_version}: upgrade the older one"
+            return pb.JoinReply(protocol_version=PROTOCOL_VERSION, accepted=False, reason=reason)
+        accepted, reason = self.registry.join(request.address[:300])
+        if not accepted:
+            log.warning("join from %s refused: %s", context.peer(), reason)
+        return pb.JoinReply(protocol_version=PROTOCOL_VERSION, accepted=accepted, reason=reason, rejoin_seconds=REJOIN_SECONDS)
+
+
+def serve_joins(registry: JoinRegistry, *, host: str, port: int, security: ServerSecurity | None = None) -> tuple[grpc.Server, int]:
+    """Start the Coordinator service on ``host:port``; return the server and the bound port."""
+    from gradwire.worker.server import make_server  # the one server factory (limits, token, deadlines, health)
+
+    server, bound, _ = make_server(
+        CoordinatorServicer(registry), host=host, port=port, max_workers=4, security=security,
+        add=coordinator_pb2_grpc.add_CoordinatorServicer_to_server, service_name=SERVICE_NAME,
+    )
+    return server, bound
