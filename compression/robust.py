@@ -63,11 +63,16 @@ def payload_norm(d: DecodedGradient) -> float:
     return float(torch.linalg.vector_norm(torch.stack(parts).double())) if parts else 0.0
 
 
-def clip_scales(norms: Sequence[float], factor: float) -> tuple[float, ...]:
-    """Per sender, ``min(1, factor * median(norms) / norm)``; all 1 when ``factor`` is 0 (clipping off)."""
+def clip_scales(norms: Sequence[float], factor: float, reference: float | None = None) -> tuple[float, ...]:
+    """Per sender, ``min(1, factor * median / norm)``; all 1 when ``factor`` is 0 (clipping off).
+
+    ``median`` is the median of ``norms``, or ``reference`` if that is larger: a caller that remembers
+    what typical senders sent in earlier rounds passes it, so that a round where most senders are fresh
+    (restarted workers, whose error feedback is empty, send far smaller payloads) does not make an
+    established one look like an outlier."""
     if factor <= 0 or not norms:
         return tuple(1.0 for _ in norms)
-    bound = factor * statistics.median(norms)
+    bound = factor * max(statistics.median(norms), reference or 0.0)
     return tuple(1.0 if n <= bound else bound / n for n in norms)
 
 

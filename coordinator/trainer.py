@@ -10,9 +10,11 @@ run; a worker that lost track of the state gets it pushed and carries on.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import re
+import statistics
 import threading
 import time
 import uuid
@@ -112,6 +114,7 @@ class Trainer:
         self.outer.set_replay_window(config.replay_window)
         self.rounds = RoundDispatcher(self.outer, self._pool, timeout=config.round_timeout, state_bytes=self.state_bytes, quorum=config.min_workers, grace=config.grace())
         self._stop = threading.Event()
+        self._norms: collections.deque[float] = collections.deque(maxlen=64)  # kept senders' (clipped) norms
         self.interrupted = False  # run() stopped early on request_stop
         self.last_checkpoint: Path | None = None
         claim(self.output_dir, self.checkpoint_dir, resuming=bool(config.resume_from), overwrite=config.overwrite)
@@ -338,8 +341,11 @@ class Trainer:
             good.append(o)
         # Clip to --clip-factor x the median norm; a sender that would keep less than HARD_CLIP of itself
         # (8x the median at the default factor) is no honest outlier: it is left out of this round.
-        scales = robust.clip_scales([robust.payload_norm(d) for d in decoded], cfg.clip_factor)
+        norms = [robust.payload_norm(d) for d in decoded]
+        typical = statistics.median(self._norms) if self._norms else None  # of the senders kept in recent rounds
+        scales = robust.clip_scales(norms, cfg.clip_factor, typical)
         kept = [i for i, scale in enumerate(scales) if scale >= HARD_CLIP]
+        self._norms.extend(norms[i] * scales[i] for i in kept)
         for i, (o, scale) in enumerate(zip(good, scales)):
             verdicts[o.slot.index] = "ok" if scale >= HARD_CLIP else "rejected"
             if scale < HARD_CLIP:
@@ -423,6 +429,8 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         self.flush()
         tensors = {**self.outer.checkpoint(), "rng": {"torch": torch.get_rng_state()}}
+        if self._norms:  # the clip's memory of typical norms: part of the trajectory too
+            tensors["robust"] = {"norms": torch.tensor(list(self._norms), dtype=torch.float64)}
         # The workers' error feedback and inner optimizer state are part of the trajectory: without them a
         # resumed run would differ.
         futures = {worker_key(slot): self._pool.submit(self._fetch_worker_state, slot) for slot in self.slots}
@@ -460,6 +468,7 @@ class Trainer:
         self.step = int(meta["step"])
         self.total_tokens = int(meta.get("total_tokens", 0))
         torch.set_rng_state(tensors["rng"]["torch"])
+        self._norms.extend(tensors.get("robust", {}).get("norms", torch.zeros(0)).tolist())
         saved_keys = meta.get("worker_keys", [])
         for position, slot in enumerate(self.slots):
             # A worker's state follows its address; a worker at a new address (fresh --local workers)
