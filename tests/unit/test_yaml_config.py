@@ -127,7 +127,7 @@ def test_bad_value_names_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[s
         ("local: 1\nuse_dct: true\nno_dct: true", "'no_dct'"),
         ("- local: 1", "a mapping"),
         ("local: [1", "not valid YAML"),
-        ("steps: 3", "--workers or --local is required"),
+        ("steps: 3", "--listen or --local is required"),
     ],
 )
 def test_bad_files(tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, message: str) -> None:
