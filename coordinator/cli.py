@@ -165,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--workers-file", metavar="FILE", help="worker addresses in FILE (one per line or comma-separated, # comments), re-read before every round: workers added join after a state push, workers removed stop getting work")
     _add_config_flags(train)
     add_security_flags(train, side="coordinator")
+    train.add_argument("--status-port", type=int, metavar="PORT", help="serve a live status page (/), its JSON (/api/status) and Prometheus metrics (/metrics) on PORT (0: any free port, printed); with a token, every path needs it")
+    train.add_argument("--status-host", default="127.0.0.1", metavar="HOST", help="address of the status page (default: 127.0.0.1, this machine only)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging level (default: INFO)")
     report = sub.add_parser("report", help="draw the charts of a run from its metrics.jsonl", description="Draw loss, loss-vs-bytes and step-time charts (PNG) of a run from OUTPUT_DIR/metrics.jsonl.")
@@ -238,7 +240,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             security.channel("127.0.0.1:1", []).close()  # read the TLS files now: a typo fails here
     except ValueError as e:
         subcommand_parser(parser, "train").error(_naming_keys(e, args))
-    return train(config, workers=args.workers, local=args.local, progress=not args.no_progress, security=security, workers_file=args.workers_file, listen=args.listen)
+    return train(
+        config, workers=args.workers, local=args.local, progress=not args.no_progress, security=security,
+        workers_file=args.workers_file, listen=args.listen, status_port=args.status_port, status_host=args.status_host,
+    )
 
 
 def report(output_dir: str, report_dir: str | None = None) -> int:
@@ -326,7 +331,7 @@ def resume_command(checkpoint_dir: Path) -> str:
     return shlex.join(["coordinator", *argv, "--resume-from", str(checkpoint_dir)])
 
 
-def train(config: TrainConfig, *, workers: str | None = None, local: int | None = None, progress: bool = True, security: ClientSecurity | None = None, workers_file: str | None = None, listen: str | None = None) -> int:
+def train(config: TrainConfig, *, workers: str | None = None, local: int | None = None, progress: bool = True, security: ClientSecurity | None = None, workers_file: str | None = None, listen: str | None = None, status_port: int | None = None, status_host: str = "127.0.0.1") -> int:
     from gradwire.coordinator.trainer import Trainer  # torch and models load only when training
     from gradwire.memory import keep_freed_memory
 
@@ -343,6 +348,17 @@ def train(config: TrainConfig, *, workers: str | None = None, local: int | None 
             except (ValueError, FileNotFoundError) as e:  # a flag, a model, a file: say which, no traceback
                 print(f"coordinator train: error: {e}", file=sys.stderr)
                 return 2
+            status = None
+            if status_port is not None:
+                from gradwire.coordinator.status import StatusBoard, StatusServer
+
+                trainer.status = StatusBoard(run={"run_id": trainer.run_id, "model": config.model, "steps": config.steps, "output_dir": config.output_dir})
+                try:
+                    status = StatusServer(trainer.status, host=status_host, port=status_port, token=security.token if security else None)
+                except OSError as e:
+                    print(f"coordinator train: error: {e}", file=sys.stderr)
+                    return 2
+                print(f"status page: http://{status_host}:{status.port}/", file=sys.stderr, flush=True)
             try:
                 with stop_on_signals(trainer):
                     records = trainer.run()
@@ -355,6 +371,8 @@ def train(config: TrainConfig, *, workers: str | None = None, local: int | None 
                 return 130
             finally:
                 trainer.close()
+                if status is not None:
+                    status.close()
         finally:
             for c in clients:
                 c.close()

@@ -39,6 +39,7 @@ class WorkerSlot:
     client: WorkerClient
     version: int | None = None
     guess: int | None = None  # the version it held when it was last heard of (its version is unknown now)
+    device: str = ""  # as its Describe said
     ranks: int = 1  # a node of several GPUs trains ranks x batch_size rows per step and counts as that many
     # What to restore on the worker with the next push (a resumed run): error feedback, inner optimizer.
     feedback: dict[str, torch.Tensor] | None = None
@@ -56,6 +57,7 @@ class SlotOutcome:
     pushes: int = 0  # state pushes during the round (a worker that reported NEEDS_STATE)
     catch_ups: int = 0  # orders that carried missed updates (catch-up by replay instead of a push)
     straggler: bool = False  # cut off after the round had its quorum and the grace ran out
+    first_push_bytes: int = 0  # the state push before the round (a worker new to the run); not in bytes_down
 
 
 @dataclasses.dataclass
@@ -102,6 +104,7 @@ class RoundDispatcher:
         cut = self._close(futures, slots, step, time.monotonic(), cut_off)
         outcomes = [f.result() for f in futures]  # the cut-off ones return at once, cancelled
         for o in outcomes:
+            o.first_push_bytes = pushed[o.slot.index].bytes_down if o.slot.index in pushed else 0
             o.straggler = o.slot.index in cut and o.result is None
             if o.straggler:
                 o.error = f"cut off as a straggler ({o.error})"

@@ -38,6 +38,7 @@ from gradwire.coordinator.metrics import MetricsLog, ProgressBar
 from gradwire.coordinator.outer import Aggregate, make_outer
 from gradwire.coordinator.round import RoundDispatcher, RoundOutcome, SlotOutcome, WorkerSlot
 from gradwire.coordinator.rundir import claim, truncate_metrics
+from gradwire.coordinator.status import StatusBoard, WorkerEvent
 from gradwire.coordinator.tracking import make_tracker
 from gradwire.models import lm_loss, load_tokenizer_arg, resolve_model, tokenizer_vocab_size, vocab_size_of
 from gradwire.protocol import LocalSteps, ModelState, RoundResult, WorkOrder
@@ -115,6 +116,7 @@ class Trainer:
         self.rounds = RoundDispatcher(self.outer, self._pool, timeout=config.round_timeout, state_bytes=self.state_bytes, quorum=config.min_workers, grace=config.grace())
         self._stop = threading.Event()
         self._norms: collections.deque[float] = collections.deque(maxlen=64)  # kept senders' (clipped) norms
+        self.status: StatusBoard | None = None  # --status-port: what the status page shows
         self.interrupted = False  # run() stopped early on request_stop
         self.last_checkpoint: Path | None = None
         claim(self.output_dir, self.checkpoint_dir, resuming=bool(config.resume_from), overwrite=config.overwrite)
@@ -141,7 +143,7 @@ class Trainer:
         for slot in self.slots:
             slot.client.wait_ready(self.config.connect_timeout)
             info = slot.client.describe()
-            slot.ranks = info.ranks
+            slot.ranks, slot.device = info.ranks, info.device
             node = f", a node of {info.ranks} ranks ({info.node_mode}: {', '.join(info.rank_devices)})" if info.ranks > 1 else ""
             log.info("worker %d at %s: %s (%s), torch %s%s", slot.index, slot.client.address, info.device, info.device_name, info.torch_version, node)
 
@@ -179,6 +181,8 @@ class Trainer:
                 failed_in_a_row = 0
                 if self.config.eval_every and self.step % self.config.eval_every == 0:
                     record["eval_loss"] = self.evaluate()
+                    if self.status is not None:
+                        self.status.held_out(self.step, record["eval_loss"])
                 log_path.append(record)
                 if tracker:
                     tracker.log(record, step=self.step)
@@ -244,6 +248,7 @@ class Trainer:
         t_gathered = time.perf_counter()
         gathered = self._gather(round_, step, batches)
         if gathered is None:
+            self._report(round_, None)
             return None
         aggregator, usable, scales = gathered.aggregator, gathered.results, gathered.scales
         ranks = sum(o.slot.ranks for o in gathered.outcomes)
@@ -258,7 +263,31 @@ class Trainer:
             clipped=sum(x < 1 for x in scales), rejected=gathered.rejected, benched=sum(s.standing.benched(self.step) for s in self.slots),
             catch_ups=sum(o.catch_ups for o in round_.outcomes), stragglers=sum(o.straggler for o in round_.outcomes),
         )
+        self._report(round_, record, {id(o) for o in gathered.outcomes})
         return record
+
+    def _report(self, round_: RoundOutcome, record: dict | None, counted: set[int] = frozenset()) -> None:
+        """Tell the status board (``--status-port``) what the round did, worker by worker."""
+        if self.status is None:
+            return
+        by_slot = {o.slot.index: o for o in round_.outcomes}
+        events = []
+        for slot in self.slots:
+            o = by_slot.get(slot.index)
+            if o is None:
+                state = "benched" if slot.standing.benched(self.step) else "waiting"
+            elif o.straggler:
+                state = "straggling"
+            elif id(o) in counted:
+                state = "resyncing" if o.pushes or o.catch_ups else "training"
+            else:
+                state = "failed"
+            seconds = o.result.timings.get("total", 0.0) if o is not None and o.result is not None else 0.0
+            events.append(WorkerEvent(
+                slot.index, slot.client.address, state, slot.device, slot.ranks, seconds,
+                o.bytes_up if o else 0, o.bytes_down + o.first_push_bytes if o else 0, (o.error if o and state == "failed" else ""),
+            ))
+        self.status.update(record, events)
 
     def _update_members(self, step: int) -> None:
         """Apply a change of ``--workers-file``: drop the workers it no longer names, add the new ones
@@ -287,7 +316,7 @@ class Trainer:
                 client.close()
                 self.members.forget()
                 continue
-            slot = WorkerSlot(self._next_index, client, ranks=info.ranks)
+            slot = WorkerSlot(self._next_index, client, ranks=info.ranks, device=info.device)
             self._next_index += 1
             self.slots.append(slot)
             log.info("step %d: worker %d (%s) joins the run (%s, %d rank(s)); it gets the state first", step, slot.index, address, info.device, info.ranks)
