@@ -1,0 +1,149 @@
+"""How much faster than plain DDP, over a slow link, at what loss? (root needed)
+
+    sudo python -m benchmarks.wan --json                                # gpt-10m, 2 workers, 100 Mbit/s
+    sudo python -m benchmarks.wan --model gpt-tiny --steps 6 --json     # a quick look
+
+Makes test hosts in network namespaces on one bridge (``benchmarks.netns``), every link shaped to
+``--bandwidth`` with a token bucket, and on the same hosts, with the same model, batch and tokens, runs:
+
+* ``ddp``: torch DistributedDataParallel over gloo, one rank per worker host (``benchmarks.ddp_rank``);
+* ``ddp-powersgd``: the same with PowerSGD (rank 4) compressing the all-reduce;
+* ``gradwire``: a coordinator on host 0 and a ``worker serve`` on each worker host, gradient mode;
+* ``gradwire-local``: the same in local-SGD rounds of ``--inner-steps`` (fewer rounds, equal tokens).
+
+For each: step time (median), the part of it that is not compute, bytes on the wire per step (the hosts'
+kernel interface counters, summed over hosts, divided by steps - not estimated), tokens/s, held-out loss
+after equal tokens. Exits with a clear message, status 0, where namespaces cannot be made. (The kernel
+here has no ``netem``: links are bandwidth-limited, latency is the bridge's.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks.netns import Lab, root_available
+
+MASTER_PORT = 29517
+WORKER_PORT = 50051
+
+
+def total_bytes(lab: Lab) -> int:
+    return sum(c["tx"] for c in (lab.counters(i) for i in range(len(lab.hosts))))
+
+
+def run_ddp(lab: Lab, args: argparse.Namespace, hook: str) -> dict:
+    workers = len(lab.hosts) - 1
+    master = f"{lab.hosts[1].address}:{MASTER_PORT}"
+    before = total_bytes(lab)
+    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // workers)), "HF_HUB_OFFLINE": "1"}
+    procs = [
+        lab.popen(1 + r, [sys.executable, "-m", "benchmarks.ddp_rank", "--rank", str(r), "--world", str(workers), "--master", master,
+                          "--model", args.model, "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--hook", hook],
+                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for r in range(workers)
+    ]
+    outs = [p.communicate(timeout=args.timeout) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        if p.returncode != 0:
+            raise RuntimeError(f"ddp rank failed: {err[-2000:]}")
+    result = json.loads(outs[0][0].strip().splitlines()[-1])
+    wire = (total_bytes(lab) - before) / args.steps
+    # The compute time comes from separate steps, so on a fast enough link (or with communication that
+    # overlaps the backward) the difference can dip below zero: it is then 0.
+    return {**result, "non_compute_time": max(0.0, result["step_time"] - result["compute_time"]), "bytes_per_step": wire, "tokens_per_sec": result["tokens"] / args.steps / result["step_time"]}
+
+
+def run_gradwire(lab: Lab, args: argparse.Namespace, inner_steps: int) -> dict:
+    workers = len(lab.hosts) - 1
+    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // workers)), "HF_HUB_OFFLINE": "1"}
+    procs = [lab.popen(1 + r, [sys.executable, "-m", "gradwire.worker", "serve", "--host", lab.hosts[1 + r].address, "--port", str(WORKER_PORT), "--device", "cpu"],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env) for r in range(workers)]
+    rounds = max(1, args.steps // inner_steps)
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            addresses = ",".join(f"{lab.hosts[1 + r].address}:{WORKER_PORT}" for r in range(workers))
+            argv = [sys.executable, "-m", "benchmarks.wan_coordinator", "--workers", addresses, "--model", args.model, "--rounds", str(rounds),
+                    "--inner-steps", str(inner_steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--output-dir", out]
+            before = total_bytes(lab)
+            coordinator = lab.popen(0, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+            line = coordinator.stdout.readline()  # the run is over, nothing else sent yet
+            wire = total_bytes(lab) - before
+            _, err = coordinator.communicate("", timeout=args.timeout)
+            if coordinator.returncode != 0 or not line:
+                raise RuntimeError(f"coordinator failed: {err[-2000:]}")
+            run = json.loads(line)
+            records = run["records"]
+            # Round 1 also ships the state to every worker: per-step figures leave it out (its bytes as the
+            # coordinator counted them), and the times are those of the rounds after it.
+            push = records[0]["bytes_down"] - statistics.median(r["bytes_down"] for r in records[1:]) if len(records) > 1 else 0
+            timed = records[1:] or records
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(30)
+    step = statistics.median(r["step_time"] for r in timed) / inner_steps
+    compute = statistics.median(r["worker_compute_time"] for r in timed) / inner_steps
+    steps = rounds * inner_steps
+    return {
+        "step_time": step, "compute_time": compute, "non_compute_time": step - compute,
+        "bytes_per_step": (wire - push) / steps, "state_push_bytes": push, "bytes_per_step_with_push": wire / steps,
+        "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in timed), "eval_loss": run["eval_loss"],
+        "train_loss": records[-1]["loss"], "tokens": records[-1]["total_tokens"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--bandwidth", default="100mbit")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--model", default="gpt-10m")
+    parser.add_argument("--steps", type=int, default=30, help="training steps per method (local SGD: in rounds of --inner-steps)")
+    parser.add_argument("--inner-steps", type=int, default=15)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--timeout", type=float, default=1200.0)
+    parser.add_argument("--methods", default="ddp,ddp-powersgd,gradwire,gradwire-local")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    ok, why = root_available()
+    if not ok:
+        print(json.dumps({"skipped": f"benchmarks.wan needs network namespaces: {why}"}))
+        return 0
+    # SIGTERM unwinds like Ctrl-C, so the namespaces and links are removed on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    results: dict[str, dict] = {}
+    t0 = time.monotonic()
+    with Lab(args.workers + 1, bandwidth=args.bandwidth) as lab:
+        for method in args.methods.split(","):
+            if method == "ddp":
+                results[method] = run_ddp(lab, args, "none")
+            elif method == "ddp-powersgd":
+                results[method] = run_ddp(lab, args, "powersgd")
+            elif method == "gradwire":
+                results[method] = run_gradwire(lab, args, 1)
+            elif method == "gradwire-local":
+                results[method] = run_gradwire(lab, args, args.inner_steps)
+            else:
+                raise SystemExit(f"unknown method {method!r}")
+    ddp = results.get("ddp")
+    for name, r in results.items():
+        if ddp:
+            # A ratio to ~0 s says nothing: only where the non-compute part is over 1% of the step.
+            r["non_compute_vs_ddp"] = ddp["non_compute_time"] / r["non_compute_time"] if r["non_compute_time"] > 0.01 * r["step_time"] else None
+            r["bytes_vs_ddp"] = ddp["bytes_per_step"] / max(r["bytes_per_step"], 1.0)
+            r["loss_vs_ddp"] = r["eval_loss"] / ddp["eval_loss"]
+    out = {"bandwidth": args.bandwidth, "workers": args.workers, "model": args.model, "steps": args.steps, "seconds": round(time.monotonic() - t0, 1), "methods": results}
+    print(json.dumps(out, indent=None if args.json else 2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,34 @@
+"""benchmarks.wan at a tiny size over shaped links between namespaces (root; skipped elsewhere): every
+method runs on the same hosts, bytes come from the interface counters, and gradwire's gradient mode puts
+fewer bytes on the wire per step than DDP's all-reduce."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks import wan
+from benchmarks.netns import root_available
+
+OK, WHY = root_available()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not OK, reason=WHY)
+def test_every_method_runs_over_the_shaped_links(capsys: pytest.CaptureFixture) -> None:
+    assert wan.main(["--model", "gpt-tiny", "--steps", "4", "--inner-steps", "2", "--batch-size", "2", "--seq-len", "32", "--bandwidth", "50mbit", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    methods = result["methods"]
+    assert set(methods) == {"ddp", "ddp-powersgd", "gradwire", "gradwire-local"}
+    for name, r in methods.items():
+        assert r["bytes_per_step"] > 0 and math.isfinite(r["eval_loss"]) and r["step_time"] > 0, name
+    assert methods["ddp"]["tokens"] == methods["gradwire"]["tokens"] == methods["gradwire-local"]["tokens"]
+    assert methods["gradwire"]["bytes_per_step"] < methods["ddp"]["bytes_per_step"]
+
+
+def test_without_namespaces_it_says_why_and_exits_0(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(wan, "root_available", lambda: (False, "network namespaces need root"))
+    assert wan.main(["--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"skipped": "benchmarks.wan needs network namespaces: network namespaces need root"}
