@@ -10,6 +10,7 @@ INVALID_ARGUMENT (grpc itself would answer INTERNAL, "Exception deserializing re
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 from typing import Any
 
@@ -29,11 +30,12 @@ def has_deadline(context: grpc.ServicerContext) -> bool:
     return remaining is not None and remaining < _NO_DEADLINE_SECONDS
 
 
-class _Guard(grpc.ServerInterceptor):
+class _Guard(grpc.ServerInterceptor, abc.ABC):
     """Runs ``check`` at the top of every call but the health service's."""
 
+    @abc.abstractmethod
     def check(self, context: grpc.ServicerContext) -> None:
-        raise NotImplementedError
+        """Abort the call (``context.abort`` raises) or return to let it through."""
 
     def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None], details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         handler = continuation(details)
