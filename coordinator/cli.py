@@ -26,9 +26,11 @@ from gradwire.coordinator.client import WorkerClient, WorkerError
 from gradwire.coordinator.config import AUTO_FIELDS, TrainConfig
 from gradwire.coordinator.local import local_workers
 from gradwire.coordinator.membership import MemberSource, WorkersFile
+from gradwire.coordinator.tunnel import Tunnels
 from gradwire.models import model_names
 from gradwire.optim import INNER_OPTIMIZERS, OUTER_OPTIMIZERS, SCHEDULES
 from gradwire.security import ClientSecurity, ServerSecurity, resolve_token
+from gradwire.tunnel import TUNNEL_PREFIX
 
 if TYPE_CHECKING:
     from gradwire.coordinator.trainer import Trainer
@@ -162,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--workers", type=str, help="comma-separated worker addresses, host:port,host:port (in YAML also a list)")
     where.add_argument("--local", type=int, metavar="N", help="start N worker daemons on this machine and train with them")
     where.add_argument("--listen", metavar="[HOST:]PORT", help="let workers join: serve the Coordinator service on PORT (every interface unless HOST is given) for `worker serve --join`; training starts once --min-workers (at least one) have joined, and workers come and go as they announce themselves or go quiet")
+    where.add_argument("--listen-tls-cert", metavar="PEM", help="serve --listen with TLS, with this certificate (chain) and --listen-tls-key: workers then join with --join-tls-ca (a must when their token crosses an open network)")
+    where.add_argument("--listen-tls-key", metavar="PEM", help="the private key of --listen-tls-cert")
     where.add_argument("--workers-file", metavar="FILE", help="worker addresses in FILE (one per line or comma-separated, # comments), re-read before every round: workers added join after a state push, workers removed stop getting work")
     _add_config_flags(train)
     add_security_flags(train, side="coordinator")
@@ -240,9 +244,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             security.channel("127.0.0.1:1", []).close()  # read the TLS files now: a typo fails here
     except ValueError as e:
         subcommand_parser(parser, "train").error(_naming_keys(e, args))
+    try:
+        listen_security = ServerSecurity(token=security.token, tls_cert=args.listen_tls_cert, tls_key=args.listen_tls_key)
+        listen_security.credentials()
+    except ValueError as e:  # ServerSecurity names the worker's flags
+        subcommand_parser(parser, "train").error(str(e).replace("--tls-", "--listen-tls-"))
     return train(
         config, workers=args.workers, local=args.local, progress=not args.no_progress, security=security,
         workers_file=args.workers_file, listen=args.listen, status_port=args.status_port, status_host=args.status_host,
+        listen_security=listen_security,
     )
 
 
@@ -268,8 +278,8 @@ def report(output_dir: str, report_dir: str | None = None) -> int:
     return 0
 
 
-def train_listening(listen: str, config: TrainConfig, run: Callable[[list[str], MemberSource], int], security: ClientSecurity | None) -> int:
-    """``--listen``: serve Join, wait for the first workers, train with whoever has joined."""
+def train_listening(listen: str, config: TrainConfig, run: Callable[[list[str], MemberSource], int], security: ServerSecurity, tunnels: Tunnels) -> int:
+    """``--listen``: serve Join and Tunnel, wait for the first workers, train with whoever has joined."""
     from gradwire.coordinator.join import JoinRegistry, serve_joins
 
     host, _, port_text = listen.rpartition(":")
@@ -277,9 +287,8 @@ def train_listening(listen: str, config: TrainConfig, run: Callable[[list[str], 
         print(f"coordinator train: error: --listen takes [HOST:]PORT, got {listen!r}", file=sys.stderr)
         return 2
     registry = JoinRegistry()
-    token = security.token if security else None
     try:
-        server, bound = serve_joins(registry, host=host or "[::]", port=int(port_text), security=ServerSecurity(token=token))
+        server, bound = serve_joins(registry, host=host or "[::]", port=int(port_text), security=security, tunnels=tunnels)
     except OSError as e:
         print(f"coordinator train: error: {e}", file=sys.stderr)
         return 1
@@ -331,13 +340,18 @@ def resume_command(checkpoint_dir: Path) -> str:
     return shlex.join(["coordinator", *argv, "--resume-from", str(checkpoint_dir)])
 
 
-def train(config: TrainConfig, *, workers: str | None = None, local: int | None = None, progress: bool = True, security: ClientSecurity | None = None, workers_file: str | None = None, listen: str | None = None, status_port: int | None = None, status_host: str = "127.0.0.1") -> int:
+def train(config: TrainConfig, *, workers: str | None = None, local: int | None = None, progress: bool = True, security: ClientSecurity | None = None, workers_file: str | None = None, listen: str | None = None, status_port: int | None = None, status_host: str = "127.0.0.1", listen_security: ServerSecurity | None = None) -> int:
     from gradwire.coordinator.trainer import Trainer  # torch and models load only when training
     from gradwire.memory import keep_freed_memory
 
     keep_freed_memory()
 
+    tunnels = Tunnels() if listen is not None else None  # workers behind NAT call in (--listen)
+
     def connect(address: str) -> WorkerClient:
+        if tunnels is not None and address.startswith(TUNNEL_PREFIX):
+            channel = tunnels.channel(address.removeprefix(TUNNEL_PREFIX))
+            return WorkerClient(address, timeout=config.round_timeout, security=security, channel=channel)
         return WorkerClient(address, timeout=config.round_timeout, security=security)
 
     def run(addresses: list[str], members: MemberSource | None = None) -> int:
@@ -393,7 +407,8 @@ def train(config: TrainConfig, *, workers: str | None = None, local: int | None 
         with local_workers(local, token=security.token if security else None) as addresses:
             return run(addresses)
     if listen is not None:
-        return train_listening(listen, config, run, security)
+        listen_security = listen_security or ServerSecurity(token=security.token if security else None)
+        return train_listening(listen, config, run, listen_security, tunnels or Tunnels())
     if workers_file is not None:
         members = WorkersFile(workers_file)
         try:

@@ -67,15 +67,17 @@ class WorkerClient:
     Byte counters are per call: use one client from one thread at a time (as the round loop does).
     ``security`` gives the channel (TLS or not) and what every call carries (the token, the run key); the
     clients of one run share it, so that the run's key is the same at every worker.
+    ``channel`` replaces the one ``security`` would dial (a worker's tunnel: ``coordinator.tunnel``).
     """
 
-    def __init__(self, address: str, *, timeout: float = 60.0, max_message_mb: int = DEFAULT_MESSAGE_MB, security: ClientSecurity | None = None) -> None:
+    def __init__(self, address: str, *, timeout: float = 60.0, max_message_mb: int = DEFAULT_MESSAGE_MB, security: ClientSecurity | None = None, channel: grpc.Channel | None = None) -> None:
         self.address = address
         self.timeout = timeout
         self.max_bytes = check_message_mb(max_message_mb) << 20
         self.security = security or ClientSecurity()
         self.call_metadata = self.security.metadata()  # what every call carries: the token, the run key
-        self.channel = self.security.channel(address, [*grpc_options(), *_CLIENT_OPTIONS])
+        # ``channel``: another way to the worker (``coordinator.tunnel``: through the tunnel it opened)
+        self.channel = channel if channel is not None else self.security.channel(address, [*grpc_options(), *_CLIENT_OPTIONS])
         self._stub = worker_pb2_grpc.WorkerStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self.last_bytes_down = 0  # coordinator -> worker

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from gradwire.cliconfig import add_security_flags, parse_args_with_config, subcommand_parser
-from gradwire.security import ServerSecurity, resolve_token
+from gradwire.security import ClientSecurity, ServerSecurity, resolve_token
 from gradwire.transport import DEFAULT_MESSAGE_MB, check_message_mb
 
 DEFAULT_MAX_MODEL_PARAMS = 2_000_000_000  # = worker.engine's (not imported: --help must not load torch)
@@ -120,7 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast forward/backward (weights, replica and codec stay float32) (default: fp32)")
     join = serve.add_argument_group("joining a run", "Instead of (or besides) being named in the coordinator's --workers, a worker can announce itself to a coordinator started with --listen PORT.")
     join.add_argument("--join", metavar="HOST:PORT", help="announce this worker to the coordinator at HOST:PORT (coordinator train --listen), every few seconds while it serves")
-    join.add_argument("--advertise", metavar="HOST:PORT", help="the address the coordinator should call this worker at (default: --host, or this machine's name, and --port)")
+    join.add_argument("--advertise", metavar="HOST:PORT", help="the address the coordinator should call this worker at (default: --host, or this machine's name, and --port); with --tunnel, the worker's name in the run")
+    join.add_argument("--tunnel", action="store_true", help="for a worker the coordinator cannot dial (behind NAT, or a firewall that only lets connections out): with --join, hold a tunnel open to the coordinator and serve its calls through it; the coordinator never connects to this worker")
+    join.add_argument("--join-tls", action="store_true", help="talk TLS to the --join coordinator, trusting the system's CAs (implied by --join-tls-ca)")
+    join.add_argument("--join-tls-ca", metavar="PEM", help="talk TLS to the --join coordinator, trusting the CA that signed its certificate (coordinator train --listen-tls-cert)")
     add_security_flags(serve, side="worker")
     return parser
 
@@ -128,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
 def server_security(args: argparse.Namespace) -> ServerSecurity:
     """The worker's token and TLS settings from its flags; ``ValueError`` naming the flag."""
     return ServerSecurity(token=resolve_token(args.token, args.token_file), tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)
+
+
+def join_security(args: argparse.Namespace, token: str | None) -> ClientSecurity:
+    """How ``--join`` reaches the coordinator: the worker's token, TLS if asked for."""
+    return ClientSecurity(token=token, tls=args.join_tls, tls_ca=args.join_tls_ca)
 
 
 def _positive(text: str) -> int:
@@ -182,6 +190,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         security = server_security(args)
         security.credentials()  # read the TLS files now: a typo fails here, not on the first call
+        if args.tunnel and not args.join:
+            raise ValueError("--tunnel needs --join HOST:PORT: the coordinator to open the tunnel to")
+        if args.join:
+            try:
+                join_security(args, security.token).channel("127.0.0.1:1", []).close()  # the --join-tls-ca file, now
+            except ValueError as e:  # ClientSecurity names the coordinator's flag
+                raise ValueError(str(e).replace("--tls-ca", "--join-tls-ca")) from None
     except ValueError as e:
         print(f"worker serve: error: {e}", file=sys.stderr)
         return 2
@@ -229,7 +244,11 @@ def run_rank(args: argparse.Namespace, rank: RankInfo | None) -> int:
                 return 1
             return 0
         try:
-            return serve(engine, host=args.host, port=args.port, max_message_mb=args.max_message_mb, grace=args.grace, security=server_security(args), join=args.join, advertise=args.advertise)
+            security = server_security(args)
+            return serve(
+                engine, host=args.host, port=args.port, max_message_mb=args.max_message_mb, grace=args.grace, security=security,
+                join=args.join, advertise=args.advertise, tunnel=args.tunnel, join_security=join_security(args, security.token),
+            )
         except OSError as e:  # the address cannot be bound
             print(f"worker serve: error: {e}", file=sys.stderr)
             return 1

@@ -37,9 +37,9 @@ def advertised_address(host: str, port: int, advertise: str | None) -> str:
 class Joiner:
     """Calls Join on ``coordinator`` every ``every`` seconds (or as the reply says) until ``stop``."""
 
-    def __init__(self, coordinator: str, address: str, *, token: str | None = None, every: float = 5.0, timeout: float = 10.0) -> None:
+    def __init__(self, coordinator: str, address: str, *, token: str | None = None, security: ClientSecurity | None = None, every: float = 5.0, timeout: float = 10.0) -> None:
         self.coordinator, self.address, self.every, self.timeout = coordinator, address, every, timeout
-        security = ClientSecurity(token=token)
+        security = security or ClientSecurity(token=token)  # ``security``: TLS to the coordinator too
         self._metadata = [m for m in security.metadata() if m[0] != "gradwire-run-key"]
         self._channel = security.channel(coordinator, grpc_options())
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)

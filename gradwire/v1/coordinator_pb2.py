@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dgradwire/v1/coordinator.proto\x12\x0bgradwire.v1\"8\n\x0bJoinRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"_\n\tJoinReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x16\n\x0erejoin_seconds\x18\x04 \x01(\x01\x32G\n\x0b\x43oordinator\x12\x38\n\x04Join\x12\x18.gradwire.v1.JoinRequest\x1a\x16.gradwire.v1.JoinReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dgradwire/v1/coordinator.proto\x12\x0bgradwire.v1\"8\n\x0bJoinRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"_\n\tJoinReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x16\n\x0erejoin_seconds\x18\x04 \x01(\x01\"\xdf\x01\n\x0bTunnelFrame\x12\x0c\n\x04\x63\x61ll\x18\x01 \x01(\x04\x12)\n\x05hello\x18\x02 \x01(\x0b\x32\x18.gradwire.v1.TunnelHelloH\x00\x12\'\n\x04open\x18\x03 \x01(\x0b\x32\x17.gradwire.v1.TunnelOpenH\x00\x12\x11\n\x07message\x18\x04 \x01(\x0cH\x00\x12\x14\n\nhalf_close\x18\x05 \x01(\x08H\x00\x12+\n\x06status\x18\x06 \x01(\x0b\x32\x19.gradwire.v1.TunnelStatusH\x00\x12\x10\n\x06\x63\x61ncel\x18\x07 \x01(\x08H\x00\x42\x06\n\x04kind\"5\n\x0bTunnelHello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\"d\n\nTunnelOpen\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x02 \x01(\x01\x12-\n\x08metadata\x18\x03 \x03(\x0b\x32\x1b.gradwire.v1.TunnelMetadata\",\n\x0eTunnelMetadata\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"-\n\x0cTunnelStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t2\x89\x01\n\x0b\x43oordinator\x12\x38\n\x04Join\x12\x18.gradwire.v1.JoinRequest\x1a\x16.gradwire.v1.JoinReply\x12@\n\x06Tunnel\x12\x18.gradwire.v1.TunnelFrame\x1a\x18.gradwire.v1.TunnelFrame(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,6 +35,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOINREQUEST']._serialized_end=102
   _globals['_JOINREPLY']._serialized_start=104
   _globals['_JOINREPLY']._serialized_end=199
-  _globals['_COORDINATOR']._serialized_start=201
-  _globals['_COORDINATOR']._serialized_end=272
+  _globals['_TUNNELFRAME']._serialized_start=202
+  _globals['_TUNNELFRAME']._serialized_end=425
+  _globals['_TUNNELHELLO']._serialized_start=427
+  _globals['_TUNNELHELLO']._serialized_end=480
+  _globals['_TUNNELOPEN']._serialized_start=482
+  _globals['_TUNNELOPEN']._serialized_end=582
+  _globals['_TUNNELMETADATA']._serialized_start=584
+  _globals['_TUNNELMETADATA']._serialized_end=628
+  _globals['_TUNNELSTATUS']._serialized_start=630
+  _globals['_TUNNELSTATUS']._serialized_end=675
+  _globals['_COORDINATOR']._serialized_start=678
+  _globals['_COORDINATOR']._serialized_end=815
 # @@protoc_insertion_point(module_scope)

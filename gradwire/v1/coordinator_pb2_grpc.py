@@ -39,6 +39,11 @@ class CoordinatorStub:
                 request_serializer=gradwire_dot_v1_dot_coordinator__pb2.JoinRequest.SerializeToString,
                 response_deserializer=gradwire_dot_v1_dot_coordinator__pb2.JoinReply.FromString,
                 _registered_method=True)
+        self.Tunnel = channel.stream_stream(
+                '/gradwire.v1.Coordinator/Tunnel',
+                request_serializer=gradwire_dot_v1_dot_coordinator__pb2.TunnelFrame.SerializeToString,
+                response_deserializer=gradwire_dot_v1_dot_coordinator__pb2.TunnelFrame.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -50,6 +55,23 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tunnel(self, request_iterator, context):
+        """A worker the coordinator cannot dial (behind NAT or a firewall that only lets connections out:
+        `worker serve --join HOST:PORT --tunnel`) opens this stream and holds it open; while it is open the
+        worker is a member of the run under the name "tunnel:NAME". The coordinator's calls to that worker
+        travel inside it as frames, and the worker relays each one to its own server, so a call through a
+        tunnel meets the same checks (token, deadline, bounds, run isolation) as one over a direct connection.
+
+        Frames, by `call` (chosen by the coordinator, > 0; 0 is the tunnel itself):
+        worker -> coordinator: hello (first frame, call 0), then per call: message* status
+        coordinator -> worker: per call: open message* half_close, or cancel at any time
+        A call's messages are the serialized request and response messages of the Worker or Health method
+        it names, exactly as they travel outside a tunnel (Parts for the streaming methods).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -57,6 +79,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Join,
                     request_deserializer=gradwire_dot_v1_dot_coordinator__pb2.JoinRequest.FromString,
                     response_serializer=gradwire_dot_v1_dot_coordinator__pb2.JoinReply.SerializeToString,
+            ),
+            'Tunnel': grpc.stream_stream_rpc_method_handler(
+                    servicer.Tunnel,
+                    request_deserializer=gradwire_dot_v1_dot_coordinator__pb2.TunnelFrame.FromString,
+                    response_serializer=gradwire_dot_v1_dot_coordinator__pb2.TunnelFrame.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +113,33 @@ class Coordinator:
             '/gradwire.v1.Coordinator/Join',
             gradwire_dot_v1_dot_coordinator__pb2.JoinRequest.SerializeToString,
             gradwire_dot_v1_dot_coordinator__pb2.JoinReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tunnel(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/gradwire.v1.Coordinator/Tunnel',
+            gradwire_dot_v1_dot_coordinator__pb2.TunnelFrame.SerializeToString,
+            gradwire_dot_v1_dot_coordinator__pb2.TunnelFrame.FromString,
             options,
             channel_credentials,
             insecure,
