@@ -233,6 +233,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         for n in AGGREGATE_COUNTS
     }
+    aggregate_float64_ms = {  # --replay-precision float64: what CUDA workers under a CPU coordinator pay
+        str(n): median_ms(
+            lambda n=n: codec.aggregate([distinct[i % len(distinct)] for i in range(n)], dtype=torch.float64), args.repeats, device
+        )
+        for n in AGGREGATE_COUNTS
+    }
     distinct.clear()  # free the payloads
 
     payload_bytes, measure = payload_size(payload)
@@ -264,6 +270,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "compress_ms": compress_ms,
         "decompress_ms": decompress_ms,
         "aggregate_ms": aggregate_ms,
+        "aggregate_float64_ms": aggregate_float64_ms,
         **rates,
         "repeats": args.repeats,
         "device": str(device),

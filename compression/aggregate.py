@@ -29,12 +29,18 @@ class Aggregator:
     computed straight from the coefficients, ``X = (D_r[u] * vals)^T @ D_c[v]``: 2rcK FLOPs per chunk
     instead of 2rc(r + c), and no dense coefficient buffer. Past that, senders are scatter-added into
     dense coefficient sums as they arrive, which keeps memory bounded however many there are.
+
+    ``dtype=torch.float64`` sums and transforms in float64 and rounds once to float32 at the end: then
+    devices that sum in another order (a GPU against a CPU) get the same float32 bits but in cases as rare
+    as a float64 rounding error landing on a float32 rounding boundary. Replicas on mixed device kinds
+    replay this way (``AggregationRule.exact``).
     """
 
-    def __init__(self, codec: GradientCodec, normalize: Normalize = "mean", *, sparse: bool = True) -> None:
+    def __init__(self, codec: GradientCodec, normalize: Normalize = "mean", *, sparse: bool = True, dtype: torch.dtype = torch.float32) -> None:
         if normalize not in ("mean", "per_coordinate"):
             raise ValueError(f"normalize must be 'mean' or 'per_coordinate', got {normalize!r}")
         self.codec = codec
+        self.dtype = dtype
         self.normalize = normalize
         self.total_weight = 0.0
         self.senders = 0
@@ -43,7 +49,7 @@ class Aggregator:
         self._hits: list[torch.Tensor] | None = None
         self._held: list[tuple[DecodedGradient, float]] = []  # decoded senders not yet spilled
         self._max_held = _max_sparse_senders(plan) if sparse and normalize == "mean" and codec.config.use_dct else 0
-        self._dense = [torch.zeros(t.numel, device=device) for t in plan.dense]
+        self._dense = [torch.zeros(t.numel, device=device, dtype=dtype) for t in plan.dense]
 
     def add(self, payload: CompressedGradient | DecodedGradient, weight: float = 1.0, scale: float = 1.0) -> None:
         """Add one sender with ``weight`` (its share of the mean) times ``scale`` (a clip factor in [0, 1]:
@@ -61,7 +67,7 @@ class Aggregator:
             self._spill()
             self._scatter(d, effective)
         for acc, vals in zip(self._dense, d.dense):
-            acc.add_(vals, alpha=effective)
+            acc.add_(vals.to(self.dtype), alpha=effective)
         self.total_weight += weight
         self.senders += 1
 
@@ -70,7 +76,7 @@ class Aggregator:
         if self._sums is not None:
             return
         plan, device = self.codec.plan, self.codec.device
-        self._sums = [torch.zeros(g.num_chunks, g.chunk_numel, device=device) for g in plan.groups]
+        self._sums = [torch.zeros(g.num_chunks, g.chunk_numel, device=device, dtype=self.dtype) for g in plan.groups]
         self._hits = [torch.zeros_like(s) for s in self._sums] if self.normalize == "per_coordinate" else None
         for d, weight in self._held:
             self._scatter(d, weight)
@@ -79,6 +85,7 @@ class Aggregator:
     def _scatter(self, d: DecodedGradient, weight: float) -> None:
         assert self._sums is not None
         for gi, (idx, vals) in enumerate(zip(d.indices, d.values)):
+            vals = vals.to(self.dtype)
             self._sums[gi].scatter_add_(1, idx, vals * weight)
             if self._hits is not None:
                 self._hits[gi].scatter_add_(1, idx, torch.full_like(vals, weight))
@@ -87,9 +94,9 @@ class Aggregator:
         """Group ``gi``'s normalised coefficient sums, (B, chunk_numel)."""
         if self._sums is None:
             group = self.codec.plan.groups[gi]
-            acc = torch.zeros(group.num_chunks, group.chunk_numel, device=self.codec.device)
+            acc = torch.zeros(group.num_chunks, group.chunk_numel, device=self.codec.device, dtype=self.dtype)
             for d, weight in self._held:
-                acc.scatter_add_(1, d.indices[gi], d.values[gi] * (weight / self.total_weight))
+                acc.scatter_add_(1, d.indices[gi], d.values[gi].to(self.dtype) * (weight / self.total_weight))
             return acc
         if self._hits is None:
             return self._sums[gi] / self.total_weight
@@ -117,17 +124,18 @@ class Aggregator:
                 stack = self._coefficients(gi).view(group.num_chunks, *group.chunk_shape)
                 if codec.config.use_dct:
                     stack = idct_chunks(stack)
+            stack = stack.float()  # float64 sums round once, here
             for t, off in zip(group.members, group.offsets):
                 out[t.name] = codec._unchunk(stack[off : off + t.num_chunks], t)
         for t, acc in zip(codec.plan.dense, self._dense):
-            out[t.name] = (acc / self.total_weight).view(t.shape)
+            out[t.name] = (acc / self.total_weight).float().view(t.shape)
         return {t.name: out[t.name] for t in codec.plan.tensors}
 
     def _sparse_inverse(self, gi: int) -> torch.Tensor:
         """Inverse DCT of the held senders' coefficients, straight from (index, value) pairs."""
         group = self.codec.plan.groups[gi]
         idx = torch.cat([d.indices[gi] for d, _ in self._held], dim=1)  # (B, K)
-        vals = torch.cat([d.values[gi] * (w / self.total_weight) for d, w in self._held], dim=1)  # (B, K)
+        vals = torch.cat([d.values[gi].to(self.dtype) * (w / self.total_weight) for d, w in self._held], dim=1)  # (B, K)
         if len(group.chunk_shape) == 1:
             (n,) = group.chunk_shape
             basis = dct_basis(n, vals.dtype, vals.device)

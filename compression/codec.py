@@ -336,17 +336,18 @@ class GradientCodec:
 
     # ---------------------------------------------------------------- aggregate
 
-    def aggregator(self, normalize: Normalize = "mean") -> Aggregator:
+    def aggregator(self, normalize: Normalize = "mean", dtype: torch.dtype = torch.float32) -> Aggregator:
         """A running sum of senders' payloads in the coefficient domain; see ``aggregate.Aggregator``."""
         from gradwire.compression.aggregate import Aggregator  # it builds on this module
 
-        return Aggregator(self, normalize)
+        return Aggregator(self, normalize, dtype=dtype)
 
-    def aggregate(self, payloads: Sequence[CompressedGradient], weights: Sequence[float] | None = None, normalize: Normalize = "mean") -> dict[str, torch.Tensor]:
-        """Weighted mean of many senders' gradients (weights, e.g. token counts, default to equal)."""
+    def aggregate(self, payloads: Sequence[CompressedGradient], weights: Sequence[float] | None = None, normalize: Normalize = "mean", dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """Weighted mean of many senders' gradients (weights, e.g. token counts, default to equal); summed
+        in ``dtype`` (float64: the same bits on every device kind, see ``aggregate.Aggregator``)."""
         if weights is not None and len(weights) != len(payloads):
             raise ValueError(f"got {len(weights)} weights for {len(payloads)} payloads")
-        agg = self.aggregator(normalize)
+        agg = self.aggregator(normalize, dtype)
         for i, payload in enumerate(payloads):
             agg.add(payload, 1.0 if weights is None else weights[i])
         return agg.result()

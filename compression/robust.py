@@ -42,10 +42,18 @@ class AggregationRule:
         mode: ``mean`` (weighted by tokens), ``trimmed-mean`` or ``median`` (per coefficient, unweighted).
         trim: ``trimmed-mean`` drops this fraction of the senders from each end of every coefficient's
             sorted values (at least one each side once there are three senders).
+        exact: combine and transform in float64, rounding once to float32 at the end, so that replicas on
+            different device kinds (a CPU coordinator, CUDA workers) compute the same bits and a sign
+            step cannot flip where they sum in another order (``decisions.replay_precision`` decides).
     """
 
     mode: str = "mean"
     trim: float = 0.25
+    exact: bool = False
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float64 if self.exact else torch.float32
 
     def __post_init__(self) -> None:
         if self.mode not in AGGREGATIONS:
@@ -86,7 +94,7 @@ def aggregate(codec: GradientCodec, senders: Sequence[CompressedGradient | Decod
             raise ValueError(f"clip scales must be in [0, 1], got {s}")
     decoded = [d if isinstance(d, DecodedGradient) else codec.decode(d) for d in senders]
     if rule.mode == "mean":
-        agg = codec.aggregator()
+        agg = codec.aggregator(dtype=rule.dtype)
         for d, w, s in zip(decoded, weights, scales):
             agg.add(d, float(w), scale=float(s))
         return agg
@@ -104,11 +112,11 @@ class CoordinateAggregate:
         plan, device = codec.plan, codec.device
         self._groups: list[torch.Tensor] = []  # (B, chunk_numel) per group
         for gi, g in enumerate(plan.groups):
-            stack = torch.zeros(n, g.num_chunks, g.chunk_numel, device=device)  # (S, B, chunk_numel)
+            stack = torch.zeros(n, g.num_chunks, g.chunk_numel, device=device, dtype=rule.dtype)  # (S, B, chunk_numel)
             for si, (d, s) in enumerate(zip(decoded, scales)):
-                stack[si].scatter_add_(1, d.indices[gi], d.values[gi] * s)
+                stack[si].scatter_add_(1, d.indices[gi], d.values[gi].to(rule.dtype) * s)
             self._groups.append(self._combine(stack))
-        self._dense = [self._combine(torch.stack([d.dense[ti] * s for d, s in zip(decoded, scales)])) for ti in range(len(plan.dense))]
+        self._dense = [self._combine(torch.stack([d.dense[ti].to(rule.dtype) * s for d, s in zip(decoded, scales)])) for ti in range(len(plan.dense))]
 
     def _combine(self, stack: torch.Tensor) -> torch.Tensor:
         """(S, ...) -> (...): the rule's statistic over senders."""
@@ -130,8 +138,9 @@ class CoordinateAggregate:
             stack = coefficients.view(g.num_chunks, *g.chunk_shape)
             if codec.config.use_dct:
                 stack = idct_chunks(stack)
+            stack = stack.float()
             for t, off in zip(g.members, g.offsets):
                 out[t.name] = codec._unchunk(stack[off : off + t.num_chunks], t)
         for t, values in zip(codec.plan.dense, self._dense):
-            out[t.name] = values.view(t.shape)
+            out[t.name] = values.float().view(t.shape)
         return {t.name: out[t.name] for t in codec.plan.tensors}

@@ -24,6 +24,7 @@ from gradwire.compression.robust import AGGREGATIONS
 from gradwire.coordinator.checkpoint import latest_checkpoint
 from gradwire.coordinator.client import WorkerClient, WorkerError
 from gradwire.coordinator.config import AUTO_FIELDS, TrainConfig
+from gradwire.coordinator.decisions import REPLAY_PRECISIONS
 from gradwire.coordinator.local import local_workers
 from gradwire.coordinator.membership import MemberSource, WorkersFile
 from gradwire.coordinator.tunnel import Tunnels
@@ -97,6 +98,7 @@ HELP = {
     "replay_window": "updates the coordinator keeps for workers that missed rounds: one behind by fewer replays them instead of receiving the state (0: always push)",
     "overwrite": "replace the run already in --output-dir (its metrics and checkpoints are deleted); without it a new run there is refused",
     "aggregate": "how the workers' contributions combine, in the DCT-coefficient domain: mean (weighted by tokens), or per coefficient trimmed-mean or median",
+    "replay_precision": "how replicas combine a replayed update: float64 (rounded once to float32) computes the same bits on CPUs and GPUs, so sign steps cannot drift apart across device kinds; auto (the default) uses it only when some worker's device kind differs from the coordinator's",
     "clip_factor": "clip each worker's contribution to this many times the round's median norm (templar's rule; 0: off)",
     "bench_after": "bench a worker after this many bad rounds in a row (payload rejected, false token count, or clipped below a quarter) (0: never)",
     "bench_rounds": "rounds a benched worker sits out before it is tried again",
@@ -109,6 +111,7 @@ CHOICES = {
     "inner_lr_schedule": list(SCHEDULES),
     "values": ["lut", "sign"],
     "aggregate": list(AGGREGATIONS),
+    "replay_precision": list(REPLAY_PRECISIONS),
 }
 
 

@@ -16,7 +16,7 @@ import math
 
 from gradwire.compression import CodecConfig
 from gradwire.compression.robust import AggregationRule
-from gradwire.coordinator.decisions import Grace
+from gradwire.coordinator.decisions import REPLAY_PRECISIONS, Grace
 from gradwire.optim.inner import InnerOptimizerConfig
 from gradwire.optim.outer import UpdateRule
 from gradwire.optim.schedule import Schedule, lr_at
@@ -123,6 +123,7 @@ class TrainConfig:
     overwrite: bool = False  # replace the run already in output_dir (without it, a new run there is refused)
     # Robust aggregation (compression.robust) and benching (decisions.judge)
     aggregate: str = "mean"  # mean | trimmed-mean | median, in the coefficient domain
+    replay_precision: str = "auto"  # auto | float32 | float64: how replays combine (decisions.replay_precision)
     clip_factor: float = 2.0  # each sender clipped to this x the round's median norm; 0 = off
     bench_after: int = 3  # bad rounds in a row (rejected, or clipped hard) before a worker is benched; 0 = never
     bench_rounds: int = 20  # rounds a benched worker sits out
@@ -160,6 +161,8 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         self.aggregation_rule()  # validates --aggregate
+        if self.replay_precision not in REPLAY_PRECISIONS:
+            raise ValueError(f"--replay-precision must be one of {', '.join(REPLAY_PRECISIONS)}, got {self.replay_precision!r}")
         self.grace()  # validates --straggler-grace
         if not (math.isfinite(self.max_failed_seconds) and self.max_failed_seconds >= 0):
             raise ValueError(f"--max-failed-seconds must be >= 0, got {self.max_failed_seconds}")
@@ -188,8 +191,8 @@ class TrainConfig:
     def grace(self) -> Grace:
         return Grace.parse(self.straggler_grace)
 
-    def aggregation_rule(self) -> AggregationRule:
-        return AggregationRule(mode=self.aggregate)
+    def aggregation_rule(self, exact: bool = False) -> AggregationRule:
+        return AggregationRule(mode=self.aggregate, exact=exact)
 
     def update_rule(self) -> UpdateRule:
         return UpdateRule(optimizer=self.outer_optimizer, weight_decay=self.weight_decay, momentum=self.momentum)  # type: ignore[arg-type]

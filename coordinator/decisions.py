@@ -7,9 +7,11 @@ the reason.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Literal
 
 SyncAction = Literal["push", "replay", "current", "catch-up"]
+REPLAY_PRECISIONS = ("auto", "float32", "float64")
 
 
 def decide_sync(known_version: int | None, base_version: int, target_version: int, catch_up_bytes: int | None = None) -> tuple[SyncAction, str]:
@@ -127,3 +129,23 @@ def decide_close(elapsed: float, arrivals: list[float], waiting: int, *, quorum:
     if elapsed >= deadline:
         return True, 0.0, f"quorum of {quorum} in; {waiting} straggler(s) cut off after {deadline:.2f} s"
     return False, deadline - elapsed, f"quorum of {quorum} in; waiting up to {deadline - elapsed:.2f} s for {waiting} more"
+
+
+def replay_precision(setting: str, coordinator_device: str, worker_devices: Sequence[str]) -> tuple[bool, str]:
+    """Whether this round's replay combines in float64 (``AggregationRule.exact``), and why.
+
+    Replicas replay an update by summing the senders' coefficients and transforming them back; a GPU sums
+    in another order than a CPU, so in float32 their results differ in the last bits, and a sign step
+    (signsgd) flips wherever a coordinate is near zero: the replicas drift apart and need pushes. In
+    float64, rounded once to float32, they agree. ``auto`` pays for float64 only when some worker's
+    device kind (cpu, cuda, mps...) differs from the coordinator's; ``float32``/``float64`` force it.
+    """
+    if setting == "float64":
+        return True, "--replay-precision float64"
+    if setting == "float32":
+        return False, "--replay-precision float32"
+    kind = coordinator_device.split(":")[0]
+    others = sorted({d.split(":")[0] for d in worker_devices if d and d.split(":")[0] != kind})
+    if others:
+        return True, f"workers on {', '.join(others)} and the coordinator on {kind}: replays combine in float64 so that every replica computes the same bits"
+    return False, f"every worker on {kind}, as the coordinator: float32 replays agree bit for bit"

@@ -26,12 +26,13 @@ import numpy as np
 import torch
 
 from gradwire.compression import PayloadError, robust
+from gradwire.compression.robust import AggregationRule
 from gradwire.compression.codec import DecodedGradient
 from gradwire.coordinator.checkpoint import keep_last, load_checkpoint, save_checkpoint
 from gradwire.coordinator.client import WorkerClient, WorkerError
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.data import batch_dtype, open_data
-from gradwire.coordinator.decisions import HARD_CLIP, Verdict, after_failed_round, judge
+from gradwire.coordinator.decisions import HARD_CLIP, Verdict, after_failed_round, judge, replay_precision
 from gradwire.coordinator.export import export_model
 from gradwire.coordinator.membership import MemberSource, diff_members
 from gradwire.coordinator.metrics import MetricsLog, ProgressBar
@@ -104,6 +105,7 @@ class Trainer:
             raise ValueError(f"--sequence-length {config.sequence_length} exceeds the {limit} positions of --model {config.model}")
         self.slots = [WorkerSlot(i, c) for i, c in enumerate(clients)]
         self._next_index = len(self.slots)
+        self._exact = False  # replays in float64 (decisions.replay_precision), as last decided
         self.run_id = uuid.uuid4().hex
         self.step = 0
         self.total_tokens = 0
@@ -254,7 +256,7 @@ class Trainer:
         ranks = sum(o.slot.ranks for o in gathered.outcomes)
         payloads = tuple(r.gradient for r in usable)
         weights = tuple(float(r.tokens) for r in usable)
-        rule = self.config.aggregation_rule()
+        rule = self._aggregation_rule()
         grad_norm = self.outer.step(aggregator, payloads, weights, lr, scales=scales if any(x < 1 for x in scales) else (), rule=rule)
         self.step += 1
         t_done = time.perf_counter()
@@ -392,7 +394,7 @@ class Trainer:
         if not good:
             return None
         weights = [float(o.result.tokens) for o in good]
-        aggregator = robust.aggregate(self.outer.codec, decoded, weights, scales, cfg.aggregation_rule())
+        aggregator = robust.aggregate(self.outer.codec, decoded, weights, scales, self._aggregation_rule())
         return Gathered(good, [o.result for o in good], aggregator, scales, rejected)
 
     def _record(self, round_: RoundOutcome, usable: list[RoundResult], ranks: int, grad_norm: float, lr: float, t0: float, t_gathered: float, t_done: float) -> dict:
@@ -430,6 +432,15 @@ class Trainer:
             "worker_update_time": slowest["update"],
             "worker_compress_time": slowest["compress"],
         }
+
+    def _aggregation_rule(self) -> AggregationRule:
+        """``--aggregate``, in the precision ``decisions.replay_precision`` picks for the workers present."""
+        coordinator = next(iter(self.replica.params.values())).device.type
+        exact, why = replay_precision(self.config.replay_precision, coordinator, [s.device for s in self.slots])
+        if exact != self._exact:
+            log.info("replays combine in %s: %s", "float64" if exact else "float32", why)
+            self._exact = exact
+        return self.config.aggregation_rule(exact)
 
     def _state_for(self, slot: WorkerSlot) -> ModelState:
         """The full state for a push to ``slot``, with what a resumed run restores on that worker."""

@@ -239,7 +239,8 @@ def update_to_proto(u: StateUpdate) -> pb.StateUpdate:
     weights = u.weights or [1.0] * len(u.payloads)
     replay = pb.Replay(
         payloads=[codec_serde.gradient_to_proto(p) for p in u.payloads], weights=weights, scales=u.scales,
-        aggregation="" if u.rule == MEAN else u.rule.mode, trim=u.rule.trim if u.rule != MEAN else 0.0,
+        aggregation="" if u.rule.mode == MEAN.mode else u.rule.mode, trim=u.rule.trim if u.rule.mode != MEAN.mode else 0.0,
+        exact=u.rule.exact,
     )
     return pb.StateUpdate(replay=replay, learning_rate=u.learning_rate)
 
@@ -261,7 +262,7 @@ def update_from_proto(m: pb.StateUpdate) -> StateUpdate:
         for scale in m.replay.scales:
             _finite(scale, "replay scales", 0.0, 1.0)
         try:
-            rule = AggregationRule(mode=m.replay.aggregation, trim=m.replay.trim) if m.replay.aggregation else MEAN
+            rule = AggregationRule(mode=m.replay.aggregation or MEAN.mode, trim=m.replay.trim if m.replay.aggregation else MEAN.trim, exact=m.replay.exact)
         except ValueError as e:
             raise ProtocolError(f"replay aggregation: {e}") from None
         payloads = tuple(codec_serde.gradient_from_proto(p) for p in m.replay.payloads)

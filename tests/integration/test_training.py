@@ -78,6 +78,20 @@ def test_resume_continues_the_same_trajectory(tmp_path):
         assert torch.equal(a, b), name
 
 
+def test_float64_replays_keep_replicas_bit_identical(tmp_path, two_workers):
+    """--replay-precision float64 (what auto picks for CUDA workers under a CPU coordinator): the workers'
+    replicas still equal the coordinator's bit for bit, with no push after the first."""
+    trainer = Trainer(_config(tmp_path, steps=6, replay_precision="float64"), [w.client() for w in two_workers], progress=False)
+    records = steps_with_fault(trainer, lambda: None, before=2, after=2)
+    assert [r["pushes"] for r in records] == [2, 0, 0, 0]
+    assert trainer.pending is not None and trainer.pending.rule.exact
+    assert_in_step(trainer, two_workers[0])  # applies the pending update on both sides, compares
+    (other,) = two_workers[1].engine.sessions.values()
+    other.replica.apply(trainer.pending)
+    for name, p in trainer.replica.params.items():
+        assert torch.equal(other.replica.params[name], p), name
+
+
 def test_perturbed_worker_resyncs_and_training_continues(tmp_path, two_workers):
     trainer = Trainer(_config(tmp_path, steps=6), [w.client() for w in two_workers], progress=False)
     records = steps_with_fault(trainer, lambda: corrupt_replica(two_workers[1]))

@@ -10,6 +10,7 @@ import torch
 
 from gradwire import protocol
 from gradwire.compression import CodecConfig, GradientCodec
+from gradwire.compression.aggregate import Aggregator
 from gradwire.compression.robust import MEAN, AggregationRule, aggregate, clip_scales, payload_norm
 from gradwire.coordinator.decisions import Standing, judge
 from gradwire.replica import StateUpdate
@@ -127,3 +128,41 @@ def test_judge_benches_after_strikes_in_a_row_and_forgives_a_good_round() -> Non
     assert s2 == Standing() and "cleared" in why
     s3, _ = judge(Standing(strikes=9), 5, "rejected", bench_after=0, bench_rounds=5)
     assert s3.strikes == 10 and not s3.benched(6)  # benching off
+
+
+def test_exact_aggregation_gives_the_same_bits_whichever_way_it_is_summed() -> None:
+    """The sparse inverse (bmm over the kept coefficients) and the dense one (scatter, then two matmuls)
+    sum the same numbers in different orders, as a GPU and a CPU do. In float32 they disagree in the last
+    bits, and a sign step flips where a coordinate is near zero; in float64 rounded once they agree."""
+    codec = GradientCodec(SHAPES, CodecConfig(topk=4))  # few enough kept that two senders go sparse
+    ps = payloads(codec, grads(2, seed=3))
+
+    def combine(sparse: bool, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        agg = Aggregator(codec, sparse=sparse, dtype=dtype)
+        for p, w in zip(ps, (3.0, 5.0)):
+            agg.add(p, w)
+        return agg.result()
+
+    fast, slow = combine(True, torch.float32), combine(False, torch.float32)
+    assert not all(torch.equal(fast[k], slow[k]) for k in SHAPES)  # the control: float32 does differ
+    fast, slow = combine(True, torch.float64), combine(False, torch.float64)
+    for k in SHAPES:
+        assert fast[k].dtype == torch.float32 and torch.equal(fast[k], slow[k]), k
+        assert torch.equal(torch.sign(fast[k]), torch.sign(slow[k])), k
+    # and exactly what the float32 path approximates
+    for k in SHAPES:
+        torch.testing.assert_close(fast[k], combine(True, torch.float32)[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["mean", "median", "trimmed-mean"])
+def test_an_exact_rule_travels_in_the_replay_and_combines_in_float64(mode: str) -> None:
+    codec = GradientCodec(SHAPES, CodecConfig())
+    ps = tuple(payloads(codec, grads(3)))
+    rule = AggregationRule(mode=mode, exact=True)
+    back = protocol.update_from_proto(protocol.update_to_proto(StateUpdate(0.5, ps, (1.0, 2.0, 3.0), rule=rule)))
+    assert back.rule == rule and back.rule.dtype == torch.float64
+    exact = aggregate(codec, ps, (1.0, 2.0, 3.0), rule=rule).result()
+    plain = aggregate(codec, ps, (1.0, 2.0, 3.0), rule=AggregationRule(mode=mode)).result()
+    for k in SHAPES:
+        assert exact[k].dtype == torch.float32
+        torch.testing.assert_close(exact[k], plain[k], rtol=1e-5, atol=1e-6)
