@@ -101,7 +101,18 @@ class WorkerClient:
         """Replace the worker's replica of ``state.run_id``; return its version and fingerprint."""
         down = _Counter()
         parts = down.count(protocol.to_parts(protocol.state_to_proto(state)))
-        reply = self._call(lambda: self._stub.PushState(parts, timeout=self._timeout(timeout), metadata=self.call_metadata))
+
+        def push() -> pb.PushStateReply:
+            call = self._stub.PushState.future(parts, timeout=self._timeout(timeout), metadata=self.call_metadata)
+            self._in_flight = call  # a straggler cut-off cancels a push as it does a round
+            try:
+                return call.result()
+            except grpc.FutureCancelledError:
+                raise WorkerError(self.address, grpc.StatusCode.CANCELLED, "state push cancelled") from None
+            finally:
+                self._in_flight = None
+
+        reply = self._call(push)
         self._record(down.nbytes, reply.ByteSize())
         return reply.version, protocol.fingerprint_from_proto(reply.fingerprint)
 
@@ -156,8 +167,8 @@ class WorkerClient:
             time.sleep(min(0.1, left))
 
     def cancel(self) -> None:
-        """Cancel the round or fetch in flight, if any (from another thread): it fails with CANCELLED, and
-        the worker abandons it at its next check (between micro-batches and inner steps)."""
+        """Cancel the round, push or fetch in flight, if any (from another thread): it fails with CANCELLED,
+        and the worker abandons a round at its next check (between micro-batches and inner steps)."""
         call = self._in_flight
         if call is not None:
             call.cancel()

@@ -131,6 +131,18 @@ def decide_close(elapsed: float, arrivals: list[float], waiting: int, *, quorum:
     return False, deadline - elapsed, f"quorum of {quorum} in; waiting up to {deadline - elapsed:.2f} s for {waiting} more"
 
 
+def decide_first_push(new: int, others: int) -> tuple[Literal["block", "background"], str]:
+    """How ``new`` workers that have never had the state get it, with ``others`` able to work this round.
+
+    With nobody else to work (the run's start, or every worker lost its state) the round waits for the
+    pushes. Otherwise the state travels in the background and the rounds go on: a whole state over a slow
+    link (or a joiner that stalls mid-push) would otherwise hold every other worker for as long.
+    """
+    if others == 0:
+        return "block", f"{new} worker(s) need the state and no other can work this round"
+    return "background", f"{others} other worker(s) train meanwhile; it works from the round after the state lands"
+
+
 def replay_precision(setting: str, coordinator_device: str, worker_devices: Sequence[str]) -> tuple[bool, str]:
     """Whether this round's replay combines in float64 (``AggregationRule.exact``), and why.
 

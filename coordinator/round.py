@@ -2,7 +2,10 @@
 
 ``RoundDispatcher.run`` pushes the full state to the workers that have never had it, sends every worker
 its order concurrently, and applies the pending update to the coordinator's own replica while they
-compute. A worker whose version is not known (it failed or was cut off last round) gets an order as if it
+compute. A worker new to a running job gets the state *in the background* (``decisions.decide_first_push``):
+the rounds go on without it while the state travels (a snapshot: the replica moves on meanwhile), and it
+works from the first round after its push completes, catching up on the updates it missed by replay, so
+a joiner on a slow link, or one that stalls mid-push, holds no round. A worker whose version is not known (it failed or was cut off last round) gets an order as if it
 were in step; a BEHIND answer says which version it holds, and if the updates it missed are still in
 the replay window (and smaller than the state) it *catches up by replay*, else it gets the state pushed
 (``decisions.decide_sync``). It never raises for a worker's failure: each worker ends the round with a
@@ -23,7 +26,7 @@ import grpc
 import torch
 
 from gradwire.coordinator.client import WorkerClient, WorkerError
-from gradwire.coordinator.decisions import Grace, Standing, decide_close, decide_sync
+from gradwire.coordinator.decisions import Grace, Standing, decide_close, decide_first_push, decide_sync
 from gradwire.coordinator.outer import OuterStrategy
 from gradwire.protocol import BEHIND, OK, ModelState, ProtocolError, RoundResult, WorkOrder
 from gradwire.replica import Fingerprint, StateUpdate
@@ -63,8 +66,9 @@ class SlotOutcome:
 @dataclasses.dataclass
 class RoundOutcome:
     outcomes: list[SlotOutcome]
-    pushes: int  # every state push of the round, before it and on a retry
-    push_bytes: int  # bytes of the pushes made before the round (retries count in their slot's outcome)
+    pushes: int  # every state push of the round started: before it, in the background, on a retry
+    push_bytes: int  # bytes of the pushes before the round, and of background ones that completed during it
+    joining: tuple[int, ...] = ()  # slots receiving the state in the background, not in this round
 
 
 # (slot, base version, update or None, fingerprint of the base, missed updates before it) -> the order
@@ -87,12 +91,25 @@ class RoundDispatcher:
         self.state_bytes = state_bytes  # a catch-up must cost less than a push of this
         self.quorum = quorum  # 0: wait for every worker
         self.grace = grace or Grace()
+        self._joining: dict[int, Future[_Push]] = {}  # slot index -> its background push
 
     def run(self, slots: Sequence[WorkerSlot], step: int, make_order: MakeOrder, make_state: MakeState) -> RoundOutcome:
         outer = self.outer
-        # Pushes first, from a replica nothing is writing to; then the round and, alongside it, our own
-        # copy of the pending update.
+        landed = self._landed()  # background pushes that completed since the last round
+        slots = [s for s in slots if s.index not in self._joining]
         to_push = [s for s in slots if s.version is None and s.guess is None]  # never had the state
+        background = []
+        if to_push:
+            how, why = decide_first_push(len(to_push), len(slots) - len(to_push))
+            if how == "background":
+                for slot in to_push:
+                    log.info("step %d: worker %d gets the state in the background: %s", step, slot.index, why)
+                    state = _snapshot(make_state(slot))  # now: apply_pending writes to the replica below
+                    self._joining[slot.index] = self.pool.submit(self._push, slot, lambda _slot, state=state: state)
+                background, to_push = to_push, []
+                slots = [s for s in slots if s not in background]
+        # Blocking pushes first, from a replica nothing is writing to; then the round and, alongside it,
+        # our own copy of the pending update.
         pushed = dict(zip((s.index for s in to_push), self.pool.map(lambda s: self._push(s, make_state), to_push)))
         applied = threading.Event()
         cut_off = {slot.index: threading.Event() for slot in slots}  # set for a straggler: make no further call
@@ -103,12 +120,21 @@ class RoundDispatcher:
             applied.set()  # never leave a worker's retry waiting, whatever happened here
         cut = self._close(futures, slots, step, time.monotonic(), cut_off)
         outcomes = [f.result() for f in futures]  # the cut-off ones return at once, cancelled
+        pushed.update(landed)
         for o in outcomes:
             o.first_push_bytes = pushed[o.slot.index].bytes_down if o.slot.index in pushed else 0
             o.straggler = o.slot.index in cut and o.result is None
             if o.straggler:
                 o.error = f"cut off as a straggler ({o.error})"
-        return RoundOutcome(outcomes, len(to_push) + sum(o.pushes for o in outcomes), sum(p.bytes_down for p in pushed.values()))
+        pushes = len(to_push) + len(background) + sum(o.pushes for o in outcomes)
+        return RoundOutcome(outcomes, pushes, sum(p.bytes_down for p in pushed.values()), tuple(sorted(self._joining)))
+
+    def _landed(self) -> dict[int, _Push]:
+        """The background pushes that have completed (the slot's version is set, or reset on failure)."""
+        done = {i: f for i, f in self._joining.items() if f.done()}
+        for i in done:
+            del self._joining[i]
+        return {i: f.result() for i, f in done.items()}
 
     def _close(self, futures: list[Future[SlotOutcome]], slots: Sequence[WorkerSlot], step: int, start: float, cut_off: dict[int, threading.Event]) -> set[int]:
         """Wait for the round's results until ``decisions.decide_close`` closes it; cancel the calls of the
@@ -207,3 +233,13 @@ class RoundDispatcher:
         slot.feedback = slot.inner_optimizer = None
         slot.version = version
         return _Push(bytes_down=slot.client.last_bytes_down)
+
+
+def _snapshot(state: ModelState) -> ModelState:
+    """``state`` with its own copies of the replica's tensors (parameters, momentum), for a push that
+    streams while the replica moves on."""
+    return dataclasses.replace(
+        state,
+        parameters={n: t.detach().clone() for n, t in state.parameters.items()},
+        optimizer_state={n: t.detach().clone() for n, t in state.optimizer_state.items()},
+    )

@@ -277,7 +277,7 @@ class Trainer:
         for slot in self.slots:
             o = by_slot.get(slot.index)
             if o is None:
-                state = "benched" if slot.standing.benched(self.step) else "waiting"
+                state = "benched" if slot.standing.benched(self.step) else "resyncing" if slot.index in round_.joining else "waiting"
             elif o.straggler:
                 state = "straggling"
             elif id(o) in counted:
@@ -321,7 +321,7 @@ class Trainer:
             slot = WorkerSlot(self._next_index, client, ranks=info.ranks, device=info.device)
             self._next_index += 1
             self.slots.append(slot)
-            log.info("step %d: worker %d (%s) joins the run (%s, %d rank(s)); it gets the state first", step, slot.index, address, info.device, info.ranks)
+            log.info("step %d: worker %d (%s) joins the run (%s, %d rank(s))", step, slot.index, address, info.device, info.ranks)
 
     def round_batch(self, step: int, slot: int, ranks: int = 1) -> np.ndarray:
         """A worker's rows for round ``step``: H inner steps' batches stacked, (H * ranks * batch_size, T + 1).

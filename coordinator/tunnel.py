@@ -345,6 +345,14 @@ class _MultiCallable:
         self.serialize, self.deserialize = serialize, deserialize
 
     def __call__(self, request: Any, timeout: float | None = None, metadata: Any = None, **_ignored: Any) -> Any:
+        call = self._start(request, timeout, metadata)
+        return _Responses(call, self.deserialize) if self.streams_responses else self._reply(call)
+
+    def future(self, request: Any, timeout: float | None = None, metadata: Any = None, **_ignored: Any) -> _Future:
+        """A unary-reply call in flight: ``result()`` waits for the reply, ``cancel()`` abandons it."""
+        return _Future(self._start(request, timeout, metadata), lambda call: self._reply(call))
+
+    def _start(self, request: Any, timeout: float | None, metadata: Any) -> _Call:
         link = self.channel.tunnels.get(self.channel.name)
         if link is None:
             raise TunnelError(grpc.StatusCode.UNAVAILABLE, f"{TUNNEL_PREFIX}{self.channel.name} has no tunnel open")
@@ -355,8 +363,9 @@ class _MultiCallable:
             self._send_all(call, [request])
         else:
             threading.Thread(target=self._send_all, args=(call, request), name="gradwire-tunnel-send", daemon=True).start()
-        if self.streams_responses:
-            return _Responses(call, self.deserialize)
+        return call
+
+    def _reply(self, call: _Call) -> Any:
         message = call.receive()
         if message is None:
             raise TunnelError(grpc.StatusCode.INTERNAL, "the worker ended a unary call without a reply")
@@ -375,6 +384,27 @@ class _MultiCallable:
         except Exception as e:  # noqa: BLE001 - the caller's request iterator failed: end the call, as grpc does
             log.warning("request stream through the tunnel failed: %s", e)
             call.cancel()
+
+
+class _Future:
+    """A unary-reply call through a tunnel, as ``grpc.Future``: ``result``, ``cancel``."""
+
+    def __init__(self, call: _Call, reply: Callable[[_Call], Any]) -> None:
+        self._call, self._reply = call, reply
+        self._cancelled = False
+
+    def result(self, timeout: float | None = None) -> Any:
+        try:
+            return self._reply(self._call)
+        except TunnelError as e:
+            if self._cancelled and e.code() is grpc.StatusCode.CANCELLED:
+                raise grpc.FutureCancelledError from None
+            raise
+
+    def cancel(self) -> bool:
+        self._cancelled = True
+        self._call.cancel()
+        return True
 
 
 class _Responses:

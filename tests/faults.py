@@ -11,7 +11,9 @@ answers are tampered with after it computed them honestly, the way a compromised
 * ``drop``        - the call fails before the worker does anything, as when the network drops it (the
                     worker then holds the version it had: it missed that round's update);
 * ``stall``       - the worker sits on the call for ``factor`` seconds before it starts (a straggler),
-                    giving up early if the call is cancelled.
+                    giving up early if the call is cancelled;
+* ``stall-push``  - the worker sits on a state push for ``factor`` seconds (a joiner on a slow link);
+                    ``rounds`` counts pushes here (0: its first).
 
 Use it through ``faulty(action, ...)``, an engine factory for ``tests.integration.conftest.live_workers``.
 """
@@ -23,11 +25,12 @@ import time
 from collections.abc import Callable, Collection
 
 from gradwire.compression import CompressedGradient
-from gradwire.protocol import OK, RoundResult, WorkOrder
+from gradwire.protocol import OK, ModelState, RoundResult, WorkOrder
+from gradwire.replica import Fingerprint
 from gradwire.worker.compute import Cancelled
 from gradwire.worker.engine import WorkerEngine
 
-ACTIONS = ("scale", "nan", "wrong-shape", "lie-tokens", "drop", "stall")
+ACTIONS = ("scale", "nan", "wrong-shape", "lie-tokens", "drop", "stall", "stall-push")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +56,14 @@ class FaultyEngine(WorkerEngine):
         super().__init__(device, **kwargs)
         self.plan = plan
         self.injected: list[int] = []
+        self.pushes = 0  # state pushes received so far
+
+    def push_state(self, state: ModelState, owner: bytes = b"") -> tuple[int, Fingerprint]:
+        if self.plan.action == "stall-push" and self.plan.applies(self.pushes):
+            self.injected.append(self.pushes)
+            time.sleep(self.plan.factor)
+        self.pushes += 1
+        return super().push_state(state, owner)
 
     def run_round(self, order: WorkOrder, cancelled: Callable[[], bool] = lambda: False, owner: bytes = b"") -> RoundResult:
         if self.plan.action == "drop" and self.plan.applies(order.round):
@@ -66,7 +77,7 @@ class FaultyEngine(WorkerEngine):
                     raise Cancelled(f"round {order.round} cancelled while stalled")
                 time.sleep(0.02)
         result = super().run_round(order, cancelled, owner)
-        if self.plan.action in ("drop", "stall") or result.status != OK or result.gradient is None or not self.plan.applies(order.round):
+        if self.plan.action in ("drop", "stall", "stall-push") or result.status != OK or result.gradient is None or not self.plan.applies(order.round):
             return result
         self.injected.append(order.round)
         return dataclasses.replace(result, **self._tamper(order, result))

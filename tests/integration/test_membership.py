@@ -16,6 +16,9 @@ from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.membership import WorkersFile, diff_members, parse_addresses
 from gradwire.coordinator.metrics import read_metrics
 from gradwire.coordinator.trainer import Trainer
+from gradwire.worker.engine import WorkerEngine
+
+from ..faults import faulty
 
 from .conftest import live_workers, worker_process
 
@@ -71,6 +74,35 @@ def test_a_workers_file_change_adds_and_removes_workers_between_rounds(tmp_path:
     assert [len(rows[s]) for s in range(9)] == [2, 2, 2, 3, 3, 3, 2, 2, 2]
 
 
+def test_a_joiner_whose_state_push_stalls_holds_no_round(tmp_path: Path) -> None:
+    """The state travels to a new worker in the background: the rounds go on without it meanwhile, and
+    once it has landed the worker catches up on what it missed by replay (no second push) and trains."""
+    listing = tmp_path / "workers.txt"
+    with live_workers(2, [lambda: WorkerEngine("cpu"), faulty("stall-push", factor=3.0)]) as workers:
+        a, slow = (w.address for w in workers)
+        listing.write_text(f"{a}\n")
+        members = WorkersFile(listing)
+        members.poll()
+        connect = lambda address: WorkerClient(address, timeout=30)
+        config = TrainConfig(model="gpt-tiny", steps=20, batch_size=2, sequence_length=32, output_dir=str(tmp_path / "run"))
+        trainer = Trainer(config, [connect(a)], progress=False, members=members, connect=connect)
+        try:
+            trainer.connect()
+            trainer.train_step()
+            listing.write_text(f"{a}\n{slow}\n")
+            t0 = time.monotonic()
+            during = [trainer.train_step() for _ in range(3)]
+            assert time.monotonic() - t0 < 2.5  # the 3 s push held none of them
+            assert [r["successful_workers"] for r in during] == [1, 1, 1] and during[0]["pushes"] == 1
+            time.sleep(3.5)  # the push lands
+            after = [trainer.train_step() for _ in range(2)]
+        finally:
+            trainer.close()
+    assert [r["successful_workers"] for r in after] == [2, 2]
+    assert after[0]["pushes"] == 0 and after[0]["catch_ups"] == 1  # replayed what it missed, no second push
+    assert workers[1].engine.pushes == 1
+
+
 @pytest.mark.slow
 def test_coordinator_train_with_a_workers_file_picks_up_a_new_worker(tmp_path: Path) -> None:
     from gradwire.transport import free_port
@@ -81,7 +113,7 @@ def test_coordinator_train_with_a_workers_file_picks_up_a_new_worker(tmp_path: P
     listing.write_text(f"127.0.0.1:{ports[0]}\n")
     out = tmp_path / "run"
     try:
-        coordinator = subprocess.Popen([sys.executable, "-m", "gradwire.coordinator", "train", "--workers-file", str(listing), "--model", "gpt-tiny", "--steps", "40", "--batch-size", "2", "--sequence-length", "32", "--output-dir", str(out), "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+        coordinator = subprocess.Popen([sys.executable, "-m", "gradwire.coordinator", "train", "--workers-file", str(listing), "--model", "gpt-tiny", "--steps", "200", "--batch-size", "2", "--sequence-length", "32", "--output-dir", str(out), "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
         deadline = time.monotonic() + 120
         while not ((out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= 5):
             assert coordinator.poll() is None and time.monotonic() < deadline, coordinator.communicate()[1][-3000:]
@@ -95,4 +127,5 @@ def test_coordinator_train_with_a_workers_file_picks_up_a_new_worker(tmp_path: P
             p.wait(30)
     records = read_metrics(out)
     workers = [r["successful_workers"] for r in records]
-    assert workers[0] == 1 and workers[-1] == 2 and "joins the run" in stderr
+    # the new worker got the state in the background while the first trained on, then worked to the end
+    assert workers[0] == 1 and workers[-1] == 2 and "joins the run" in stderr and "in the background" in stderr

@@ -3,6 +3,7 @@ cuts them off; a cut-off worker rejoins the next round without a state push (its
 
 from __future__ import annotations
 
+import json
 import signal
 from pathlib import Path
 
@@ -79,3 +80,36 @@ def test_a_sigstopped_worker_process_does_not_hold_rounds_and_rejoins_after_sigc
     assert all(r["stragglers"] == 1 and r["successful_workers"] == 2 and r["step_time"] < 10 for r in stopped)
     assert resumed[-1]["successful_workers"] == 3
     assert sum(r["pushes"] for r in records) == 3  # rejoined by replaying what it missed, never pushed again
+
+
+def test_a_state_push_in_flight_can_be_cancelled() -> None:
+    """A straggler cut-off cancels whatever call the worker is in, a state push included."""
+    import threading
+    import time
+
+    import grpc
+
+    from gradwire.coordinator.client import WorkerError
+    from gradwire.protocol import ModelState
+    from gradwire.models import build_from_spec, model_spec
+
+    spec = model_spec("gpt-tiny")
+    model = build_from_spec(spec)
+    state = ModelState("run-1", 0, json.dumps(spec), {n: p.detach() for n, p in model.named_parameters()}, '{"optimizer": "signsgd"}')
+    with live_workers(1, faulty("stall-push", factor=5.0)) as (worker,):
+        client = worker.client(timeout=30)
+        errors: list[WorkerError] = []
+
+        def push() -> None:
+            try:
+                client.push_state(state)
+            except WorkerError as e:
+                errors.append(e)
+
+        thread = threading.Thread(target=push)
+        t0 = time.monotonic()
+        thread.start()
+        time.sleep(0.5)
+        client.cancel()
+        thread.join(10)
+        assert time.monotonic() - t0 < 3 and [e.code for e in errors] == [grpc.StatusCode.CANCELLED]
