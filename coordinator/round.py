@@ -92,22 +92,37 @@ class RoundDispatcher:
         self.quorum = quorum  # 0: wait for every worker
         self.grace = grace or Grace()
         self._joining: dict[int, Future[_Push]] = {}  # slot index -> its background push
+        self._landed_now: dict[int, _Push] = {}  # those that completed before this round (prepare -> run)
+        self._started = 0  # background pushes prepare started for this round
+
+    @property
+    def joining(self) -> list[int]:
+        """The slots receiving the state in the background now."""
+        return sorted(i for i, f in self._joining.items() if not f.done())
+
+    def prepare(self, slots: Sequence[WorkerSlot], step: int, make_state: MakeState) -> list[WorkerSlot]:
+        """Which of ``slots`` work this round: not those receiving the state in the background. Starts the
+        background pushes ``decisions.decide_first_push`` asks for (workers new to a running job)."""
+        self._landed_now = self._landed()  # background pushes that completed since the last round
+        slots = [s for s in slots if s.index not in self._joining]
+        new = [s for s in slots if s.version is None and s.guess is None]  # never had the state
+        self._started = 0
+        if new:
+            how, why = decide_first_push(len(new), len(slots) - len(new))
+            if how == "background":
+                for slot in new:
+                    log.info("step %d: worker %d gets the state in the background: %s", step, slot.index, why)
+                    state = _snapshot(make_state(slot))  # now: apply_pending writes to the replica during the round
+                    self._joining[slot.index] = self.pool.submit(self._push, slot, lambda _slot, state=state: state)
+                self._started = len(new)
+                slots = [s for s in slots if s not in new]
+        return slots
 
     def run(self, slots: Sequence[WorkerSlot], step: int, make_order: MakeOrder, make_state: MakeState) -> RoundOutcome:
+        """The round of ``slots`` (as ``prepare`` returned them)."""
         outer = self.outer
-        landed = self._landed()  # background pushes that completed since the last round
-        slots = [s for s in slots if s.index not in self._joining]
-        to_push = [s for s in slots if s.version is None and s.guess is None]  # never had the state
-        background = []
-        if to_push:
-            how, why = decide_first_push(len(to_push), len(slots) - len(to_push))
-            if how == "background":
-                for slot in to_push:
-                    log.info("step %d: worker %d gets the state in the background: %s", step, slot.index, why)
-                    state = _snapshot(make_state(slot))  # now: apply_pending writes to the replica below
-                    self._joining[slot.index] = self.pool.submit(self._push, slot, lambda _slot, state=state: state)
-                background, to_push = to_push, []
-                slots = [s for s in slots if s not in background]
+        landed, self._landed_now = self._landed_now, {}
+        to_push = [s for s in slots if s.version is None and s.guess is None]  # never had the state: the run's start
         # Blocking pushes first, from a replica nothing is writing to; then the round and, alongside it,
         # our own copy of the pending update.
         pushed = dict(zip((s.index for s in to_push), self.pool.map(lambda s: self._push(s, make_state), to_push)))
@@ -126,8 +141,9 @@ class RoundDispatcher:
             o.straggler = o.slot.index in cut and o.result is None
             if o.straggler:
                 o.error = f"cut off as a straggler ({o.error})"
-        pushes = len(to_push) + len(background) + sum(o.pushes for o in outcomes)
-        return RoundOutcome(outcomes, pushes, sum(p.bytes_down for p in pushed.values()), tuple(sorted(self._joining)))
+        pushes = len(to_push) + self._started + sum(o.pushes for o in outcomes)
+        self._started = 0
+        return RoundOutcome(outcomes, pushes, sum(p.bytes_down for p in pushed.values()), tuple(self.joining))
 
     def _landed(self) -> dict[int, _Push]:
         """The background pushes that have completed (the slot's version is set, or reset on failure)."""

@@ -78,8 +78,8 @@ class Trainer:
         before every round: workers it adds join after a state push, workers it drops stop getting work."""
         if not clients:
             raise ValueError("--workers (or --local N) must name at least one worker")
-        if members is not None and (connect is None or config.streaming):
-            raise ValueError("--workers-file and --listen need a client factory, and do not work with --streaming yet (a stream's layout fixes the number of workers)")
+        if members is not None and connect is None:
+            raise ValueError("--workers-file and --listen need a client factory")
         self.members, self._connect = members, connect
         self.config = config
         # A resumed run takes its weights from the checkpoint: no need to load (or have) pretrained ones.
@@ -231,8 +231,6 @@ class Trainer:
         lr = self.config.lr_at(step)
         local_steps = self._local_steps(step)
         self._update_members(step)
-        # Rows by position among the run's workers: disjoint within a step, whoever is present.
-        batches = {slot.index: self.round_batch(step, position, slot.ranks) for position, slot in enumerate(self.slots)}
 
         def make_order(slot: WorkerSlot, base: int, update: StateUpdate | None, fingerprint: Fingerprint, catch_up: tuple[StateUpdate, ...]) -> WorkOrder:
             cfg = self.config
@@ -246,6 +244,13 @@ class Trainer:
         if not slots:
             log.warning("step %d: every worker is benched; trying them all", step)
             slots = list(self.slots)
+        slots = self.rounds.prepare(slots, step, self._state_for)  # less those getting the state meanwhile
+        # Rows by position among the round's workers: disjoint within a step. A stream lays each step out
+        # by the workers' rows and goes on from where it was when they change: nothing skipped, nothing twice.
+        set_layout = getattr(self.data, "set_layout", None)
+        if set_layout is not None:
+            set_layout(step * self.config.inner_steps, [self.config.batch_size * slot.ranks for slot in slots])
+        batches = {slot.index: self.round_batch(step, position, slot.ranks) for position, slot in enumerate(slots)}
         round_ = self.rounds.run(slots, step, make_order, self._state_for)
         t_gathered = time.perf_counter()
         gathered = self._gather(round_, step, batches)
@@ -483,6 +488,7 @@ class Trainer:
         meta = {
             "config": self.config.to_dict(), "version": self.replica.version, "total_tokens": self.total_tokens,
             "data_step": self.step, "workers": len(self.slots), "worker_keys": list(futures),
+            "data_layouts": [[first, start, list(rows)] for first, start, rows in getattr(self.data, "layouts", [])],
         }
         path = save_checkpoint(self.checkpoint_dir, self.step, tensors, meta)
         if self.config.keep_checkpoints:
@@ -509,6 +515,8 @@ class Trainer:
         self.total_tokens = int(meta.get("total_tokens", 0))
         torch.set_rng_state(tensors["rng"]["torch"])
         self._norms.extend(tensors.get("robust", {}).get("norms", torch.zeros(0)).tolist())
+        if meta.get("data_layouts") and hasattr(self.data, "restore_layouts"):
+            self.data.restore_layouts(meta["data_layouts"])  # where the stream stood, worker by worker
         saved_keys = meta.get("worker_keys", [])
         for position, slot in enumerate(self.slots):
             # A worker's state follows its address; a worker at a new address (fresh --local workers)

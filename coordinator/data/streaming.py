@@ -97,16 +97,22 @@ class StreamingTokenSource:
     """Batches cut in order from a token stream too large to hold (``--streaming``).
 
     The training stream is the corpus read in order, less the held-out head, repeated for as many epochs as
-    training needs. Step ``t`` takes the ``n_slots * batch_size`` consecutive windows of ``seq_len + 1``
-    tokens (stride ``seq_len``, so every token is a target once) starting at token ``t * n_slots *
-    batch_size * seq_len``; slot ``i`` gets windows ``i * batch_size`` to ``(i + 1) * batch_size - 1``.
-    The rows are thus a pure function of ``(step, slot, n_slots, batch_size, seq_len)``: the same on every
-    run, in any call order, from any thread. A step is cut once, when its first slot asks, and kept with the
-    step before it, so the other slots and retries get the same rows without reading again.
+    training needs. Each step takes consecutive windows of ``seq_len + 1`` tokens (stride ``seq_len``, so
+    every token is a target once), as many as its *layout* says: the rows of each slot, in slot order
+    (``set_layout``; by default ``n_slots`` slots of the ``batch_size`` asked for). Slot ``i`` gets the
+    windows after those of slots ``0..i-1``, and the next step starts where this one ended. When the
+    workers change (one joins, one leaves, a node of more ranks takes more rows) the trainer sets the new
+    layout from that step on: the stream goes on from where it was, so no window is trained twice or
+    skipped. The layouts so far (``layouts``) are what a checkpoint keeps and a resume restores.
 
-    Resuming at step ``t`` needs nothing but ``t``: the first call reads (and tokenizes, unbatched) the
-    stream up to step ``t``'s position, at the cost of one pass over that much text. Asking for a step
-    before the last two cut re-reads the stream from its start. Memory holds about two steps of rows.
+    The rows are thus a pure function of ``(step, slot)`` and the layouts: the same on every run, in any
+    call order, from any thread. A step is cut once, when its first slot asks, and kept with the step
+    before it, so the other slots and retries get the same rows without reading again.
+
+    Resuming at step ``t`` needs nothing but ``t`` and the layouts: the first call reads (and tokenizes,
+    unbatched) the stream up to step ``t``'s position, at the cost of one pass over that much text. Asking
+    for a step before the last two cut re-reads the stream from its start. Memory holds about two steps of
+    rows.
 
     Held out for validation: the first ``val_rows * (seq_len + 1)`` tokens of the validation split when the
     dataset has one, else of the stream itself (then never trained on, in any epoch).
@@ -147,8 +153,11 @@ class StreamingTokenSource:
                 raise ValueError(f"{what} validation split has {len(val)} tokens, fewer than one sequence of {window}")
             self._skip = 0
         self.val = val.astype(self._dtype)
+        self.seq_len = seq_len
         self._lock = threading.Lock()
-        self._recent: collections.OrderedDict[tuple[int, int, int], np.ndarray] = collections.OrderedDict()
+        # (first step, first token, rows per slot): from that step on, steps are laid out so; sorted
+        self._layouts: list[tuple[int, int, tuple[int, ...]]] = []
+        self._recent: collections.OrderedDict[tuple[int, tuple[int, ...]], np.ndarray] = collections.OrderedDict()
         self._cursor: _Cursor | None = _Cursor(self._train_chunks(first_pass))
         self._cursor.read(0, window)  # fails now, not at step 0, when there is nothing to train on
 
@@ -174,25 +183,75 @@ class StreamingTokenSource:
             if empty:
                 raise ValueError(f"{self.what} has no training tokens after the {self._skip} held-out ones")
 
+    def set_layout(self, step: int, rows: Sequence[int]) -> None:
+        """From ``step`` on, each step takes ``rows[i]`` rows for slot ``i`` (until the next change). Steps
+        before ``step`` keep their layout; a layout set earlier for ``step`` or later is replaced (a
+        retried round, a resume)."""
+        rows = tuple(int(r) for r in rows)
+        if step < 0 or not rows or min(rows) < 1:
+            raise ValueError(f"a layout needs step >= 0 and at least one slot of >= 1 rows, got step {step} and {rows}")
+        with self._lock:
+            kept = [seg for seg in self._layouts if seg[0] < step]
+            if kept and kept[-1][2] == rows:
+                self._layouts = kept
+                return
+            # The first layout of a run (or of a resume that kept none) covers the steps before it too.
+            start = self._start(kept, step) if kept else step * sum(rows) * self.seq_len
+            self._layouts = [*kept, (step, start, rows)]
+
+    @property
+    def layouts(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(first step, first token, rows per slot) of every layout so far: for a checkpoint."""
+        with self._lock:
+            return list(self._layouts)
+
+    def restore_layouts(self, layouts: Sequence[Sequence[Any]]) -> None:
+        """The layouts a checkpoint kept (``layouts``), checked."""
+        restored = []
+        for first, start, rows in layouts:
+            rows = tuple(int(r) for r in rows)
+            if int(first) < 0 or int(start) < 0 or not rows or min(rows) < 1 or (restored and int(first) <= restored[-1][0]):
+                raise ValueError(f"bad data layout in the checkpoint: {layouts!r}")
+            restored.append((int(first), int(start), rows))
+        with self._lock:
+            self._layouts = restored
+            self._recent.clear()
+
+    def _layout(self, step: int) -> tuple[int, int, tuple[int, ...]] | None:
+        for seg in reversed(self._layouts):
+            if seg[0] <= step:
+                return seg
+        return None
+
+    def _start(self, layouts: list[tuple[int, int, tuple[int, ...]]], step: int) -> int:
+        first, start, rows = next(seg for seg in reversed(layouts) if seg[0] <= step)
+        return start + (step - first) * sum(rows) * self.seq_len
+
     def batch(self, step: int, slot: int, batch_size: int, seq_len: int) -> np.ndarray:
         """Training rows (batch_size, seq_len + 1) of worker ``slot`` at ``step``; see the class docstring."""
-        if step < 0 or not 0 <= slot < self.n_slots:
-            raise ValueError(f"step must be >= 0 and slot in [0, {self.n_slots}) (n_slots), got {step} and {slot}")
-        if batch_size < 1 or seq_len < 1:
-            raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
-        key = (step, batch_size, seq_len)
+        if batch_size < 1 or seq_len != self.seq_len:
+            raise ValueError(f"batch_size must be >= 1 and seq_len {self.seq_len} (this stream's), got {batch_size} and {seq_len}")
         with self._lock:  # the other slots of this step wait here, then find it cut
+            seg = self._layout(step)
+            if seg is None:  # no layout set: n_slots slots of batch_size rows from the start
+                seg = (0, 0, (batch_size,) * self.n_slots)
+            rows_per_slot = seg[2]
+            if step < 0 or not 0 <= slot < len(rows_per_slot):
+                raise ValueError(f"step must be >= 0 and slot in [0, {len(rows_per_slot)}) (the step's layout), got {step} and {slot}")
+            if rows_per_slot[slot] != batch_size:
+                raise ValueError(f"slot {slot} of step {step} takes {rows_per_slot[slot]} rows in the layout, not {batch_size}")
+            key = (step, rows_per_slot)
             rows = self._recent.get(key)
             if rows is None:
-                rows = self._cut(step, batch_size, seq_len)
+                start = seg[1] + (step - seg[0]) * sum(rows_per_slot) * seq_len
+                rows = self._cut(start, sum(rows_per_slot), seq_len, step)
                 self._recent[key] = rows
                 while len(self._recent) > 2:  # this step and the one before (for a late retry)
                     self._recent.popitem(last=False)
-        return rows[slot * batch_size : (slot + 1) * batch_size].copy()
+        offset = sum(rows_per_slot[:slot])
+        return rows[offset : offset + batch_size].copy()
 
-    def _cut(self, step: int, batch_size: int, seq_len: int) -> np.ndarray:
-        n_rows = self.n_slots * batch_size
-        start = step * n_rows * seq_len
+    def _cut(self, start: int, n_rows: int, seq_len: int, step: int) -> np.ndarray:
         if self._cursor is None or start < self._cursor.base:
             if self._cursor is not None:
                 log.warning("%s: step %d was already passed; re-reading the stream from its start", self.what, step)
@@ -202,7 +261,7 @@ class StreamingTokenSource:
         except BaseException:
             self._cursor = None  # a failed read leaves the stream's iterators unusable: start over next time
             raise
-        rows = tokens[np.arange(n_rows)[:, None] * seq_len + np.arange(seq_len + 1)]  # (n_slots * B, T+1)
+        rows = tokens[np.arange(n_rows)[:, None] * seq_len + np.arange(seq_len + 1)]  # (n_rows, T+1)
         return rows.astype(self._dtype)
 
     def val_batches(self, batch_size: int, seq_len: int, count: int) -> list[np.ndarray]:

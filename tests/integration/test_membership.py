@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from gradwire.coordinator.client import WorkerClient
@@ -57,7 +58,11 @@ def test_a_workers_file_change_adds_and_removes_workers_between_rounds(tmp_path:
                 trainer.train_step()
             time.sleep(0.01)
             listing.write_text(f"{a}\n{b}\n{c}   # joins\n")
-            for _ in range(3):
+            trainer.train_step()  # c gets the state in the background meanwhile
+            deadline = time.monotonic() + 30
+            while trainer.rounds.joining and time.monotonic() < deadline:
+                time.sleep(0.01)
+            for _ in range(2):
                 trainer.train_step()
             listing.write_text(f"{b}, {c}\n")  # a leaves
             for _ in range(3):
@@ -65,13 +70,14 @@ def test_a_workers_file_change_adds_and_removes_workers_between_rounds(tmp_path:
         finally:
             trainer.close()
         assert [s.client.address for s in trainer.slots] == [b, c]
-        # a computed rounds 0-5 (the last at version 5) and got no work after it left; c joined at round 3.
+        # a computed rounds 0-5 (the last at version 5) and got no work after it left; c got the state during
+        # round 3 and worked from round 4.
         assert list(workers[0].engine.sessions.values())[0].replica.version == 5
         assert list(workers[2].engine.sessions.values())[0].replica.version == 8
     for step, batches in rows.items():  # disjoint rows within every round
         flat = [tuple(r) for b in batches for r in b.tolist()]
         assert len(flat) == len(set(flat)), step
-    assert [len(rows[s]) for s in range(9)] == [2, 2, 2, 3, 3, 3, 2, 2, 2]
+    assert [len(rows[s]) for s in range(9)] == [2, 2, 2, 2, 3, 3, 2, 2, 2]  # c works from the round after its push
 
 
 def test_a_joiner_whose_state_push_stalls_holds_no_round(tmp_path: Path) -> None:
@@ -101,6 +107,63 @@ def test_a_joiner_whose_state_push_stalls_holds_no_round(tmp_path: Path) -> None
     assert [r["successful_workers"] for r in after] == [2, 2]
     assert after[0]["pushes"] == 0 and after[0]["catch_ups"] == 1  # replayed what it missed, no second push
     assert workers[1].engine.pushes == 1
+
+
+def test_streamed_data_follows_a_worker_that_joins_and_a_resume_keeps_the_layout(tmp_path: Path) -> None:
+    """--streaming with a worker joining mid-run: every round's rows go on from where the last ended
+    (no window twice, none skipped), and a run resumed after the join cuts the same rows as the one that
+    went straight on."""
+    from gradwire.assets import corpus_path
+
+    data = tmp_path / "corpus.txt"
+    data.write_text(corpus_path().read_text(encoding="utf-8")[:300_000], encoding="utf-8")
+    listing = tmp_path / "workers.txt"
+    connect = lambda address: WorkerClient(address, timeout=30)
+
+    def trainer_for(out: str, clients: list[str], resume: str | None = None) -> tuple[Trainer, dict[int, list]]:
+        members = WorkersFile(listing)
+        members.poll()
+        config = TrainConfig(model="gpt-tiny", steps=6, batch_size=2, sequence_length=32, output_dir=str(tmp_path / out), data=(str(data),), streaming=True, checkpoint_every=0, resume_from=resume)
+        trainer = Trainer(config, [connect(c) for c in clients], progress=False, members=members, connect=connect)
+        rows: dict[int, list] = {}
+        cut = trainer.round_batch
+
+        def spy(step: int, position: int, ranks: int = 1):
+            rows.setdefault(step, []).append(cut(step, position, ranks))
+            return rows[step][-1]
+
+        trainer.round_batch = spy
+        return trainer, rows
+
+    with live_workers(2) as workers:
+        a, b = (w.address for w in workers)
+        listing.write_text(f"{a}\n")
+        straight, rows = trainer_for("straight", [a])
+        try:
+            straight.connect()
+            for step in range(6):
+                if step == 2:
+                    listing.write_text(f"{a}\n{b}\n")  # b joins: it gets the state during round 2
+                straight.train_step()
+                if step == 2:
+                    deadline = time.monotonic() + 30
+                    while straight.rounds.joining and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    checkpoint = straight.save_checkpoint()
+        finally:
+            straight.close()
+        assert [len(rows[s]) for s in range(6)] == [1, 1, 1, 2, 2, 2]  # b's rows from the round it works in
+        ordered = np.concatenate([np.concatenate(rows[s]) for s in range(6)])
+        assert len({r.tobytes() for r in ordered}) == len(ordered)  # no window twice, across workers and rounds
+        assert all(ordered[i][-1] == ordered[i + 1][0] for i in range(len(ordered) - 1))  # none skipped: they tile the stream
+        resumed, rows_after = trainer_for("resumed", [a, b], resume=str(checkpoint))
+        try:
+            resumed.run()
+        finally:
+            resumed.close()
+    assert sorted(rows_after) == [3, 4, 5]
+    for step in (3, 4, 5):
+        assert [r.tobytes() for r in rows_after[step]] == [r.tobytes() for r in rows[step]], step
 
 
 @pytest.mark.slow

@@ -195,6 +195,34 @@ def test_streaming_rows_are_the_stream_laid_out_by_step_and_slot(
     assert not trained & {row.tobytes() for v in val for row in v}
 
 
+def test_a_streams_layout_follows_the_workers_and_no_window_is_trained_twice_or_skipped(tmp_path: Path) -> None:
+    """Workers come and go (2 slots, then 3 with one of twice the rows, then 1): every step goes on from
+    where the last ended, so the windows tile the stream; a fresh source with the saved layouts (a
+    resume) cuts the same rows."""
+    tok = default_tokenizer()
+    files = [write_jsonl(tmp_path / "docs.jsonl", DOCS)]
+    source = open_stream(files, tok, n_slots=2)
+    plan = {0: [2, 2], 3: [2, 4, 2], 5: [2]}  # step -> rows per slot, from that step on
+    starts, layout = [], plan[0]
+    for step in range(7):
+        layout = plan.get(step, layout)
+        source.set_layout(step, layout)
+        rows = np.concatenate([source.batch(step, slot, n, SEQ) for slot, n in enumerate(layout)])
+        starts.append(rows)
+    stream = np.concatenate(starts)
+    ids = np.tile(np.array(expected_ids(tok))[4 * (SEQ + 1) :], 20)  # after the held-out head, epoch after epoch
+    for r, row in enumerate(stream):
+        np.testing.assert_array_equal(row, ids[r * SEQ : r * SEQ + SEQ + 1])  # contiguous: nothing twice, nothing skipped
+    assert [first for first, _, _ in source.layouts] == [0, 3, 5]
+    resumed = open_stream(files, tok, n_slots=2)
+    resumed.restore_layouts([[f, s, list(r)] for f, s, r in source.layouts])
+    np.testing.assert_array_equal(resumed.batch(4, 1, 4, SEQ), source.batch(4, 1, 4, SEQ))
+    np.testing.assert_array_equal(resumed.batch(6, 0, 2, SEQ), starts[6])
+    source.set_layout(6, [2])  # a retried round sets the layout it already has: nothing moves
+    np.testing.assert_array_equal(source.batch(6, 0, 2, SEQ), starts[6])
+    assert [first for first, _, _ in source.layouts] == [0, 3, 5]
+
+
 def test_streaming_batches_are_deterministic(stream_files: list[Path]) -> None:
     tok = default_tokenizer()
     a, b = open_stream(stream_files, tok), open_stream(stream_files, tok)
@@ -235,8 +263,18 @@ def test_streaming_wraps_into_further_epochs_without_the_held_out_head(tmp_path:
 def test_streaming_checks(tmp_path: Path) -> None:
     tok = default_tokenizer()
     source = open_stream([write_jsonl(tmp_path / "docs.jsonl", DOCS)], tok, n_slots=2)
-    with pytest.raises(ValueError, match="n_slots"):
+    with pytest.raises(ValueError, match="slot in"):
         source.batch(0, 2, 4, SEQ)
+    source.set_layout(0, [4, 8])
+    with pytest.raises(ValueError, match="takes 8 rows"):
+        source.batch(0, 1, 4, SEQ)
+    with pytest.raises(ValueError, match="seq_len"):
+        source.batch(0, 0, 4, SEQ + 1)
+    for bad in ([], [0, 4]):
+        with pytest.raises(ValueError, match="layout"):
+            source.set_layout(1, bad)
+    with pytest.raises(ValueError, match="bad data layout"):
+        source.restore_layouts([[3, 0, [4]], [2, 10, [4]]])
     with pytest.raises(ValueError, match="too few to hold out"):
         open_stream([write_jsonl(tmp_path / "tiny.jsonl", ["To be, or not to be."])], tok)
 
