@@ -106,6 +106,9 @@ class Trainer:
         self.slots = [WorkerSlot(i, c) for i, c in enumerate(clients)]
         self._next_index = len(self.slots)
         self._exact = False  # replays in float64 (decisions.replay_precision), as last decided
+        # (round, slot indices): who sent the pending update's payloads, in order; each is sent the replay
+        # without its own payload, which it holds
+        self._pending_senders: tuple[int, list[int]] = (-1, [])
         self.run_id = uuid.uuid4().hex
         self.step = 0
         self.total_tokens = 0
@@ -234,6 +237,9 @@ class Trainer:
 
         def make_order(slot: WorkerSlot, base: int, update: StateUpdate | None, fingerprint: Fingerprint, catch_up: tuple[StateUpdate, ...]) -> WorkOrder:
             cfg = self.config
+            sent_in, senders = self._pending_senders
+            if update is not None and update is self.outer.pending and update.delta is None and slot.index in senders:
+                update = update.without(senders.index(slot.index), sent_in)  # it holds its own payload
             return WorkOrder(
                 self.run_id, step, base, batches[slot.index], self.codec_config, fingerprint, update,
                 feedback_beta=cfg.feedback_beta, micro_batch_size=cfg.micro_batch_size,
@@ -263,6 +269,7 @@ class Trainer:
         weights = tuple(float(r.tokens) for r in usable)
         rule = self._aggregation_rule()
         grad_norm = self.outer.step(aggregator, payloads, weights, lr, scales=scales if any(x < 1 for x in scales) else (), rule=rule)
+        self._pending_senders = (step, [o.slot.index for o in gathered.outcomes])  # in payload order
         self.step += 1
         t_done = time.perf_counter()
         record = self._record(round_, usable, ranks, grad_norm, lr, t0, t_gathered, t_done)

@@ -235,12 +235,12 @@ def fingerprint_from_proto(m: pb.Fingerprint) -> Fingerprint:
 def update_to_proto(u: StateUpdate) -> pb.StateUpdate:
     if u.delta is not None:
         return pb.StateUpdate(delta=codec_serde.gradient_to_proto(u.delta), learning_rate=u.learning_rate)
-    # No weights means equal weights (as in Replica.apply); the wire always carries one per payload.
-    weights = u.weights or [1.0] * len(u.payloads)
+    # No weights means equal weights (as in Replica.apply); the wire always carries one per sender.
+    weights = u.weights or [1.0] * (len(u.payloads) + (u.own is not None))
     replay = pb.Replay(
         payloads=[codec_serde.gradient_to_proto(p) for p in u.payloads], weights=weights, scales=u.scales,
         aggregation="" if u.rule.mode == MEAN.mode else u.rule.mode, trim=u.rule.trim if u.rule.mode != MEAN.mode else 0.0,
-        exact=u.rule.exact,
+        exact=u.rule.exact, own_position=u.own[0] + 1 if u.own is not None else 0, own_round=u.own[1] if u.own is not None else 0,
     )
     return pb.StateUpdate(replay=replay, learning_rate=u.learning_rate)
 
@@ -251,14 +251,19 @@ def update_from_proto(m: pb.StateUpdate) -> StateUpdate:
     if kind == "delta":
         return StateUpdate(m.learning_rate, delta=codec_serde.gradient_from_proto(m.delta))
     if kind == "replay":
-        if len(m.replay.weights) != len(m.replay.payloads) or not m.replay.payloads:
-            raise ProtocolError(f"replay has {len(m.replay.payloads)} payloads and {len(m.replay.weights)} weights")
+        own = m.replay.own_position > 0  # the receiver's own payload is left out: one sender more than payloads
+        senders = len(m.replay.payloads) + own
+        if len(m.replay.weights) != senders or not senders:
+            kept = " and leaves out the receiver's own" if own else ""
+            raise ProtocolError(f"replay has {len(m.replay.payloads)} payloads{kept} and {len(m.replay.weights)} weights")
+        if own and m.replay.own_position > senders:
+            raise ProtocolError(f"replay own_position {m.replay.own_position} is beyond its {senders} senders")
         for w in m.replay.weights:
             _finite(w, "replay weights", 0.0, MAX_WEIGHT)
         if not sum(m.replay.weights) > 0:
             raise ProtocolError("replay weights must not all be zero")
-        if m.replay.scales and len(m.replay.scales) != len(m.replay.payloads):
-            raise ProtocolError(f"replay has {len(m.replay.payloads)} payloads and {len(m.replay.scales)} clip scales")
+        if m.replay.scales and len(m.replay.scales) != senders:
+            raise ProtocolError(f"replay has {senders} senders and {len(m.replay.scales)} clip scales")
         for scale in m.replay.scales:
             _finite(scale, "replay scales", 0.0, 1.0)
         try:
@@ -266,7 +271,8 @@ def update_from_proto(m: pb.StateUpdate) -> StateUpdate:
         except ValueError as e:
             raise ProtocolError(f"replay aggregation: {e}") from None
         payloads = tuple(codec_serde.gradient_from_proto(p) for p in m.replay.payloads)
-        return StateUpdate(m.learning_rate, payloads, tuple(m.replay.weights), scales=tuple(m.replay.scales), rule=rule)
+        own_payload = (m.replay.own_position - 1, m.replay.own_round) if own else None
+        return StateUpdate(m.learning_rate, payloads, tuple(m.replay.weights), scales=tuple(m.replay.scales), rule=rule, own=own_payload)
     raise ProtocolError("state update carries neither a replay nor a delta")
 
 

@@ -45,10 +45,26 @@ class StateUpdate:
     delta: CompressedGradient | None = None
     scales: tuple[float, ...] = ()  # each payload's clip scale (empty: all 1); see compression.robust
     rule: AggregationRule = MEAN
+    # (position, round): the receiver's own payload of ``round`` is left out of ``payloads`` and belongs at
+    # ``position`` among the senders (it holds it: it sent it); ``weights``/``scales`` count it. None: whole.
+    own: tuple[int, int] | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.payloads) + (self.delta.nbytes if self.delta is not None else 0)
+
+    def without(self, position: int, round: int) -> StateUpdate:
+        """This replay for the sender at ``position``, whose payload (sent in ``round``) it leaves out."""
+        if self.delta is not None or self.own is not None or not 0 <= position < len(self.payloads):
+            raise ValueError(f"cannot leave out payload {position} of this update")
+        return dataclasses.replace(self, payloads=self.payloads[:position] + self.payloads[position + 1 :], own=(position, round))
+
+    def with_own(self, payload: CompressedGradient) -> StateUpdate:
+        """The whole replay, with the receiver's own ``payload`` back in its place."""
+        if self.own is None:
+            return self
+        position = self.own[0]
+        return dataclasses.replace(self, payloads=self.payloads[:position] + (payload,) + self.payloads[position:], own=None)
 
 
 # ------------------------------------------------------------------------------------------- fingerprint
@@ -130,6 +146,7 @@ class Replica:
         self.numels = [p.numel() for p in self.params.values()]
         self._positions = sample_positions(named_shapes)
         self._codecs: dict[CodecConfig, GradientCodec] = {}
+        self._fingerprint: tuple[tuple[int, ...], Fingerprint] | None = None  # (write counts, fingerprint)
 
     def codec(self, config: CodecConfig) -> GradientCodec:
         """The codec for this replica's tensors under ``config`` (cached: its plan is not free)."""
@@ -153,6 +170,8 @@ class Replica:
                 p.add_(delta[name].to(p.device, p.dtype))
             self.version += 1
             return delta
+        if update.own is not None:
+            raise ValueError("this replay leaves out the receiver's own payload: put it back first (StateUpdate.with_own)")
         if not update.payloads:
             raise ValueError("a replay update needs at least one payload")
         if not self.rule.replayable:
@@ -169,7 +188,20 @@ class Replica:
         return aggregate
 
     def fingerprint(self) -> Fingerprint:
-        return fingerprint(list(self.params.values()), self._positions)
+        """The parameters' fingerprint; kept until a parameter changes in place (torch counts every in-place
+        write of a tensor, so any change, even one that bypasses ``apply``, is seen), so a worker can take it
+        ahead, while it waits for its next order, and the next round's check finds it ready."""
+        key = self._writes()
+        cached = self._fingerprint
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        fp = fingerprint(list(self.params.values()), self._positions)
+        if self._writes() == key:  # nothing wrote meanwhile (another thread may take it ahead)
+            self._fingerprint = (key, fp)
+        return fp
+
+    def _writes(self) -> tuple[int, ...]:
+        return tuple(p._version for p in self.params.values())
 
     def load_state(self, parameters: Mapping[str, torch.Tensor], momentum: Sequence[torch.Tensor] = (), version: int = 0) -> None:
         """Overwrite the parameters (and sgd momentum) with a full state, e.g. on a push."""

@@ -19,6 +19,7 @@ the server answers UNAVAILABLE before the node is torn down and restarted.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -91,6 +92,7 @@ class WorkerEngine:
         # each new calling thread gets an OpenMP team of its own, and idle teams spinning beside the busy
         # one cost ~5-15% of a CPU step (measured on gpt-10m: 2.21 s on one thread, 2.33-2.56 s on fresh ones).
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradwire-compute")
+        self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradwire-ahead")  # fingerprints
         # What to do when the node loses a rank (the server sets it: stop, so that the node restarts).
         self.on_node_failure: Callable[[], None] = lambda: None
         self._last_command = time.monotonic()
@@ -201,7 +203,24 @@ class WorkerEngine:
 
     def run_round(self, order: WorkOrder, cancelled: Callable[[], bool] = lambda: False, owner: bytes = b"") -> RoundResult:
         """One round of ``order``'s run; ``AccessDenied`` if that run is another owner's."""
-        return self._compute.submit(self._owned, order.run_id, owner, self._lead, Command.RUN_ROUND, lambda: protocol.order_to_proto(order), self._locked_round, order, cancelled).result()
+        return self._compute.submit(self._owned, order.run_id, owner, self._own_round, order, cancelled).result()
+
+    def _own_round(self, order: WorkOrder, cancelled: Callable[[], bool]) -> RoundResult:
+        """Put this worker's own payload back into the order's replay (left out on the wire), then run it;
+        on a node, the other ranks get the whole order."""
+        session = self.sessions.get(order.run_id)
+        updates = (*order.catch_up, *([order.update] if order.update is not None else []))
+        own = [u.own for u in updates if u.own is not None]
+        if own:
+            sent = session.last_sent if session is not None else None
+            if sent is None or any(round_ != sent[0] for _, round_ in own):
+                held = f"round {sent[0]}'s" if sent is not None else "none"
+                return RoundResult(NEEDS_STATE, order.round, f"the update leaves out this worker's payload of round {own[0][1]}, and it holds {held}", version=session.replica.version if session else 0)
+            order = dataclasses.replace(
+                order, update=order.update.with_own(sent[1]) if order.update is not None else None,
+                catch_up=tuple(u.with_own(sent[1]) for u in order.catch_up),
+            )
+        return self._lead(Command.RUN_ROUND, lambda: protocol.order_to_proto(order), self._locked_round, order, cancelled)
 
     def _locked_round(self, order: WorkOrder, cancelled: Callable[[], bool]) -> RoundResult:
         with self._lock, _NodeErrors(active=self.node is not None):
@@ -268,7 +287,11 @@ class WorkerEngine:
         # 4. encode: error feedback and the codec.
         session.feedback.beta = order.feedback_beta
         payload = replica.codec(order.codec).compress(contribution.tensors, session.feedback)
+        session.last_sent = (order.round, payload)  # the coordinator leaves it out of the replay it sends back
         t_done = time.perf_counter()
+        # The next round's check needs this replica's fingerprint: take it while the result travels and the
+        # coordinator aggregates, not when the next order has arrived.
+        session.fingerprint_ahead = self._ahead.submit(replica.fingerprint)
         timings = {"update": t_update - t0, "compute": t_compute - t_update, "compress": t_done - t_compute, "total": t_done - t0}
         return RoundResult(OK, order.round, "", payload, contribution.loss, contribution.tokens, replica.version, timings, self._bus_bytes() - bus_before)
 
@@ -280,6 +303,9 @@ class WorkerEngine:
 def _view(session: Session | None) -> ReplicaView | None:
     if session is None:
         return None
+    if session.fingerprint_ahead is not None:  # wait for the one being taken ahead rather than take it twice
+        session.fingerprint_ahead.result()
+        session.fingerprint_ahead = None
     r = session.replica
     return ReplicaView(r.version, r.fingerprint(), r.numels, session.vocab_size, session.stale)
 

@@ -17,15 +17,16 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
+from concurrent.futures import Future
 
 import torch
 
-from gradwire.compression import ErrorFeedback
+from gradwire.compression import CompressedGradient, ErrorFeedback
 from gradwire.models import build_from_spec, spec_elements
 from gradwire.optim.inner import InnerOptimizer, InnerOptimizerConfig
 from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import ModelState, ProtocolError
-from gradwire.replica import Replica
+from gradwire.replica import Fingerprint, Replica
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ class Session:
             raise ProtocolError(f"model state: {e}") from None
         self.vocab_size = _vocab_size(model)
         self.feedback = ErrorFeedback()
+        self.last_sent: tuple[int, CompressedGradient] | None = None  # (round, payload) of the last result
+        self.fingerprint_ahead: Future[Fingerprint] | None = None  # the replica's, being taken after a round
         if state.feedback:
             self.feedback.load_state_dict({k: v.to(device) for k, v in state.feedback.items()})
         self.stale = False  # found out of sync: every round answers NEEDS_STATE until the next push

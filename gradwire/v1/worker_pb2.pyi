@@ -169,20 +169,24 @@ class StateUpdate(_message.Message):
     def __init__(self, replay: _Optional[_Union[Replay, _Mapping]] = ..., delta: _Optional[_Union[_codec_pb2.CompressedGradient, _Mapping]] = ..., learning_rate: _Optional[float] = ...) -> None: ...
 
 class Replay(_message.Message):
-    __slots__ = ("payloads", "weights", "scales", "aggregation", "trim", "exact")
+    __slots__ = ("payloads", "weights", "scales", "aggregation", "trim", "exact", "own_position", "own_round")
     PAYLOADS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     SCALES_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     TRIM_FIELD_NUMBER: _ClassVar[int]
     EXACT_FIELD_NUMBER: _ClassVar[int]
+    OWN_POSITION_FIELD_NUMBER: _ClassVar[int]
+    OWN_ROUND_FIELD_NUMBER: _ClassVar[int]
     payloads: _containers.RepeatedCompositeFieldContainer[_codec_pb2.CompressedGradient]
     weights: _containers.RepeatedScalarFieldContainer[float]
     scales: _containers.RepeatedScalarFieldContainer[float]
     aggregation: str
     trim: float
     exact: bool
-    def __init__(self, payloads: _Optional[_Iterable[_Union[_codec_pb2.CompressedGradient, _Mapping]]] = ..., weights: _Optional[_Iterable[float]] = ..., scales: _Optional[_Iterable[float]] = ..., aggregation: _Optional[str] = ..., trim: _Optional[float] = ..., exact: _Optional[bool] = ...) -> None: ...
+    own_position: int
+    own_round: int
+    def __init__(self, payloads: _Optional[_Iterable[_Union[_codec_pb2.CompressedGradient, _Mapping]]] = ..., weights: _Optional[_Iterable[float]] = ..., scales: _Optional[_Iterable[float]] = ..., aggregation: _Optional[str] = ..., trim: _Optional[float] = ..., exact: _Optional[bool] = ..., own_position: _Optional[int] = ..., own_round: _Optional[int] = ...) -> None: ...
 
 class TokenBatch(_message.Message):
     __slots__ = ("rows", "columns", "dtype", "data")

@@ -157,3 +157,28 @@ def test_keep_checkpoints_prunes_old_steps(tmp_path, two_workers):
     root = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step-00000004", "step-00000006"]
     assert (root / "latest").read_text().strip() == "step-00000006"
+
+
+def test_a_worker_is_never_sent_its_own_payload_back(tmp_path, two_workers):
+    """Each worker holds the payload it sent; the replay it gets carries only the others' (two workers:
+    one payload down per worker per round, as many bytes down as up)."""
+    trainer = train(_config(tmp_path, steps=5), two_workers)
+    records = read_metrics(tmp_path / "run")
+    for before, r in zip(records[1:], records[2:]):  # round k replays round k-1's payloads
+        assert 0.9 * before["bytes_up"] < r["bytes_down"] < 1.1 * before["bytes_up"] + 4096, (r["step"], r["bytes_down"], before["bytes_up"])
+    assert all(r["pushes"] == 0 for r in records[1:])
+    for w in two_workers:
+        (session,) = w.engine.sessions.values()
+        assert session.last_sent is not None and session.last_sent[0] == trainer.step - 1
+
+
+def test_a_worker_that_lost_its_own_payload_gets_the_state(tmp_path, two_workers):
+    def forget() -> None:
+        (session,) = two_workers[1].engine.sessions.values()
+        session.last_sent = None
+
+    trainer = Trainer(_config(tmp_path, steps=6), [w.client() for w in two_workers], progress=False)
+    records = steps_with_fault(trainer, forget)
+    assert [r["pushes"] for r in records] == [2, 0, 0, 1, 0, 0]  # NEEDS_STATE, one push, on course
+    assert all(r["successful_workers"] == 2 for r in records)
+    assert_in_step(trainer, two_workers[1])

@@ -197,8 +197,8 @@ def test_needs_state_until_the_state_is_pushed_again(worker: Worker, replica: Re
 
 def test_a_perturbed_worker_replica_needs_state(worker: Worker, replica: Replica) -> None:
     worker.client.push_state(state_of(replica))
-    with worker.engine._lock:
-        next(iter(worker.engine.sessions[RUN].replica.params.values())).data[0, 0] += 1.0
+    with worker.engine._lock, torch.no_grad():  # an in-place write, as any change of a parameter is
+        next(iter(worker.engine.sessions[RUN].replica.params.values()))[0, 0] += 1.0
     result = worker.client.run_round(make_order(replica, 0, 0))
     assert result.status == NEEDS_STATE and "fingerprint" in result.reason
     worker.client.push_state(state_of(replica))

@@ -65,3 +65,23 @@ def test_bad_payload_leaves_replica_untouched():
     with pytest.raises(PayloadError):
         r.apply(StateUpdate(0.1, (good, bad), (1.0, 1.0)))
     assert r.fingerprint() == before and r.version == 0
+
+
+def test_the_fingerprint_is_kept_until_a_parameter_is_written() -> None:
+    import torch
+
+    from gradwire.models import build_from_spec, model_spec
+    from gradwire.optim.outer import UpdateRule
+    from gradwire.replica import Replica
+
+    replica = Replica(build_from_spec(model_spec("gpt-tiny"), seed=0), UpdateRule())
+    first = replica.fingerprint()
+    assert replica.fingerprint() is first  # kept: nothing wrote
+    p = next(iter(replica.params.values()))
+    with torch.no_grad():
+        p[0, 0] += 1.0  # any in-place write, not only apply's
+    second = replica.fingerprint()
+    assert second is not first and second.sums[0] != first.sums[0]
+    with torch.no_grad():
+        p[0, 0] -= 1.0
+    assert replica.fingerprint().sums[0] == pytest.approx(first.sums[0])

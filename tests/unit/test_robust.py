@@ -166,3 +166,30 @@ def test_an_exact_rule_travels_in_the_replay_and_combines_in_float64(mode: str) 
     for k in SHAPES:
         assert exact[k].dtype == torch.float32
         torch.testing.assert_close(exact[k], plain[k], rtol=1e-5, atol=1e-6)
+
+
+def test_a_replay_can_leave_out_the_receivers_own_payload() -> None:
+    codec = GradientCodec(SHAPES, CodecConfig())
+    ps = tuple(payloads(codec, grads(3)))
+    update = StateUpdate(0.5, ps, (1.0, 2.0, 3.0), scales=(1.0, 0.5, 1.0))
+    for position in range(3):
+        short = update.without(position, round=7)
+        assert len(short.payloads) == 2 and short.own == (position, 7) and short.nbytes < update.nbytes
+        back = protocol.update_from_proto(protocol.update_to_proto(short))
+        assert back.own == (position, 7) and back.weights == update.weights and back.scales == update.scales
+        assert back.with_own(ps[position]) == update
+    with pytest.raises(ValueError, match="put it back first"):
+        from gradwire.replica import Replica  # noqa: F401 - the replica refuses a partial replay
+        from gradwire.models import build_from_spec, model_spec
+        from gradwire.optim.outer import UpdateRule
+
+        Replica(build_from_spec(model_spec("gpt-tiny")), UpdateRule()).apply(update.without(0, 1))
+    msg = protocol.update_to_proto(update.without(2, 7))
+    msg.replay.own_position = 4
+    with pytest.raises(protocol.ProtocolError, match="beyond"):
+        protocol.update_from_proto(msg)
+    msg.replay.own_position = 0  # then the weights count one sender too many
+    with pytest.raises(protocol.ProtocolError, match="weights"):
+        protocol.update_from_proto(msg)
+    with pytest.raises(ValueError, match="cannot leave out"):
+        update.without(3, 7)
