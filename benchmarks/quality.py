@@ -274,6 +274,10 @@ if __name__ == "__main__":
 #                      1e-3 / 90 / 1: 5.142 (3091x, kept) | H 15, 40 rounds, 1e-3 / 45 / 1: 5.220 (3060x)
 #   final default run (28.5 min): dense 4.8148 | demo 5.0549 (+4.99%, 183x) | diloco, inner 1e-3, 5.2728 (+9.5%)
 #                      | sparseloco 5.1418 (+6.79%, 3091x) | sparseloco-sign 5.1268 (+6.48%, 3332x)
+#   later (one method per run, --methods M --set ...): demo 1-bit sign values, top-48 (207x): 5.334 | demo 2-bit,
+#                      top-45 (204x): 5.242 | sparseloco H 60 / top-180 (3105x): 5.139 | H 20 / top-60: 5.206
+#                      | feedback beta 0.9: 5.172 | outer lr 1.5: 5.167 | no DCT: 5.265 | workers starting each round
+#                      from the replica minus their unsent error feedback (an experiment, not kept): 5.434
 # Targets not met at this size: demo stays ~5% and sparseloco ~7% above dense. Local SGD with two workers
 # here barely beats one worker alone (plain averaging 5.083 vs 5.125), and DiLoCo's outer Nesterov (0.7/0.9)
 # needs far more than 20 rounds; lower learning rates helped every method.
