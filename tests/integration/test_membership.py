@@ -100,7 +100,9 @@ def test_a_joiner_whose_state_push_stalls_holds_no_round(tmp_path: Path) -> None
             during = [trainer.train_step() for _ in range(3)]
             assert time.monotonic() - t0 < 2.5  # the 3 s push held none of them
             assert [r["successful_workers"] for r in during] == [1, 1, 1] and during[0]["pushes"] == 1
-            time.sleep(3.5)  # the push lands
+            deadline = time.monotonic() + 30
+            while trainer.rounds.joining and time.monotonic() < deadline:  # the push lands, 3 s on
+                time.sleep(0.01)
             after = [trainer.train_step() for _ in range(2)]
         finally:
             trainer.close()

@@ -96,7 +96,7 @@ def test_a_state_push_in_flight_can_be_cancelled() -> None:
     spec = model_spec("gpt-tiny")
     model = build_from_spec(spec)
     state = ModelState("run-1", 0, json.dumps(spec), {n: p.detach() for n, p in model.named_parameters()}, '{"optimizer": "signsgd"}')
-    with live_workers(1, faulty("stall-push", factor=2.0)) as (worker,):
+    with live_workers(1, faulty("stall-push", factor=4.0)) as (worker,):
         client = worker.client(timeout=30)
         errors: list[WorkerError] = []
 
@@ -112,7 +112,7 @@ def test_a_state_push_in_flight_can_be_cancelled() -> None:
         time.sleep(0.5)
         client.cancel()
         thread.join(10)
-        assert time.monotonic() - t0 < 1.8 and [e.code for e in errors] == [grpc.StatusCode.CANCELLED]
+        assert time.monotonic() - t0 < 3.0 and [e.code for e in errors] == [grpc.StatusCode.CANCELLED]
         # The worker itself finishes the push it sat on; let it, before another test shares this process
         # (building the model draws from torch's global generator, which the next run's seed would meet).
         deadline = time.monotonic() + 30
