@@ -167,9 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--workers", type=str, help="comma-separated worker addresses, host:port,host:port (in YAML also a list)")
     where.add_argument("--local", type=int, metavar="N", help="start N worker daemons on this machine and train with them")
     where.add_argument("--listen", metavar="[HOST:]PORT", help="let workers join: serve the Coordinator service on PORT (every interface unless HOST is given) for `worker serve --join`; training starts once --min-workers (at least one) have joined, and workers come and go as they announce themselves or go quiet")
-    where.add_argument("--listen-tls-cert", metavar="PEM", help="serve --listen with TLS, with this certificate (chain) and --listen-tls-key: workers then join with --join-tls-ca (a must when their token crosses an open network)")
-    where.add_argument("--listen-tls-key", metavar="PEM", help="the private key of --listen-tls-cert")
     where.add_argument("--workers-file", metavar="FILE", help="worker addresses in FILE (one per line or comma-separated, # comments), re-read before every round: workers added join after a state push, workers removed stop getting work")
+    # Besides --listen, not instead of it: outside the group above.
+    train.add_argument("--listen-tls-cert", metavar="PEM", help="serve --listen with TLS, with this certificate (chain) and --listen-tls-key: workers then join with --join-tls-ca (a must when their token crosses an open network)")
+    train.add_argument("--listen-tls-key", metavar="PEM", help="the private key of --listen-tls-cert")
     _add_config_flags(train)
     add_security_flags(train, side="coordinator")
     train.add_argument("--status-port", type=int, metavar="PORT", help="serve a live status page (/), its JSON (/api/status) and Prometheus metrics (/metrics) on PORT (0: any free port, printed); with a token, every path needs it")

@@ -308,9 +308,45 @@ def test_worker_serve_tunnel_trains_with_a_listening_coordinator(tmp_path: Path)
     assert f"{TUNNEL_PREFIX}gpu-box-behind-nat" in stderr
 
 
+@pytest.mark.slow
+def test_worker_serve_tunnel_over_tls_trains(tmp_path: Path) -> None:
+    """The flags end to end: `coordinator train --listen --listen-tls-cert/--listen-tls-key` and
+    `worker serve --join --join-tls-ca --tunnel`."""
+    ca = CertificateAuthority(tmp_path / "pki")
+    issued = ca.issue("coordinator", server=True)
+    listen, port = free_port(), free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "GRADWIRE_TOKEN": TOKEN}
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "gradwire.coordinator", "train", "--listen", f"127.0.0.1:{listen}", "--listen-tls-cert", str(issued.cert), "--listen-tls-key", str(issued.key),
+            "--model", "gpt-tiny", "--steps", "3", "--batch-size", "2", "--sequence-length", "32", "--output-dir", str(out), "--no-progress", "--checkpoint-every", "0"]
+    coordinator = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    os.environ["GRADWIRE_TOKEN"] = TOKEN
+    try:
+        worker = worker_process(port, "--join", f"127.0.0.1:{listen}", "--join-tls-ca", str(ca.files.cert), "--tunnel", "--advertise", "tls-box")
+        _, stderr = coordinator.communicate(timeout=240)
+        assert coordinator.returncode == 0, stderr[-3000:]
+    finally:
+        os.environ.pop("GRADWIRE_TOKEN", None)
+        if coordinator.poll() is None:
+            coordinator.kill()
+        worker.terminate()
+        worker.wait(30)
+    assert [r["successful_workers"] for r in read_metrics(out)] == [1, 1, 1]
+    assert f"{TUNNEL_PREFIX}tls-box" in stderr
+
+
 def test_tunnel_flags_are_checked(tmp_path: Path) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     run = subprocess.run([sys.executable, "-m", "gradwire.worker", "serve", "--port", "0", "--tunnel"], capture_output=True, text=True, env=env, timeout=60)
     assert run.returncode == 2 and "--tunnel needs --join" in run.stderr
     run = subprocess.run([sys.executable, "-m", "gradwire.worker", "serve", "--port", "0", "--join", "127.0.0.1:1", "--join-tls-ca", str(tmp_path / "missing.pem")], capture_output=True, text=True, env=env, timeout=60)
     assert run.returncode == 2 and "--join-tls-ca" in run.stderr
+
+
+def test_listen_tls_flags_are_checked(tmp_path: Path) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    base = [sys.executable, "-m", "gradwire.coordinator", "train", "--listen", "127.0.0.1:0", "--model", "gpt-tiny", "--steps", "1", "--output-dir", str(tmp_path / "run")]
+    run = subprocess.run([*base, "--listen-tls-cert", str(tmp_path / "missing.pem")], capture_output=True, text=True, env=env, timeout=60)
+    assert run.returncode == 2 and "--listen-tls-cert and --listen-tls-key go together" in run.stderr
+    run = subprocess.run([*base, "--listen-tls-cert", str(tmp_path / "missing.pem"), "--listen-tls-key", str(tmp_path / "missing.key")], capture_output=True, text=True, env=env, timeout=60)
+    assert run.returncode == 2 and "--listen-tls-" in run.stderr and "missing" in run.stderr
