@@ -283,18 +283,17 @@ def test_frames_for_calls_that_do_not_exist_are_ignored() -> None:
 # ------------------------------------------------------------------------------------------- the commands
 
 
-@pytest.mark.slow
-def test_worker_serve_tunnel_trains_with_a_listening_coordinator(tmp_path: Path) -> None:
-    """`worker serve --join --tunnel --advertise NAME`: NAME is no address at all, so the coordinator can
-    only have reached the worker through the tunnel."""
+def train_through_a_tunnel(out: Path, steps: int, coordinator_flags: list[str], worker_flags: list[str]) -> tuple[list[dict], str]:
+    """`coordinator train --listen` and one `worker serve --join ... --tunnel` process, both with the token;
+    the run's metrics and the coordinator's log."""
     listen, port = free_port(), free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "GRADWIRE_TOKEN": TOKEN}
-    out = tmp_path / "run"
-    argv = [sys.executable, "-m", "gradwire.coordinator", "train", "--listen", f"127.0.0.1:{listen}", "--model", "gpt-tiny", "--steps", "6", "--batch-size", "2", "--sequence-length", "32", "--output-dir", str(out), "--no-progress", "--checkpoint-every", "0"]
+    argv = [sys.executable, "-m", "gradwire.coordinator", "train", "--listen", f"127.0.0.1:{listen}", *coordinator_flags, "--model", "gpt-tiny", "--steps", str(steps),
+            "--batch-size", "2", "--sequence-length", "32", "--output-dir", str(out), "--no-progress", "--checkpoint-every", "0"]
     coordinator = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    os.environ["GRADWIRE_TOKEN"] = TOKEN
+    os.environ["GRADWIRE_TOKEN"] = TOKEN  # the worker's token, from its environment
     try:
-        worker = worker_process(port, "--join", f"127.0.0.1:{listen}", "--tunnel", "--advertise", "gpu-box-behind-nat")
+        worker = worker_process(port, "--join", f"127.0.0.1:{listen}", "--tunnel", *worker_flags)
         _, stderr = coordinator.communicate(timeout=240)
         assert coordinator.returncode == 0, stderr[-3000:]
     finally:
@@ -303,7 +302,14 @@ def test_worker_serve_tunnel_trains_with_a_listening_coordinator(tmp_path: Path)
             coordinator.kill()
         worker.terminate()
         worker.wait(30)
-    records = read_metrics(out)
+    return read_metrics(out), stderr
+
+
+@pytest.mark.slow
+def test_worker_serve_tunnel_trains_with_a_listening_coordinator(tmp_path: Path) -> None:
+    """`worker serve --join --tunnel --advertise NAME`: NAME is no address at all, so the coordinator can
+    only have reached the worker through the tunnel."""
+    records, stderr = train_through_a_tunnel(tmp_path / "run", 6, [], ["--advertise", "gpu-box-behind-nat"])
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6] and all(r["successful_workers"] == 1 for r in records)
     assert f"{TUNNEL_PREFIX}gpu-box-behind-nat" in stderr
 
@@ -314,24 +320,11 @@ def test_worker_serve_tunnel_over_tls_trains(tmp_path: Path) -> None:
     `worker serve --join --join-tls-ca --tunnel`."""
     ca = CertificateAuthority(tmp_path / "pki")
     issued = ca.issue("coordinator", server=True)
-    listen, port = free_port(), free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "GRADWIRE_TOKEN": TOKEN}
-    out = tmp_path / "run"
-    argv = [sys.executable, "-m", "gradwire.coordinator", "train", "--listen", f"127.0.0.1:{listen}", "--listen-tls-cert", str(issued.cert), "--listen-tls-key", str(issued.key),
-            "--model", "gpt-tiny", "--steps", "3", "--batch-size", "2", "--sequence-length", "32", "--output-dir", str(out), "--no-progress", "--checkpoint-every", "0"]
-    coordinator = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    os.environ["GRADWIRE_TOKEN"] = TOKEN
-    try:
-        worker = worker_process(port, "--join", f"127.0.0.1:{listen}", "--join-tls-ca", str(ca.files.cert), "--tunnel", "--advertise", "tls-box")
-        _, stderr = coordinator.communicate(timeout=240)
-        assert coordinator.returncode == 0, stderr[-3000:]
-    finally:
-        os.environ.pop("GRADWIRE_TOKEN", None)
-        if coordinator.poll() is None:
-            coordinator.kill()
-        worker.terminate()
-        worker.wait(30)
-    assert [r["successful_workers"] for r in read_metrics(out)] == [1, 1, 1]
+    records, stderr = train_through_a_tunnel(
+        tmp_path / "run", 3, ["--listen-tls-cert", str(issued.cert), "--listen-tls-key", str(issued.key)],
+        ["--join-tls-ca", str(ca.files.cert), "--advertise", "tls-box"],
+    )
+    assert [r["successful_workers"] for r in records] == [1, 1, 1]
     assert f"{TUNNEL_PREFIX}tls-box" in stderr
 
 
