@@ -52,3 +52,12 @@ def test_replay_precision_is_float64_only_across_device_kinds() -> None:
     assert replay_precision("auto", "cuda", ["cuda:1", "cuda:0"])[0] is False  # same kind, other index
     assert replay_precision("float64", "cpu", ["cpu"]) == (True, "--replay-precision float64")
     assert replay_precision("float32", "cpu", ["cuda"])[0] is False
+
+
+def test_first_pushes_block_only_when_nobody_else_can_work() -> None:
+    from gradwire.coordinator.decisions import decide_first_push
+
+    how, why = decide_first_push(2, 0)
+    assert how == "block" and "no other" in why  # the run's start: nothing to do but wait for the state
+    how, why = decide_first_push(1, 3)
+    assert how == "background" and "3 other" in why  # a joiner: the others train meanwhile
