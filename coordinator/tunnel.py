@@ -119,6 +119,7 @@ class TunnelLink:
         self.name = name
         self.closed = threading.Event()
         self.reason = ""
+        self.malformed = ""  # the worker sent a frame that does not parse: the tunnel ends INVALID_ARGUMENT
         self._out: queue.Queue[pb.TunnelFrame | None] = queue.Queue(maxsize=2 * QUEUED_MESSAGES)
         self._calls: dict[int, _Call] = {}
         self._ids = itertools.count(1)
@@ -181,6 +182,8 @@ class TunnelLink:
                 elif kind == "status":
                     call.deliver((status_code(frame.status.code), frame.status.details[:MAX_DETAILS_CHARS]))
                 # anything else is not the worker's to send on a call: ignored
+        except ValueError as e:  # gradwire.interceptors.RejectMalformed: a frame that does not parse
+            reason = self.malformed = str(e)[:MAX_DETAILS_CHARS]
         except grpc.RpcError as e:
             reason = f"{getattr(e, 'code', lambda: None)() or 'ended'}"
         except Exception as e:  # noqa: BLE001 - the reader must end by closing the link whatever happened
@@ -230,6 +233,8 @@ class Tunnels:
             hello = next(frames)
         except StopIteration:
             return
+        except ValueError as e:  # gradwire.interceptors.RejectMalformed: the first frame does not parse
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)[:MAX_DETAILS_CHARS])
         if hello.WhichOneof("kind") != "hello":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a tunnel starts with a hello frame")
         if hello.hello.protocol_version != PROTOCOL_VERSION:
@@ -255,6 +260,8 @@ class Tunnels:
             self.on_open(name)
         try:
             yield from link.outbound()
+            if link.malformed:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, link.malformed)
         finally:
             link.close(link.reason or "the call ended")
             with self._lock:

@@ -343,3 +343,34 @@ def test_listen_tls_flags_are_checked(tmp_path: Path) -> None:
     assert run.returncode == 2 and "--listen-tls-cert and --listen-tls-key go together" in run.stderr
     run = subprocess.run([*base, "--listen-tls-cert", str(tmp_path / "missing.pem"), "--listen-tls-key", str(tmp_path / "missing.key")], capture_output=True, text=True, env=env, timeout=60)
     assert run.returncode == 2 and "--listen-tls-" in run.stderr and "missing" in run.stderr
+
+
+def test_garbage_on_the_tunnel_never_gets_internal_and_the_coordinator_keeps_serving() -> None:
+    """Random bytes and random frames from a would-be worker (with the token): clear statuses, never
+    INTERNAL or UNKNOWN, and a real worker's tunnel works after them."""
+    import random
+
+    rng = random.Random(0)
+    hello = pb.TunnelFrame(hello=pb.TunnelHello(protocol_version=PROTOCOL_VERSION, name="fuzz")).SerializeToString()
+    kinds = [
+        lambda: bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64))),  # not a frame at all
+        lambda: pb.TunnelFrame(call=rng.randrange(2**64), message=rng.randbytes(rng.randrange(0, 2048))).SerializeToString(),
+        lambda: pb.TunnelFrame(call=rng.randrange(4), status=pb.TunnelStatus(code=rng.randrange(-5, 40), details="x" * rng.randrange(3000))).SerializeToString(),
+        lambda: pb.TunnelFrame(call=rng.randrange(4), open=pb.TunnelOpen(method="/x/y", timeout_seconds=rng.uniform(-1, 1e9))).SerializeToString(),
+        lambda: pb.TunnelFrame(hello=pb.TunnelHello(protocol_version=rng.randrange(10), name=rng.choice(["", "a b", "w" * 200, "ok"]))).SerializeToString(),
+    ]
+    codes = []
+    with coordinator_side() as (registry, tunnels, address), grpc.insecure_channel(address) as channel:
+        call = channel.stream_stream("/gradwire.v1.Coordinator/Tunnel", request_serializer=None, response_deserializer=None)
+        for _ in range(120):
+            frames = ([hello] if rng.random() < 0.5 else []) + [rng.choice(kinds)() for _ in range(rng.randrange(1, 6))]
+            try:
+                list(call(iter(frames), timeout=2, metadata=[("authorization", f"Bearer {TOKEN}")]))
+                codes.append(grpc.StatusCode.OK)
+            except grpc.RpcError as e:
+                codes.append(e.code())
+        assert grpc.StatusCode.INTERNAL not in codes and grpc.StatusCode.UNKNOWN not in codes, sorted({c.name for c in codes})
+        assert grpc.StatusCode.INVALID_ARGUMENT in codes
+        with tunnelled_worker(address):
+            wait_for(lambda: tunnels.get("box-behind-nat") is not None, what="the tunnel after the garbage")
+            assert client_through(tunnels, "box-behind-nat").describe().protocol_version == PROTOCOL_VERSION
