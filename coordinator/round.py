@@ -2,11 +2,12 @@
 
 ``RoundDispatcher.run`` pushes the full state to the workers that have never had it, sends every worker
 its order concurrently, and applies the pending update to the coordinator's own replica while they
-compute. A worker new to a running job gets the state *in the background* (``decisions.decide_first_push``):
-the rounds go on without it while the state travels (a snapshot: the replica moves on meanwhile), and it
-works from the first round after its push completes, catching up on the updates it missed by replay, so
-a joiner on a slow link, or one that stalls mid-push, holds no round. A worker whose version is not known (it failed or was cut off last round) gets an order as if it
-were in step; a BEHIND answer says which version it holds, and if the updates it missed are still in
+compute. A worker new to a running job gets the state *in the background* (``prepare``;
+``decisions.decide_first_push``): the rounds go on without it while the state travels (a snapshot: the
+replica moves on meanwhile), and it works from the first round after its push completes, catching up on
+the updates it missed by replay, so a joiner on a slow link, or one that stalls mid-push, holds no round.
+A worker whose version is not known (it failed or was cut off last round) gets an order as if it were in
+step; a BEHIND answer says which version it holds, and if the updates it missed are still in
 the replay window (and smaller than the state) it *catches up by replay*, else it gets the state pushed
 (``decisions.decide_sync``). It never raises for a worker's failure: each worker ends the round with a
 ``SlotOutcome``, a result or the error that spoiled its share.
@@ -83,6 +84,15 @@ class _Push:
     bytes_down: int = 0
 
 
+@dataclasses.dataclass
+class RoundPlan:
+    """Who works a round (``RoundDispatcher.prepare``), and the background pushes around it."""
+
+    slots: list[WorkerSlot]  # not those receiving the state in the background
+    started: int = 0  # background pushes started for this round
+    landed: dict[int, _Push] = dataclasses.field(default_factory=dict)  # background pushes done since the last
+
+
 class RoundDispatcher:
     def __init__(self, outer: OuterStrategy, pool: ThreadPoolExecutor, *, timeout: float, state_bytes: int = 0, quorum: int = 0, grace: Grace | None = None) -> None:
         self.outer = outer
@@ -92,36 +102,30 @@ class RoundDispatcher:
         self.quorum = quorum  # 0: wait for every worker
         self.grace = grace or Grace()
         self._joining: dict[int, Future[_Push]] = {}  # slot index -> its background push
-        self._landed_now: dict[int, _Push] = {}  # those that completed before this round (prepare -> run)
-        self._started = 0  # background pushes prepare started for this round
 
     @property
     def joining(self) -> list[int]:
         """The slots receiving the state in the background now."""
         return sorted(i for i, f in self._joining.items() if not f.done())
 
-    def prepare(self, slots: Sequence[WorkerSlot], step: int, make_state: MakeState) -> list[WorkerSlot]:
+    def prepare(self, slots: Sequence[WorkerSlot], step: int, make_state: MakeState) -> RoundPlan:
         """Which of ``slots`` work this round: not those receiving the state in the background. Starts the
         background pushes ``decisions.decide_first_push`` asks for (workers new to a running job)."""
-        self._landed_now = self._landed()  # background pushes that completed since the last round
+        landed = self._landed()
         slots = [s for s in slots if s.index not in self._joining]
         new = [s for s in slots if s.version is None and s.guess is None]  # never had the state
-        self._started = 0
-        if new:
-            how, why = decide_first_push(len(new), len(slots) - len(new))
-            if how == "background":
-                for slot in new:
-                    log.info("step %d: worker %d gets the state in the background: %s", step, slot.index, why)
-                    state = _snapshot(make_state(slot))  # now: apply_pending writes to the replica during the round
-                    self._joining[slot.index] = self.pool.submit(self._push, slot, lambda _slot, state=state: state)
-                self._started = len(new)
-                slots = [s for s in slots if s not in new]
-        return slots
+        how, why = decide_first_push(len(new), len(slots) - len(new)) if new else ("block", "")
+        if how == "background":
+            for slot in new:
+                log.info("step %d: worker %d gets the state in the background: %s", step, slot.index, why)
+                state = _snapshot(make_state(slot))  # now: apply_pending writes to the replica during the round
+                self._joining[slot.index] = self.pool.submit(self._push, slot, lambda _slot, state=state: state)
+            return RoundPlan([s for s in slots if s not in new], len(new), landed)
+        return RoundPlan(slots, 0, landed)
 
-    def run(self, slots: Sequence[WorkerSlot], step: int, make_order: MakeOrder, make_state: MakeState) -> RoundOutcome:
-        """The round of ``slots`` (as ``prepare`` returned them)."""
-        outer = self.outer
-        landed, self._landed_now = self._landed_now, {}
+    def run(self, plan: RoundPlan, step: int, make_order: MakeOrder, make_state: MakeState) -> RoundOutcome:
+        """The round of ``plan``'s slots."""
+        outer, slots = self.outer, plan.slots
         to_push = [s for s in slots if s.version is None and s.guess is None]  # never had the state: the run's start
         # Blocking pushes first, from a replica nothing is writing to; then the round and, alongside it,
         # our own copy of the pending update.
@@ -135,14 +139,13 @@ class RoundDispatcher:
             applied.set()  # never leave a worker's retry waiting, whatever happened here
         cut = self._close(futures, slots, step, time.monotonic(), cut_off)
         outcomes = [f.result() for f in futures]  # the cut-off ones return at once, cancelled
-        pushed.update(landed)
+        pushed.update(plan.landed)
         for o in outcomes:
             o.first_push_bytes = pushed[o.slot.index].bytes_down if o.slot.index in pushed else 0
             o.straggler = o.slot.index in cut and o.result is None
             if o.straggler:
                 o.error = f"cut off as a straggler ({o.error})"
-        pushes = len(to_push) + self._started + sum(o.pushes for o in outcomes)
-        self._started = 0
+        pushes = len(to_push) + plan.started + sum(o.pushes for o in outcomes)
         return RoundOutcome(outcomes, pushes, sum(p.bytes_down for p in pushed.values()), tuple(self.joining))
 
     def _landed(self) -> dict[int, _Push]:

@@ -250,16 +250,15 @@ class Trainer:
         if not slots:
             log.warning("step %d: every worker is benched; trying them all", step)
             slots = list(self.slots)
-        slots = self.rounds.prepare(slots, step, self._state_for)  # less those getting the state meanwhile
+        plan = self.rounds.prepare(slots, step, self._state_for)  # less those getting the state meanwhile
         # Rows by position among the round's workers: disjoint within a step. A stream lays each step out
         # by the workers' rows and goes on from where it was when they change: nothing skipped, nothing twice.
-        set_layout = getattr(self.data, "set_layout", None)
-        if set_layout is not None:
-            set_layout(step * self.config.inner_steps, [self.config.batch_size * slot.ranks for slot in slots])
-        batches = {slot.index: self.round_batch(step, position, slot.ranks) for position, slot in enumerate(slots)}
-        round_ = self.rounds.run(slots, step, make_order, self._state_for)
+        self.data.set_layout(step * self.config.inner_steps, [self.config.batch_size * slot.ranks for slot in plan.slots])
+        batches = {slot.index: self.round_batch(step, position, slot.ranks) for position, slot in enumerate(plan.slots)}
+        round_ = self.rounds.run(plan, step, make_order, self._state_for)
         t_gathered = time.perf_counter()
-        gathered = self._gather(round_, step, batches)
+        rule = self._aggregation_rule()
+        gathered = self._gather(round_, step, batches, rule)
         if gathered is None:
             self._report(round_, None)
             return None
@@ -267,7 +266,6 @@ class Trainer:
         ranks = sum(o.slot.ranks for o in gathered.outcomes)
         payloads = tuple(r.gradient for r in usable)
         weights = tuple(float(r.tokens) for r in usable)
-        rule = self._aggregation_rule()
         grad_norm = self.outer.step(aggregator, payloads, weights, lr, scales=scales if any(x < 1 for x in scales) else (), rule=rule)
         self._pending_senders = (step, [o.slot.index for o in gathered.outcomes])  # in payload order
         self.step += 1
@@ -352,7 +350,7 @@ class Trainer:
             return None
         return LocalSteps(cfg.inner_steps, cfg.inner_optimizer_config(), cfg.inner_lrs(step), cfg.clip_grad_norm)
 
-    def _gather(self, round_: RoundOutcome, step: int, batches: dict[int, np.ndarray]) -> Gathered | None:
+    def _gather(self, round_: RoundOutcome, step: int, batches: dict[int, np.ndarray], rule: AggregationRule) -> Gathered | None:
         """Check every result (its token count against the batch it was sent, its payload against the
         plan), clip the good ones to the round's median norm and combine them by ``--aggregate``; judge
         each worker's standing (``decisions.judge``). ``None`` when no contribution is usable."""
@@ -406,7 +404,7 @@ class Trainer:
         if not good:
             return None
         weights = [float(o.result.tokens) for o in good]
-        aggregator = robust.aggregate(self.outer.codec, decoded, weights, scales, self._aggregation_rule())
+        aggregator = robust.aggregate(self.outer.codec, decoded, weights, scales, rule)
         return Gathered(good, [o.result for o in good], aggregator, scales, rejected)
 
     def _record(self, round_: RoundOutcome, usable: list[RoundResult], ranks: int, grad_norm: float, lr: float, t0: float, t_gathered: float, t_done: float) -> dict:
@@ -495,7 +493,7 @@ class Trainer:
         meta = {
             "config": self.config.to_dict(), "version": self.replica.version, "total_tokens": self.total_tokens,
             "data_step": self.step, "workers": len(self.slots), "worker_keys": list(futures),
-            "data_layouts": [[first, start, list(rows)] for first, start, rows in getattr(self.data, "layouts", [])],
+            "data_layouts": [[first, start, list(rows)] for first, start, rows in self.data.layouts],
         }
         path = save_checkpoint(self.checkpoint_dir, self.step, tensors, meta)
         if self.config.keep_checkpoints:
@@ -522,7 +520,7 @@ class Trainer:
         self.total_tokens = int(meta.get("total_tokens", 0))
         torch.set_rng_state(tensors["rng"]["torch"])
         self._norms.extend(tensors.get("robust", {}).get("norms", torch.zeros(0)).tolist())
-        if meta.get("data_layouts") and hasattr(self.data, "restore_layouts"):
+        if meta.get("data_layouts"):
             self.data.restore_layouts(meta["data_layouts"])  # where the stream stood, worker by worker
         saved_keys = meta.get("worker_keys", [])
         for position, slot in enumerate(self.slots):

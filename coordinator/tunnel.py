@@ -28,7 +28,7 @@ from typing import Any
 import grpc
 
 from gradwire.protocol import PROTOCOL_VERSION
-from gradwire.tunnel import MAX_CALLS, MAX_DETAILS_CHARS, QUEUED_MESSAGES, TUNNEL_PREFIX, check_name, status_code
+from gradwire.tunnel import MAX_CALLS, MAX_DETAILS_CHARS, QUEUED_MESSAGES, TUNNEL_PREFIX, check_name, identity, put_while, status_code
 from gradwire.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -67,12 +67,7 @@ class _Call:
 
     def deliver(self, item: bytes | tuple[grpc.StatusCode, str]) -> None:
         """From the link's reader: wait (bounded by the call's life) for room in the inbox."""
-        while not self.ended.is_set():
-            try:
-                self.inbox.put(item, timeout=_POLL)
-                return
-            except queue.Full:
-                continue
+        put_while(self.inbox, item, lambda: not self.ended.is_set(), _POLL)
 
     def receive(self) -> bytes | None:
         """The next response message; ``None`` once the call ended OK; ``TunnelError`` otherwise."""
@@ -295,10 +290,6 @@ class Tunnels:
 # ------------------------------------------------------------------------------------------ channel
 
 
-def _identity(x: Any) -> Any:
-    return x
-
-
 class TunnelChannel(grpc.Channel):
     """A ``grpc.Channel`` to the worker behind the tunnel named ``name``: each call opens one through
     whichever tunnel that worker has open at the time (UNAVAILABLE while it has none)."""
@@ -308,7 +299,7 @@ class TunnelChannel(grpc.Channel):
         self._subscribed: list[Callable[[grpc.ChannelConnectivity], None]] = []
 
     def _multi(self, method: str, streams: bool, request_serializer: Callable | None, response_deserializer: Callable | None) -> _MultiCallable:
-        return _MultiCallable(self, method, streams, request_serializer or _identity, response_deserializer or _identity)
+        return _MultiCallable(self, method, streams, request_serializer or identity, response_deserializer or identity)
 
     def unary_unary(self, method: str, request_serializer: Callable | None = None, response_deserializer: Callable | None = None, _registered_method: bool = False) -> _MultiCallable:
         return self._multi(method, False, request_serializer, response_deserializer)

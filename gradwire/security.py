@@ -166,9 +166,10 @@ class ClientSecurity:
         if len(self.run_key) < 16:
             raise ValueError("the run key must be at least 16 bytes")
 
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        """What every call carries: the token, if any, and the run key."""
-        md = [(RUN_KEY_HEADER, self.run_key.hex())]
+    def metadata(self, run_key: bool = True) -> tuple[tuple[str, str], ...]:
+        """What every call carries: the token, if any, and the run key (not on calls that belong to no run,
+        as a worker's Join and Tunnel to a coordinator)."""
+        md = [(RUN_KEY_HEADER, self.run_key.hex())] if run_key else []
         if self.token is not None:
             md.append((AUTH_HEADER, BEARER + self.token))
         return tuple(md)

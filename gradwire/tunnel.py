@@ -8,7 +8,10 @@ the Worker service travels through tunnels with no edit here.
 
 from __future__ import annotations
 
+import queue
 import re
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -71,3 +74,19 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 def status_code(number: int) -> grpc.StatusCode:
     """The ``grpc.StatusCode`` of a number on the wire; UNKNOWN for one that is not a status code."""
     return _CODES.get(number, grpc.StatusCode.UNKNOWN)
+
+
+def identity(x: Any) -> Any:
+    """The (de)serializer of a call whose messages travel as the bytes they already are."""
+    return x
+
+
+def put_while(q: queue.Queue, item: Any, alive: Callable[[], bool], poll: float = 0.25) -> bool:
+    """Put ``item`` into the bounded ``q``, waiting for room as long as ``alive()``; whether it went in."""
+    while alive():
+        try:
+            q.put(item, timeout=poll)
+            return True
+        except queue.Full:
+            continue
+    return False

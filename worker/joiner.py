@@ -40,7 +40,7 @@ class Joiner:
     def __init__(self, coordinator: str, address: str, *, token: str | None = None, security: ClientSecurity | None = None, every: float = 5.0, timeout: float = 10.0) -> None:
         self.coordinator, self.address, self.every, self.timeout = coordinator, address, every, timeout
         security = security or ClientSecurity(token=token)  # ``security``: TLS to the coordinator too
-        self._metadata = [m for m in security.metadata() if m[0] != "gradwire-run-key"]
+        self._metadata = security.metadata(run_key=False)
         self._channel = security.channel(coordinator, grpc_options())
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self._stop = threading.Event()

@@ -23,7 +23,7 @@ import grpc
 from gradwire.protocol import PROTOCOL_VERSION
 from gradwire.security import ClientSecurity
 from gradwire.transport import grpc_options
-from gradwire.tunnel import MAX_CALLS, MAX_DETAILS_CHARS, METHODS, QUEUED_MESSAGES, TUNNEL_SECONDS, check_metadata, check_name
+from gradwire.tunnel import MAX_CALLS, MAX_DETAILS_CHARS, METHODS, QUEUED_MESSAGES, TUNNEL_SECONDS, check_metadata, check_name, identity, put_while
 from gradwire.v1 import coordinator_pb2 as pb
 from gradwire.v1 import coordinator_pb2_grpc
 
@@ -31,10 +31,6 @@ log = logging.getLogger(__name__)
 
 _END = object()  # no more requests on a call
 MAX_CALL_SECONDS = 7 * 24 * 3600.0
-
-
-def _identity(x: Any) -> Any:
-    return x
 
 
 class _LocalCall:
@@ -47,12 +43,7 @@ class _LocalCall:
         self._local: Any = None  # the local call (a future or a response iterator), for ``cancel``
 
     def put(self, item: Any) -> None:
-        while not self.cancelled.is_set():
-            try:
-                self.requests.put(item, timeout=0.25)
-                return
-            except queue.Full:
-                continue
+        put_while(self.requests, item, lambda: not self.cancelled.is_set())
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -60,8 +51,8 @@ class _LocalCall:
         if local is not None:
             local.cancel()
 
-    def _requests(self) -> Iterator[bytes]:
-        while not self.cancelled.is_set():
+    def _requests(self, deadline: float) -> Iterator[bytes]:
+        while not self.cancelled.is_set() and time.monotonic() < deadline:
             try:
                 item = self.requests.get(timeout=0.25)
             except queue.Empty:
@@ -74,15 +65,19 @@ class _LocalCall:
         streams_requests, streams_responses = METHODS[self.method]
         channel = self.relay.local_channel
         kind = ("unary_" if not streams_requests else "stream_") + ("stream" if streams_responses else "unary")
-        method = getattr(channel, kind)(self.method, request_serializer=_identity, response_deserializer=_identity)
+        method = getattr(channel, kind)(self.method, request_serializer=identity, response_deserializer=identity)
         deadline = time.monotonic() + self.timeout
         try:
             if streams_requests:
-                request: Any = self._requests()
+                request: Any = self._requests(deadline)
             else:
-                request = next(self._requests(), None)
+                request = next(self._requests(deadline), None)
                 if request is None:
-                    raise _Status(grpc.StatusCode.CANCELLED if self.cancelled.is_set() else grpc.StatusCode.INVALID_ARGUMENT, "no request message")
+                    if self.cancelled.is_set():
+                        raise _Status(grpc.StatusCode.CANCELLED, "cancelled")
+                    if time.monotonic() >= deadline:
+                        raise _Status(grpc.StatusCode.DEADLINE_EXCEEDED, "no request message before the deadline")
+                    raise _Status(grpc.StatusCode.INVALID_ARGUMENT, "the call ended without its request message")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise _Status(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded before the request arrived")
@@ -131,7 +126,7 @@ class TunnelRelay:
     def __init__(self, coordinator: str, name: str, local: str, *, security: ClientSecurity | None = None, every: float = 5.0) -> None:
         self.coordinator, self.name, self.every = coordinator, check_name(name), every
         security = security or ClientSecurity()
-        self._metadata = [m for m in security.metadata() if m[0] != "gradwire-run-key"]
+        self._metadata = security.metadata(run_key=False)
         self._channel = security.channel(coordinator, grpc_options())
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self.local_channel = grpc.insecure_channel(local, grpc_options())
@@ -142,7 +137,6 @@ class TunnelRelay:
         self._out: queue.Queue[pb.TunnelFrame] | None = None
         self._tunnel: Any = None
         self.opened = 0  # tunnels opened so far
-        self.connected = threading.Event()
         self._last_error = ""
 
     def start(self) -> TunnelRelay:
@@ -182,7 +176,6 @@ class TunnelRelay:
                 self._note(f"the tunnel to {self.coordinator} ended: {e.code().name}: {e.details()}")
         finally:
             ended.set()
-            self.connected.clear()
             self._out = None
             with self._lock:
                 calls = list(self._calls.values())
@@ -200,7 +193,6 @@ class TunnelRelay:
             if first:  # the hello is on its way: the tunnel is open as far as this end can tell
                 first = False
                 self.opened += 1
-                self.connected.set()
                 log.info("tunnel open to the coordinator at %s as %s", self.coordinator, self.name)
 
     def _note(self, error: str) -> None:

@@ -67,6 +67,15 @@ class TokenSource(Protocol):
 
     def val_batches(self, batch_size: int, seq_len: int, count: int) -> list[np.ndarray]: ...
 
+    # How a step's rows are laid out over the slots working it, from ``step`` on (a stream cuts them in
+    # order and must know; windows drawn at random need not), what a checkpoint keeps, and restoring it.
+    def set_layout(self, step: int, rows: Sequence[int]) -> None: ...
+
+    @property
+    def layouts(self) -> list[tuple[int, int, tuple[int, ...]]]: ...
+
+    def restore_layouts(self, layouts: Sequence[Sequence[Any]]) -> None: ...
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
@@ -279,6 +288,17 @@ class TokenStream:
         """``count`` validation batches (batch_size, seq_len + 1), the same on every call: windows evenly
         spaced over the validation split (they overlap when the split is small)."""
         return val_windows(self.val, batch_size, seq_len, count)
+
+    # Windows are drawn at random per (step, slot): no layout to follow or keep.
+    def set_layout(self, step: int, rows: Sequence[int]) -> None:
+        pass
+
+    @property
+    def layouts(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        return []
+
+    def restore_layouts(self, layouts: Sequence[Sequence[Any]]) -> None:
+        pass
 
 
 def _non_empty(ids: np.ndarray) -> np.ndarray:
