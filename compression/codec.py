@@ -28,6 +28,7 @@ from gradwire.compression.payload import (
     CompressedGradient,
     CompressedTensor,
     Encoding,
+    NonFiniteInput,
     PayloadError,
     ValueFormat,
 )
@@ -99,7 +100,8 @@ class GradientCodec:
         """Compress ``grads`` (every planned tensor, any float dtype, any device).
 
         With ``feedback``, compresses ``m = beta * m + g`` instead of ``g`` and keeps what was not sent
-        (including quantization error) in ``m`` for the next call.
+        (including quantization error) in ``m`` for the next call. A NaN or infinity raises
+        ``NonFiniteInput`` (the feedback has taken it in by then: reset it).
         """
         missing = [t.name for t in self.plan.tensors if t.name not in grads]
         if missing:
@@ -137,6 +139,12 @@ class GradientCodec:
         k = group.k
         _, idx = coeffs.abs().topk(k, dim=1, sorted=False)  # (B, k)
         vals = coeffs.gather(1, idx)  # (B, k)
+        # top-k ranks NaN and infinity first, and the DCT spreads one over its chunk: checking the kept
+        # values finds any in the group.
+        finite = vals.isfinite().all(dim=1)
+        if not bool(finite.all()):
+            row = int((~finite).nonzero()[0, 0])
+            raise NonFiniteInput(group.members[int(layout.row_member[row])].name)
         m = len(group.members)
         q = None
         sent = vals
@@ -184,6 +192,8 @@ class GradientCodec:
         }
 
     def _encode_dense(self, t: TensorPlan, values: torch.Tensor, update_feedback: bool) -> dict[str, CompressedTensor]:
+        if not bool(values.isfinite().all()):
+            raise NonFiniteInput(t.name)
         if t.value_format != ValueFormat.FLOAT32:
             seg = torch.zeros(values.numel(), dtype=torch.long, device=values.device)
             q = self._quantize(values, seg, 1)

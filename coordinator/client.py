@@ -39,7 +39,7 @@ class WorkerError(Exception):
     """A call to one worker failed; ``code`` is a ``grpc.StatusCode`` saying how.
 
     Besides the worker's own statuses: UNAVAILABLE (unreachable or not serving), DEADLINE_EXCEEDED
-    (straggler), FAILED_PRECONDITION (another protocol version), DATA_LOSS (a reply that does not parse).
+    (straggler), FAILED_PRECONDITION (another protocol version, or training diverged on that worker), DATA_LOSS (a reply that does not parse).
     """
 
     def __init__(self, address: str, code: grpc.StatusCode, details: str, message: str | None = None) -> None:

@@ -12,7 +12,6 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-import grpc
 from google.protobuf.message import Message
 
 from gradwire import protocol
@@ -20,8 +19,8 @@ from gradwire.coordinator.client import WorkerError
 from gradwire.protocol import ModelState, RoundResult, WorkerInfo, WorkerState, WorkOrder
 from gradwire.replica import Fingerprint
 from gradwire.v1 import worker_pb2 as pb
-from gradwire.worker.compute import Cancelled
 from gradwire.worker.engine import WorkerEngine
+from gradwire.worker.servicer import status_for
 
 T = TypeVar("T")
 
@@ -53,8 +52,11 @@ class InProcessClient:
         self._cancelled.clear()
         try:
             result = self.engine.run_round(protocol.order_from_proto(_wire(down, pb.WorkOrder)), cancelled=self._cancelled.is_set)
-        except Cancelled as e:
-            raise WorkerError(self.address, grpc.StatusCode.CANCELLED, str(e)) from None
+        except Exception as e:
+            status = status_for(e)  # as the servicer answers it; a bug (None) surfaces here as itself
+            if status is None:
+                raise
+            raise WorkerError(self.address, *status) from None
         up = protocol.result_to_proto(result)
         self.last_bytes_down, self.last_bytes_up = down.ByteSize(), up.ByteSize()
         return protocol.result_from_proto(_wire(up, pb.RoundResult))

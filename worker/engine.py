@@ -34,6 +34,7 @@ from google.protobuf.message import Message
 
 import gradwire
 from gradwire import protocol
+from gradwire.compression import NonFiniteInput
 from gradwire.protocol import (
     BEHIND,
     NEEDS_STATE,
@@ -286,7 +287,11 @@ class WorkerEngine:
             return RoundResult(OK, order.round, "", None, contribution.loss, contribution.tokens, replica.version)
         # 4. encode: error feedback and the codec.
         session.feedback.beta = order.feedback_beta
-        payload = replica.codec(order.codec).compress(contribution.tensors, session.feedback)
+        try:
+            payload = replica.codec(order.codec).compress(contribution.tensors, session.feedback)
+        except NonFiniteInput:
+            session.diverged()  # the NaN is in the error feedback (and inner state) now: drop them
+            raise
         session.last_sent = (order.round, payload)  # the coordinator leaves it out of the replay it sends back
         t_done = time.perf_counter()
         # The next round's check needs this replica's fingerprint: take it while the result travels and the

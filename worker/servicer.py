@@ -25,6 +25,7 @@ from typing import NoReturn
 import grpc
 
 from gradwire import protocol
+from gradwire.compression import NonFiniteInput
 from gradwire.protocol import PROTOCOL_VERSION
 from gradwire.security import caller
 from gradwire.transport import DEFAULT_MESSAGE_MB
@@ -112,18 +113,31 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 MAX_DETAILS = 1000  # an error's text travels as call metadata: keep it well under grpc's limits
 
 
+def status_for(e: Exception) -> tuple[grpc.StatusCode, str] | None:
+    """The status a failed call ends with, and its text; ``None`` for a bug (INTERNAL). Pure."""
+    text = str(e) if len(str(e)) <= MAX_DETAILS else str(e)[:MAX_DETAILS] + "..."
+    if isinstance(e, Cancelled):
+        return grpc.StatusCode.CANCELLED, text
+    if isinstance(e, AccessDenied):
+        return grpc.StatusCode.PERMISSION_DENIED, text
+    if isinstance(e, ValueError):  # the request itself is wrong
+        return grpc.StatusCode.INVALID_ARGUMENT, text
+    if isinstance(e, NonFiniteInput):  # a sound request, but the run has diverged on this worker
+        return grpc.StatusCode.FAILED_PRECONDITION, text
+    return None
+
+
 def _fail(context: grpc.ServicerContext, method: str, e: Exception) -> NoReturn:
     """End the call with the status ``e`` deserves (``context.abort`` raises)."""
-    text = str(e) if len(str(e)) <= MAX_DETAILS else str(e)[:MAX_DETAILS] + "..."
-    if isinstance(e, Cancelled) or not context.is_active():
+    status = status_for(e)
+    text = status[1] if status is not None else str(e)[:MAX_DETAILS]
+    if (status is not None and status[0] == grpc.StatusCode.CANCELLED) or not context.is_active():
         # Reading a cancelled call's request stream raises a bare RpcError; nobody is listening anyway.
         log.info("%s from %s ended early: %s", method, context.peer(), text or type(e).__name__)
         context.abort(grpc.StatusCode.CANCELLED, f"{method} cancelled: {text}")
-    if isinstance(e, AccessDenied):
-        log.warning("%s from %s refused: %s", method, context.peer(), text)
-        context.abort(grpc.StatusCode.PERMISSION_DENIED, text)
-    if isinstance(e, ValueError):
-        log.warning("%s from %s rejected: %s", method, context.peer(), text)
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, text)
+    if status is not None:
+        code, text = status
+        log.warning("%s from %s %s: %s", method, context.peer(), "refused" if code == grpc.StatusCode.PERMISSION_DENIED else "rejected" if code == grpc.StatusCode.INVALID_ARGUMENT else "failed", text)
+        context.abort(code, text)
     log.exception("%s from %s failed", method, context.peer())
     context.abort(grpc.StatusCode.INTERNAL, f"{method} failed on the worker: {type(e).__name__}: {text} (see the worker's log)")

@@ -79,6 +79,14 @@ class Session:
         if inner:
             self._inner_restore = previous.inner_state()
 
+    def diverged(self) -> None:
+        """Training produced a NaN or infinity: forget the error feedback and the inner optimizer state that
+        took it in (the replica itself only moves by validated updates, so it stays sound)."""
+        log.warning("run %r: training diverged on this worker; its error feedback and inner optimizer state are reset", self.run_id)
+        self.feedback.reset()
+        self._inner = self._inner_config = None
+        self._inner_restore = {}
+
     def working_model(self) -> torch.nn.Module:
         """The model local steps train: a copy of the replica at its current version."""
         if self._working is None:

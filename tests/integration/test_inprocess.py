@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import grpc
+import numpy as np
+import pytest
 import torch
+
+from gradwire.compression import CodecConfig, NonFiniteInput
+from gradwire.coordinator.client import WorkerError
 
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.inprocess import in_process_clients
 from gradwire.coordinator.metrics import read_metrics
+from gradwire.protocol import ProtocolError, WorkOrder
+from gradwire.replica import Fingerprint
+from gradwire.worker.compute import Cancelled
 
 from .conftest import live_workers, run_trainer
 
@@ -22,3 +31,19 @@ def test_in_process_workers_train_exactly_as_served_ones(tmp_path):
     assert [(r["bytes_up"], r["bytes_down"]) for r in a] == [(r["bytes_up"], r["bytes_down"]) for r in b]
     for (name, p), (_, q) in zip(served.model.named_parameters(), simulated.model.named_parameters()):
         assert torch.equal(p, q), name
+
+
+def test_in_process_failures_surface_as_the_served_statuses(monkeypatch):
+    """What the servicer would answer (worker.servicer.status_for), a bug as itself."""
+    client = in_process_clients(1)[0]
+    for error, code in ((NonFiniteInput("w"), grpc.StatusCode.FAILED_PRECONDITION), (ProtocolError("bad order"), grpc.StatusCode.INVALID_ARGUMENT), (Cancelled("stop"), grpc.StatusCode.CANCELLED)):
+        monkeypatch.setattr(client.engine, "run_round", lambda *a, error=error, **k: (_ for _ in ()).throw(error))
+        with pytest.raises(WorkerError) as info:
+            client.run_round(ORDER)
+        assert info.value.code == code and str(error) in info.value.details
+    monkeypatch.setattr(client.engine, "run_round", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        client.run_round(ORDER)
+
+
+ORDER = WorkOrder("r", 0, 0, np.zeros((1, 3), np.uint16), CodecConfig(), Fingerprint((), (), ()))

@@ -38,6 +38,8 @@ from gradwire.transport import free_port
 from gradwire.v1 import worker_pb2 as pb
 from gradwire.v1 import worker_pb2_grpc
 from gradwire.worker import cli
+from gradwire.models import lm_loss as real_lm_loss
+from gradwire.worker import compute as compute_module
 from gradwire.worker.compute import Cancelled
 from gradwire.worker.engine import WorkerEngine
 from gradwire.worker.server import make_server
@@ -338,6 +340,22 @@ def test_fetch_worker_state_of_an_unknown_run_is_invalid(worker: Worker) -> None
     with pytest.raises(WorkerError) as info:
         worker.client.fetch_worker_state("nope")
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "no replica" in info.value.details
+
+
+def test_a_diverged_round_fails_precondition_resets_the_feedback_and_the_server_carries_on(worker: Worker, replica: Replica, monkeypatch: pytest.MonkeyPatch) -> None:
+    worker.client.push_state(state_of(replica))
+    first = assert_round_ok(worker, replica, round=0)  # leaves error feedback behind
+    assert worker.engine.sessions[RUN].feedback.buffers
+    # The worker's loss turns NaN (a run whose learning rate is too high): so does every gradient.
+    monkeypatch.setattr(compute_module, "lm_loss", lambda model, tokens: real_lm_loss(model, tokens) * math.nan)
+    with pytest.raises(WorkerError) as info:
+        worker.client.run_round(make_order(replica, 1, replica.version))
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION and "diverged" in info.value.details, info.value
+    assert worker.engine.sessions[RUN].feedback.buffers == {}  # the NaN it took in is gone
+    monkeypatch.undo()
+    # The replica never moved: the next round at the same version serves, with fresh feedback.
+    again = assert_round_ok(worker, replica, round=0)
+    assert again.gradient == first.gradient  # the same batch, no feedback either time
 
 
 def test_an_engine_bug_is_internal_and_the_server_carries_on(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from gradwire.compression import CodecConfig, ErrorFeedback, GradientCodec
+from gradwire.compression import CodecConfig, ErrorFeedback, GradientCodec, NonFiniteInput
 from gradwire.compression.aggregate import Aggregator
 from gradwire.compression.dct import dct_chunks, idct_chunks
 
@@ -195,3 +195,15 @@ def test_sparse_inverse_dct_equals_the_dense_path(senders):
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=1e-5)
     assert sparse.norm() == pytest.approx(dense.norm(), rel=1e-5)
     assert sparse.norm() == pytest.approx(float(_cat(a).norm()), rel=1e-4)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("name", ["w", "odd", "norm", "bias", "mid"])  # chunked 2-D, n-D, 1-D; dense raw and coded
+def test_a_non_finite_gradient_is_refused_naming_its_tensor(bad, name):
+    codec = GradientCodec(SHAPES, CodecConfig())
+    grads = _grads(7)
+    grads[name].view(-1)[grads[name].numel() // 2] = bad
+    with pytest.raises(NonFiniteInput, match="diverged") as info:
+        codec.compress(grads, ErrorFeedback(0.9))
+    assert info.value.tensor == name
+    codec.compress(_grads(8), ErrorFeedback(0.9))  # the codec itself is unharmed
