@@ -278,6 +278,9 @@ if __name__ == "__main__":
 #                      top-45 (204x): 5.242 | sparseloco H 60 / top-180 (3105x): 5.139 | H 20 / top-60: 5.206
 #                      | feedback beta 0.9: 5.172 | outer lr 1.5: 5.167 | no DCT: 5.265 | workers starting each round
 #                      from the replica minus their unsent error feedback (an experiment, not kept): 5.434
+#                      | demo signsgd lr 3e-3: 5.262 | demo with outer adamw (lr 7e-4, feedback 0.999 or 1.0; its
+#                      steps travel as compressed deltas): diverged to NaN within 110 steps (found that a NaN
+#                      gradient crashed the codec with an IndexError; it now fails the round, "diverged")
 # Targets not met at this size: demo stays ~5% and sparseloco ~7% above dense. Local SGD with two workers
 # here barely beats one worker alone (plain averaging 5.083 vs 5.125), and DiLoCo's outer Nesterov (0.7/0.9)
 # needs far more than 20 rounds; lower learning rates helped every method.

@@ -1,10 +1,12 @@
 """How much faster than plain DDP, over a slow link, at what loss? (root needed)
 
-    sudo python -m benchmarks.wan --json                                # gpt-10m, 2 workers, 100 Mbit/s
+    sudo python -m benchmarks.wan --json                                # gpt-10m, 2 workers, 100 Mbit/s, 25 ms
+    sudo python -m benchmarks.wan --latency 0 --json                    # no added latency (a plain bridge)
     sudo python -m benchmarks.wan --model gpt-tiny --steps 6 --json     # a quick look
 
-Makes test hosts in network namespaces on one bridge (``benchmarks.netns``), every link shaped to
-``--bandwidth`` with a token bucket, and on the same hosts, with the same model, batch and tokens, runs:
+Makes test hosts in network namespaces (``benchmarks.netns``), every link shaped to ``--bandwidth`` with a
+token bucket and every packet delayed by ``--latency`` one way (in user space, ``benchmarks.wire``: this
+kernel has no ``netem``), and on the same hosts, with the same model, batch and tokens, runs:
 
 * ``ddp``: torch DistributedDataParallel over gloo, one rank per worker host (``benchmarks.ddp_rank``);
 * ``ddp-powersgd``: the same with PowerSGD (rank 4) compressing the all-reduce;
@@ -13,8 +15,7 @@ Makes test hosts in network namespaces on one bridge (``benchmarks.netns``), eve
 
 For each: step time (median), the part of it that is not compute, bytes on the wire per step (the hosts'
 kernel interface counters, summed over hosts, divided by steps - not estimated), tokens/s, held-out loss
-after equal tokens. Exits with a clear message, status 0, where namespaces cannot be made. (The kernel
-here has no ``netem``: links are bandwidth-limited, latency is the bridge's.)
+after equal tokens. Exits with a clear message, status 0, where namespaces cannot be made.
 """
 
 from __future__ import annotations
@@ -100,9 +101,22 @@ def run_gradwire(lab: Lab, args: argparse.Namespace, inner_steps: int) -> dict:
     }
 
 
+def parse_latency(text: str) -> float:
+    """``25ms``, ``0.1s`` or a bare number of milliseconds -> seconds."""
+    t = text.strip().lower()
+    try:
+        seconds = float(t[:-2]) / 1e3 if t.endswith("ms") else float(t[:-1]) if t.endswith("s") else float(t) / 1e3
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a latency: {text!r} (e.g. 25ms)") from None
+    if not 0 <= seconds <= 10:
+        raise argparse.ArgumentTypeError(f"latency must be in [0, 10 s], got {text!r}")
+    return seconds
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--bandwidth", default="100mbit")
+    parser.add_argument("--latency", type=parse_latency, default=0.025, help="one-way delay between hosts (default 25ms; 0: none, a plain bridge)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--model", default="gpt-10m")
     parser.add_argument("--steps", type=int, default=30, help="training steps per method (local SGD: in rounds of --inner-steps)")
@@ -121,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     results: dict[str, dict] = {}
     t0 = time.monotonic()
-    with Lab(args.workers + 1, bandwidth=args.bandwidth) as lab:
+    with Lab(args.workers + 1, bandwidth=args.bandwidth, latency=args.latency or None) as lab:
         for method in args.methods.split(","):
             if method == "ddp":
                 results[method] = run_ddp(lab, args, "none")
@@ -140,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             r["non_compute_vs_ddp"] = ddp["non_compute_time"] / r["non_compute_time"] if r["non_compute_time"] > 0.01 * r["step_time"] else None
             r["bytes_vs_ddp"] = ddp["bytes_per_step"] / max(r["bytes_per_step"], 1.0)
             r["loss_vs_ddp"] = r["eval_loss"] / ddp["eval_loss"]
-    out = {"bandwidth": args.bandwidth, "workers": args.workers, "model": args.model, "steps": args.steps, "seconds": round(time.monotonic() - t0, 1), "methods": results}
+    out = {"bandwidth": args.bandwidth, "latency_ms": args.latency * 1e3, "workers": args.workers, "model": args.model, "steps": args.steps, "seconds": round(time.monotonic() - t0, 1), "methods": results}
     print(json.dumps(out, indent=None if args.json else 2))
     return 0
 
