@@ -31,6 +31,7 @@ import tempfile
 import time
 
 from benchmarks.netns import Lab, root_available
+from benchmarks.wire import tun_available
 
 MASTER_PORT = 29517
 WORKER_PORT = 50051
@@ -128,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     ok, why = root_available()
+    if ok and args.latency:
+        ok, why = tun_available()
+        why = f"{why}; --latency 0 runs without added latency" if not ok else why
     if not ok:
         print(json.dumps({"skipped": f"benchmarks.wan needs network namespaces: {why}"}))
         return 0

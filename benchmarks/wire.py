@@ -30,6 +30,15 @@ MTU = 16384
 MAX_PACKET = 65536
 
 
+def tun_available() -> tuple[bool, str]:
+    """Whether TUN interfaces can be made here, and if not why."""
+    if not os.path.exists("/dev/net/tun"):
+        return False, "/dev/net/tun is missing (the tun kernel module)"
+    if not os.access("/dev/net/tun", os.R_OK | os.W_OK):
+        return False, "/dev/net/tun is not readable and writable"
+    return True, ""
+
+
 def open_tun(name: str) -> int:
     """A new TUN interface ``name`` (IP packets, no extra header), non-blocking; its file descriptor."""
     fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from benchmarks.netns import Lab, root_available
+from benchmarks.wire import tun_available
 
 OK, WHY = root_available()
 pytestmark = pytest.mark.skipif(not OK, reason=WHY)
@@ -107,6 +108,7 @@ def test_a_failed_setup_leaves_nothing_behind() -> None:
     assert "gwt3h" not in namespaces()
 
 
+@pytest.mark.skipif(not tun_available()[0], reason=tun_available()[1])
 def test_latency_in_user_space_delays_every_packet_and_keeps_the_shaping_and_counters() -> None:
     with Lab(2, bandwidth="16mbit", latency=0.04, tag="gwt4") as lab:
         assert "gwt4h1" in namespaces()

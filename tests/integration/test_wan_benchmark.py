@@ -11,6 +11,7 @@ import pytest
 
 from benchmarks import wan
 from benchmarks.netns import root_available
+from benchmarks.wire import tun_available
 
 OK, WHY = root_available()
 
@@ -18,7 +19,8 @@ OK, WHY = root_available()
 @pytest.mark.slow
 @pytest.mark.skipif(not OK, reason=WHY)
 def test_every_method_runs_over_the_shaped_links(capsys: pytest.CaptureFixture) -> None:
-    assert wan.main(["--model", "gpt-tiny", "--steps", "4", "--inner-steps", "2", "--batch-size", "2", "--seq-len", "32", "--bandwidth", "50mbit", "--json"]) == 0
+    latency = "25ms" if tun_available()[0] else "0"  # user-space latency needs TUN interfaces
+    assert wan.main(["--model", "gpt-tiny", "--steps", "4", "--inner-steps", "2", "--batch-size", "2", "--seq-len", "32", "--bandwidth", "50mbit", "--latency", latency, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     methods = result["methods"]
     assert set(methods) == {"ddp", "ddp-powersgd", "gradwire", "gradwire-local"}
@@ -32,3 +34,11 @@ def test_without_namespaces_it_says_why_and_exits_0(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(wan, "root_available", lambda: (False, "network namespaces need root"))
     assert wan.main(["--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {"skipped": "benchmarks.wan needs network namespaces: network namespaces need root"}
+
+
+def test_latency_without_tun_interfaces_says_why_and_exits_0(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(wan, "root_available", lambda: (True, ""))
+    monkeypatch.setattr(wan, "tun_available", lambda: (False, "/dev/net/tun is missing (the tun kernel module)"))
+    assert wan.main(["--latency", "10ms", "--json"]) == 0
+    skipped = json.loads(capsys.readouterr().out)["skipped"]
+    assert "/dev/net/tun is missing" in skipped and "--latency 0" in skipped
