@@ -3,6 +3,7 @@
     sudo python -m benchmarks.wan --json                                # gpt-10m, 2 workers, 100 Mbit/s, 25 ms
     sudo python -m benchmarks.wan --latency 0 --json                    # no added latency (a plain bridge)
     sudo python -m benchmarks.wan --model gpt-tiny --steps 6 --json     # a quick look
+    sudo python -m benchmarks.wan --methods gradwire --target-chunk 32 --topk 8 --json   # another codec setting
 
 Makes test hosts in network namespaces (``benchmarks.netns``), every link shaped to ``--bandwidth`` with a
 token bucket and every packet delayed by ``--latency`` one way (in user space, ``benchmarks.wire``: this
@@ -73,7 +74,8 @@ def run_gradwire(lab: Lab, args: argparse.Namespace, inner_steps: int) -> dict:
         with tempfile.TemporaryDirectory() as out:
             addresses = ",".join(f"{lab.hosts[1 + r].address}:{WORKER_PORT}" for r in range(workers))
             argv = [sys.executable, "-m", "benchmarks.wan_coordinator", "--workers", addresses, "--model", args.model, "--rounds", str(rounds),
-                    "--inner-steps", str(inner_steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--output-dir", out]
+                    "--inner-steps", str(inner_steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--output-dir", out,
+                    "--target-chunk", str(args.target_chunk), *(["--topk", str(args.topk)] if args.topk else [])]
             before = total_bytes(lab)
             coordinator = lab.popen(0, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
             line = coordinator.stdout.readline()  # the run is over, nothing else sent yet
@@ -126,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--timeout", type=float, default=1200.0)
     parser.add_argument("--methods", default="ddp,ddp-powersgd,gradwire,gradwire-local")
+    parser.add_argument("--target-chunk", type=int, default=64, help="gradwire's codec chunk edge (as coordinator train's --target-chunk)")
+    parser.add_argument("--topk", type=int, default=None, help="gradwire's coefficients per chunk (default: the mode's)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     ok, why = root_available()
@@ -158,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             r["non_compute_vs_ddp"] = ddp["non_compute_time"] / r["non_compute_time"] if r["non_compute_time"] > 0.01 * r["step_time"] else None
             r["bytes_vs_ddp"] = ddp["bytes_per_step"] / max(r["bytes_per_step"], 1.0)
             r["loss_vs_ddp"] = r["eval_loss"] / ddp["eval_loss"]
-    out = {"bandwidth": args.bandwidth, "latency_ms": args.latency * 1e3, "workers": args.workers, "model": args.model, "steps": args.steps, "seconds": round(time.monotonic() - t0, 1), "methods": results}
+    out = {"bandwidth": args.bandwidth, "latency_ms": args.latency * 1e3, "target_chunk": args.target_chunk, "topk": args.topk, "workers": args.workers, "model": args.model, "steps": args.steps, "seconds": round(time.monotonic() - t0, 1), "methods": results}
     print(json.dumps(out, indent=None if args.json else 2))
     return 0
 
