@@ -75,7 +75,7 @@ def run_gradwire(lab: Lab, args: argparse.Namespace, inner_steps: int) -> dict:
             addresses = ",".join(f"{lab.hosts[1 + r].address}:{WORKER_PORT}" for r in range(workers))
             argv = [sys.executable, "-m", "benchmarks.wan_coordinator", "--workers", addresses, "--model", args.model, "--rounds", str(rounds),
                     "--inner-steps", str(inner_steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--output-dir", out,
-                    "--target-chunk", str(args.target_chunk), *(["--topk", str(args.topk)] if args.topk else [])]
+                    *(["--target-chunk", str(args.target_chunk)] if args.target_chunk else []), *(["--topk", str(args.topk)] if args.topk else [])]
             before = total_bytes(lab)
             coordinator = lab.popen(0, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
             line = coordinator.stdout.readline()  # the run is over, nothing else sent yet
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--timeout", type=float, default=1200.0)
     parser.add_argument("--methods", default="ddp,ddp-powersgd,gradwire,gradwire-local")
-    parser.add_argument("--target-chunk", type=int, default=64, help="gradwire's codec chunk edge (as coordinator train's --target-chunk)")
+    parser.add_argument("--target-chunk", type=int, default=None, help="gradwire's codec chunk edge (default: the mode's, as coordinator train)")
     parser.add_argument("--topk", type=int, default=None, help="gradwire's coefficients per chunk (default: the mode's)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)

@@ -29,8 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--output-dir", required=True)
-    parser.add_argument("--target-chunk", type=int, default=64)
-    parser.add_argument("--topk", type=int, default=None, help="default: the mode's (coordinator train's)")
+    parser.add_argument("--target-chunk", type=int, default=None, help="default: the mode's (as coordinator train)")
+    parser.add_argument("--topk", type=int, default=None, help="default: the mode's (as coordinator train)")
     args = parser.parse_args(argv)
     config = TrainConfig(model=args.model, steps=args.rounds, batch_size=args.batch_size, sequence_length=args.seq_len, inner_steps=args.inner_steps, output_dir=args.output_dir, overwrite=True,
                          target_chunk=args.target_chunk, topk=args.topk)
