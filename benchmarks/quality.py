@@ -286,6 +286,8 @@ if __name__ == "__main__":
 #   chunk edge at the same density (--set M.target_chunk=C --set M.topk=K): demo 64/32 5.055 | 32/8 5.074 |
 #                      16/2 5.008 (kept: gradient mode's default now; lr 1.5e-3 5.064, 2.5e-3 5.040 at 16/2)
 #                      | sparseloco 64/90 5.142 (kept) | 32/23 5.154 (3023x) | 16/5 5.274 (3468x)
+#   full default run after that (23 min): dense 4.8153 | demo 5.0075 (+3.99%, 182x) | diloco 5.2327 | sparseloco
+#                      5.1554 (+7.06%, 3091x) | sparseloco-sign 5.1324 (+6.59%, 3332x)
 # Targets not met at this size: demo stays ~5% and sparseloco ~7% above dense. Local SGD with two workers
 # here barely beats one worker alone (plain averaging 5.083 vs 5.125), and DiLoCo's outer Nesterov (0.7/0.9)
 # needs far more than 20 rounds; lower learning rates helped every method.
