@@ -284,7 +284,8 @@ if __name__ == "__main__":
 #                      steps travel as compressed deltas): diverged to NaN within 110 steps (found that a NaN
 #                      gradient crashed the codec with an IndexError; it now fails the round, "diverged")
 #   chunk edge at the same density (--set M.target_chunk=C --set M.topk=K): demo 64/32 5.055 | 32/8 5.074 |
-#                      16/2 5.008 (kept: gradient mode's default now; lr 1.5e-3 5.064, 2.5e-3 5.040 at 16/2)
+#                      16/2 5.008 (kept: gradient mode's default now; at 16/2: lr 1.5e-3 5.064, 2.5e-3 5.040,
+#                      cosine to 0 instead of 0.1 5.013)
 #                      | sparseloco 64/90 5.142 (kept) | 32/23 5.154 (3023x) | 16/5 5.274 (3468x)
 #   full default run after that (23 min): dense 4.8153 | demo 5.0075 (+3.99%, 182x) | diloco 5.2327 | sparseloco
 #                      5.1554 (+7.06%, 3091x) | sparseloco-sign 5.1324 (+6.59%, 3332x)
