@@ -28,7 +28,7 @@ DENSE_CODEC = CodecConfig(min_sparse_numel=2**62, bins=0)
 AUTO_FIELDS = ("outer_optimizer", "learning_rate", "momentum", "feedback_beta", "bins", "target_chunk", "topk", "inner_momentum")
 
 
-def mode_defaults(*, inner_steps: int, no_compression: bool, outer_optimizer: str | None, inner_optimizer: str, target_chunk: int | None = None, topk: int | None = None) -> dict[str, object]:
+def mode_defaults(*, inner_steps: int, no_compression: bool, outer_optimizer: str | None, inner_optimizer: str, target_chunk: int | None = None) -> dict[str, object]:
     """The defaults of the mode-dependent settings, with the outer optimizer already chosen or not.
 
     Gradient mode keeps DeMo's recipe: sign-SGD at 1e-3 on gradients that error feedback (beta 0.999)
@@ -49,7 +49,7 @@ def mode_defaults(*, inner_steps: int, no_compression: bool, outer_optimizer: st
         learning_rate = {"sgd": 1.0, "nesterov": 0.7}.get(outer_optimizer, 1e-3)
     else:
         learning_rate = 1e-3
-    chunk = target_chunk or (16 if not local and topk is None else 64)
+    chunk = target_chunk or 64
     density = 90 / 4096 if local else 32 / 4096
     return {
         "outer_optimizer": outer_optimizer,
@@ -148,7 +148,7 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.target_chunk is not None and self.target_chunk < 1:
             raise ValueError(f"--target-chunk must be >= 1, got {self.target_chunk}")
-        defaults = mode_defaults(inner_steps=self.inner_steps, no_compression=self.no_compression, outer_optimizer=self.outer_optimizer, inner_optimizer=self.inner_optimizer, target_chunk=self.target_chunk, topk=self.topk)
+        defaults = mode_defaults(inner_steps=self.inner_steps, no_compression=self.no_compression, outer_optimizer=self.outer_optimizer, inner_optimizer=self.inner_optimizer, target_chunk=self.target_chunk)
         for name in AUTO_FIELDS:
             if getattr(self, name) is None:
                 setattr(self, name, defaults[name])

@@ -20,7 +20,7 @@ def test_local_sgd_defaults_follow_sparseloco_and_diloco() -> None:
     assert compressed.local_sgd and compressed.outer_optimizer == "sgd"
     assert {k: getattr(compressed, k) for k in defaults} == defaults
     assert compressed.bins == 4 and compressed.feedback_beta == 0.95 and compressed.codec_config().bins == 4
-    assert (compressed.topk, TrainConfig().topk, TrainConfig(inner_steps=30, topk=16).topk) == (90, 2, 16)
+    assert (compressed.topk, TrainConfig().topk, TrainConfig(inner_steps=30, topk=16).topk) == (90, 32, 16)
     dense = TrainConfig(inner_steps=30, no_compression=True)
     assert (dense.outer_optimizer, dense.learning_rate, dense.momentum) == ("nesterov", 0.7, 0.9)
     assert TrainConfig(inner_steps=30, inner_optimizer="muon").inner_momentum == 0.95
@@ -28,13 +28,13 @@ def test_local_sgd_defaults_follow_sparseloco_and_diloco() -> None:
 
 def test_the_chunk_follows_the_mode_and_topk_keeps_the_density_at_any_chunk() -> None:
     gradient, local = TrainConfig(), TrainConfig(inner_steps=30)
-    assert (gradient.target_chunk, gradient.topk, gradient.codec_config().density) == (16, 2, 2 / 256)
+    assert (gradient.target_chunk, gradient.topk, gradient.codec_config().density) == (64, 32, 32 / 4096)
     assert (local.target_chunk, local.topk) == (64, 90)
     # A chunk given alone keeps the mode's density (DeMo's 32 of 64x64 in gradient mode) ...
     assert [TrainConfig(target_chunk=c).topk for c in (64, 32, 16, 8)] == [32, 8, 2, 1]
     assert [TrainConfig(inner_steps=30, target_chunk=c).topk for c in (64, 32)] == [90, 22]
-    # ... and a topk given alone keeps its old meaning, per 64x64 chunk (the same bytes as before).
-    assert (TrainConfig(topk=32).target_chunk, TrainConfig(topk=32).topk) == (64, 32)
+    # ... and an explicit topk is taken as given.
+    assert (TrainConfig(topk=8).target_chunk, TrainConfig(topk=8).topk) == (64, 8)
     assert (TrainConfig(topk=4, target_chunk=16).target_chunk, TrainConfig(topk=4, target_chunk=16).topk) == (16, 4)
     with pytest.raises(ValueError, match="--target-chunk"):
         TrainConfig(target_chunk=0)
