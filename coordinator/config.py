@@ -37,10 +37,9 @@ def mode_defaults(*, inner_steps: int, no_compression: bool, outer_optimizer: st
     (bins 4) and are applied by plain outer SGD at lr 1 (SparseLoCo); uncompressed ones by Nesterov SGD at
     lr 0.7, momentum 0.9 (DiLoCo). A local-SGD round can afford more coefficients: top-90 of 4096 (2.2%)
     trained best of 32/64/90 in benchmarks.quality and still sends 3000x less than DDP per token at H 30.
-    Gradient mode cuts chunks of 16 x 16 (top-2 of 256: DeMo's density, 0.78%): in benchmarks.quality it
-    trained better than 64 x 64 and 32 x 32 at the same bytes, and the transforms cost a quarter of the
-    FLOPs. ``topk`` follows the chunk edge (``target_chunk``, given or not) so the density stays the mode's;
-    a ``topk`` given without a chunk keeps its old meaning, per 64 x 64 chunk.
+    Both modes cut 64 x 64 chunks. ``topk`` follows the chunk edge (``target_chunk``) so the density stays
+    the mode's: ``--target-chunk 16`` alone keeps top-2 of 256 in gradient mode, a quarter of the transform
+    FLOPs; in benchmarks.quality it trained better at 600 steps but clearly worse at 1200, so 64 stays.
     """
     local = inner_steps > 1
     if outer_optimizer is None:

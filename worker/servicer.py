@@ -127,17 +127,18 @@ def status_for(e: Exception) -> tuple[grpc.StatusCode, str] | None:
     return None
 
 
+_LOGGED_AS = {grpc.StatusCode.PERMISSION_DENIED: "refused", grpc.StatusCode.INVALID_ARGUMENT: "rejected"}
+
+
 def _fail(context: grpc.ServicerContext, method: str, e: Exception) -> NoReturn:
     """End the call with the status ``e`` deserves (``context.abort`` raises)."""
-    status = status_for(e)
-    text = status[1] if status is not None else str(e)[:MAX_DETAILS]
-    if (status is not None and status[0] == grpc.StatusCode.CANCELLED) or not context.is_active():
+    code, text = status_for(e) or (grpc.StatusCode.INTERNAL, str(e)[:MAX_DETAILS])
+    if code == grpc.StatusCode.CANCELLED or not context.is_active():
         # Reading a cancelled call's request stream raises a bare RpcError; nobody is listening anyway.
         log.info("%s from %s ended early: %s", method, context.peer(), text or type(e).__name__)
         context.abort(grpc.StatusCode.CANCELLED, f"{method} cancelled: {text}")
-    if status is not None:
-        code, text = status
-        log.warning("%s from %s %s: %s", method, context.peer(), "refused" if code == grpc.StatusCode.PERMISSION_DENIED else "rejected" if code == grpc.StatusCode.INVALID_ARGUMENT else "failed", text)
+    if code != grpc.StatusCode.INTERNAL:
+        log.warning("%s from %s %s: %s", method, context.peer(), _LOGGED_AS.get(code, "failed"), text)
         context.abort(code, text)
     log.exception("%s from %s failed", method, context.peer())
     context.abort(grpc.StatusCode.INTERNAL, f"{method} failed on the worker: {type(e).__name__}: {text} (see the worker's log)")
