@@ -287,6 +287,9 @@ if __name__ == "__main__":
 #                      | sparseloco 64/90 5.142 (kept) | 32/23 5.154 (3023x) | 16/5 5.274 (3468x)
 #   a full run with demo at 16/2 (23 min): dense 4.8153 | demo 5.0075 (+3.99%, 182x) | diloco 5.2327 | sparseloco
 #                      5.1554 (+7.06%, 3091x) | sparseloco-sign 5.1324 (+6.59%, 3332x)
+#   one-step-delayed rounds (--set M.overlap=true: compute before the last round's update, what --overlap
+#                      does to hide the link): demo 5.444 (lr 2e-3), 5.292 (lr 1e-3) | dense adamw 5.268:
+#                      the staleness costs 5-9% at these short, small-batch runs; not a default
 # Targets not met at this size: demo stays ~5% and sparseloco ~7% above dense. Local SGD with two workers
 # here barely beats one worker alone (plain averaging 5.083 vs 5.125), and DiLoCo's outer Nesterov (0.7/0.9)
 # needs far more than 20 rounds; lower learning rates helped every method.

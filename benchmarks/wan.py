@@ -12,6 +12,8 @@ kernel has no ``netem``), and on the same hosts, with the same model, batch and 
 * ``ddp``: torch DistributedDataParallel over gloo, one rank per worker host (``benchmarks.ddp_rank``);
 * ``ddp-powersgd``: the same with PowerSGD (rank 4) compressing the all-reduce;
 * ``gradwire``: a coordinator on host 0 and a ``worker serve`` on each worker host, gradient mode;
+* ``gradwire-overlap``: the same with ``--overlap`` (one-step-delayed rounds: each worker computes its
+  next gradient while its last result travels and is aggregated);
 * ``gradwire-local``: the same in local-SGD rounds of ``--inner-steps`` (fewer rounds, equal tokens).
 
 For each: step time (median), the part of it that is not compute, bytes on the wire per step (the hosts'
@@ -64,7 +66,7 @@ def run_ddp(lab: Lab, args: argparse.Namespace, hook: str) -> dict:
     return {**result, "non_compute_time": max(0.0, result["step_time"] - result["compute_time"]), "bytes_per_step": wire, "tokens_per_sec": result["tokens"] / args.steps / result["step_time"]}
 
 
-def run_gradwire(lab: Lab, args: argparse.Namespace, inner_steps: int) -> dict:
+def run_gradwire(lab: Lab, args: argparse.Namespace, inner_steps: int, overlap: bool = False) -> dict:
     workers = len(lab.hosts) - 1
     env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // workers)), "HF_HUB_OFFLINE": "1"}
     procs = [lab.popen(1 + r, [sys.executable, "-m", "gradwire.worker", "serve", "--host", lab.hosts[1 + r].address, "--port", str(WORKER_PORT), "--device", "cpu"],
@@ -75,7 +77,8 @@ def run_gradwire(lab: Lab, args: argparse.Namespace, inner_steps: int) -> dict:
             addresses = ",".join(f"{lab.hosts[1 + r].address}:{WORKER_PORT}" for r in range(workers))
             argv = [sys.executable, "-m", "benchmarks.wan_coordinator", "--workers", addresses, "--model", args.model, "--rounds", str(rounds),
                     "--inner-steps", str(inner_steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--output-dir", out,
-                    *(["--target-chunk", str(args.target_chunk)] if args.target_chunk else []), *(["--topk", str(args.topk)] if args.topk else [])]
+                    *(["--target-chunk", str(args.target_chunk)] if args.target_chunk else []), *(["--topk", str(args.topk)] if args.topk else []),
+                    *(["--overlap"] if overlap else [])]
             before = total_bytes(lab)
             coordinator = lab.popen(0, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
             line = coordinator.stdout.readline()  # the run is over, nothing else sent yet
@@ -127,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--timeout", type=float, default=1200.0)
-    parser.add_argument("--methods", default="ddp,ddp-powersgd,gradwire,gradwire-local")
+    parser.add_argument("--methods", default="ddp,ddp-powersgd,gradwire,gradwire-overlap,gradwire-local")
     parser.add_argument("--target-chunk", type=int, default=None, help="gradwire's codec chunk edge (default: the mode's, as coordinator train)")
     parser.add_argument("--topk", type=int, default=None, help="gradwire's coefficients per chunk (default: the mode's)")
     parser.add_argument("--json", action="store_true")
@@ -151,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                 results[method] = run_ddp(lab, args, "powersgd")
             elif method == "gradwire":
                 results[method] = run_gradwire(lab, args, 1)
+            elif method == "gradwire-overlap":
+                results[method] = run_gradwire(lab, args, 1, overlap=True)
             elif method == "gradwire-local":
                 results[method] = run_gradwire(lab, args, args.inner_steps)
             else:

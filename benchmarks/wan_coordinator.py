@@ -31,9 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--target-chunk", type=int, default=None, help="default: the mode's (as coordinator train)")
     parser.add_argument("--topk", type=int, default=None, help="default: the mode's (as coordinator train)")
+    parser.add_argument("--overlap", action="store_true", help="one-step-delayed rounds (coordinator train --overlap)")
     args = parser.parse_args(argv)
     config = TrainConfig(model=args.model, steps=args.rounds, batch_size=args.batch_size, sequence_length=args.seq_len, inner_steps=args.inner_steps, output_dir=args.output_dir, overwrite=True,
-                         target_chunk=args.target_chunk, topk=args.topk)
+                         target_chunk=args.target_chunk, topk=args.topk, overlap=args.overlap)
     clients = [WorkerClient(a, timeout=config.round_timeout) for a in args.workers.split(",")]
     trainer = Trainer(config, clients, progress=False)
     try:

@@ -81,6 +81,7 @@ HELP = {
     "bins": "quantization bins for kept values, packed in ceil(log2(bins)) bits: 4 = 2 bits, 16 = 4 bits, 256 = 8 bits (0: raw float32; auto: 256 in gradient mode, 4 with --inner-steps > 1)",
     "values": "how kept values travel: lut (quantized through --bins) or sign (1 bit each plus one scale per tensor, as DisTrO)",
     "no_compression": "send exact dense float32 gradients (a baseline)",
+    "overlap": "one-step-delayed rounds: every worker computes round r's contribution before applying round r-1's update, so in gradient mode it computes the next gradient while its last result travels and is aggregated (hides the link's time at the cost of one step of staleness)",
     "feedback_beta": "decay of the workers' error-feedback buffers (auto: 0.999 in gradient mode, 0.95 with --inner-steps > 1)",
     "output_dir": "where metrics.jsonl, checkpoints/ and final/ go",
     "checkpoint_dir": "checkpoint directory (default: OUTPUT_DIR/checkpoints)",

@@ -126,6 +126,7 @@ class TrainConfig:
     min_workers: int = 0  # quorum: once this many results are in, stragglers get --straggler-grace; 0 = wait for all
     straggler_grace: str = "1.0x"  # seconds ("10") or a factor of the quorum's median time ("1.5x")
     replay_window: int = 8  # updates kept for workers that missed rounds (catch-up by replay instead of a push)
+    overlap: bool = False  # one-step-delayed rounds: compute round r before round r-1's update (hides the link)
     overwrite: bool = False  # replace the run already in output_dir (without it, a new run there is refused)
     # Robust aggregation (compression.robust) and benching (decisions.judge)
     aggregate: str = "mean"  # mean | trimmed-mean | median, in the coefficient domain

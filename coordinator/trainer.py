@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from gradwire.compression import PayloadError, robust
-from gradwire.compression.robust import AggregationRule
 from gradwire.compression.codec import DecodedGradient
+from gradwire.compression.robust import AggregationRule
 from gradwire.coordinator.checkpoint import keep_last, load_checkpoint, save_checkpoint
 from gradwire.coordinator.client import WorkerClient, WorkerError
 from gradwire.coordinator.config import TrainConfig
@@ -244,6 +244,7 @@ class Trainer:
                 self.run_id, step, base, batches[slot.index], self.codec_config, fingerprint, update,
                 feedback_beta=cfg.feedback_beta, micro_batch_size=cfg.micro_batch_size,
                 sync_tolerance=cfg.sync_tolerance, local_steps=local_steps, catch_up=catch_up,
+                compute_before_update=cfg.overlap, next_batch=next_batches.get(slot.index),
             )
 
         slots = [s for s in self.slots if not s.standing.benched(step)]
@@ -255,6 +256,10 @@ class Trainer:
         # by the workers' rows and goes on from where it was when they change: nothing skipped, nothing twice.
         self.data.set_layout(step * self.config.inner_steps, [self.config.batch_size * slot.ranks for slot in plan.slots])
         batches = {slot.index: self.round_batch(step, position, slot.ranks) for position, slot in enumerate(plan.slots)}
+        # --overlap in gradient mode: announce each worker's next batch (the same workers assumed), so that
+        # it can compute that gradient while this round's result travels (worker.lookahead).
+        announce = self.config.overlap and not self.config.local_sgd and step + 1 < self.config.steps
+        next_batches = {slot.index: self.round_batch(step + 1, position, slot.ranks) for position, slot in enumerate(plan.slots)} if announce else {}
         round_ = self.rounds.run(plan, step, make_order, self._state_for)
         t_gathered = time.perf_counter()
         rule = self._aggregation_rule()

@@ -345,38 +345,56 @@ class WorkOrder:
     local_steps: LocalSteps | None = None  # None: gradient mode
     protocol_version: int = PROTOCOL_VERSION
     catch_up: tuple[StateUpdate, ...] = ()  # missed updates, oldest first, applied before ``update``
+    compute_before_update: bool = False  # --overlap: the contribution is computed before ``update`` is applied
+    next_batch: np.ndarray | None = None  # --overlap, gradient mode: the next round's likely batch (look-ahead)
 
     @property
     def inner_steps(self) -> int:
         return self.local_steps.steps if self.local_steps is not None else 1
 
 
+def batch_to_proto(batch: np.ndarray) -> pb.TokenBatch:
+    code = {v: k for k, v in _BATCH_DTYPES.items()}.get(batch.dtype.newbyteorder("<"))
+    if code is None or batch.ndim != 2:
+        raise ProtocolError(f"token batch must be a 2-D uint16 or int32 array, got {batch.dtype} {batch.shape}")
+    return pb.TokenBatch(rows=batch.shape[0], columns=batch.shape[1], dtype=code, data=np.ascontiguousarray(batch).astype(_BATCH_DTYPES[code]).tobytes())
+
+
+def batch_from_proto(b: pb.TokenBatch, what: str = "token batch") -> np.ndarray:
+    """The (rows, columns) token ids of ``b``, checked against its declared shape and dtype."""
+    if b.dtype not in _BATCH_DTYPES:
+        raise ProtocolError(f"{what} dtype {b.dtype} is not uint16 or int32")
+    np_dtype = _BATCH_DTYPES[b.dtype]
+    if b.rows == 0 or b.columns < 2 or len(b.data) != b.rows * b.columns * np_dtype.itemsize:
+        raise ProtocolError(f"{what} of {b.rows}x{b.columns} does not match its {len(b.data)} bytes")
+    return np.frombuffer(b.data, np_dtype).reshape(b.rows, b.columns)
+
+
 def order_to_proto(o: WorkOrder) -> pb.WorkOrder:
-    code = {v: k for k, v in _BATCH_DTYPES.items()}.get(o.batch.dtype.newbyteorder("<"))
-    if code is None or o.batch.ndim != 2:
-        raise ProtocolError(f"token batch must be a 2-D uint16 or int32 array, got {o.batch.dtype} {o.batch.shape}")
-    batch = pb.TokenBatch(rows=o.batch.shape[0], columns=o.batch.shape[1], dtype=code, data=np.ascontiguousarray(o.batch).astype(_BATCH_DTYPES[code]).tobytes())
     return pb.WorkOrder(
         protocol_version=o.protocol_version, run_id=o.run_id, round=o.round, base_version=o.base_version,
         update=update_to_proto(o.update) if o.update is not None else None,
-        fingerprint=fingerprint_to_proto(o.fingerprint), batch=batch,
+        fingerprint=fingerprint_to_proto(o.fingerprint), batch=batch_to_proto(o.batch),
         codec=codec_serde.settings_to_proto(o.codec), feedback_beta=o.feedback_beta, micro_batch_size=o.micro_batch_size,
         sync_tolerance=o.sync_tolerance,
         local_steps=local_steps_to_proto(o.local_steps) if o.local_steps is not None else None,
         catch_up=[update_to_proto(u) for u in o.catch_up],
+        compute_before_update=o.compute_before_update,
+        next_batch=batch_to_proto(o.next_batch) if o.next_batch is not None else None,
     )
 
 
 def order_from_proto(m: pb.WorkOrder) -> WorkOrder:
     _check_version(m.protocol_version)
     check_run_id(m.run_id, "work order")
-    b = m.batch
-    if b.dtype not in _BATCH_DTYPES:
-        raise ProtocolError(f"token batch dtype {b.dtype} is not uint16 or int32")
-    np_dtype = _BATCH_DTYPES[b.dtype]
-    if b.rows == 0 or b.columns < 2 or len(b.data) != b.rows * b.columns * np_dtype.itemsize:
-        raise ProtocolError(f"token batch of {b.rows}x{b.columns} does not match its {len(b.data)} bytes")
-    batch = np.frombuffer(b.data, np_dtype).reshape(b.rows, b.columns)
+    batch = batch_from_proto(m.batch)
+    next_batch = None
+    if m.HasField("next_batch"):
+        if not m.compute_before_update or m.HasField("local_steps"):
+            raise ProtocolError("next_batch is read only by gradient-mode orders with compute_before_update")
+        next_batch = batch_from_proto(m.next_batch, "next token batch")
+        if next_batch.shape[1] != batch.shape[1]:
+            raise ProtocolError(f"next token batch has rows of {next_batch.shape[1]} tokens, the batch {batch.shape[1]}")
     if not 0.0 <= m.feedback_beta <= 1.0:
         raise ProtocolError(f"feedback_beta must be in [0, 1], got {m.feedback_beta}")
     if not 0.0 <= m.sync_tolerance < 1.0:
@@ -386,8 +404,8 @@ def order_from_proto(m: pb.WorkOrder) -> WorkOrder:
     except PayloadError as e:
         raise ProtocolError(f"work order codec settings: {e.reason}") from None
     local_steps = local_steps_from_proto(m.local_steps) if m.HasField("local_steps") else None
-    if local_steps is not None and b.rows % local_steps.steps:
-        raise ProtocolError(f"token batch of {b.rows} rows does not split into {local_steps.steps} equal inner steps")
+    if local_steps is not None and batch.shape[0] % local_steps.steps:
+        raise ProtocolError(f"token batch of {batch.shape[0]} rows does not split into {local_steps.steps} equal inner steps")
     if len(m.catch_up) > MAX_CATCH_UP:
         raise ProtocolError(f"work order carries {len(m.catch_up)} catch-up updates, more than {MAX_CATCH_UP}")
     if m.catch_up and not m.HasField("update"):
@@ -396,7 +414,7 @@ def order_from_proto(m: pb.WorkOrder) -> WorkOrder:
         m.run_id, m.round, m.base_version, batch, codec, fingerprint_from_proto(m.fingerprint),
         update_from_proto(m.update) if m.HasField("update") else None,
         m.feedback_beta, m.micro_batch_size, m.sync_tolerance, local_steps, m.protocol_version,
-        tuple(update_from_proto(u) for u in m.catch_up),
+        tuple(update_from_proto(u) for u in m.catch_up), m.compute_before_update, next_batch,
     )
 
 

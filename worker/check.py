@@ -46,6 +46,8 @@ def check_order(order: WorkOrder, replica: ReplicaView | None) -> Verdict:
     if replica.stale:
         return Verdict(False, "replica was found out of sync; waiting for a state push", stale=True)
     check_token_range(order.batch, replica.vocab_size)
+    if order.next_batch is not None:
+        check_token_range(order.next_batch, replica.vocab_size)
     if replica.version != order.base_version:
         return Verdict(False, f"replica at version {replica.version}, order starts from {order.base_version}")
     # The fingerprint is the coordinator's replica at base_version: check before moving on, so the

@@ -6,6 +6,11 @@ A round runs in four stages:
   check (pure: version, fingerprint, token range; ``check``) -> advance the replica by the order's update
   -> compute (a strategy: one gradient, or H local steps; ``compute``) -> encode (error feedback + codec).
 
+A delayed round (``compute_before_update``, ``coordinator train --overlap``) computes before the order's
+own update is applied, so its gradient needs nothing the last round decided; when the order announced the
+next batch, the engine computes that gradient as soon as the result is out (``worker.lookahead``), while
+the result travels and the coordinator aggregates.
+
 Anything that says the replica cannot be trusted becomes a NEEDS_STATE answer, not an exception: the
 coordinator then pushes the state and the worker carries on.
 
@@ -28,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import TypeVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from google.protobuf.message import Message
@@ -50,8 +56,9 @@ from gradwire.protocol import (
 from gradwire.replica import Fingerprint
 from gradwire.security import same_owner
 from gradwire.v1 import worker_pb2 as pb
+from gradwire.worker import lookahead
 from gradwire.worker.check import ReplicaView, Verdict, check_order
-from gradwire.worker.compute import Placement, strategy_for
+from gradwire.worker.compute import Placement, gradient_step, strategy_for
 from gradwire.worker.node import Command, NodeGroup
 from gradwire.worker.session import Session, host_tensors
 
@@ -94,6 +101,7 @@ class WorkerEngine:
         # one cost ~5-15% of a CPU step (measured on gpt-10m: 2.21 s on one thread, 2.33-2.56 s on fresh ones).
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradwire-compute")
         self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradwire-ahead")  # fingerprints
+        self.lookaheads: collections.Counter[str] = collections.Counter()  # --overlap: gradients computed ahead "used" / "dropped"
         # What to do when the node loses a rank (the server sets it: stop, so that the node restarts).
         self.on_node_failure: Callable[[], None] = lambda: None
         self._last_command = time.monotonic()
@@ -273,16 +281,30 @@ class WorkerEngine:
         assert session is not None
         replica = session.replica
         bus_before = self._bus_bytes()
-        # 2. advance the replica to the round's version (every payload is validated before a parameter moves).
-        for update in (*order.catch_up, *([order.update] if order.update is not None else [])):
+        # 2. advance the replica to the round's version (every payload is validated before a parameter
+        # moves); a delayed round (--overlap) applies the round's own update only after the compute.
+        updates = (*order.catch_up, *([order.update] if order.update is not None else []))
+        before = len(updates) - 1 if order.compute_before_update and order.update is not None else len(updates)
+        for update in updates[:before]:
             replica.apply(update)
         t_update = time.perf_counter()
-        # 3. compute: one gradient, or H local steps on the working copy.
-        tokens = torch.from_numpy(order.batch.astype("int64"))  # (rows, T + 1)
-        if self.device.type == "cuda":  # page-locked, so the copy overlaps with the work queued before it
-            tokens = tokens.pin_memory().to(self.device, non_blocking=True)
-        contribution = strategy_for(order)(session, order, tokens, cancelled, self.placement)
-        t_compute = time.perf_counter()
+        # 3. compute: one gradient, or H local steps on the working copy; or the gradient computed ahead.
+        ahead, session.lookahead = session.lookahead, None
+        use, why = ahead.serves(order, replica.version) if ahead is not None else (False, "")
+        if ahead is not None:
+            self.lookaheads["used" if use else "dropped"] += 1
+        if use:
+            contribution, compute_seconds = ahead.contribution, ahead.seconds
+        else:
+            if ahead is not None:
+                log.info("run %r round %d: the gradient computed ahead is dropped: %s", order.run_id, order.round, why)
+            contribution = strategy_for(order)(session, order, self._tokens(order.batch), cancelled, self.placement)
+            compute_seconds = time.perf_counter() - t_update
+        t_computed = time.perf_counter()
+        for update in updates[before:]:
+            replica.apply(update)
+        t_compute = time.perf_counter()  # the encode starts
+        update_seconds = (t_update - t0) + (t_compute - t_computed)
         if self.node is not None and not self.node.info.leader:  # rank 0 encodes the node's payload
             return RoundResult(OK, order.round, "", None, contribution.loss, contribution.tokens, replica.version)
         # 4. encode: error feedback and the codec.
@@ -297,8 +319,32 @@ class WorkerEngine:
         # The next round's check needs this replica's fingerprint: take it while the result travels and the
         # coordinator aggregates, not when the next order has arrived.
         session.fingerprint_ahead = self._ahead.submit(replica.fingerprint)
-        timings = {"update": t_update - t0, "compute": t_compute - t_update, "compress": t_done - t_compute, "total": t_done - t0}
+        if self.node is None and (expected := lookahead.preview(order, replica.version)) is not None:
+            self._compute.submit(self._look_ahead, session, expected)  # runs once this round's result is out
+        timings = {"update": update_seconds, "compute": compute_seconds, "compress": t_done - t_compute, "total": t_done - t0}
         return RoundResult(OK, order.round, "", payload, contribution.loss, contribution.tokens, replica.version, timings, self._bus_bytes() - bus_before)
+
+    def _tokens(self, batch: np.ndarray) -> torch.Tensor:
+        tokens = torch.from_numpy(batch.astype("int64"))  # (rows, T + 1)
+        if self.device.type == "cuda":  # page-locked, so the copy overlaps with the work queued before it
+            tokens = tokens.pin_memory().to(self.device, non_blocking=True)
+        return tokens
+
+    def _look_ahead(self, session: Session, expected: WorkOrder) -> None:
+        """On the compute thread, after a delayed round: the gradient the next order most likely asks for
+        (``worker.lookahead``). Whatever goes wrong only means there is none."""
+        with self._lock:
+            if self.sessions.get(expected.run_id) is not session or session.stale or session.replica.version != expected.base_version:
+                return
+            t0 = time.perf_counter()
+            try:
+                contribution = gradient_step(session, expected, self._tokens(expected.batch), lambda: False, self.placement)
+            except Exception as e:  # noqa: BLE001 - the round will compute it again, and say what fails
+                log.warning("run %r: computing round %d ahead failed: %s", expected.run_id, expected.round, e)
+                return
+            session.lookahead = lookahead.Lookahead(
+                expected.run_id, expected.round, expected.base_version, expected.batch, expected.micro_batch_size, contribution, time.perf_counter() - t0,
+            )
 
     def _bus_bytes(self) -> int:
         """Bytes this rank has put on the node's bus so far (0 off a node)."""

@@ -18,6 +18,7 @@ import json
 import logging
 from collections.abc import Mapping
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +28,9 @@ from gradwire.optim.inner import InnerOptimizer, InnerOptimizerConfig
 from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import ModelState, ProtocolError
 from gradwire.replica import Fingerprint, Replica
+
+if TYPE_CHECKING:
+    from gradwire.worker.lookahead import Lookahead
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +67,7 @@ class Session:
         self.feedback = ErrorFeedback()
         self.last_sent: tuple[int, CompressedGradient] | None = None  # (round, payload) of the last result
         self.fingerprint_ahead: Future[Fingerprint] | None = None  # the replica's, being taken after a round
+        self.lookahead: Lookahead | None = None  # --overlap: the next round's gradient, computed ahead
         if state.feedback:
             self.feedback.load_state_dict({k: v.to(device) for k, v in state.feedback.items()})
         self.stale = False  # found out of sync: every round answers NEEDS_STATE until the next push

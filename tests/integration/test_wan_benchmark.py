@@ -23,10 +23,10 @@ def test_every_method_runs_over_the_shaped_links(capsys: pytest.CaptureFixture) 
     assert wan.main(["--model", "gpt-tiny", "--steps", "4", "--inner-steps", "2", "--batch-size", "2", "--seq-len", "32", "--bandwidth", "50mbit", "--latency", latency, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     methods = result["methods"]
-    assert set(methods) == {"ddp", "ddp-powersgd", "gradwire", "gradwire-local"}
+    assert set(methods) == {"ddp", "ddp-powersgd", "gradwire", "gradwire-overlap", "gradwire-local"}
     for name, r in methods.items():
         assert r["bytes_per_step"] > 0 and math.isfinite(r["eval_loss"]) and r["step_time"] > 0, name
-    assert methods["ddp"]["tokens"] == methods["gradwire"]["tokens"] == methods["gradwire-local"]["tokens"]
+    assert methods["ddp"]["tokens"] == methods["gradwire"]["tokens"] == methods["gradwire-overlap"]["tokens"] == methods["gradwire-local"]["tokens"]
     assert methods["gradwire"]["bytes_per_step"] < methods["ddp"]["bytes_per_step"]
 
 

@@ -1,0 +1,108 @@
+"""One-step-delayed rounds (``--overlap``) through the service.
+
+Each worker computes round r's gradient before applying round r-1's update: with exact gradients and plain
+SGD that is delayed SGD, theta[r+1] = theta[r] - lr * grad(theta[r-1]) on round r's batch, to float
+precision. Computing the next gradient ahead while a result travels changes no bit of the run, and a
+worker that falls out of sync is pushed the state and carries on.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from gradwire.coordinator.config import TrainConfig
+from gradwire.coordinator.metrics import read_metrics
+from gradwire.coordinator.trainer import Trainer
+from gradwire.models import build_from_spec, lm_loss, model_spec
+from gradwire.worker import lookahead
+
+from .conftest import assert_in_step, corrupt_replica, live_workers, steps_with_fault, train
+
+
+def _config(tmp_path, **overrides) -> TrainConfig:
+    base = dict(model="gpt-tiny", steps=4, batch_size=2, sequence_length=32, output_dir=str(tmp_path / "run"), round_timeout=60.0, overlap=True)
+    return TrainConfig(**{**base, **overrides})
+
+
+def _gradient(model: torch.nn.Module, rows: np.ndarray) -> list[torch.Tensor]:
+    model.zero_grad()
+    lm_loss(model, torch.from_numpy(rows.astype(np.int64))).backward()
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def test_one_worker_is_delayed_sgd_on_the_same_batches(tmp_path):
+    config = _config(tmp_path, no_compression=True, outer_optimizer="sgd", learning_rate=0.1)
+    with live_workers(1) as workers:
+        trainer = train(config, workers)
+    model = build_from_spec(model_spec("gpt-tiny"), seed=config.seed)
+    behind = build_from_spec(model_spec("gpt-tiny"), seed=config.seed)  # theta[r-1]; theta[-1] = theta[0]
+    for step in range(config.steps):
+        grads = _gradient(behind, trainer.round_batch(step, 0))
+        behind.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            for p, g in zip(model.parameters(), grads):
+                p.add_(g, alpha=-config.learning_rate)
+    for (name, a), b in zip(trainer.model.named_parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=name)
+    # ... and not the undelayed run: the delay is real.
+    with live_workers(1) as workers:
+        plain = train(_config(tmp_path / "plain", no_compression=True, outer_optimizer="sgd", learning_rate=0.1, overlap=False), workers)
+    assert any(not torch.allclose(a, b, atol=1e-5) for a, b in zip(plain.model.parameters(), model.parameters()))
+
+
+def test_computing_ahead_changes_no_bit_and_serves_every_round_after_the_first(tmp_path, monkeypatch):
+    config = _config(tmp_path / "ahead", steps=6)  # compressed gradient mode, the defaults
+    with live_workers(2) as workers:
+        ahead = train(config, workers)
+        used = [w.engine.lookaheads for w in workers]
+    # The same run with the look-ahead turned off on the workers: every round computes when it arrives.
+    monkeypatch.setattr(lookahead, "preview", lambda order, version: None)
+    with live_workers(2) as workers:
+        plain = train(_config(tmp_path / "plain", steps=6), workers)
+        assert all(not w.engine.lookaheads for w in workers)
+    # Rounds 1..5 each find the gradient computed ahead (the last round announces no next batch).
+    assert used == [{"used": config.steps - 1}] * 2
+    for (name, a), (_, b) in zip(ahead.model.named_parameters(), plain.model.named_parameters()):
+        assert torch.equal(a, b), name
+    assert [r["loss"] for r in read_metrics(tmp_path / "ahead" / "run")] == [r["loss"] for r in read_metrics(tmp_path / "plain" / "run")]
+
+
+def test_a_worker_out_of_sync_is_pushed_the_state_and_the_run_goes_on(tmp_path, two_workers):
+    trainer = Trainer(_config(tmp_path, steps=8), [w.client() for w in two_workers], progress=False)
+    records = steps_with_fault(trainer, lambda: corrupt_replica(two_workers[1]))
+    assert all(r is not None and r["successful_workers"] == 2 for r in records)
+    assert sum(r["pushes"] for r in records[3:]) == 1
+    # Rounds 1-5 use the gradient computed ahead, but for the drifted worker's round 3: its replica failed the
+    # check, the push replaced its session (and what it had computed ahead), and it computed round 3 anew.
+    assert [w.engine.lookaheads for w in two_workers] == [{"used": 5}, {"used": 4}]
+    assert_in_step(trainer, two_workers[1])
+
+
+def test_local_sgd_rounds_can_be_delayed_too(tmp_path):
+    # Local-SGD rounds start from the replica before the update as well (one-step-delayed outer steps),
+    # with nothing computed ahead. Exact math: H = 2 inner SGD steps from theta[r-1] give the
+    # pseudo-gradient d = theta[r-1] - local; outer SGD at lr 1: theta[r+1] = theta[r] - d.
+    config = _config(tmp_path, steps=3, inner_steps=2, no_compression=True, inner_optimizer="sgd", inner_learning_rate=0.5, outer_optimizer="sgd", learning_rate=1.0)
+    with live_workers(1) as workers:
+        trainer = train(config, workers)
+        assert not workers[0].engine.lookaheads
+    model = build_from_spec(model_spec("gpt-tiny"), seed=config.seed)
+    behind = build_from_spec(model_spec("gpt-tiny"), seed=config.seed)
+    local = build_from_spec(model_spec("gpt-tiny"), seed=config.seed)
+    for step in range(config.steps):
+        rows = trainer.round_batch(step, 0)
+        local.load_state_dict(behind.state_dict())
+        for h in range(2):
+            grads = _gradient(local, rows[h * 2 : (h + 1) * 2])
+            with torch.no_grad():
+                for p, g in zip(local.parameters(), grads):
+                    p.add_(g, alpha=-0.5)
+        with torch.no_grad():
+            deltas = [b - w for b, w in zip(behind.parameters(), local.parameters())]
+        behind.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            for p, d in zip(model.parameters(), deltas):
+                p.sub_(d)
+    for (name, a), b in zip(trainer.model.named_parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=name)

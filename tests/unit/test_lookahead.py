@@ -1,0 +1,147 @@
+"""Delayed rounds (``--overlap``) on the worker: compute before the round's update, and the look-ahead.
+
+A delayed order's contribution is the gradient at the replica *before* its update; the gradient a worker
+computes ahead on the announced next batch is used only by the order that asks for exactly it, and using
+it changes no bit of what the worker sends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from gradwire import protocol
+from gradwire.compression import CodecConfig
+from gradwire.models import build_from_spec, model_spec
+from gradwire.optim.inner import InnerOptimizerConfig
+from gradwire.optim.outer import UpdateRule
+from gradwire.protocol import OK, LocalSteps, ModelState, ProtocolError, WorkOrder
+from gradwire.replica import Fingerprint, Replica, StateUpdate
+from gradwire.worker.compute import Contribution
+from gradwire.worker.engine import WorkerEngine
+from gradwire.worker.lookahead import Lookahead, preview
+
+SPEC = model_spec("gpt-tiny")
+CODEC = CodecConfig(chunk=16, topk=8)
+
+
+def _state(version: int = 4) -> ModelState:
+    replica = Replica(build_from_spec(SPEC, seed=0), UpdateRule(optimizer="sgd"))
+    params = {n: p.detach().clone() for n, p in replica.params.items()}
+    return ModelState("run", version, json.dumps(SPEC), params, replica.rule.to_json())
+
+
+def _batch(seed: int, rows: int = 4) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 8192, (rows, 17)).astype(np.uint16)
+
+
+def _engine() -> WorkerEngine:
+    engine = WorkerEngine("cpu")
+    engine.push_state(_state())
+    return engine
+
+
+def _order(engine: WorkerEngine, round_: int, batch: np.ndarray, **changes: object) -> WorkOrder:
+    (session,) = engine.sessions.values()
+    base = WorkOrder("run", round_, session.replica.version, batch, CODEC, session.replica.fingerprint(), compute_before_update=True)
+    return dataclasses.replace(base, **changes)
+
+
+def _payload_bytes(result) -> bytes:
+    return protocol.result_to_proto(result).gradient.SerializeToString()
+
+
+def test_the_gradient_computed_ahead_is_used_and_changes_nothing():
+    ahead, plain = _engine(), _engine()
+    first, second = _batch(1), _batch(2)
+    ahead.run_round(_order(ahead, 0, first, next_batch=second))
+    plain.run_round(_order(plain, 0, first))  # announces nothing: computes round 1 when it arrives
+    a = ahead.run_round(_order(ahead, 1, second))
+    b = plain.run_round(_order(plain, 1, second))
+    assert a.status == b.status == OK
+    assert ahead.lookaheads == {"used": 1} and not plain.lookaheads
+    assert _payload_bytes(a) == _payload_bytes(b) and a.loss == b.loss and a.tokens == b.tokens
+
+
+@pytest.mark.parametrize("change", ["batch", "round", "micro_batch_size"])
+def test_an_order_other_than_the_announced_one_drops_the_lookahead(change):
+    ahead, plain = _engine(), _engine()
+    first, announced = _batch(1), _batch(2)
+    ahead.run_round(_order(ahead, 0, first, next_batch=announced))
+    plain.run_round(_order(plain, 0, first))
+    changes = {"batch": dict(batch=_batch(3)), "round": dict(round=2), "micro_batch_size": dict(micro_batch_size=2)}[change]
+    order = {**dict(round=1, batch=announced), **changes}
+    a = ahead.run_round(_order(ahead, order.pop("round"), order.pop("batch"), **order))
+    b = plain.run_round(_order(plain, 2 if change == "round" else 1, _batch(3) if change == "batch" else announced, **order))
+    assert ahead.lookaheads == {"dropped": 1}
+    assert _payload_bytes(a) == _payload_bytes(b)
+
+
+def test_a_delayed_order_computes_before_its_update_then_applies_it():
+    delayed, plain, still = _engine(), _engine(), _engine()
+    for engine in (delayed, plain, still):
+        engine.run_round(_order(engine, 0, _batch(1)))
+    (session,) = delayed.sessions.values()
+    _, sent = session.last_sent
+    update = StateUpdate(0.1, (sent,), (1.0,))  # the replica's rule is SGD: params -= 0.1 x the payload
+    a = delayed.run_round(_order(delayed, 1, _batch(2), update=update))
+    b = plain.run_round(_order(plain, 1, _batch(2), update=update, compute_before_update=False))
+    c = still.run_round(_order(still, 1, _batch(2)))  # no update: the gradient at version 4
+    assert (a.version, b.version, c.version) == (5, 5, 4)
+    assert _payload_bytes(a) == _payload_bytes(c) != _payload_bytes(b)
+    for name, p in session.replica.params.items():  # the update is applied all the same
+        assert torch.equal(p, next(iter(plain.sessions.values())).replica.params[name]), name
+
+
+def test_lookahead_serves_only_the_computation_it_made():
+    order = WorkOrder("run", 3, 7, _batch(1), CODEC, Fingerprint((), (), ()), compute_before_update=True)
+    ahead = Lookahead("run", 3, 7, order.batch.copy(), 0, Contribution({}, 0.0, 0), 0.1)
+    assert ahead.serves(order, 7)[0]
+    for changed, version, why in (
+        (dict(round=4), 7, "round"),
+        (dict(run_id="other"), 7, "round"),
+        (dict(compute_before_update=False), 7, "delayed"),
+        (dict(local_steps=LocalSteps(1, InnerOptimizerConfig(), (1e-3,))), 7, "delayed"),
+        ({}, 8, "version"),
+        (dict(micro_batch_size=2), 7, "micro-batching"),
+        (dict(batch=_batch(2)), 7, "batch"),
+        (dict(batch=order.batch[:2]), 7, "batch"),
+    ):
+        ok, reason = ahead.serves(dataclasses.replace(order, **changed), version)
+        assert not ok and why in reason, (changed, reason)
+
+
+def test_preview_is_the_next_round_on_the_announced_batch():
+    order = WorkOrder("run", 3, 7, _batch(1), CODEC, Fingerprint((), (), ()), compute_before_update=True, next_batch=_batch(2))
+    nxt = preview(order, 8)
+    assert (nxt.round, nxt.base_version, nxt.update, nxt.next_batch) == (4, 8, None, None)
+    assert np.array_equal(nxt.batch, order.next_batch)
+    assert preview(dataclasses.replace(order, next_batch=None), 8) is None
+    assert preview(dataclasses.replace(order, compute_before_update=False), 8) is None
+
+
+def test_next_batch_crosses_the_wire_and_is_validated():
+    engine = _engine()
+    order = _order(engine, 0, _batch(1), next_batch=_batch(2, rows=3))
+    back = protocol.order_from_proto(protocol.order_to_proto(order))
+    assert back.compute_before_update and np.array_equal(back.next_batch, order.next_batch)
+    m = protocol.order_to_proto(order)
+    m.next_batch.data = m.next_batch.data[:-2]
+    with pytest.raises(ProtocolError, match="next token batch of 3x17"):
+        protocol.order_from_proto(m)
+    m = protocol.order_to_proto(dataclasses.replace(order, compute_before_update=False))
+    with pytest.raises(ProtocolError, match="only by gradient-mode orders with compute_before_update"):
+        protocol.order_from_proto(m)
+    m = protocol.order_to_proto(dataclasses.replace(order, next_batch=_batch(2)[:, :9]))
+    with pytest.raises(ProtocolError, match="rows of 9 tokens"):
+        protocol.order_from_proto(m)
+    # Token ids past the embedding are refused before anything runs, in the announced batch too.
+    bad = _batch(2)
+    bad[0, 0] = 60000
+    with pytest.raises(ProtocolError, match="outside the model's vocabulary"):
+        engine.run_round(_order(engine, 0, _batch(1), next_batch=bad))
+    assert not engine.lookaheads

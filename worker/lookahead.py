@@ -1,0 +1,61 @@
+"""Look-ahead for one-step-delayed rounds (``coordinator train --overlap``). No networking here.
+
+In a delayed round a worker computes its contribution at the replica *before* the round's update (the
+order's ``compute_before_update``), so round r + 1's gradient needs nothing that round r's result
+decides: it can be computed while round r's result travels and the coordinator aggregates. An order that
+carries ``next_batch`` lets the worker do just that: once the round's result is out, it computes the
+gradient of ``next_batch`` at its replica's version and keeps it as a ``Lookahead``. The next order uses
+it only if it asks for exactly that computation (``serves``): same run, the next round, starting from
+that version with no catch-up, the same batch and micro-batching, gradient mode. Anything else discards
+it and the round computes afresh, so what a round returns never depends on whether the look-ahead ran.
+
+Only the gradient is computed ahead, not its encoding: error feedback changes with every encode, and a
+discarded look-ahead must leave nothing behind. Local-SGD rounds are not looked ahead (their inner steps
+move the inner optimizer's state), nor are the rounds of a node of several ranks (whose ranks move in
+lockstep on the coordinator's calls).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from gradwire.protocol import WorkOrder
+from gradwire.worker.compute import Contribution
+
+
+@dataclasses.dataclass(frozen=True)
+class Lookahead:
+    """The gradient of ``batch`` at replica ``version``, computed ahead for round ``round`` of ``run_id``."""
+
+    run_id: str
+    round: int
+    version: int
+    batch: np.ndarray
+    micro_batch_size: int
+    contribution: Contribution
+    seconds: float  # the compute it took (reported as the round's compute time when used)
+
+    def serves(self, order: WorkOrder, version: int) -> tuple[bool, str]:
+        """Whether ``order``, with the replica at ``version`` when its compute would start, asks for this
+        very computation; and why not, when it does not."""
+        if order.run_id != self.run_id or order.round != self.round:
+            return False, f"computed ahead for round {self.round}, the order is round {order.round}"
+        if not order.compute_before_update or order.local_steps is not None:
+            return False, "the order is not a delayed gradient-mode round"
+        if order.catch_up or version != self.version:
+            return False, f"computed ahead at version {self.version}, the order computes at {version}"
+        if order.micro_batch_size != self.micro_batch_size:
+            return False, "the order's micro-batching differs"
+        if order.batch.shape != self.batch.shape or not np.array_equal(order.batch, self.batch):
+            return False, "the order's batch differs from the one announced"
+        return True, "the order asks for the gradient computed ahead"
+
+
+def preview(order: WorkOrder, version: int) -> WorkOrder | None:
+    """The order the worker expects next after ``order`` (its replica now at ``version``), if ``order``
+    announces one that may be looked ahead; else ``None``."""
+    if order.next_batch is None or not order.compute_before_update or order.local_steps is not None:
+        return None
+    return dataclasses.replace(order, round=order.round + 1, base_version=version, batch=order.next_batch, update=None, catch_up=(), next_batch=None)
