@@ -18,7 +18,8 @@ kernel has no ``netem``), and on the same hosts, with the same model, batch and 
 
 For each: step time (median), the part of it that is not compute, bytes on the wire per step (the hosts'
 kernel interface counters, summed over hosts, divided by steps - not estimated), tokens/s, held-out loss
-after equal tokens. Exits with a clear message, status 0, where namespaces cannot be made.
+after equal tokens; for gradwire also where its non-compute time goes (replay, encode, aggregation, and the
+rest: the link and the calls). Exits with a clear message, status 0, where namespaces cannot be made.
 """
 
 from __future__ import annotations
@@ -99,8 +100,12 @@ def run_gradwire(lab: Lab, args: argparse.Namespace, inner_steps: int, overlap: 
     step = statistics.median(r["step_time"] for r in timed) / inner_steps
     compute = statistics.median(r["worker_compute_time"] for r in timed) / inner_steps
     steps = rounds * inner_steps
+    # Where the rest goes (medians, per step): the slowest worker's replay of the last update and its
+    # encode, the coordinator's validation, aggregation and outer step; the remainder is the link and RPCs.
+    replay, encode, aggregate = (statistics.median(r[k] for r in timed) / inner_steps for k in ("worker_update_time", "worker_compress_time", "aggregate_time"))
     return {
         "step_time": step, "compute_time": compute, "non_compute_time": step - compute,
+        "replay_time": replay, "encode_time": encode, "aggregate_time": aggregate, "link_time": step - compute - replay - encode - aggregate,
         "bytes_per_step": (wire - push) / steps, "state_push_bytes": push, "bytes_per_step_with_push": wire / steps,
         "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in timed), "eval_loss": run["eval_loss"],
         "train_loss": records[-1]["loss"], "tokens": records[-1]["total_tokens"],

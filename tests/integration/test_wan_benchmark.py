@@ -28,6 +28,10 @@ def test_every_method_runs_over_the_shaped_links(capsys: pytest.CaptureFixture) 
         assert r["bytes_per_step"] > 0 and math.isfinite(r["eval_loss"]) and r["step_time"] > 0, name
     assert methods["ddp"]["tokens"] == methods["gradwire"]["tokens"] == methods["gradwire-overlap"]["tokens"] == methods["gradwire-local"]["tokens"]
     assert methods["gradwire"]["bytes_per_step"] < methods["ddp"]["bytes_per_step"]
+    for name in ("gradwire", "gradwire-overlap"):  # where gradwire's non-compute time goes, in parts that add up
+        r = methods[name]
+        assert r["replay_time"] > 0 and r["encode_time"] > 0 and r["aggregate_time"] > 0, name
+        assert math.isclose(r["replay_time"] + r["encode_time"] + r["aggregate_time"] + r["link_time"], r["non_compute_time"], rel_tol=1e-9), name
 
 
 def test_without_namespaces_it_says_why_and_exits_0(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
