@@ -106,3 +106,33 @@ def test_local_sgd_rounds_can_be_delayed_too(tmp_path):
                 p.sub_(d)
     for (name, a), b in zip(trainer.model.named_parameters(), model.parameters()):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=name)
+
+
+def test_streamed_data_announced_ahead_is_the_next_rounds_rows(tmp_path, caplog):
+    """With --streaming, announcing round r+1's rows during round r cuts the stream once, in order: every
+    look-ahead is used, and the rows are those of the same run without --overlap (no window skipped or
+    read twice, no re-read of the stream)."""
+    from gradwire.assets import corpus_path
+
+    data = tmp_path / "corpus.txt"
+    data.write_text(corpus_path().read_text(encoding="utf-8")[:200_000], encoding="utf-8")
+
+    def rows_of(overlap: bool) -> tuple[list[np.ndarray], list]:
+        config = _config(tmp_path / f"o{overlap}", steps=5, data=(str(data),), streaming=True, checkpoint_every=0, overlap=overlap)
+        with live_workers(2) as workers:
+            trainer = Trainer(config, [w.client() for w in workers], progress=False)
+            cut, rows = trainer.round_batch, {}
+            trainer.round_batch = lambda step, position, ranks=1: rows.setdefault((step, position), cut(step, position, ranks))
+            try:
+                trainer.run()
+            finally:
+                trainer.close()
+            used = [w.engine.lookaheads for w in workers]
+        return [np.concatenate([rows[s, p] for p in (0, 1)]) for s in range(config.steps)], used
+
+    with caplog.at_level("WARNING"):
+        plain, _ = rows_of(False)
+        ahead, used = rows_of(True)
+    assert used == [{"used": 4}] * 2
+    assert all(np.array_equal(a, b) for a, b in zip(ahead, plain))
+    assert not [r for r in caplog.records if "re-reading" in r.getMessage()]
