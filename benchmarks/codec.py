@@ -9,8 +9,9 @@ Builds the model from the registry, takes ONE gradient of the language-model los
 shipped corpus, and measures on it:
   size      dense fp32 bytes vs payload bytes (serialized proto if serde is importable), and how much of the
             payload is metadata rather than indices and values;
-  fidelity  relative L2 error and cosine of decompress(compress(g)) vs g, single shot, no error feedback;
-  time      compress, decompress, and aggregation of 1, 8 and 64 payloads (median over --repeats, after one
+  fidelity  relative L2 error and cosine of decompress(compress(g)) vs g, single shot, no error feedback
+            (and the error with a float32 transform, where the default is bfloat16);
+  time      compress (and with a float32 transform, side by side), decompress, and aggregation of 1, 8 and 64 payloads (median over --repeats, after one
             warm-up call);
   DCT rate  achieved GFLOP/s of the forward chunk DCT over every chunk group of the model, next to plain
             2-D matmuls with the same FLOPs, timed by the same harness in the same run.
@@ -216,15 +217,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     config = CodecConfig(topk=args.topk, chunk=args.chunk, bins=args.bins, values=args.values)
     codec = GradientCodec({n: tuple(g.shape) for n, g in grads.items()}, config, device=device)
+    # The same codec with a float32 transform, beside the default one (bfloat16 on CPUs that multiply it).
+    exact = GradientCodec({n: tuple(g.shape) for n, g in grads.items()}, config, device=device, transform_dtype=torch.float32)
 
     payload = codec.compress(grads)
     restored = codec.decompress(payload)
     g, r = flat(grads, names), flat(restored, names)
     rel_error = ((g - r).norm() / g.norm()).item()
     cosine = (g @ r / (g.norm() * r.norm())).item()
-    del g, r, restored
+    r32 = flat(exact.decompress(exact.compress(grads)), names)
+    rel_error_float32 = ((g - r32).norm() / g.norm()).item()
+    del g, r, r32, restored
 
-    compress_ms = median_ms(lambda: codec.compress(grads), args.repeats, device)
+    compress_ms, compress_float32_ms = median_ms_each([lambda: codec.compress(grads), lambda: exact.compress(grads)], args.repeats, device)
     decompress_ms = median_ms(lambda: codec.decompress(payload), args.repeats, device)
     distinct = distinct_payloads(codec, grads, DISTINCT_PAYLOADS, args.seed)
     aggregate_ms = {
@@ -267,7 +272,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "metadata_fraction": metadata / payload_bytes,
         "rel_error": rel_error,
         "cosine": cosine,
+        "transform_dtype": str(codec.transform_dtype).removeprefix("torch."),
+        "rel_error_float32_transform": rel_error_float32,
         "compress_ms": compress_ms,
+        "compress_float32_transform_ms": compress_float32_ms,
         "decompress_ms": decompress_ms,
         "aggregate_ms": aggregate_ms,
         "aggregate_float64_ms": aggregate_float64_ms,

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from gradwire.compression.config import FORMAT_VERSION, CodecConfig
-from gradwire.compression.dct import dct_chunks
+from gradwire.compression.dct import dct_chunks, fast_transform_dtype
 from gradwire.compression.feedback import ErrorFeedback
 from gradwire.compression.packing import pack12, pack_bits, packed_nbytes, pad_bits, unpack12_padded, unpack_bits
 from gradwire.compression.payload import (
@@ -85,10 +85,14 @@ def _chunk_view(x: torch.Tensor, plan: TensorPlan) -> torch.Tensor:
 class GradientCodec:
     """Compresses, validates, decompresses and aggregates the gradients of one fixed set of tensors."""
 
-    def __init__(self, shapes: Mapping[str, Sequence[int]], config: CodecConfig | None = None, device: torch.device | str = "cpu") -> None:
+    def __init__(self, shapes: Mapping[str, Sequence[int]], config: CodecConfig | None = None, device: torch.device | str = "cpu", transform_dtype: torch.dtype | None = None) -> None:
+        """``transform_dtype``: what the sender's chunk DCT multiplies in (``None``: the device's fastest
+        accurate one, ``dct.fast_transform_dtype``). A sender-side choice: the payload format is the same and
+        decoding always runs in float32."""
         self.config = config or CodecConfig()
         self.plan = ModelPlan.build(shapes, self.config)
         self.device = torch.device(device)
+        self.transform_dtype = transform_dtype or fast_transform_dtype(self.device)
         # The one coded format of this codec (tensors that do not use it send raw float32), and its width.
         self._coded = ValueFormat.SIGN if self.config.values == "sign" else ValueFormat.LUT
         self._bits = value_bits(self._coded, self.config)
@@ -109,8 +113,7 @@ class GradientCodec:
         out: dict[str, CompressedTensor] = {}
         for gi, group in enumerate(self.plan.groups):
             coeffs = self._coefficients(group, grads)  # (B, r*c)
-            if feedback is not None:
-                coeffs = feedback.accumulate(f"group{gi}", coeffs)
+            coeffs = feedback.accumulate(f"group{gi}", coeffs) if feedback is not None else coeffs.float()
             out.update(self._select(group, self._layouts[gi], coeffs, feedback is not None))
         for t in self.plan.dense:
             values = grads[t.name].detach().reshape(-1).float()
@@ -120,10 +123,12 @@ class GradientCodec:
         return CompressedGradient(self.config, tuple(out[t.name] for t in self.plan.tensors), FORMAT_VERSION)
 
     def _coefficients(self, group: ChunkGroup, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """All member chunks stacked (one strided copy per tensor, cast to fp32) and transformed."""
+        """All member chunks stacked (one strided copy per tensor, cast to the transform's dtype) and
+        transformed, in that dtype (error feedback adds it into its float32 buffer)."""
         first = grads[group.members[0].name]
         device = first.device
-        stack = torch.empty((group.num_chunks, *group.chunk_shape), dtype=torch.float32, device=device)
+        dtype = self.transform_dtype if self.config.use_dct else torch.float32
+        stack = torch.empty((group.num_chunks, *group.chunk_shape), dtype=dtype, device=device)
         for t, off in zip(group.members, group.offsets):
             dst = stack[off : off + t.num_chunks]
             if len(group.chunk_shape) == 2:

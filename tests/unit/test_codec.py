@@ -12,6 +12,8 @@ from gradwire.compression.dct import dct_chunks, idct_chunks
 
 from .codec_helpers import rounds_to_send
 
+# The transform's own math, to float32 rounding: whatever the CPU would pick (``dct.fast_transform_dtype``).
+EXACT = torch.float32
 SHAPES = {"w": (256, 192), "emb": (96, 64), "odd": (3, 5, 7, 11), "norm": (768,), "bias": (10,), "mid": (200,)}
 
 
@@ -27,7 +29,7 @@ def _cat(d):
 @pytest.mark.parametrize("use_dct", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_full_k_without_quantization_is_exact(use_dct, dtype):
-    codec = GradientCodec(SHAPES, CodecConfig(topk=64 * 64, bins=0, use_dct=use_dct))
+    codec = GradientCodec(SHAPES, CodecConfig(topk=64 * 64, bins=0, use_dct=use_dct), transform_dtype=EXACT)
     grads = _grads(0, dtype)
     out = codec.decompress(codec.compress(grads))
     for name, g in grads.items():
@@ -36,7 +38,7 @@ def test_full_k_without_quantization_is_exact(use_dct, dtype):
 
 
 def test_default_settings_keep_the_largest_coefficients():
-    codec = GradientCodec({"w": (128, 128)}, CodecConfig(bins=0))
+    codec = GradientCodec({"w": (128, 128)}, CodecConfig(bins=0), transform_dtype=EXACT)
     g = _grads(1, shapes={"w": (128, 128)})
     out = codec.decompress(codec.compress(g))["w"]
     coeffs = dct_chunks(g["w"].reshape(2, 64, 2, 64).permute(0, 2, 1, 3).reshape(4, 64, 64)).reshape(4, -1)
@@ -138,7 +140,7 @@ def test_error_feedback_equals_demo_parameter_domain_formula():
     """m <- beta m + g; sent = decompress(compress(m)); m <- m - sent, with m in parameter space."""
     shapes = {"w": (128, 64), "v": (320,), "b": (10,)}
     cfg = CodecConfig(topk=64)
-    codec = GradientCodec(shapes, cfg)
+    codec = GradientCodec(shapes, cfg, transform_dtype=EXACT)
     feedback, beta = ErrorFeedback(beta=0.9), 0.9
     m = {k: torch.zeros(s) for k, s in shapes.items()}
     for step in range(4):
@@ -168,7 +170,7 @@ def test_error_feedback_reset_forgets():
 def test_error_feedback_keeps_quantization_error(config):
     """After one step the residual is exactly g minus what the receiver decodes."""
     shapes = {"w": (128, 128), "b": (300,)}
-    codec = GradientCodec(shapes, dataclasses.replace(config, min_sparse_numel=512))  # b is dense, coded
+    codec = GradientCodec(shapes, dataclasses.replace(config, min_sparse_numel=512), transform_dtype=EXACT)  # b is dense, coded
     g = _grads(7, shapes=shapes)
     feedback = ErrorFeedback(beta=1.0)
     sent = codec.decompress(codec.compress(g, feedback))
@@ -207,3 +209,58 @@ def test_a_non_finite_gradient_is_refused_naming_its_tensor(bad, name):
         codec.compress(grads, ErrorFeedback(0.9))
     assert info.value.tensor == name
     codec.compress(_grads(8), ErrorFeedback(0.9))  # the codec itself is unharmed
+
+
+# ---------------------------------------------------------------- the sender's transform dtype
+
+
+def test_bfloat16_transform_keeps_what_the_codec_keeps():
+    """A bfloat16 forward DCT moves coefficients by well under 1%: full-k reconstruction is that close, the
+    payload is the same format, and the error feedback still holds g minus what the receiver decodes."""
+    fast = GradientCodec(SHAPES, CodecConfig(topk=64 * 64, bins=0), transform_dtype=torch.bfloat16)
+    exact = GradientCodec(SHAPES, CodecConfig(topk=64 * 64, bins=0), transform_dtype=EXACT)
+    g = _grads(3)
+    out = fast.decompress(fast.compress(g))
+    err = (_cat(out) - _cat(g)).norm() / _cat(g).norm()
+    assert 1e-4 < err < 1e-2  # bfloat16 rounding happened, and stayed small
+    assert fast.plan.payload_bytes() == exact.plan.payload_bytes()
+    shapes = {"w": (128, 128)}
+    codec = GradientCodec(shapes, CodecConfig(), transform_dtype=torch.bfloat16)
+    g = _grads(7, shapes=shapes)
+    feedback = ErrorFeedback(beta=1.0)
+    sent = codec.decompress(codec.compress(g, feedback))
+    (key,) = feedback.buffers
+    assert feedback.buffers[key].dtype == torch.float32
+    residual = idct_chunks(feedback.buffers[key].view(4, 64, 64)).view(2, 2, 64, 64).permute(0, 2, 1, 3).reshape(128, 128)
+    assert ((residual - (g["w"] - sent["w"])).norm() / g["w"].norm()) < 1e-2
+
+
+def test_bfloat16_transform_selects_nearly_the_same_coefficients():
+    """Top-k on bfloat16-transformed coefficients keeps the same set except near-ties, and error feedback
+    over several steps sends as much of the gradient as the float32 transform does."""
+    shapes = {"w": (256, 256)}
+    fast, exact = (GradientCodec(shapes, CodecConfig(), transform_dtype=d) for d in (torch.bfloat16, EXACT))
+    fb_fast, fb_exact = ErrorFeedback(beta=0.9), ErrorFeedback(beta=0.9)
+    sent_fast, sent_exact = torch.zeros(256, 256), torch.zeros(256, 256)
+    for step in range(5):
+        g = _grads(20 + step, shapes=shapes)
+        p_fast, p_exact = fast.compress(g, fb_fast), exact.compress(g, fb_exact)
+        if step == 0:
+            same = [a == b for a, b in zip(fast.decode(p_fast).indices[0].sort(1).values.flatten().tolist(), exact.decode(p_exact).indices[0].sort(1).values.flatten().tolist())]
+            assert sum(same) / len(same) > 0.9
+        sent_fast += fast.decompress(p_fast)["w"]
+        sent_exact += exact.decompress(p_exact)["w"]
+    assert abs(sent_fast.norm() / sent_exact.norm() - 1) < 0.02
+
+
+def test_fast_transform_dtype_is_bfloat16_only_where_the_cpu_multiplies_it(monkeypatch):
+    from gradwire.compression import dct
+
+    monkeypatch.setattr(dct, "_cpu_has_native_bf16", lambda: True)
+    assert dct.fast_transform_dtype("cpu") == torch.bfloat16
+    assert GradientCodec(SHAPES).transform_dtype == torch.bfloat16
+    assert dct.fast_transform_dtype("cuda") == torch.float32  # a GPU's float32 transform is already cheap
+    monkeypatch.setattr(dct, "_cpu_has_native_bf16", lambda: False)
+    assert dct.fast_transform_dtype("cpu") == torch.float32
+    assert GradientCodec(SHAPES).transform_dtype == torch.float32
+    assert GradientCodec(SHAPES, transform_dtype=torch.float32).transform_dtype == torch.float32
