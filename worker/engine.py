@@ -342,9 +342,7 @@ class WorkerEngine:
             except Exception as e:  # noqa: BLE001 - the round will compute it again, and say what fails
                 log.warning("run %r: computing round %d ahead failed: %s", expected.run_id, expected.round, e)
                 return
-            session.lookahead = lookahead.Lookahead(
-                expected.run_id, expected.round, expected.base_version, expected.batch, expected.micro_batch_size, contribution, time.perf_counter() - t0,
-            )
+            session.lookahead = lookahead.Lookahead(expected, contribution, time.perf_counter() - t0)
 
     def _bus_bytes(self) -> int:
         """Bytes this rank has put on the node's bus so far (0 off a node)."""

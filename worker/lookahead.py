@@ -27,28 +27,25 @@ from gradwire.worker.compute import Contribution
 
 @dataclasses.dataclass(frozen=True)
 class Lookahead:
-    """The gradient of ``batch`` at replica ``version``, computed ahead for round ``round`` of ``run_id``."""
+    """The contribution ``expected`` (a ``preview``) asks for, computed ahead."""
 
-    run_id: str
-    round: int
-    version: int
-    batch: np.ndarray
-    micro_batch_size: int
+    expected: WorkOrder
     contribution: Contribution
     seconds: float  # the compute it took (reported as the round's compute time when used)
 
     def serves(self, order: WorkOrder, version: int) -> tuple[bool, str]:
         """Whether ``order``, with the replica at ``version`` when its compute would start, asks for this
         very computation; and why not, when it does not."""
-        if order.run_id != self.run_id or order.round != self.round:
-            return False, f"computed ahead for round {self.round}, the order is round {order.round}"
+        made = self.expected
+        if order.run_id != made.run_id or order.round != made.round:
+            return False, f"computed ahead for round {made.round}, the order is round {order.round}"
         if not order.compute_before_update or order.local_steps is not None:
             return False, "the order is not a delayed gradient-mode round"
-        if order.catch_up or version != self.version:
-            return False, f"computed ahead at version {self.version}, the order computes at {version}"
-        if order.micro_batch_size != self.micro_batch_size:
+        if order.catch_up or version != made.base_version:
+            return False, f"computed ahead at version {made.base_version}, the order computes at {version}"
+        if order.micro_batch_size != made.micro_batch_size:
             return False, "the order's micro-batching differs"
-        if order.batch.shape != self.batch.shape or not np.array_equal(order.batch, self.batch):
+        if order.batch.shape != made.batch.shape or not np.array_equal(order.batch, made.batch):
             return False, "the order's batch differs from the one announced"
         return True, "the order asks for the gradient computed ahead"
 

@@ -99,7 +99,7 @@ def test_a_delayed_order_computes_before_its_update_then_applies_it():
 
 def test_lookahead_serves_only_the_computation_it_made():
     order = WorkOrder("run", 3, 7, _batch(1), CODEC, Fingerprint((), (), ()), compute_before_update=True)
-    ahead = Lookahead("run", 3, 7, order.batch.copy(), 0, Contribution({}, 0.0, 0), 0.1)
+    ahead = Lookahead(dataclasses.replace(order, batch=order.batch.copy()), Contribution({}, 0.0, 0), 0.1)
     assert ahead.serves(order, 7)[0]
     for changed, version, why in (
         (dict(round=4), 7, "round"),
