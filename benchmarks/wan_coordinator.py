@@ -18,6 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from gradwire.coordinator.client import WorkerClient
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.trainer import Trainer
+from gradwire.memory import keep_freed_memory
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--topk", type=int, default=None, help="default: the mode's (as coordinator train)")
     parser.add_argument("--overlap", action="store_true", help="one-step-delayed rounds (coordinator train --overlap)")
     args = parser.parse_args(argv)
+    keep_freed_memory()  # as `coordinator train` does
     config = TrainConfig(model=args.model, steps=args.rounds, batch_size=args.batch_size, sequence_length=args.seq_len, inner_steps=args.inner_steps, output_dir=args.output_dir, overwrite=True,
                          target_chunk=args.target_chunk, topk=args.topk, overlap=args.overlap)
     clients = [WorkerClient(a, timeout=config.round_timeout) for a in args.workers.split(",")]
