@@ -20,7 +20,7 @@ OK, WHY = root_available()
 @pytest.mark.skipif(not OK, reason=WHY)
 def test_every_method_runs_over_the_shaped_links(capsys: pytest.CaptureFixture) -> None:
     latency = "25ms" if tun_available()[0] else "0"  # user-space latency needs TUN interfaces
-    assert wan.main(["--model", "gpt-tiny", "--steps", "4", "--inner-steps", "2", "--batch-size", "2", "--seq-len", "32", "--bandwidth", "50mbit", "--latency", latency, "--json"]) == 0
+    assert wan.main(["--model", "gpt-tiny", "--steps", "4", "--inner-steps", "2", "--batch-size", "2", "--seq-len", "32", "--bandwidth", "50mbit", "--latency", latency, "--methods", ",".join(wan.METHODS), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     methods = result["methods"]
     assert set(methods) == {"ddp", "ddp-powersgd", "gradwire", "gradwire-overlap", "gradwire-local"}
