@@ -14,9 +14,11 @@ methods take them as ``steps-total / H`` rounds of H) and is evaluated on the sa
                    math): the reference.
   demo             gradient mode as DeMo: DCT + top-32 of 4096 + 8-bit values, error feedback 0.999, sign-SGD
                    (lr 7e-4: the best of 2e-3, 1e-3 and 7e-4 at the default 1200 steps).
-  diloco           H inner AdamW steps, uncompressed pseudo-gradients, outer Nesterov (lr 0.7, momentum 0.9).
-  sparseloco       H inner AdamW steps, pseudo-gradients through error feedback (0.95), DCT + top-90 of 4096
-                   (2.2%, the most that stays >= 3000x at H 30) + 2-bit values, outer SGD at lr 1.
+  diloco           H = 30 inner AdamW steps, uncompressed pseudo-gradients, outer Nesterov (lr 0.7, momentum 0.9).
+  sparseloco       H = 120 inner AdamW steps, pseudo-gradients through error feedback (0.95), DCT + top-360 of
+                   4096 (8.8%: 3 H, the most that stays >= 3000x fewer bytes per token) + 2-bit values, outer SGD
+                   at lr 1 (H 120 trained best of 30/60/120/240 at equal bytes per token; --inner-steps 30 is
+                   the field's H, with top-90).
   sparseloco-sign  the same with 1-bit sign values.
 
 Reports per method the held-out loss at the end, the last round's training loss, uplink bytes per worker per
@@ -65,18 +67,20 @@ _LOCAL = {"inner_optimizer": "adamw", "inner_learning_rate": 1e-3, "inner_lr_sch
 METHODS: dict[str, dict[str, Any]] = {
     "dense": dict(_GRADIENT, no_compression=True, outer_optimizer="adamw", learning_rate=7e-4),
     "demo": dict(_GRADIENT, outer_optimizer="signsgd", learning_rate=7e-4, target_chunk=64, topk=32, use_dct=True, bins=256, feedback_beta=0.999),
-    "diloco": dict(_LOCAL, no_compression=True, outer_optimizer="nesterov", learning_rate=0.7, momentum=0.9),
-    "sparseloco": dict(_LOCAL, outer_optimizer="sgd", learning_rate=1.0, topk=90, bins=4, values="lut", feedback_beta=0.95),
-    "sparseloco-sign": dict(_LOCAL, outer_optimizer="sgd", learning_rate=1.0, topk=90, values="sign", feedback_beta=0.95),
+    "diloco": dict(_LOCAL, inner_steps=30, no_compression=True, outer_optimizer="nesterov", learning_rate=0.7, momentum=0.9),
+    # top-k: the mode's default, 3 H of 4096 past H 30 (360 at H 120): ~3000x fewer bytes per token at any H.
+    "sparseloco": dict(_LOCAL, inner_steps=120, outer_optimizer="sgd", learning_rate=1.0, bins=4, values="lut", feedback_beta=0.95),
+    "sparseloco-sign": dict(_LOCAL, inner_steps=120, outer_optimizer="sgd", learning_rate=1.0, values="sign", feedback_beta=0.95),
 }
 LOCAL_METHODS = ("diloco", "sparseloco", "sparseloco-sign")
 
 
 def method_config(name: str, args: argparse.Namespace, overrides: dict[str, Any]) -> TrainConfig:
     """The run of one method: ``steps_total`` inner steps per worker, as rounds of 1 or of H."""
-    h = args.inner_steps if name in LOCAL_METHODS else 1
-    settings = {**METHODS[name], **overrides}
-    settings.setdefault("inner_steps", h)
+    settings = dict(METHODS[name])
+    if name in LOCAL_METHODS and args.inner_steps is not None:
+        settings["inner_steps"] = args.inner_steps
+    settings.update(overrides)
     h = settings["inner_steps"]
     warmup = int(WARMUP_FRACTION * args.steps_total)
     settings.setdefault("inner_warmup_steps" if h > 1 else "warmup_steps", warmup)
@@ -116,7 +120,7 @@ def run_method(name: str, config: TrainConfig) -> dict[str, Any]:
         "wall_s": wall,
         "step_time_s": wall / len(records),
         "params": params,
-        "settings": {k: getattr(config, k) for k in sorted(METHODS[name].keys() | {"inner_steps", "steps", "warmup_steps", "inner_warmup_steps"})},
+        "settings": {k: getattr(config, k) for k in sorted(METHODS[name].keys() | {"inner_steps", "steps", "warmup_steps", "inner_warmup_steps", "topk"})},
         "curve": curve,
     }
 
@@ -194,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps-total", type=int, default=1200, help="inner steps per worker, the same for every method")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per worker per inner step")
     parser.add_argument("--sequence-length", type=int, default=128)
-    parser.add_argument("--inner-steps", type=int, default=30, help="H of the local-SGD methods")
+    parser.add_argument("--inner-steps", type=int, default=None, help="H of every local-SGD method (default: each its own, diloco 30, sparseloco 120)")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ", ".join(METHODS))
     parser.add_argument("--set", action="append", default=[], metavar="METHOD.FIELD=VALUE", help="override a method's TrainConfig field (repeatable)")
     parser.add_argument("--seed", type=int, default=0)
@@ -205,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     methods = [m for m in args.methods.split(",") if m]
     if unknown := [m for m in methods if m not in METHODS]:
         parser.error(f"--methods: unknown {unknown}; known: {', '.join(METHODS)}")
-    if args.steps_total < 1 or args.batch_size < 1 or args.sequence_length < 1 or args.inner_steps < 1:
+    if args.steps_total < 1 or args.batch_size < 1 or args.sequence_length < 1 or (args.inner_steps is not None and args.inner_steps < 1):
         parser.error("--steps-total, --batch-size, --sequence-length and --inner-steps must be >= 1")
     try:
         overrides = parse_overrides(args.set, methods)
@@ -298,6 +302,9 @@ if __name__ == "__main__":
 #                      300 against dense 5.01, abandoned
 #   full default run at 1200 steps (45 min): dense 4.5524 | demo 4.6192 (+1.47%, 183x) | diloco 5.0021 (+9.9%)
 #                      | sparseloco 4.8811 (+7.22%, 3091x) | sparseloco-sign 4.8766 (+7.12%, 3332x)
+#   sparseloco at 1200 steps, bytes per token held (top-k = 3 H): inner lr 7e-4 4.9068 (1e-3 stays) | H 30 / 90
+#                      4.8811 (+7.2%) | H 60 / 180 4.8529 (+6.6%) | H 120 / 360 4.8211 (+5.9%, kept: now the
+#                      default, with top-k following H in coordinator train too) | H 240 / 720 4.8365 (+6.2%)
 # At 600 steps, targets not met: demo stays ~5% and sparseloco ~7% above dense. Local SGD with two workers
 # here barely beats one worker alone (plain averaging 5.083 vs 5.125), and DiLoCo's outer Nesterov (0.7/0.9)
 # needs far more than 20 rounds; lower learning rates helped every method.

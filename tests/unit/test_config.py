@@ -21,6 +21,9 @@ def test_local_sgd_defaults_follow_sparseloco_and_diloco() -> None:
     assert {k: getattr(compressed, k) for k in defaults} == defaults
     assert compressed.bins == 4 and compressed.feedback_beta == 0.95 and compressed.codec_config().bins == 4
     assert (compressed.topk, TrainConfig().topk, TrainConfig(inner_steps=30, topk=16).topk) == (90, 32, 16)
+    # Past H 30 the top-k grows with H: the same uplink bytes per trained token.
+    assert [TrainConfig(inner_steps=h).topk for h in (2, 15, 30, 60, 120, 2000)] == [90, 90, 90, 180, 360, 4096]
+    assert TrainConfig(inner_steps=120, target_chunk=32).topk == 90
     dense = TrainConfig(inner_steps=30, no_compression=True)
     assert (dense.outer_optimizer, dense.learning_rate, dense.momentum) == ("nesterov", 0.7, 0.9)
     assert TrainConfig(inner_steps=30, inner_optimizer="muon").inner_momentum == 0.95
