@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from gradwire import hardware
+
 
 @functools.lru_cache(maxsize=64)
 def dct_basis(n: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -63,19 +65,9 @@ def fast_transform_dtype(device: torch.device | str = "cpu") -> torch.dtype:
     decode the same payload bytes either way, so replicas stay bit-identical.
     """
     device = torch.device(device)
-    if device.type == "cpu" and _cpu_has_native_bf16():
+    if device.type == "cpu" and hardware.cpu_multiplies_bf16():
         return torch.bfloat16
     return torch.float32
-
-
-@functools.lru_cache(maxsize=1)
-def _cpu_has_native_bf16() -> bool:
-    """Instructions that multiply bfloat16, not just store it (oneDNN would emulate them in float32)."""
-    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    try:
-        return any(check() for check in checks if check is not None)
-    except RuntimeError:
-        return False
 
 
 def dct_flops(chunk_shape: tuple[int, ...], num_chunks: int) -> int:

@@ -2,7 +2,8 @@
 
 ``InnerOptimizer`` wraps the torch optimizer(s) for one model: ``adamw`` (decoupled weight decay), ``sgd``
 (optionally heavy-ball or Nesterov momentum), or ``muon`` as MuLoCo and DeMuon run it: ``torch.optim.Muon``
-(momentum, then Newton-Schulz orthogonalization) on the hidden 2-D weight matrices and AdamW on everything
+(momentum, then Newton-Schulz orthogonalization; ``optim.muon`` runs it in float32 on CPUs that would
+emulate bfloat16) on the hidden 2-D weight matrices and AdamW on everything
 else (embeddings, the output head, norms, biases). ``muon_parameters`` is the one rule deciding which is
 which.
 
@@ -22,6 +23,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from gradwire.optim.muon import Muon
 
 INNER_OPTIMIZERS = ("adamw", "sgd", "muon")
 
@@ -167,7 +170,7 @@ class InnerOptimizer:
             if hidden:
                 # "match_rms_adamw" scales each matrix's orthogonalized update to the RMS an AdamW update
                 # has (0.2 * sqrt(max(A, B))), so one learning rate and one schedule suit both groups.
-                self._optimizers.append(torch.optim.Muon(
+                self._optimizers.append(Muon(
                     [p for n, p in self._params.items() if n in hidden], lr=0.0, weight_decay=c.weight_decay,
                     momentum=c.momentum, nesterov=True, ns_steps=c.ns_steps, adjust_lr_fn="match_rms_adamw",
                 ))

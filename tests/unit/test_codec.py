@@ -254,13 +254,14 @@ def test_bfloat16_transform_selects_nearly_the_same_coefficients():
 
 
 def test_fast_transform_dtype_is_bfloat16_only_where_the_cpu_multiplies_it(monkeypatch):
+    from gradwire import hardware
     from gradwire.compression import dct
 
-    monkeypatch.setattr(dct, "_cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(hardware, "cpu_multiplies_bf16", lambda: True)
     assert dct.fast_transform_dtype("cpu") == torch.bfloat16
     assert GradientCodec(SHAPES).transform_dtype == torch.bfloat16
     assert dct.fast_transform_dtype("cuda") == torch.float32  # a GPU's float32 transform is already cheap
-    monkeypatch.setattr(dct, "_cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(hardware, "cpu_multiplies_bf16", lambda: False)
     assert dct.fast_transform_dtype("cpu") == torch.float32
     assert GradientCodec(SHAPES).transform_dtype == torch.float32
     assert GradientCodec(SHAPES, transform_dtype=torch.float32).transform_dtype == torch.float32

@@ -177,6 +177,55 @@ def test_muon_update_is_approximately_orthogonal() -> None:
     assert torch.sum(update * p.grad.double()) > 0
 
 
+def _muon_pair(shapes: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch, native_bf16: bool):
+    """Our Muon and torch's on identical parameters and gradients, with the CPU's bfloat16 as given."""
+    from gradwire import hardware
+    from gradwire.optim.muon import Muon
+
+    monkeypatch.setattr(hardware, "cpu_multiplies_bf16", lambda: native_bf16)
+    gen = torch.Generator().manual_seed(7)
+    ours = [nn.Parameter(torch.randn(*s, generator=gen)) for s in shapes]
+    theirs = [nn.Parameter(p.detach().clone()) for p in ours]
+    settings = dict(lr=1e-2, weight_decay=0.1, momentum=0.9, adjust_lr_fn="match_rms_adamw")
+    return ours, theirs, Muon(ours, **settings), torch.optim.Muon(theirs, **settings)
+
+
+def _step_both(ours, theirs, opt_ours, opt_theirs, steps: int) -> None:
+    gen = torch.Generator().manual_seed(8)
+    for _ in range(steps):
+        for p, q in zip(ours, theirs):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        opt_ours.step()
+        opt_theirs.step()
+
+
+def test_muon_on_a_cpu_that_emulates_bf16_runs_newton_schulz_in_float32(monkeypatch) -> None:
+    from gradwire.optim.muon import newton_schulz_dtype
+
+    shapes = [(24, 40), (40, 24)]  # wide and tall
+    ours, theirs, opt_ours, opt_theirs = _muon_pair(shapes, monkeypatch, native_bf16=False)
+    assert newton_schulz_dtype(torch.device("cpu")) == torch.float32
+    start = [p.detach().clone() for p in theirs]
+    _step_both(ours, theirs, opt_ours, opt_theirs, steps=3)
+    for p, q, p0 in zip(ours, theirs, start):
+        # torch's bfloat16 iteration and our float32 one differ by bfloat16's rounding, not in kind...
+        assert (p - q).norm() < 0.03 * (q - p0).norm()
+        # ...but they do differ: this really is another precision.
+        assert not torch.equal(p, q)
+    # The same state under the same keys: a checkpoint moves between the two.
+    for p, q in zip(ours, theirs):
+        assert opt_ours.state[p].keys() == opt_theirs.state[q].keys() == {"momentum_buffer"}
+        assert torch.equal(opt_ours.state[p]["momentum_buffer"], opt_theirs.state[q]["momentum_buffer"])
+
+
+def test_muon_where_bf16_is_native_is_torchs_own_step(monkeypatch) -> None:
+    ours, theirs, opt_ours, opt_theirs = _muon_pair([(24, 40), (40, 24)], monkeypatch, native_bf16=True)
+    _step_both(ours, theirs, opt_ours, opt_theirs, steps=3)
+    for p, q in zip(ours, theirs):
+        assert torch.equal(p, q)
+
+
 def test_load_rejects_bad_state_and_changes_nothing(tiny: GPT) -> None:
     model = copy.deepcopy(tiny)
     opt = InnerOptimizer(model, CONFIGS["adamw"])
