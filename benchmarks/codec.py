@@ -13,6 +13,8 @@ shipped corpus, and measures on it:
             (and the error with a float32 transform, where the default is bfloat16);
   time      compress (and with a float32 transform, side by side), decompress, and aggregation of 1, 8 and 64 payloads (median over --repeats, after one
             warm-up call);
+  top-k     the codec's per-chunk selection (``compression.select``) against torch.topk on the same
+            coefficient stacks, side by side;
   DCT rate  achieved GFLOP/s of the forward chunk DCT over every chunk group of the model, next to plain
             2-D matmuls with the same FLOPs, timed by the same harness in the same run.
 Prints one JSON object (``--json``: on one line).
@@ -37,6 +39,7 @@ from gradwire.assets import corpus_path
 from gradwire.compression import CodecConfig, CompressedGradient, Encoding, GradientCodec
 from gradwire.compression.config import VALUE_CODINGS
 from gradwire.compression.dct import dct_chunks
+from gradwire.compression.select import topk_indices
 from gradwire.memory import keep_freed_memory
 from gradwire.models import build_model, lm_loss, model_names, tokenizer_for
 
@@ -177,6 +180,22 @@ def dct_rates(codec: GradientCodec, repeats: int, device: torch.device) -> dict[
     }
 
 
+def select_times(codec: GradientCodec, grads: dict[str, torch.Tensor], repeats: int, device: torch.device) -> dict[str, float]:
+    """The per-chunk top-k of every chunk group: ``compression.select`` against ``torch.topk``, interleaved."""
+    scores = [codec._coefficients(g, grads).float().abs() for g in codec.plan.groups]
+
+    def ours() -> None:
+        for s, g in zip(scores, codec.plan.groups):
+            topk_indices(s, g.k)
+
+    def torchs() -> None:
+        for s, g in zip(scores, codec.plan.groups):
+            s.topk(g.k, dim=1, sorted=False)
+
+    ours_ms, torch_ms = median_ms_each([ours, torchs], repeats, device)
+    return {"select_ms": ours_ms, "select_torch_topk_ms": torch_ms, "select_speedup": torch_ms / ours_ms}
+
+
 def payload_size(payload: CompressedGradient) -> tuple[int, str]:
     try:
         from gradwire.compression.serde import gradient_to_bytes
@@ -250,6 +269,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dense_bytes = 4 * sum(t.numel() for t in grads.values())
     metadata = payload_bytes - essential_bytes(payload, codec)
     rates = dct_rates(codec, args.repeats, device)
+    selection = select_times(codec, grads, args.repeats, device)
     sparse = [t for t in codec.plan.tensors if t.encoding == Encoding.SPARSE]
     return {
         "model": args.model,
@@ -279,6 +299,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "decompress_ms": decompress_ms,
         "aggregate_ms": aggregate_ms,
         "aggregate_float64_ms": aggregate_float64_ms,
+        **selection,
         **rates,
         "repeats": args.repeats,
         "device": str(device),

@@ -42,6 +42,7 @@ from gradwire.compression.plan import (
     values_nbytes,
 )
 from gradwire.compression.quant import Quantized, dequantize, quantize, quantize_sign, sign_table
+from gradwire.compression.select import topk_indices
 
 if TYPE_CHECKING:
     from gradwire.compression.aggregate import Aggregator
@@ -142,7 +143,7 @@ class GradientCodec:
     def _select(self, group: ChunkGroup, layout: _GroupLayout, coeffs: torch.Tensor, update_feedback: bool) -> dict[str, CompressedTensor]:
         """Top-k per chunk, quantize per tensor, subtract what is sent from ``coeffs`` if it is feedback."""
         k = group.k
-        _, idx = coeffs.abs().topk(k, dim=1, sorted=False)  # (B, k)
+        idx = topk_indices(coeffs.abs(), k)  # (B, k)
         vals = coeffs.gather(1, idx)  # (B, k)
         # top-k ranks NaN and infinity first, and the DCT spreads one over its chunk: checking the kept
         # values finds any in the group.

@@ -28,6 +28,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from gradwire.compression.dct import dct_chunks, idct_chunks
+from gradwire.compression.select import topk_indices
 
 COMM_HOOKS = ("none", "fp16", "powersgd", "dct")
 POWERSGD_RANK = 4
@@ -113,7 +114,7 @@ def dct_hook(state: DctBus, bucket: dist.GradBucket) -> torch.futures.Future[tor
     coeffs = dct_chunks(padded.view(chunks, DCT_CHUNK))  # (chunks, DCT_CHUNK)
     if m is not None and m.shape == coeffs.shape:
         coeffs += m
-    _, idx = coeffs.abs().topk(DCT_TOPK, dim=1, sorted=False)  # (chunks, k)
+    idx = topk_indices(coeffs.abs(), DCT_TOPK)  # (chunks, k)
     vals = coeffs.gather(1, idx)
     coeffs.scatter_(1, idx, 0.0)
     state.feedback[bucket.index()] = coeffs  # what was not sent stays for the next step
