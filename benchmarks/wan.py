@@ -5,6 +5,8 @@
     sudo python -m benchmarks.wan --latency 0 --json                    # no added latency (a plain bridge)
     sudo python -m benchmarks.wan --model gpt-tiny --steps 6 --json     # a quick look
     sudo python -m benchmarks.wan --methods gradwire --target-chunk 32 --topk 8 --json   # another codec setting
+    sudo python -m benchmarks.wan --methods ddp,gradwire-local --steps 360 --inner-steps 120 --baseline-steps 20 --json
+                                                                        # local SGD at H 120 against DDP timed over 20 steps
 
 Makes test hosts in network namespaces (``benchmarks.netns``), every link shaped to ``--bandwidth`` with a
 token bucket and every packet delayed by ``--latency`` one way (in user space, ``benchmarks.wire``: this
@@ -16,6 +18,9 @@ kernel has no ``netem``), and on the same hosts, with the same model, batch and 
 * ``gradwire-overlap``: the same with ``--overlap`` (one-step-delayed rounds: each worker computes its
   next gradient while its last result travels and is aggregated);
 * ``gradwire-local``: the same in local-SGD rounds of ``--inner-steps`` (fewer rounds, equal tokens).
+
+``--baseline-steps`` times the DDP rows over fewer steps than gradwire's (their per-step cost is steady
+after a few): their loss is then not after equal tokens, and is not compared.
 
 For each: step time (median), the part of it that is not compute, bytes on the wire per step (the hosts'
 kernel interface counters, summed over hosts, divided by steps - not estimated), tokens/s, held-out loss
@@ -57,7 +62,7 @@ def run_ddp(lab: Lab, args: argparse.Namespace, hook: str) -> dict:
     env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // workers)), "HF_HUB_OFFLINE": "1"}
     procs = [
         lab.popen(1 + r, [sys.executable, "-m", "benchmarks.ddp_rank", "--rank", str(r), "--world", str(workers), "--master", master,
-                          "--model", args.model, "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--hook", hook],
+                          "--model", args.model, "--steps", str(args.baseline_steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--hook", hook],
                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         for r in range(workers)
     ]
@@ -66,10 +71,10 @@ def run_ddp(lab: Lab, args: argparse.Namespace, hook: str) -> dict:
         if p.returncode != 0:
             raise RuntimeError(f"ddp rank failed: {err[-2000:]}")
     result = json.loads(outs[0][0].strip().splitlines()[-1])
-    wire = (total_bytes(lab) - before) / args.steps
+    wire = (total_bytes(lab) - before) / args.baseline_steps
     # The compute time comes from separate steps, so on a fast enough link (or with communication that
     # overlaps the backward) the difference can dip below zero: it is then 0.
-    return {**result, "non_compute_time": max(0.0, result["step_time"] - result["compute_time"]), "bytes_per_step": wire, "tokens_per_sec": result["tokens"] / args.steps / result["step_time"]}
+    return {**result, "non_compute_time": max(0.0, result["step_time"] - result["compute_time"]), "bytes_per_step": wire, "tokens_per_sec": result["tokens"] / args.baseline_steps / result["step_time"]}
 
 
 def run_gradwire(lab: Lab, args: argparse.Namespace, inner_steps: int, overlap: bool = False) -> dict:
@@ -112,9 +117,27 @@ def run_gradwire(lab: Lab, args: argparse.Namespace, inner_steps: int, overlap: 
         "step_time": step, "compute_time": compute, "non_compute_time": step - compute,
         "replay_time": replay, "encode_time": encode, "aggregate_time": aggregate, "link_time": step - compute - replay - encode - aggregate,
         "bytes_per_step": (wire - push) / steps, "state_push_bytes": push, "bytes_per_step_with_push": wire / steps,
+        # Round by round (per step), the first round's state push left out: later rounds no longer pay first-use
+        # costs (the replay's buffers are first allocated in round 2), which a median over few rounds still shows.
+        "rounds_non_compute_time": [(r["step_time"] - r["worker_compute_time"]) / inner_steps for r in timed],
+        "rounds_replay_time": [r["worker_update_time"] / inner_steps for r in timed],
+        "rounds_encode_time": [r["worker_compress_time"] / inner_steps for r in timed],
         "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in timed), "eval_loss": run["eval_loss"],
         "train_loss": records[-1]["loss"], "tokens": records[-1]["total_tokens"],
     }
+
+
+def compare_with_ddp(results: dict[str, dict]) -> None:
+    """Add each method's ratios to DDP's row (if DDP ran): non-compute time and bytes per step (every method
+    trains the same batch per step, so per step is per trained token), and loss, only after equal tokens."""
+    ddp = results.get("ddp")
+    if ddp is None:
+        return
+    for r in results.values():
+        # A ratio to ~0 s says nothing: only where the non-compute part is over 1% of the step.
+        r["non_compute_vs_ddp"] = ddp["non_compute_time"] / r["non_compute_time"] if r["non_compute_time"] > 0.01 * r["step_time"] else None
+        r["bytes_vs_ddp"] = ddp["bytes_per_step"] / max(r["bytes_per_step"], 1.0)
+        r["loss_vs_ddp"] = r["eval_loss"] / ddp["eval_loss"] if r["tokens"] == ddp["tokens"] else None
 
 
 def parse_latency(text: str) -> float:
@@ -137,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="gpt-10m")
     parser.add_argument("--steps", type=int, default=20, help="training steps per method (local SGD: in rounds of --inner-steps)")
     parser.add_argument("--inner-steps", type=int, default=10)
+    parser.add_argument("--baseline-steps", type=int, default=None,
+                        help="steps the DDP baselines run (default: --steps). Their per-step cost is steady after a few steps, so fewer "
+                             "let local SGD run long rounds in less time; their loss is then not at equal tokens and is not compared")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--timeout", type=float, default=1200.0)
@@ -145,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--topk", type=int, default=None, help="gradwire's coefficients per chunk (default: the mode's)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    args.baseline_steps = args.baseline_steps or args.steps
+    if min(args.steps, args.baseline_steps, args.inner_steps) < 1:
+        parser.error("--steps, --baseline-steps and --inner-steps must be >= 1")
     unknown = [m for m in args.methods.split(",") if m not in METHODS]
     if unknown:
         parser.error(f"unknown method {unknown[0]!r} (choose from {', '.join(METHODS)})")
@@ -171,14 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                 results[method] = run_gradwire(lab, args, 1, overlap=True)
             elif method == "gradwire-local":
                 results[method] = run_gradwire(lab, args, args.inner_steps)
-    ddp = results.get("ddp")
-    for name, r in results.items():
-        if ddp:
-            # A ratio to ~0 s says nothing: only where the non-compute part is over 1% of the step.
-            r["non_compute_vs_ddp"] = ddp["non_compute_time"] / r["non_compute_time"] if r["non_compute_time"] > 0.01 * r["step_time"] else None
-            r["bytes_vs_ddp"] = ddp["bytes_per_step"] / max(r["bytes_per_step"], 1.0)
-            r["loss_vs_ddp"] = r["eval_loss"] / ddp["eval_loss"]
-    out = {"bandwidth": args.bandwidth, "latency_ms": args.latency * 1e3, "target_chunk": args.target_chunk, "topk": args.topk, "workers": args.workers, "model": args.model, "steps": args.steps, "seconds": round(time.monotonic() - t0, 1), "methods": results}
+    compare_with_ddp(results)
+    out = {"bandwidth": args.bandwidth, "latency_ms": args.latency * 1e3, "target_chunk": args.target_chunk, "topk": args.topk, "workers": args.workers, "model": args.model, "steps": args.steps, "baseline_steps": args.baseline_steps, "seconds": round(time.monotonic() - t0, 1), "methods": results}
     print(json.dumps(out, indent=None if args.json else 2))
     return 0
 

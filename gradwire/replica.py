@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from gradwire.compression import CodecConfig, CompressedGradient, GradientCodec, robust
+from gradwire.compression import CodecConfig, CompressedGradient, DecodedGradient, GradientCodec, robust
 from gradwire.compression.aggregate import Aggregator
 from gradwire.compression.robust import MEAN, AggregationRule
 from gradwire.optim.outer import UpdateRule, outer_step
@@ -156,12 +156,15 @@ class Replica:
         return self._codecs[config]
 
     @torch.no_grad()
-    def apply(self, update: StateUpdate, aggregator: Aggregator | robust.CoordinateAggregate | None = None) -> dict[str, torch.Tensor]:
+    def apply(self, update: StateUpdate, aggregator: Aggregator | robust.CoordinateAggregate | None = None, known: tuple[CompressedGradient, DecodedGradient] | None = None) -> dict[str, torch.Tensor]:
         """Apply ``update``; return what was applied (the aggregate gradient, or the delta).
 
         Every payload is validated before any parameter changes, so a bad update leaves the replica as
         it was (``PayloadError``). A caller that has already summed the update's payloads (the
-        coordinator, which validated them on arrival) passes that ``aggregator`` instead of paying twice.
+        coordinator, which validated them on arrival) passes that ``aggregator`` instead of paying twice;
+        one that has decoded a payload already (a worker, its own, while it waited) passes it as ``known``
+        (the payload object and its ``GradientCodec.decode``): where the update carries that very object, the
+        decoded form is summed. Decoding is deterministic, so the result is the same bits either way.
         """
         if update.delta is not None:
             delta = self.codec(update.delta.settings).decompress(update.delta)
@@ -181,7 +184,8 @@ class Replica:
         else:
             codec = self.codec(update.payloads[0].settings)
             weights = update.weights or (1.0,) * len(update.payloads)
-            aggregate = robust.aggregate(codec, update.payloads, weights, update.scales, update.rule).result()
+            senders = [known[1] if known is not None and p is known[0] else p for p in update.payloads]
+            aggregate = robust.aggregate(codec, senders, weights, update.scales, update.rule).result()
         _check_step(aggregate, update.learning_rate)
         outer_step(list(self.params.values()), [aggregate[n] for n in self.params], self.rule, update.learning_rate, self.momentum)
         self.version += 1

@@ -40,7 +40,7 @@ from google.protobuf.message import Message
 
 import gradwire
 from gradwire import protocol
-from gradwire.compression import NonFiniteInput
+from gradwire.compression import CompressedGradient, DecodedGradient, NonFiniteInput
 from gradwire.protocol import (
     BEHIND,
     NEEDS_STATE,
@@ -285,8 +285,9 @@ class WorkerEngine:
         # moves); a delayed round (--overlap) applies the round's own update only after the compute.
         updates = (*order.catch_up, *([order.update] if order.update is not None else []))
         before = len(updates) - 1 if order.compute_before_update and order.update is not None else len(updates)
+        known = _sent_decoded(session)
         for update in updates[:before]:
-            replica.apply(update)
+            replica.apply(update, known=known)
         t_update = time.perf_counter()
         # 3. compute: one gradient, or H local steps on the working copy; or the gradient computed ahead.
         ahead, session.lookahead = session.lookahead, None
@@ -302,7 +303,7 @@ class WorkerEngine:
             compute_seconds = time.perf_counter() - t_update
         t_computed = time.perf_counter()
         for update in updates[before:]:
-            replica.apply(update)
+            replica.apply(update, known=known)
         t_compute = time.perf_counter()  # the encode starts
         update_seconds = (t_update - t0) + (t_compute - t_computed)
         if self.node is not None and not self.node.info.leader:  # rank 0 encodes the node's payload
@@ -319,6 +320,8 @@ class WorkerEngine:
         # The next round's check needs this replica's fingerprint: take it while the result travels and the
         # coordinator aggregates, not when the next order has arrived.
         session.fingerprint_ahead = self._ahead.submit(replica.fingerprint)
+        # Its replay sums this payload too: decode it now, while the CPU would wait (1/N of the replay's decoding).
+        session.sent_decoded = self._ahead.submit(replica.codec(order.codec).decode, payload)
         if self.node is None and (expected := lookahead.preview(order, replica.version)) is not None:
             self._compute.submit(self._look_ahead, session, expected)  # runs once this round's result is out
         timings = {"update": update_seconds, "compute": compute_seconds, "compress": t_done - t_compute, "total": t_done - t0}
@@ -357,6 +360,18 @@ def _view(session: Session | None) -> ReplicaView | None:
         session.fingerprint_ahead = None
     r = session.replica
     return ReplicaView(r.version, r.fingerprint(), r.numels, session.vocab_size, session.stale)
+
+
+def _sent_decoded(session: Session) -> tuple[CompressedGradient, DecodedGradient] | None:
+    """The last payload this worker sent and its decoded form, taken after that round (``Replica.apply``'s
+    ``known``); ``None`` if there is none or it could not be decoded (then the replay decodes it, and says why)."""
+    ahead, session.sent_decoded = session.sent_decoded, None
+    if ahead is None or session.last_sent is None:
+        return None
+    try:
+        return session.last_sent[1], ahead.result()
+    except Exception:  # noqa: BLE001 - the replay decodes the payload itself and raises what is wrong
+        return None
 
 
 class _NodeErrors:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gradwire.compression import CompressedGradient, ErrorFeedback
+from gradwire.compression import CompressedGradient, DecodedGradient, ErrorFeedback
 from gradwire.models import build_from_spec, spec_elements
 from gradwire.optim.inner import InnerOptimizer, InnerOptimizerConfig
 from gradwire.optim.outer import UpdateRule
@@ -67,6 +67,7 @@ class Session:
         self.feedback = ErrorFeedback()
         self.last_sent: tuple[int, CompressedGradient] | None = None  # (round, payload) of the last result
         self.fingerprint_ahead: Future[Fingerprint] | None = None  # the replica's, being taken after a round
+        self.sent_decoded: Future[DecodedGradient] | None = None  # last_sent's payload, decoded after the round
         self.lookahead: Lookahead | None = None  # --overlap: the next round's gradient, computed ahead
         if state.feedback:
             self.feedback.load_state_dict({k: v.to(device) for k, v in state.feedback.items()})

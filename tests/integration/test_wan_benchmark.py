@@ -32,6 +32,12 @@ def test_every_method_runs_over_the_shaped_links(capsys: pytest.CaptureFixture) 
         r = methods[name]
         assert r["replay_time"] > 0 and r["encode_time"] > 0 and r["aggregate_time"] > 0, name
         assert math.isclose(r["replay_time"] + r["encode_time"] + r["aggregate_time"] + r["link_time"], r["non_compute_time"], rel_tol=1e-9), name
+    for name, timed in (("gradwire", 3), ("gradwire-overlap", 3), ("gradwire-local", 1)):  # round by round, round 1 left out
+        r = methods[name]
+        assert len(r["rounds_non_compute_time"]) == len(r["rounds_replay_time"]) == len(r["rounds_encode_time"]) == timed, name
+        assert all(t > 0 for t in r["rounds_replay_time"] + r["rounds_encode_time"]), name
+    local = methods["gradwire-local"]
+    assert math.isclose(local["rounds_non_compute_time"][0], local["non_compute_time"], rel_tol=1e-9)
 
 
 def test_without_namespaces_it_says_why_and_exits_0(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:

@@ -145,3 +145,28 @@ def test_next_batch_crosses_the_wire_and_is_validated():
     with pytest.raises(ProtocolError, match="outside the model's vocabulary"):
         engine.run_round(_order(engine, 0, _batch(1), next_batch=bad))
     assert not engine.lookaheads
+
+
+def test_the_own_payload_decoded_while_waiting_is_what_the_replay_sums(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker decodes the payload it sent while its result travels; the next replay (which leaves that
+    payload out on the wire) sums the decoded form instead of decoding it again, to the same bits."""
+    from gradwire.compression import GradientCodec
+
+    engine = WorkerEngine("cpu")
+    engine.push_state(_state())
+    (session,) = engine.sessions.values()
+    reference = Replica(build_from_spec(SPEC, seed=0), UpdateRule(optimizer="sgd"), version=4)
+    first = engine.run_round(_order(engine, 0, _batch(1), compute_before_update=False))
+    assert first.status == OK and session.sent_decoded is not None
+    shapes = {n: tuple(p.shape) for n, p in reference.params.items()}
+    other = GradientCodec(shapes, CODEC).compress({n: torch.randn(s, generator=torch.Generator().manual_seed(7)) for n, s in shapes.items()})
+    update = StateUpdate(0.5, (first.gradient, other), (1.0, 3.0))
+    decoded = []
+    real_decode = GradientCodec.decode
+    monkeypatch.setattr(GradientCodec, "decode", lambda codec, payload: decoded.append(payload) or real_decode(codec, payload))
+    second = engine.run_round(_order(engine, 1, _batch(2), compute_before_update=False, update=update.without(0, 0)))
+    assert second.status == OK and second.version == 5
+    assert decoded[0] is other and not any(p is first.gradient for p in decoded)  # its own came decoded
+    reference.apply(update)  # the whole replay, every payload decoded as it arrives
+    for name, p in session.replica.params.items():
+        assert torch.equal(p, reference.params[name]), name
