@@ -27,11 +27,13 @@ def test_loss_is_compared_only_after_equal_tokens() -> None:
         "ddp": {"step_time": 12.0, "non_compute_time": 9.0, "bytes_per_step": 2.4e8, "eval_loss": 6.0, "tokens": 20_480},
         "gradwire": {**row, "tokens": 20_480},
         "gradwire-local": {**row, "tokens": 40_960},  # run longer than the baseline (--baseline-steps)
-        "flat": {**row, "non_compute_time": 0.01, "tokens": 20_480},  # under 1% of its step: no ratio
+        "flat": {**row, "non_compute_time": 0.01, "tokens": 20_480, "non_compute_measured": "separate steps"},  # ~0: no ratio
+        "long-rounds": {**row, "non_compute_time": 0.02, "tokens": 20_480, "non_compute_measured": "same rounds"},
     }
     wan.compare_with_ddp(results)
     assert results["gradwire"]["non_compute_vs_ddp"] == 18.0 and results["gradwire"]["bytes_vs_ddp"] == 120.0
     assert abs(results["gradwire"]["loss_vs_ddp"] - 1.1) < 1e-12
     assert results["gradwire-local"]["non_compute_vs_ddp"] == 18.0 and results["gradwire-local"]["loss_vs_ddp"] is None
-    assert results["flat"]["non_compute_vs_ddp"] is None
+    assert results["flat"]["non_compute_vs_ddp"] is None  # under 1% of its step, from separate compute steps
+    assert results["long-rounds"]["non_compute_vs_ddp"] == 450.0  # as small, but measured in the same rounds
     assert results["ddp"]["loss_vs_ddp"] == 1.0
