@@ -43,8 +43,21 @@ class Fleet:
         self.procs: dict[int, subprocess.Popen] = {}
 
     def start(self, port: int) -> None:
-        argv = [sys.executable, "-m", "gradwire.worker", "serve", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
-        self.procs[port] = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        argv = [
+            sys.executable,
+            "-m",
+            "gradwire.worker",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+        ]
+        self.procs[port] = subprocess.Popen(
+            argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
 
     def kill(self, port: int) -> None:
         self.procs[port].kill()
@@ -69,13 +82,24 @@ def run(rounds: int, chaos: bool, kills: int, seed: int, directory: Path) -> dic
     for port in ports[:3]:
         fleet.start(port)
     config = TrainConfig(
-        model="gpt-tiny", steps=rounds, batch_size=4, sequence_length=32, seed=seed, output_dir=str(directory / "run"),
-        min_workers=2, straggler_grace="1.0x", round_timeout=60.0, max_failed_seconds=120.0, checkpoint_every=0,
+        model="gpt-tiny",
+        steps=rounds,
+        batch_size=4,
+        sequence_length=32,
+        seed=seed,
+        output_dir=str(directory / "run"),
+        min_workers=2,
+        straggler_grace="1.0x",
+        round_timeout=60.0,
+        max_failed_seconds=120.0,
+        checkpoint_every=0,
     )
     connect = lambda address: WorkerClient(address, timeout=config.round_timeout)  # noqa: E731
     members = WorkersFile(listing)
     members.poll()
-    trainer = Trainer(config, [connect(f"127.0.0.1:{p}") for p in ports[:3]], progress=False, members=members, connect=connect)
+    trainer = Trainer(
+        config, [connect(f"127.0.0.1:{p}") for p in ports[:3]], progress=False, members=members, connect=connect
+    )
     kill_rounds = sorted(rng.sample(range(5, rounds - 5), kills)) if chaos else []
     restarts: dict[int, list[int]] = {}
     records, t0 = [], time.monotonic()
@@ -112,7 +136,9 @@ def run(rounds: int, chaos: bool, kills: int, seed: int, directory: Path) -> dic
     return {
         "rounds_completed": len(records),
         "steps_once": [r["step"] for r in records] == list(range(1, rounds + 1)),
-        "degraded_rounds": sum(r["successful_workers"] < (3 if r["step"] <= rounds // 2 else 4 if chaos else 3) for r in records),
+        "degraded_rounds": sum(
+            r["successful_workers"] < (3 if r["step"] <= rounds // 2 else 4 if chaos else 3) for r in records
+        ),
         "pushes": pushes,
         "state_bytes_reshipped_per_kill": ((pushes - initial) * state_bytes / kills) if chaos and kills else 0.0,
         "state_bytes": state_bytes,
@@ -136,7 +162,12 @@ def main(argv: list[str] | None = None) -> int:
         (Path(tmp) / "chaos").mkdir()
         calm = run(args.rounds, False, args.kills, args.seed, Path(tmp) / "calm")
         chaos = run(args.rounds, True, args.kills, args.seed, Path(tmp) / "chaos")
-    result = {"rounds": args.rounds, "undisturbed": calm, "chaos": chaos, "loss_ratio": round(chaos["held_out_loss"] / calm["held_out_loss"], 4)}
+    result = {
+        "rounds": args.rounds,
+        "undisturbed": calm,
+        "chaos": chaos,
+        "loss_ratio": round(chaos["held_out_loss"] / calm["held_out_loss"], 4),
+    }
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 

@@ -94,9 +94,7 @@ def corpus_batch(model_name: str, batch: int, seq: int) -> torch.Tensor:
     return torch.tensor(ids[:need]).view(batch, seq + 1)
 
 
-def real_gradient(
-    model: torch.nn.Module, tokens: torch.Tensor, seed: int
-) -> tuple[dict[str, torch.Tensor], float]:
+def real_gradient(model: torch.nn.Module, tokens: torch.Tensor, seed: int) -> tuple[dict[str, torch.Tensor], float]:
     """One forward/backward in train mode (dropout included, as a worker computes it)."""
     torch.manual_seed(seed)  # dropout masks
     model.train()
@@ -180,7 +178,9 @@ def dct_rates(codec: GradientCodec, repeats: int, device: torch.device) -> dict[
     }
 
 
-def select_times(codec: GradientCodec, grads: dict[str, torch.Tensor], repeats: int, device: torch.device) -> dict[str, float]:
+def select_times(
+    codec: GradientCodec, grads: dict[str, torch.Tensor], repeats: int, device: torch.device
+) -> dict[str, float]:
     """The per-chunk top-k of every chunk group: ``compression.select`` against ``torch.topk``, interleaved."""
     scores = [codec._coefficients(g, grads).float().abs() for g in codec.plan.groups]
 
@@ -237,7 +237,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config = CodecConfig(topk=args.topk, chunk=args.chunk, bins=args.bins, values=args.values)
     codec = GradientCodec({n: tuple(g.shape) for n, g in grads.items()}, config, device=device)
     # The same codec with a float32 transform, beside the default one (bfloat16 on CPUs that multiply it).
-    exact = GradientCodec({n: tuple(g.shape) for n, g in grads.items()}, config, device=device, transform_dtype=torch.float32)
+    exact = GradientCodec(
+        {n: tuple(g.shape) for n, g in grads.items()}, config, device=device, transform_dtype=torch.float32
+    )
 
     payload = codec.compress(grads)
     restored = codec.decompress(payload)
@@ -248,7 +250,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rel_error_float32 = ((g - r32).norm() / g.norm()).item()
     del g, r, r32, restored
 
-    compress_ms, compress_float32_ms = median_ms_each([lambda: codec.compress(grads), lambda: exact.compress(grads)], args.repeats, device)
+    compress_ms, compress_float32_ms = median_ms_each(
+        [lambda: codec.compress(grads), lambda: exact.compress(grads)], args.repeats, device
+    )
     decompress_ms = median_ms(lambda: codec.decompress(payload), args.repeats, device)
     distinct = distinct_payloads(codec, grads, DISTINCT_PAYLOADS, args.seed)
     aggregate_ms = {
@@ -259,7 +263,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     aggregate_float64_ms = {  # --replay-precision float64: what CUDA workers under a CPU coordinator pay
         str(n): median_ms(
-            lambda n=n: codec.aggregate([distinct[i % len(distinct)] for i in range(n)], dtype=torch.float64), args.repeats, device
+            lambda n=n: codec.aggregate([distinct[i % len(distinct)] for i in range(n)], dtype=torch.float64),
+            args.repeats,
+            device,
         )
         for n in AGGREGATE_COUNTS
     }
@@ -313,10 +319,16 @@ def main() -> None:
     parser.add_argument("--model", default="gpt-10m", choices=model_names(), help="registry name")
     parser.add_argument("--json", action="store_true", help="print the JSON object on one line")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement (median)")
-    parser.add_argument("--topk", type=int, default=CodecConfig.topk, help="coefficients kept per full chunk x chunk chunk")
+    parser.add_argument(
+        "--topk", type=int, default=CodecConfig.topk, help="coefficients kept per full chunk x chunk chunk"
+    )
     parser.add_argument("--chunk", type=int, default=CodecConfig.chunk, help="chunk edge (<= 64)")
-    parser.add_argument("--bins", type=int, default=CodecConfig.bins, help="quantization bins (4: 2-bit codes); 0 sends float32")
-    parser.add_argument("--values", default=CodecConfig.values, choices=VALUE_CODINGS, help="value coding: LUT codes or sign bits")
+    parser.add_argument(
+        "--bins", type=int, default=CodecConfig.bins, help="quantization bins (4: 2-bit codes); 0 sends float32"
+    )
+    parser.add_argument(
+        "--values", default=CodecConfig.values, choices=VALUE_CODINGS, help="value coding: LUT codes or sign bits"
+    )
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per row (default min(256, model max))")
     parser.add_argument("--batch-size", type=int, default=4, help="rows of the gradient batch")

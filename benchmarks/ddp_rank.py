@@ -52,7 +52,14 @@ def main(argv: list[str] | None = None) -> int:
         state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2)
         ddp.register_comm_hook(state, powersgd.powerSGD_hook)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95))
-    data = open_data(paths=(), tokenizer=tokenizer_for(args.model), seq_len=args.seq_len, seed=args.seed, n_slots=args.world, val_rows=4 * args.batch_size)
+    data = open_data(
+        paths=(),
+        tokenizer=tokenizer_for(args.model),
+        seq_len=args.seq_len,
+        seed=args.seed,
+        n_slots=args.world,
+        val_rows=4 * args.batch_size,
+    )
 
     def batch(step: int) -> torch.Tensor:
         return torch.from_numpy(data.batch(step, args.rank, args.batch_size, args.seq_len).astype("int64"))
@@ -78,12 +85,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.rank == 0:
         model.eval()
         with torch.no_grad():
-            val = [float(lm_loss(model, torch.from_numpy(b.astype("int64")))) for b in data.val_batches(args.batch_size, args.seq_len, 4)]
-        print(json.dumps({
-            "step_time": statistics.median(steps), "compute_time": statistics.median(compute),
-            "eval_loss": sum(val) / len(val), "train_loss": losses[-1],
-            "tokens": args.steps * args.world * args.batch_size * args.seq_len,
-        }), flush=True)
+            val = [
+                float(lm_loss(model, torch.from_numpy(b.astype("int64"))))
+                for b in data.val_batches(args.batch_size, args.seq_len, 4)
+            ]
+        print(
+            json.dumps(
+                {
+                    "step_time": statistics.median(steps),
+                    "compute_time": statistics.median(compute),
+                    "eval_loss": sum(val) / len(val),
+                    "train_loss": losses[-1],
+                    "tokens": args.steps * args.world * args.batch_size * args.seq_len,
+                }
+            ),
+            flush=True,
+        )
     dist.destroy_process_group()
     return 0
 

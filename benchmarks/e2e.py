@@ -63,7 +63,13 @@ def main() -> None:
     keep_freed_memory()  # as `coordinator train` does; the bare step runs in this process and gains alike
 
     with tempfile.TemporaryDirectory() as out:
-        config = TrainConfig(model=args.model, steps=args.steps + 1, batch_size=args.batch_size, sequence_length=args.seq_len, output_dir=out)
+        config = TrainConfig(
+            model=args.model,
+            steps=args.steps + 1,
+            batch_size=args.batch_size,
+            sequence_length=args.seq_len,
+            output_dir=out,
+        )
         # The worker gets every core, as it would on its own machine; the coordinator, which mostly waits,
         # gets one (as in `coordinator train --local`). Service and bare steps alternate, so a slow spell
         # of this shared machine hits both alike.

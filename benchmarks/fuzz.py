@@ -30,8 +30,22 @@ from gradwire.v1 import worker_pb2_grpc
 _FLOATS = (float("nan"), float("inf"), -float("inf"), 1e308, -1e308, -1.0, 0.0, 1e-45, 3.5e38)
 _INTS = (0, 1, 2**31 - 1, 2**32 - 1, 2**63 - 1)
 _SINTS = (-1, -(2**31), -(2**63))
-_STRINGS = ("", "null", "[]", "{}", '{"arch": "gpt", "config": {"n_layer": 1000000000}}', "x" * 65536, "\x00", "é" * 100)
-_UNSIGNED = (FieldDescriptor.TYPE_UINT32, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_FIXED32, FieldDescriptor.TYPE_FIXED64)
+_STRINGS = (
+    "",
+    "null",
+    "[]",
+    "{}",
+    '{"arch": "gpt", "config": {"n_layer": 1000000000}}',
+    "x" * 65536,
+    "\x00",
+    "é" * 100,
+)
+_UNSIGNED = (
+    FieldDescriptor.TYPE_UINT32,
+    FieldDescriptor.TYPE_UINT64,
+    FieldDescriptor.TYPE_FIXED32,
+    FieldDescriptor.TYPE_FIXED64,
+)
 
 
 def _fields(msg: Message) -> Iterator[tuple[Message, FieldDescriptor]]:
@@ -138,12 +152,26 @@ class _Raw:
 RPCS = ("Describe", "PushState", "RunRound", "FetchWorkerState", "garbage")
 
 
-def fuzz(channel: grpc.Channel, state: pb.ModelState, order: pb.WorkOrder, *, calls: int, seconds: float, seed: int = 0, metadata: Sequence[tuple[str, str]] = (), deadline: float = 5.0) -> dict[str, dict[str, int]]:
+def fuzz(
+    channel: grpc.Channel,
+    state: pb.ModelState,
+    order: pb.WorkOrder,
+    *,
+    calls: int,
+    seconds: float,
+    seed: int = 0,
+    metadata: Sequence[tuple[str, str]] = (),
+    deadline: float = 5.0,
+) -> dict[str, dict[str, int]]:
     """Send up to ``calls`` fuzzed calls (stopping after ``seconds``); answers by RPC and status code."""
     rng = random.Random(seed)
     stub = worker_pb2_grpc.WorkerStub(channel)
-    raw = channel.unary_unary("/gradwire.v1.Worker/Describe", request_serializer=lambda b: b, response_deserializer=lambda b: b)
-    raw_stream = channel.stream_stream("/gradwire.v1.Worker/RunRound", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    raw = channel.unary_unary(
+        "/gradwire.v1.Worker/Describe", request_serializer=lambda b: b, response_deserializer=lambda b: b
+    )
+    raw_stream = channel.stream_stream(
+        "/gradwire.v1.Worker/RunRound", request_serializer=lambda b: b, response_deserializer=lambda b: b
+    )
     counts: dict[str, collections.Counter[str]] = {rpc: collections.Counter() for rpc in RPCS}
     md = list(metadata)
     stop = time.monotonic() + seconds
@@ -153,9 +181,17 @@ def fuzz(channel: grpc.Channel, state: pb.ModelState, order: pb.WorkOrder, *, ca
         rpc = rng.choice(RPCS)
         try:
             if rpc == "Describe":
-                stub.Describe(mutate(pb.DescribeRequest(protocol_version=protocol.PROTOCOL_VERSION), rng), timeout=deadline, metadata=md)
+                stub.Describe(
+                    mutate(pb.DescribeRequest(protocol_version=protocol.PROTOCOL_VERSION), rng),
+                    timeout=deadline,
+                    metadata=md,
+                )
             elif rpc == "FetchWorkerState":
-                list(stub.FetchWorkerState(mutate(pb.FetchWorkerStateRequest(run_id=state.run_id), rng), timeout=deadline, metadata=md))
+                list(
+                    stub.FetchWorkerState(
+                        mutate(pb.FetchWorkerStateRequest(run_id=state.run_id), rng), timeout=deadline, metadata=md
+                    )
+                )
             elif rpc == "PushState":
                 stub.PushState(iter(_parts(_payload(state, rng), rng)), timeout=deadline, metadata=md)
             elif rpc == "RunRound":
@@ -163,7 +199,13 @@ def fuzz(channel: grpc.Channel, state: pb.ModelState, order: pb.WorkOrder, *, ca
             elif rng.random() < 0.5:
                 raw(rng.randbytes(rng.randint(0, 256)), timeout=deadline, metadata=md)
             else:
-                list(raw_stream(iter([rng.randbytes(rng.randint(0, 256)) for _ in range(rng.randint(0, 3))]), timeout=deadline, metadata=md))
+                list(
+                    raw_stream(
+                        iter([rng.randbytes(rng.randint(0, 256)) for _ in range(rng.randint(0, 3))]),
+                        timeout=deadline,
+                        metadata=md,
+                    )
+                )
             counts[rpc]["OK"] += 1
         except grpc.RpcError as e:
             counts[rpc][e.code().name] += 1

@@ -64,25 +64,65 @@ def rss_mb(pid: int, key: str) -> float:
 def run_fuzz(calls: int, seconds: float) -> dict:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gradwire.worker", "serve", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--max-model-params", "5000000"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        [
+            sys.executable,
+            "-m",
+            "gradwire.worker",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--max-model-params",
+            "5000000",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     try:
         with WorkerClient(f"127.0.0.1:{port}", timeout=60) as client:
             client.wait_ready(60)
             replica = Replica(build_from_spec(SPEC, seed=0), RULE)
-            state = ModelState("fuzzed", 0, json.dumps(SPEC), {n: p.detach().clone() for n, p in replica.model.named_parameters()}, RULE.to_json())
+            state = ModelState(
+                "fuzzed",
+                0,
+                json.dumps(SPEC),
+                {n: p.detach().clone() for n, p in replica.model.named_parameters()},
+                RULE.to_json(),
+            )
             client.push_state(state)
             batch = np.random.default_rng(0).integers(0, 8192, (2, 17)).astype(np.uint16)
             first = client.run_round(WorkOrder("fuzzed", 0, 0, batch, CodecConfig(), replica.fingerprint()))
-            order = WorkOrder("fuzzed", 1, 0, batch, CodecConfig(), replica.fingerprint(), StateUpdate(0.1, (first.gradient,), (float(first.tokens),)))
+            order = WorkOrder(
+                "fuzzed",
+                1,
+                0,
+                batch,
+                CodecConfig(),
+                replica.fingerprint(),
+                StateUpdate(0.1, (first.gradient,), (float(first.tokens),)),
+            )
             start = rss_mb(proc.pid, "VmRSS")
             t0 = time.monotonic()
-            answers = fuzz(client.channel, protocol.state_to_proto(state), protocol.order_to_proto(order), calls=calls, seconds=seconds, seed=0, metadata=client.call_metadata, deadline=10.0)
+            answers = fuzz(
+                client.channel,
+                protocol.state_to_proto(state),
+                protocol.order_to_proto(order),
+                calls=calls,
+                seconds=seconds,
+                seed=0,
+                metadata=client.call_metadata,
+                deadline=10.0,
+            )
             elapsed = time.monotonic() - t0
             alive = proc.poll() is None
             client.push_state(state)
-            served = client.run_round(WorkOrder("fuzzed", 9, 0, batch, CodecConfig(), replica.fingerprint())).status == OK
+            served = (
+                client.run_round(WorkOrder("fuzzed", 9, 0, batch, CodecConfig(), replica.fingerprint())).status == OK
+            )
             return {
                 "calls": sum(sum(a.values()) for a in answers.values()),
                 "seconds": round(elapsed, 1),
@@ -112,7 +152,16 @@ def servers(factories: list[Callable[[], WorkerEngine]]) -> Iterator[list[str]]:
 
 
 def train_with(factories: list[Callable[[], WorkerEngine]], steps: int, directory: str, **changes: object) -> dict:
-    config = TrainConfig(model="gpt-tiny", steps=steps, batch_size=4, sequence_length=32, eval_batches=8, output_dir=directory, seed=3, **changes)
+    config = TrainConfig(
+        model="gpt-tiny",
+        steps=steps,
+        batch_size=4,
+        sequence_length=32,
+        eval_batches=8,
+        output_dir=directory,
+        seed=3,
+        **changes,
+    )
     with servers(factories) as addresses:
         clients = [WorkerClient(a, timeout=60) for a in addresses]
         trainer = Trainer(config, clients, progress=False)
@@ -148,7 +197,9 @@ def run_bad_workers(steps: int) -> dict:
         base = out["honest_pair"]["held_out_loss"]
         for name, fault in cases.items():
             out[name] = train_with([honest, honest, fault], steps, f"{tmp}/{name}")
-        out["minus_x1000_undefended"] = train_with([honest, honest, cases["minus_x1000"]], steps, f"{tmp}/open", clip_factor=0.0, bench_after=0)
+        out["minus_x1000_undefended"] = train_with(
+            [honest, honest, cases["minus_x1000"]], steps, f"{tmp}/open", clip_factor=0.0, bench_after=0
+        )
         for name, result in out.items():
             if isinstance(result, dict) and name != "honest_pair":
                 result["loss_ratio"] = round(result["held_out_loss"] / base, 4)

@@ -60,7 +60,9 @@ class Lab:
     """``hosts`` namespaces on one bridge, links shaped to ``bandwidth`` (a tc rate such as ``100mbit``);
     with ``latency`` (seconds, one way), on a user-space wire that delays every packet by that much."""
 
-    def __init__(self, hosts: int, *, bandwidth: str | None = None, latency: float | None = None, tag: str | None = None) -> None:
+    def __init__(
+        self, hosts: int, *, bandwidth: str | None = None, latency: float | None = None, tag: str | None = None
+    ) -> None:
         if not 1 <= hosts <= 200:
             raise ValueError(f"hosts must be in [1, 200], got {hosts}")
         if latency is not None and not 0 <= latency <= 10:
@@ -71,7 +73,15 @@ class Lab:
         octet = 100 + os.getpid() % 100  # a /24 of 10.213.0.0/16 that exists inside this machine only
         self.bridge = f"{self.tag}br"
         wired = latency is not None
-        self.hosts = [Host(f"{self.tag}h{i}", f"10.213.{octet}.{i + 2}", None if wired else f"{self.tag}v{i}", f"{self.tag}{'t' if wired else 'p'}{i}") for i in range(hosts)]
+        self.hosts = [
+            Host(
+                f"{self.tag}h{i}",
+                f"10.213.{octet}.{i + 2}",
+                None if wired else f"{self.tag}v{i}",
+                f"{self.tag}{'t' if wired else 'p'}{i}",
+            )
+            for i in range(hosts)
+        ]
         self._made: list[tuple[str, str]] = []
         self._tuns: list[int] = []
         self.wire: Wire | None = None
@@ -127,7 +137,10 @@ class Lab:
     def _shape(self, h: Host) -> None:
         # Both directions: the bridge side's egress is the host's download, the host side's its upload.
         assert h.veth is not None
-        for argv in (["tc", "qdisc", "add", "dev", h.veth, *self._tbf()], ["ip", "netns", "exec", h.netns, "tc", "qdisc", "add", "dev", h.peer, *self._tbf()]):
+        for argv in (
+            ["tc", "qdisc", "add", "dev", h.veth, *self._tbf()],
+            ["ip", "netns", "exec", h.netns, "tc", "qdisc", "add", "dev", h.peer, *self._tbf()],
+        ):
             _tc(argv)
 
     def __exit__(self, *exc: object) -> None:
@@ -150,7 +163,12 @@ class Lab:
         """Bytes host ``host`` has sent (``tx``) and received (``rx``) over its link so far."""
         h = self.hosts[host]
         if h.veth is None:  # a TUN inside the host: its own statistics
-            out = subprocess.run(["ip", "-n", h.netns, "-j", "-s", "link", "show", "dev", h.peer], capture_output=True, text=True, check=True).stdout
+            out = subprocess.run(
+                ["ip", "-n", h.netns, "-j", "-s", "link", "show", "dev", h.peer],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
             stats64 = json.loads(out)[0]["stats64"]
             return {"tx": int(stats64["tx"]["bytes"]), "rx": int(stats64["rx"]["bytes"])}
         stats = Path("/sys/class/net") / h.veth / "statistics"

@@ -45,7 +45,22 @@ TIMEOUT = 600.0
 @contextlib.contextmanager
 def worker(ranks: int, device: str, hook: str, threads: int) -> Iterator[WorkerClient]:
     port = free_port()
-    cmd = [sys.executable, "-m", "gradwire.worker", "serve", "--port", str(port), "--host", "127.0.0.1", "--device", device, "--nproc-per-node", str(ranks), "--node-comm-hook", hook]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gradwire.worker",
+        "serve",
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--device",
+        device,
+        "--nproc-per-node",
+        str(ranks),
+        "--node-comm-hook",
+        hook,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     log = open(os.environ.get("GRADWIRE_BENCH_LOG", os.devnull), "a")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -69,7 +84,9 @@ def measure(client: WorkerClient, replica: Replica, state: ModelState, rows: int
     # Orders carry no update, so every round computes at version 0. The first builds DDP and warms caches
     # (not timed); PowerSGD all-reduces plainly for its first two steps, which the median looks past.
     for step in range(args.steps + 1):
-        batch = rng.integers(0, replica.model.tok_emb.num_embeddings, (rows, args.sequence_length + 1)).astype(np.uint16)
+        batch = rng.integers(0, replica.model.tok_emb.num_embeddings, (rows, args.sequence_length + 1)).astype(
+            np.uint16
+        )
         order = WorkOrder(state.run_id, step, 0, batch, CodecConfig(), replica.fingerprint())
         t0 = time.perf_counter()
         result = client.run_round(order)
@@ -77,7 +94,11 @@ def measure(client: WorkerClient, replica: Replica, state: ModelState, rows: int
             times.append(time.perf_counter() - t0)
             bus.append(result.node_bytes)
     median = statistics.median(times)
-    return {"step_time_s": median, "tokens_per_sec": rows * args.sequence_length / median, "node_bytes_per_step": statistics.median(bus)}
+    return {
+        "step_time_s": median,
+        "tokens_per_sec": rows * args.sequence_length / median,
+        "node_bytes_per_step": statistics.median(bus),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -94,7 +115,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     spec = model_spec(args.model)
     replica = Replica(build_from_spec(spec, seed=args.seed), UpdateRule(optimizer="sgd"))
-    state = ModelState("bench", 0, json.dumps(spec), {n: p.detach() for n, p in replica.params.items()}, replica.rule.to_json())
+    state = ModelState(
+        "bench", 0, json.dumps(spec), {n: p.detach() for n, p in replica.params.items()}, replica.rule.to_json()
+    )
     cores = os.cpu_count() or 1
     with worker(1, args.device, "none", cores) as client:
         single = measure(client, replica, state, args.batch_size, args)
@@ -103,9 +126,21 @@ def main(argv: list[str] | None = None) -> dict:
         with worker(args.ranks, args.device, hook, max(1, cores // args.ranks)) as client:
             r = measure(client, replica, state, args.batch_size * args.ranks, args)
         r["speedup_vs_one_rank"] = r["tokens_per_sec"] / single["tokens_per_sec"]
-        r["bus_bytes_vs_fp32_allreduce"] = r["node_bytes_per_step"] / (4 * sum(p.numel() for p in replica.params.values()))
+        r["bus_bytes_vs_fp32_allreduce"] = r["node_bytes_per_step"] / (
+            4 * sum(p.numel() for p in replica.params.values())
+        )
         nodes[hook] = r
-    result = {"model": args.model, "params": sum(p.numel() for p in replica.params.values()), "ranks": args.ranks, "device": args.device, "batch_per_rank": args.batch_size, "sequence_length": args.sequence_length, "steps": args.steps, "one_rank": single, "node": nodes}
+    result = {
+        "model": args.model,
+        "params": sum(p.numel() for p in replica.params.values()),
+        "ranks": args.ranks,
+        "device": args.device,
+        "batch_per_rank": args.batch_size,
+        "sequence_length": args.sequence_length,
+        "steps": args.steps,
+        "one_rank": single,
+        "node": nodes,
+    }
     print(json.dumps(result) if args.json else json.dumps(result, indent=1))
     return result
 

@@ -65,15 +65,35 @@ WARMUP_FRACTION = 0.05  # of --steps-total: linear warmup, in inner steps (= ste
 # Each method's TrainConfig settings, beyond the shared ones (model, sizes, seed, eval, warmup); see "What
 # we tried" at the end for how they were picked.
 _GRADIENT = {"inner_steps": 1, "lr_schedule": "cosine", "min_lr_ratio": 0.1}
-_LOCAL = {"inner_optimizer": "adamw", "inner_learning_rate": 1e-3, "inner_lr_schedule": "cosine", "inner_min_lr_ratio": 0.1}
+_LOCAL = {
+    "inner_optimizer": "adamw",
+    "inner_learning_rate": 1e-3,
+    "inner_lr_schedule": "cosine",
+    "inner_min_lr_ratio": 0.1,
+}
 METHODS: dict[str, dict[str, Any]] = {
     "dense": dict(_GRADIENT, no_compression=True, outer_optimizer="adamw", learning_rate=7e-4),
-    "demo": dict(_GRADIENT, outer_optimizer="signsgd", learning_rate=7e-4, target_chunk=64, topk=32, use_dct=True, bins=256, feedback_beta=0.999),
-    "diloco": dict(_LOCAL, inner_steps=30, no_compression=True, outer_optimizer="nesterov", learning_rate=0.7, momentum=0.9),
+    "demo": dict(
+        _GRADIENT,
+        outer_optimizer="signsgd",
+        learning_rate=7e-4,
+        target_chunk=64,
+        topk=32,
+        use_dct=True,
+        bins=256,
+        feedback_beta=0.999,
+    ),
+    "diloco": dict(
+        _LOCAL, inner_steps=30, no_compression=True, outer_optimizer="nesterov", learning_rate=0.7, momentum=0.9
+    ),
     "averaging": dict(_LOCAL, inner_steps=120, no_compression=True, outer_optimizer="sgd", learning_rate=1.0),
     # top-k: the mode's default, 3 H of 4096 past H 30 (360 at H 120): ~3000x fewer bytes per token at any H.
-    "sparseloco": dict(_LOCAL, inner_steps=120, outer_optimizer="sgd", learning_rate=1.0, bins=4, values="lut", feedback_beta=0.95),
-    "sparseloco-sign": dict(_LOCAL, inner_steps=120, outer_optimizer="sgd", learning_rate=1.0, values="sign", feedback_beta=0.95),
+    "sparseloco": dict(
+        _LOCAL, inner_steps=120, outer_optimizer="sgd", learning_rate=1.0, bins=4, values="lut", feedback_beta=0.95
+    ),
+    "sparseloco-sign": dict(
+        _LOCAL, inner_steps=120, outer_optimizer="sgd", learning_rate=1.0, values="sign", feedback_beta=0.95
+    ),
 }
 LOCAL_METHODS = ("diloco", "averaging", "sparseloco", "sparseloco-sign")
 
@@ -88,9 +108,16 @@ def method_config(name: str, args: argparse.Namespace, overrides: dict[str, Any]
     warmup = int(WARMUP_FRACTION * args.steps_total)
     settings.setdefault("inner_warmup_steps" if h > 1 else "warmup_steps", warmup)
     return TrainConfig(
-        model=args.model, seed=args.seed, batch_size=args.batch_size, sequence_length=args.sequence_length,
-        steps=args.steps_total // h, eval_every=max(1, args.steps_total // EVAL_POINTS // h), eval_batches=EVAL_BATCHES,
-        output_dir=str(Path(args.output_dir) / name), overwrite=True, **settings,
+        model=args.model,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        sequence_length=args.sequence_length,
+        steps=args.steps_total // h,
+        eval_every=max(1, args.steps_total // EVAL_POINTS // h),
+        eval_batches=EVAL_BATCHES,
+        output_dir=str(Path(args.output_dir) / name),
+        overwrite=True,
+        **settings,
     )
 
 
@@ -111,7 +138,9 @@ def run_method(name: str, config: TrainConfig) -> dict[str, Any]:
     for r in records:
         sent += r["bytes_up"]
         if "eval_loss" in r:
-            curve.append({"tokens": r["total_tokens"], "bytes_up_per_worker": sent / WORKERS, "eval_loss": r["eval_loss"]})
+            curve.append(
+                {"tokens": r["total_tokens"], "bytes_up_per_worker": sent / WORKERS, "eval_loss": r["eval_loss"]}
+            )
     return {
         "eval_loss": eval_loss,
         "train_loss": records[-1]["loss"],
@@ -123,7 +152,12 @@ def run_method(name: str, config: TrainConfig) -> dict[str, Any]:
         "wall_s": wall,
         "step_time_s": wall / len(records),
         "params": params,
-        "settings": {k: getattr(config, k) for k in sorted(METHODS[name].keys() | {"inner_steps", "steps", "warmup_steps", "inner_warmup_steps", "topk"})},
+        "settings": {
+            k: getattr(config, k)
+            for k in sorted(
+                METHODS[name].keys() | {"inner_steps", "steps", "warmup_steps", "inner_warmup_steps", "topk"}
+            )
+        },
         "curve": curve,
     }
 
@@ -198,21 +232,41 @@ def parse_overrides(items: list[str], methods: list[str]) -> dict[str, dict[str,
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt-5m", choices=model_names(), help="registry name")
-    parser.add_argument("--steps-total", type=int, default=1200, help="inner steps per worker, the same for every method")
+    parser.add_argument(
+        "--steps-total", type=int, default=1200, help="inner steps per worker, the same for every method"
+    )
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per worker per inner step")
     parser.add_argument("--sequence-length", type=int, default=128)
-    parser.add_argument("--inner-steps", type=int, default=None, help="H of every local-SGD method (default: each its own, diloco 30, averaging and sparseloco 120)")
+    parser.add_argument(
+        "--inner-steps",
+        type=int,
+        default=None,
+        help="H of every local-SGD method (default: each its own, diloco 30, averaging and sparseloco 120)",
+    )
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ", ".join(METHODS))
-    parser.add_argument("--set", action="append", default=[], metavar="METHOD.FIELD=VALUE", help="override a method's TrainConfig field (repeatable)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="METHOD.FIELD=VALUE",
+        help="override a method's TrainConfig field (repeatable)",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (the two workers already run concurrently)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (the two workers already run concurrently)"
+    )
     parser.add_argument("--output-dir", default="runs/quality")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout; the table goes to stderr")
     args = parser.parse_args(argv)
     methods = [m for m in args.methods.split(",") if m]
     if unknown := [m for m in methods if m not in METHODS]:
         parser.error(f"--methods: unknown {unknown}; known: {', '.join(METHODS)}")
-    if args.steps_total < 1 or args.batch_size < 1 or args.sequence_length < 1 or (args.inner_steps is not None and args.inner_steps < 1):
+    if (
+        args.steps_total < 1
+        or args.batch_size < 1
+        or args.sequence_length < 1
+        or (args.inner_steps is not None and args.inner_steps < 1)
+    ):
         parser.error("--steps-total, --batch-size, --sequence-length and --inner-steps must be >= 1")
     try:
         overrides = parse_overrides(args.set, methods)
@@ -230,11 +284,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         except (ValueError, TypeError) as e:
             parser.error(f"method {name}: {e}")
         if args.steps_total % configs[name].inner_steps:
-            parser.error(f"--steps-total {args.steps_total} is not a multiple of {name}'s H = {configs[name].inner_steps}: tokens would differ")
+            parser.error(
+                f"--steps-total {args.steps_total} is not a multiple of {name}'s H = {configs[name].inner_steps}: tokens would differ"
+            )
     results = {}
     for name, config in configs.items():
         results[name] = run_method(name, config)
-        print(f"{name}: held-out loss {results[name]['eval_loss']:.4f} in {results[name]['wall_s']:.0f} s", file=sys.stderr, flush=True)
+        print(
+            f"{name}: held-out loss {results[name]['eval_loss']:.4f} in {results[name]['wall_s']:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     params = next(iter(results.values()))["params"]
     dense_bytes_per_token = 4 * params / (args.batch_size * args.sequence_length)  # fp32 gradient per worker step
     compare(results, dense_bytes_per_token)

@@ -61,9 +61,34 @@ def run_ddp(lab: Lab, args: argparse.Namespace, hook: str) -> dict:
     before = total_bytes(lab)
     env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // workers)), "HF_HUB_OFFLINE": "1"}
     procs = [
-        lab.popen(1 + r, [sys.executable, "-m", "benchmarks.ddp_rank", "--rank", str(r), "--world", str(workers), "--master", master,
-                          "--model", args.model, "--steps", str(args.baseline_steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--hook", hook],
-                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        lab.popen(
+            1 + r,
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.ddp_rank",
+                "--rank",
+                str(r),
+                "--world",
+                str(workers),
+                "--master",
+                master,
+                "--model",
+                args.model,
+                "--steps",
+                str(args.baseline_steps),
+                "--batch-size",
+                str(args.batch_size),
+                "--seq-len",
+                str(args.seq_len),
+                "--hook",
+                hook,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         for r in range(workers)
     ]
     outs = [p.communicate(timeout=args.timeout) for p in procs]
@@ -74,24 +99,75 @@ def run_ddp(lab: Lab, args: argparse.Namespace, hook: str) -> dict:
     wire = (total_bytes(lab) - before) / args.baseline_steps
     # The compute time comes from separate steps, so on a fast enough link (or with communication that
     # overlaps the backward) the difference can dip below zero: it is then 0.
-    return {**result, "non_compute_time": max(0.0, result["step_time"] - result["compute_time"]), "non_compute_measured": "separate steps", "bytes_per_step": wire, "tokens_per_sec": result["tokens"] / args.baseline_steps / result["step_time"]}
+    return {
+        **result,
+        "non_compute_time": max(0.0, result["step_time"] - result["compute_time"]),
+        "non_compute_measured": "separate steps",
+        "bytes_per_step": wire,
+        "tokens_per_sec": result["tokens"] / args.baseline_steps / result["step_time"],
+    }
 
 
 def run_gradwire(lab: Lab, args: argparse.Namespace, inner_steps: int, overlap: bool = False) -> dict:
     workers = len(lab.hosts) - 1
     env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // workers)), "HF_HUB_OFFLINE": "1"}
-    procs = [lab.popen(1 + r, [sys.executable, "-m", "gradwire.worker", "serve", "--host", lab.hosts[1 + r].address, "--port", str(WORKER_PORT), "--device", "cpu"],
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env) for r in range(workers)]
+    procs = [
+        lab.popen(
+            1 + r,
+            [
+                sys.executable,
+                "-m",
+                "gradwire.worker",
+                "serve",
+                "--host",
+                lab.hosts[1 + r].address,
+                "--port",
+                str(WORKER_PORT),
+                "--device",
+                "cpu",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+        )
+        for r in range(workers)
+    ]
     rounds = max(1, args.steps // inner_steps)
     try:
         with tempfile.TemporaryDirectory() as out:
             addresses = ",".join(f"{lab.hosts[1 + r].address}:{WORKER_PORT}" for r in range(workers))
-            argv = [sys.executable, "-m", "benchmarks.wan_coordinator", "--workers", addresses, "--model", args.model, "--rounds", str(rounds),
-                    "--inner-steps", str(inner_steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--output-dir", out,
-                    *(["--target-chunk", str(args.target_chunk)] if args.target_chunk else []), *(["--topk", str(args.topk)] if args.topk else []),
-                    *(["--overlap"] if overlap else [])]
+            argv = [
+                sys.executable,
+                "-m",
+                "benchmarks.wan_coordinator",
+                "--workers",
+                addresses,
+                "--model",
+                args.model,
+                "--rounds",
+                str(rounds),
+                "--inner-steps",
+                str(inner_steps),
+                "--batch-size",
+                str(args.batch_size),
+                "--seq-len",
+                str(args.seq_len),
+                "--output-dir",
+                out,
+                *(["--target-chunk", str(args.target_chunk)] if args.target_chunk else []),
+                *(["--topk", str(args.topk)] if args.topk else []),
+                *(["--overlap"] if overlap else []),
+            ]
             before = total_bytes(lab)
-            coordinator = lab.popen(0, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+            coordinator = lab.popen(
+                0,
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+            )
             line = coordinator.stdout.readline()  # the run is over, nothing else sent yet
             wire = total_bytes(lab) - before
             _, err = coordinator.communicate("", timeout=args.timeout)
@@ -101,7 +177,11 @@ def run_gradwire(lab: Lab, args: argparse.Namespace, inner_steps: int, overlap: 
             records = run["records"]
             # Round 1 also ships the state to every worker: per-step figures leave it out (its bytes as the
             # coordinator counted them), and the times are those of the rounds after it.
-            push = records[0]["bytes_down"] - statistics.median(r["bytes_down"] for r in records[1:]) if len(records) > 1 else 0
+            push = (
+                records[0]["bytes_down"] - statistics.median(r["bytes_down"] for r in records[1:])
+                if len(records) > 1
+                else 0
+            )
             timed = records[1:] or records
     finally:
         for p in procs:
@@ -112,18 +192,31 @@ def run_gradwire(lab: Lab, args: argparse.Namespace, inner_steps: int, overlap: 
     steps = rounds * inner_steps
     # Where the rest goes (medians, per step): the slowest worker's replay of the last update and its
     # encode, the coordinator's validation, aggregation and outer step; the remainder is the link and RPCs.
-    replay, encode, aggregate = (statistics.median(r[k] for r in timed) / inner_steps for k in ("worker_update_time", "worker_compress_time", "aggregate_time"))
+    replay, encode, aggregate = (
+        statistics.median(r[k] for r in timed) / inner_steps
+        for k in ("worker_update_time", "worker_compress_time", "aggregate_time")
+    )
     return {
-        "step_time": step, "compute_time": compute, "non_compute_time": step - compute, "non_compute_measured": "same rounds",
-        "replay_time": replay, "encode_time": encode, "aggregate_time": aggregate, "link_time": step - compute - replay - encode - aggregate,
-        "bytes_per_step": (wire - push) / steps, "state_push_bytes": push, "bytes_per_step_with_push": wire / steps,
+        "step_time": step,
+        "compute_time": compute,
+        "non_compute_time": step - compute,
+        "non_compute_measured": "same rounds",
+        "replay_time": replay,
+        "encode_time": encode,
+        "aggregate_time": aggregate,
+        "link_time": step - compute - replay - encode - aggregate,
+        "bytes_per_step": (wire - push) / steps,
+        "state_push_bytes": push,
+        "bytes_per_step_with_push": wire / steps,
         # Round by round (per step), the first round's state push left out: later rounds no longer pay first-use
         # costs (the replay's buffers are first allocated in round 2), which a median over few rounds still shows.
         "rounds_non_compute_time": [(r["step_time"] - r["worker_compute_time"]) / inner_steps for r in timed],
         "rounds_replay_time": [r["worker_update_time"] / inner_steps for r in timed],
         "rounds_encode_time": [r["worker_compress_time"] / inner_steps for r in timed],
-        "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in timed), "eval_loss": run["eval_loss"],
-        "train_loss": records[-1]["loss"], "tokens": records[-1]["total_tokens"],
+        "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in timed),
+        "eval_loss": run["eval_loss"],
+        "train_loss": records[-1]["loss"],
+        "tokens": records[-1]["total_tokens"],
     }
 
 
@@ -137,7 +230,9 @@ def compare_with_ddp(results: dict[str, dict]) -> None:
         # DDP's rows take their compute from separate steps, so a non-compute part under 1% of the step is
         # noise around 0 and a ratio to it says nothing; gradwire's rows measure it in the same rounds.
         measured = r.get("non_compute_measured") == "same rounds" or r["non_compute_time"] > 0.01 * r["step_time"]
-        r["non_compute_vs_ddp"] = ddp["non_compute_time"] / r["non_compute_time"] if measured and r["non_compute_time"] > 0 else None
+        r["non_compute_vs_ddp"] = (
+            ddp["non_compute_time"] / r["non_compute_time"] if measured and r["non_compute_time"] > 0 else None
+        )
         r["bytes_vs_ddp"] = ddp["bytes_per_step"] / max(r["bytes_per_step"], 1.0)
         r["loss_vs_ddp"] = r["eval_loss"] / ddp["eval_loss"] if r["tokens"] == ddp["tokens"] else None
 
@@ -157,20 +252,42 @@ def parse_latency(text: str) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--bandwidth", default="100mbit")
-    parser.add_argument("--latency", type=parse_latency, default=0.025, help="one-way delay between hosts (default 25ms; 0: none, a plain bridge)")
+    parser.add_argument(
+        "--latency",
+        type=parse_latency,
+        default=0.025,
+        help="one-way delay between hosts (default 25ms; 0: none, a plain bridge)",
+    )
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--model", default="gpt-10m")
-    parser.add_argument("--steps", type=int, default=20, help="training steps per method (local SGD: in rounds of --inner-steps)")
+    parser.add_argument(
+        "--steps", type=int, default=20, help="training steps per method (local SGD: in rounds of --inner-steps)"
+    )
     parser.add_argument("--inner-steps", type=int, default=10)
-    parser.add_argument("--baseline-steps", type=int, default=None,
-                        help="steps the DDP baselines run (default: --steps). Their per-step cost is steady after a few steps, so fewer "
-                             "let local SGD run long rounds in less time; their loss is then not at equal tokens and is not compared")
+    parser.add_argument(
+        "--baseline-steps",
+        type=int,
+        default=None,
+        help="steps the DDP baselines run (default: --steps). Their per-step cost is steady after a few steps, so fewer "
+        "let local SGD run long rounds in less time; their loss is then not at equal tokens and is not compared",
+    )
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--timeout", type=float, default=1200.0)
-    parser.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"any of {','.join(METHODS)} (default: {','.join(DEFAULT_METHODS)})")
-    parser.add_argument("--target-chunk", type=int, default=None, help="gradwire's codec chunk edge (default: the mode's, as coordinator train)")
-    parser.add_argument("--topk", type=int, default=None, help="gradwire's coefficients per chunk (default: the mode's)")
+    parser.add_argument(
+        "--methods",
+        default=",".join(DEFAULT_METHODS),
+        help=f"any of {','.join(METHODS)} (default: {','.join(DEFAULT_METHODS)})",
+    )
+    parser.add_argument(
+        "--target-chunk",
+        type=int,
+        default=None,
+        help="gradwire's codec chunk edge (default: the mode's, as coordinator train)",
+    )
+    parser.add_argument(
+        "--topk", type=int, default=None, help="gradwire's coefficients per chunk (default: the mode's)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     args.baseline_steps = args.baseline_steps or args.steps
@@ -203,7 +320,18 @@ def main(argv: list[str] | None = None) -> int:
             elif method == "gradwire-local":
                 results[method] = run_gradwire(lab, args, args.inner_steps)
     compare_with_ddp(results)
-    out = {"bandwidth": args.bandwidth, "latency_ms": args.latency * 1e3, "target_chunk": args.target_chunk, "topk": args.topk, "workers": args.workers, "model": args.model, "steps": args.steps, "baseline_steps": args.baseline_steps, "seconds": round(time.monotonic() - t0, 1), "methods": results}
+    out = {
+        "bandwidth": args.bandwidth,
+        "latency_ms": args.latency * 1e3,
+        "target_chunk": args.target_chunk,
+        "topk": args.topk,
+        "workers": args.workers,
+        "model": args.model,
+        "steps": args.steps,
+        "baseline_steps": args.baseline_steps,
+        "seconds": round(time.monotonic() - t0, 1),
+        "methods": results,
+    }
     print(json.dumps(out, indent=None if args.json else 2))
     return 0
 

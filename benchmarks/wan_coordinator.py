@@ -35,8 +35,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overlap", action="store_true", help="one-step-delayed rounds (coordinator train --overlap)")
     args = parser.parse_args(argv)
     keep_freed_memory()  # as `coordinator train` does
-    config = TrainConfig(model=args.model, steps=args.rounds, batch_size=args.batch_size, sequence_length=args.seq_len, inner_steps=args.inner_steps, output_dir=args.output_dir, overwrite=True,
-                         target_chunk=args.target_chunk, topk=args.topk, overlap=args.overlap)
+    config = TrainConfig(
+        model=args.model,
+        steps=args.rounds,
+        batch_size=args.batch_size,
+        sequence_length=args.seq_len,
+        inner_steps=args.inner_steps,
+        output_dir=args.output_dir,
+        overwrite=True,
+        target_chunk=args.target_chunk,
+        topk=args.topk,
+        overlap=args.overlap,
+    )
     clients = [WorkerClient(a, timeout=config.round_timeout) for a in args.workers.split(",")]
     trainer = Trainer(config, clients, progress=False)
     try:

@@ -8,7 +8,14 @@ from gradwire.compression.aggregate import Aggregator
 from gradwire.compression.codec import DecodedGradient, GradientCodec
 from gradwire.compression.config import FORMAT_VERSION, CodecConfig
 from gradwire.compression.feedback import ErrorFeedback
-from gradwire.compression.payload import CompressedGradient, CompressedTensor, Encoding, NonFiniteInput, PayloadError, ValueFormat
+from gradwire.compression.payload import (
+    CompressedGradient,
+    CompressedTensor,
+    Encoding,
+    NonFiniteInput,
+    PayloadError,
+    ValueFormat,
+)
 from gradwire.compression.plan import ChunkGroup, ModelPlan, TensorPlan
 
 __all__ = [

@@ -36,7 +36,14 @@ class Aggregator:
     replay this way (``AggregationRule.exact``).
     """
 
-    def __init__(self, codec: GradientCodec, normalize: Normalize = "mean", *, sparse: bool = True, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        codec: GradientCodec,
+        normalize: Normalize = "mean",
+        *,
+        sparse: bool = True,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         if normalize not in ("mean", "per_coordinate"):
             raise ValueError(f"normalize must be 'mean' or 'per_coordinate', got {normalize!r}")
         self.codec = codec
@@ -135,7 +142,9 @@ class Aggregator:
         """Inverse DCT of the held senders' coefficients, straight from (index, value) pairs."""
         group = self.codec.plan.groups[gi]
         idx = torch.cat([d.indices[gi] for d, _ in self._held], dim=1)  # (B, K)
-        vals = torch.cat([d.values[gi].to(self.dtype) * (w / self.total_weight) for d, w in self._held], dim=1)  # (B, K)
+        vals = torch.cat(
+            [d.values[gi].to(self.dtype) * (w / self.total_weight) for d, w in self._held], dim=1
+        )  # (B, K)
         if len(group.chunk_shape) == 1:
             (n,) = group.chunk_shape
             basis = dct_basis(n, vals.dtype, vals.device)

@@ -86,7 +86,13 @@ def _chunk_view(x: torch.Tensor, plan: TensorPlan) -> torch.Tensor:
 class GradientCodec:
     """Compresses, validates, decompresses and aggregates the gradients of one fixed set of tensors."""
 
-    def __init__(self, shapes: Mapping[str, Sequence[int]], config: CodecConfig | None = None, device: torch.device | str = "cpu", transform_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        shapes: Mapping[str, Sequence[int]],
+        config: CodecConfig | None = None,
+        device: torch.device | str = "cpu",
+        transform_dtype: torch.dtype | None = None,
+    ) -> None:
         """``transform_dtype``: what the sender's chunk DCT multiplies in (``None``: the device's fastest
         accurate one, ``dct.fast_transform_dtype``). A sender-side choice: the payload format is the same and
         decoding always runs in float32."""
@@ -140,7 +146,9 @@ class GradientCodec:
             stack = dct_chunks(stack)
         return stack.reshape(group.num_chunks, group.chunk_numel)
 
-    def _select(self, group: ChunkGroup, layout: _GroupLayout, coeffs: torch.Tensor, update_feedback: bool) -> dict[str, CompressedTensor]:
+    def _select(
+        self, group: ChunkGroup, layout: _GroupLayout, coeffs: torch.Tensor, update_feedback: bool
+    ) -> dict[str, CompressedTensor]:
         """Top-k per chunk, quantize per tensor, subtract what is sent from ``coeffs`` if it is feedback."""
         k = group.k
         idx = topk_indices(coeffs.abs(), k)  # (B, k)
@@ -177,7 +185,14 @@ class GradientCodec:
             else:
                 fields = {"values": vals_np[rows].astype("<f4").tobytes()}
             out[t.name] = CompressedTensor(
-                t.name, t.shape, t.encoding, t.value_format, t.chunk_shape, t.k, pack12(idx_np[rows].reshape(-1)), **fields
+                t.name,
+                t.shape,
+                t.encoding,
+                t.value_format,
+                t.chunk_shape,
+                t.k,
+                pack12(idx_np[rows].reshape(-1)),
+                **fields,
             )
         return out
 
@@ -205,10 +220,14 @@ class GradientCodec:
             q = self._quantize(values, seg, 1)
             if update_feedback:
                 values.sub_(q.dequantized)
-            fields = self._coded_fields(q.codes.cpu().numpy(), q.lut[0].cpu().numpy(), q.shift[0].item(), q.scale[0].item())
+            fields = self._coded_fields(
+                q.codes.cpu().numpy(), q.lut[0].cpu().numpy(), q.shift[0].item(), q.scale[0].item()
+            )
             ct = CompressedTensor(t.name, t.shape, t.encoding, t.value_format, (), 0, b"", **fields)
         else:
-            ct = CompressedTensor(t.name, t.shape, t.encoding, t.value_format, (), 0, b"", values.cpu().numpy().astype("<f4").tobytes())
+            ct = CompressedTensor(
+                t.name, t.shape, t.encoding, t.value_format, (), 0, b"", values.cpu().numpy().astype("<f4").tobytes()
+            )
             if update_feedback:
                 values.zero_()  # sent exactly
         return {t.name: ct}
@@ -218,9 +237,15 @@ class GradientCodec:
     def decode(self, payload: CompressedGradient) -> DecodedGradient:
         """Check ``payload`` against this codec's plan and turn it into tensors; raise ``PayloadError``."""
         if payload.format_version != FORMAT_VERSION:
-            raise PayloadError(GRADIENT, "format_version", f"unknown format version {payload.format_version} (this build speaks {FORMAT_VERSION})")
+            raise PayloadError(
+                GRADIENT,
+                "format_version",
+                f"unknown format version {payload.format_version} (this build speaks {FORMAT_VERSION})",
+            )
         if payload.settings != self.config:
-            raise PayloadError(GRADIENT, "settings", f"codec settings {payload.settings} differ from the receiver's {self.config}")
+            raise PayloadError(
+                GRADIENT, "settings", f"codec settings {payload.settings} differ from the receiver's {self.config}"
+            )
         names = [t.name for t in payload.tensors]
         expected = [t.name for t in self.plan.tensors]
         if names != expected:
@@ -228,7 +253,11 @@ class GradientCodec:
             # Otherwise the same names, reordered or repeated: name the first position that differs.
             first_diff = next((a for a, b in zip(names, expected) if a != b), names[-1] if names else "")
             culprit = (extra or absent or [first_diff])[0]
-            raise PayloadError(culprit, "name", f"tensor list differs from the plan (unexpected {extra[:3]}, missing {absent[:3]}, or reordered/repeated)")
+            raise PayloadError(
+                culprit,
+                "name",
+                f"tensor list differs from the plan (unexpected {extra[:3]}, missing {absent[:3]}, or reordered/repeated)",
+            )
         by_name = dict(zip(names, payload.tensors))
         for t in self.plan.tensors:
             self._check_tensor(t, by_name[t.name])
@@ -285,7 +314,9 @@ class GradientCodec:
             fail("lut", "entries must be finite")
         # Codes >= bins (possible unless bins is a power of two) are checked where they are unpacked.
 
-    def _decode_group(self, group: ChunkGroup, layout: _GroupLayout, by_name: Mapping[str, CompressedTensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_group(
+        self, group: ChunkGroup, layout: _GroupLayout, by_name: Mapping[str, CompressedTensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         members = [by_name[t.name] for t in group.members]
         idx = unpack12_padded(np.frombuffer(b"".join(ct.indices for ct in members), np.uint8))
         if layout.pads is not None:
@@ -297,7 +328,9 @@ class GradientCodec:
         too_big = np.flatnonzero(idx >= group.chunk_numel)
         if too_big.size:
             owner = group.members[int(np.searchsorted(layout.value_starts, too_big[0], side="right")) - 1]
-            raise PayloadError(owner.name, "indices", f"index {int(idx[too_big[0]])} outside a chunk of {group.chunk_numel} elements")
+            raise PayloadError(
+                owner.name, "indices", f"index {int(idx[too_big[0]])} outside a chunk of {group.chunk_numel} elements"
+            )
         k = group.k
         vals = np.empty(group.num_chunks * k, np.float32)
         q_plans = [t for t, q in zip(group.members, layout.quantized) if q]
@@ -329,7 +362,9 @@ class GradientCodec:
             vals = torch.from_numpy(np.frombuffer(ct.values, "<f4").copy())
         return vals.to(self.device)
 
-    def _dequantize(self, plans: Sequence[TensorPlan], cts: Sequence[CompressedTensor], member: np.ndarray) -> np.ndarray:
+    def _dequantize(
+        self, plans: Sequence[TensorPlan], cts: Sequence[CompressedTensor], member: np.ndarray
+    ) -> np.ndarray:
         """Coded values of several tensors, (N,) float32 in order; ``member`` (N,) is each value's tensor.
 
         Unpacks each tensor's codes (each is its own bit stream, padded to a byte), checks them against
@@ -358,7 +393,13 @@ class GradientCodec:
 
         return Aggregator(self, normalize, dtype=dtype)
 
-    def aggregate(self, payloads: Sequence[CompressedGradient], weights: Sequence[float] | None = None, normalize: Normalize = "mean", dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    def aggregate(
+        self,
+        payloads: Sequence[CompressedGradient],
+        weights: Sequence[float] | None = None,
+        normalize: Normalize = "mean",
+        dtype: torch.dtype = torch.float32,
+    ) -> dict[str, torch.Tensor]:
         """Weighted mean of many senders' gradients (weights, e.g. token counts, default to equal); summed
         in ``dtype`` (float64: the same bits on every device kind, see ``aggregate.Aggregator``)."""
         if weights is not None and len(weights) != len(payloads):

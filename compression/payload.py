@@ -61,7 +61,9 @@ class NonFiniteInput(ArithmeticError):
     """``compress`` was given a NaN or an infinity: the sender's training diverged. Names the tensor."""
 
     def __init__(self, tensor: str) -> None:
-        super().__init__(f"the gradient of {tensor!r} is not finite: training diverged (try a lower learning rate, or --clip-grad-norm)")
+        super().__init__(
+            f"the gradient of {tensor!r} is not finite: training diverged (try a lower learning rate, or --clip-grad-norm)"
+        )
         self.tensor = tensor
 
 

@@ -153,7 +153,9 @@ class ModelPlan:
     dense: tuple[TensorPlan, ...]
 
     @classmethod
-    def build(cls, shapes: Mapping[str, Sequence[int]] | Iterable[tuple[str, Sequence[int]]], config: CodecConfig) -> ModelPlan:
+    def build(
+        cls, shapes: Mapping[str, Sequence[int]] | Iterable[tuple[str, Sequence[int]]], config: CodecConfig
+    ) -> ModelPlan:
         items = shapes.items() if isinstance(shapes, Mapping) else shapes
         tensors = tuple(plan_tensor(name, shape, config) for name, shape in items)
         names = [t.name for t in tensors]

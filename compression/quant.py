@@ -29,7 +29,9 @@ class Quantized:
     dequantized: torch.Tensor  # (N,) float32, what the receiver will reconstruct
 
 
-def quantize(values: torch.Tensor, segment: torch.Tensor, num_segments: int, bins: int, range_sigmas: float) -> Quantized:
+def quantize(
+    values: torch.Tensor, segment: torch.Tensor, num_segments: int, bins: int, range_sigmas: float
+) -> Quantized:
     """Quantize values (N,) float32, each belonging to ``segment`` (N,) in [0, T), to ``bins`` bins."""
     v = values.float()
     seg = segment.long()
@@ -74,7 +76,9 @@ def sign_table(num_segments: int, device: torch.device | str = "cpu") -> torch.T
     return torch.tensor(SIGN_TABLE, dtype=torch.float16, device=device).expand(num_segments, 2)
 
 
-def dequantize(codes: torch.Tensor, segment: torch.Tensor, lut: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def dequantize(
+    codes: torch.Tensor, segment: torch.Tensor, lut: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
     """Values (N,) float32 from bin ids (N,), their segments (N,) and per-segment tables (T, bins)."""
     seg = segment.long()
     bins = lut.shape[1]

@@ -84,7 +84,13 @@ def clip_scales(norms: Sequence[float], factor: float, reference: float | None =
     return tuple(1.0 if n <= bound else bound / n for n in norms)
 
 
-def aggregate(codec: GradientCodec, senders: Sequence[CompressedGradient | DecodedGradient], weights: Sequence[float], scales: Sequence[float] = (), rule: AggregationRule = MEAN) -> Aggregator | CoordinateAggregate:
+def aggregate(
+    codec: GradientCodec,
+    senders: Sequence[CompressedGradient | DecodedGradient],
+    weights: Sequence[float],
+    scales: Sequence[float] = (),
+    rule: AggregationRule = MEAN,
+) -> Aggregator | CoordinateAggregate:
     """The round's aggregate of ``senders`` (validated first: ``PayloadError`` before anything is summed)."""
     if len(weights) != len(senders) or (scales and len(scales) != len(senders)):
         raise ValueError(f"{len(senders)} senders, {len(weights)} weights, {len(scales)} scales")
@@ -104,7 +110,9 @@ def aggregate(codec: GradientCodec, senders: Sequence[CompressedGradient | Decod
 class CoordinateAggregate:
     """Per-coefficient median or trimmed mean over senders (their dense coefficient tensors, clipped)."""
 
-    def __init__(self, codec: GradientCodec, decoded: Sequence[DecodedGradient], scales: Sequence[float], rule: AggregationRule) -> None:
+    def __init__(
+        self, codec: GradientCodec, decoded: Sequence[DecodedGradient], scales: Sequence[float], rule: AggregationRule
+    ) -> None:
         if not decoded:
             raise ValueError("nothing to aggregate: no senders")
         self.codec, self.rule = codec, rule
@@ -116,7 +124,10 @@ class CoordinateAggregate:
             for si, (d, s) in enumerate(zip(decoded, scales)):
                 stack[si].scatter_add_(1, d.indices[gi], d.values[gi].to(rule.dtype) * s)
             self._groups.append(self._combine(stack))
-        self._dense = [self._combine(torch.stack([d.dense[ti].to(rule.dtype) * s for d, s in zip(decoded, scales)])) for ti in range(len(plan.dense))]
+        self._dense = [
+            self._combine(torch.stack([d.dense[ti].to(rule.dtype) * s for d, s in zip(decoded, scales)]))
+            for ti in range(len(plan.dense))
+        ]
 
     def _combine(self, stack: torch.Tensor) -> torch.Tensor:
         """(S, ...) -> (...): the rule's statistic over senders."""

@@ -26,7 +26,14 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-__all__ = ["CHECKPOINT_FORMAT", "keep_last", "latest_checkpoint", "load_checkpoint", "remove_leftovers", "save_checkpoint"]
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "keep_last",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "remove_leftovers",
+    "save_checkpoint",
+]
 
 # Version of the directory layout and the reserved meta.json keys below (not of the caller's metadata).
 CHECKPOINT_FORMAT = 1
@@ -229,9 +236,7 @@ def keep_last(root: Path | str, n: int) -> list[Path]:
         raise ValueError(f"--keep-checkpoints must be >= 1, got {n}")
     root = Path(root)
     current = latest_checkpoint(root)
-    steps = sorted(
-        (int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.fullmatch(p.name))
-    )
+    steps = sorted((int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.fullmatch(p.name)))
     doomed = [p for _, p in steps[:-n] if p != current]
     _remove(doomed)
     return doomed + remove_leftovers(root)

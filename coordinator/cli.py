@@ -132,9 +132,17 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, action="store_true", default=default, **kwargs)
         elif field.name in AUTO_FIELDS:  # "auto" (or nothing) leaves it to the mode's default
             choices = CHOICES.get(field.name)
-            parser.add_argument(flag, type=_or_auto(_flag_type(field)), default=None, choices=[*choices, AUTO] if choices else None, **kwargs)
+            parser.add_argument(
+                flag,
+                type=_or_auto(_flag_type(field)),
+                default=None,
+                choices=[*choices, AUTO] if choices else None,
+                **kwargs,
+            )
         else:
-            parser.add_argument(flag, type=_flag_type(field), default=default, choices=CHOICES.get(field.name), **kwargs)
+            parser.add_argument(
+                flag, type=_flag_type(field), default=default, choices=CHOICES.get(field.name), **kwargs
+            )
 
 
 def _flag_type(field: dataclasses.Field) -> type:
@@ -154,7 +162,10 @@ def _or_auto(convert: type) -> Callable[[str], object]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="coordinator", description="gradwire coordinator: holds the model and the outer optimizer, drives the workers.")
+    parser = argparse.ArgumentParser(
+        prog="coordinator",
+        description="gradwire coordinator: holds the model and the outer optimizer, drives the workers.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser(
         "train",
@@ -162,23 +173,62 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a model: dispatch batches to workers, aggregate their compressed gradients, step, keep their replicas in sync.",
         epilog="One of --workers or --local is required, on the command line or in the --config file.",
     )
-    train.add_argument("--config", metavar="FILE.yaml", help="read flag values from a YAML file: keys are the flags without dashes (learning_rate: 3.0e-4, data: [a.txt, b.txt]); flags typed here win")
+    train.add_argument(
+        "--config",
+        metavar="FILE.yaml",
+        help="read flag values from a YAML file: keys are the flags without dashes (learning_rate: 3.0e-4, data: [a.txt, b.txt]); flags typed here win",
+    )
     # Not required=True: either may come from --config instead; train_config_from_args checks.
     where = train.add_mutually_exclusive_group()
-    where.add_argument("--workers", type=str, help="comma-separated worker addresses, host:port,host:port (in YAML also a list)")
-    where.add_argument("--local", type=int, metavar="N", help="start N worker daemons on this machine and train with them")
-    where.add_argument("--listen", metavar="[HOST:]PORT", help="let workers join: serve the Coordinator service on PORT (every interface unless HOST is given) for `worker serve --join`; training starts once --min-workers (at least one) have joined, and workers come and go as they announce themselves or go quiet")
-    where.add_argument("--workers-file", metavar="FILE", help="worker addresses in FILE (one per line or comma-separated, # comments), re-read before every round: workers added join after a state push, workers removed stop getting work")
+    where.add_argument(
+        "--workers", type=str, help="comma-separated worker addresses, host:port,host:port (in YAML also a list)"
+    )
+    where.add_argument(
+        "--local", type=int, metavar="N", help="start N worker daemons on this machine and train with them"
+    )
+    where.add_argument(
+        "--listen",
+        metavar="[HOST:]PORT",
+        help="let workers join: serve the Coordinator service on PORT (every interface unless HOST is given) for `worker serve --join`; training starts once --min-workers (at least one) have joined, and workers come and go as they announce themselves or go quiet",
+    )
+    where.add_argument(
+        "--workers-file",
+        metavar="FILE",
+        help="worker addresses in FILE (one per line or comma-separated, # comments), re-read before every round: workers added join after a state push, workers removed stop getting work",
+    )
     # Besides --listen, not instead of it: outside the group above.
-    train.add_argument("--listen-tls-cert", metavar="PEM", help="serve --listen with TLS, with this certificate (chain) and --listen-tls-key: workers then join with --join-tls-ca (a must when their token crosses an open network)")
+    train.add_argument(
+        "--listen-tls-cert",
+        metavar="PEM",
+        help="serve --listen with TLS, with this certificate (chain) and --listen-tls-key: workers then join with --join-tls-ca (a must when their token crosses an open network)",
+    )
     train.add_argument("--listen-tls-key", metavar="PEM", help="the private key of --listen-tls-cert")
     _add_config_flags(train)
     add_security_flags(train, side="coordinator")
-    train.add_argument("--status-port", type=int, metavar="PORT", help="serve a live status page (/), its JSON (/api/status) and Prometheus metrics (/metrics) on PORT (0: any free port, printed); with a token, every path needs it")
-    train.add_argument("--status-host", default="127.0.0.1", metavar="HOST", help="address of the status page (default: 127.0.0.1, this machine only)")
+    train.add_argument(
+        "--status-port",
+        type=int,
+        metavar="PORT",
+        help="serve a live status page (/), its JSON (/api/status) and Prometheus metrics (/metrics) on PORT (0: any free port, printed); with a token, every path needs it",
+    )
+    train.add_argument(
+        "--status-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="address of the status page (default: 127.0.0.1, this machine only)",
+    )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
-    train.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging level (default: INFO)")
-    report = sub.add_parser("report", help="draw the charts of a run from its metrics.jsonl", description="Draw loss, loss-vs-bytes and step-time charts (PNG) of a run from OUTPUT_DIR/metrics.jsonl.")
+    train.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging level (default: INFO)",
+    )
+    report = sub.add_parser(
+        "report",
+        help="draw the charts of a run from its metrics.jsonl",
+        description="Draw loss, loss-vs-bytes and step-time charts (PNG) of a run from OUTPUT_DIR/metrics.jsonl.",
+    )
     report.add_argument("output_dir", metavar="OUTPUT_DIR", help="the --output-dir of a coordinator train run")
     report.add_argument("--report-dir", metavar="DIR", help="where the PNG files go (default: OUTPUT_DIR)")
     return parser
@@ -211,7 +261,9 @@ def train_config_from_args(parser: argparse.ArgumentParser, args: argparse.Names
     train = subcommand_parser(parser, "train")
     try:
         if args.workers is None and args.local is None and args.workers_file is None and args.listen is None:
-            raise ValueError("one of --workers, --workers-file, --listen or --local is required (on the command line, or workers: / local: in the --config file)")
+            raise ValueError(
+                "one of --workers, --workers-file, --listen or --local is required (on the command line, or workers: / local: in the --config file)"
+            )
         if args.local is not None and args.local < 1:
             raise ValueError(f"--local must be >= 1, got {args.local}")
         return config_from_args(args)
@@ -232,8 +284,12 @@ def client_security(args: argparse.Namespace) -> ClientSecurity:
     """The token and TLS settings of ``coordinator train`` (never part of TrainConfig: checkpoints and
     trackers record that, and secrets stay out of both). ``ValueError`` naming the flag."""
     return ClientSecurity(
-        token=resolve_token(args.token, args.token_file), tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
-        tls_key=args.tls_key, tls_server_name=args.tls_server_name,
+        token=resolve_token(args.token, args.token_file),
+        tls=args.tls,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_server_name=args.tls_server_name,
     )
 
 
@@ -250,13 +306,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         subcommand_parser(parser, "train").error(_naming_keys(e, args))
     try:
-        listen_security = ServerSecurity(token=security.token, tls_cert=args.listen_tls_cert, tls_key=args.listen_tls_key)
+        listen_security = ServerSecurity(
+            token=security.token, tls_cert=args.listen_tls_cert, tls_key=args.listen_tls_key
+        )
         listen_security.credentials()
     except ValueError as e:  # ServerSecurity names the worker's flags
         subcommand_parser(parser, "train").error(str(e).replace("--tls-", "--listen-tls-"))
     return train(
-        config, workers=args.workers, local=args.local, progress=not args.no_progress, security=security,
-        workers_file=args.workers_file, listen=args.listen, status_port=args.status_port, status_host=args.status_host,
+        config,
+        workers=args.workers,
+        local=args.local,
+        progress=not args.no_progress,
+        security=security,
+        workers_file=args.workers_file,
+        listen=args.listen,
+        status_port=args.status_port,
+        status_host=args.status_host,
         listen_security=listen_security,
     )
 
@@ -264,14 +329,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 def report(output_dir: str, report_dir: str | None = None) -> int:
     """``coordinator report OUTPUT_DIR``: write the run's charts and print their paths."""
     if not Path(output_dir).is_dir():
-        print(f"coordinator report: error: {output_dir} is not a directory (give the --output-dir of a train run)", file=sys.stderr)
+        print(
+            f"coordinator report: error: {output_dir} is not a directory (give the --output-dir of a train run)",
+            file=sys.stderr,
+        )
         return 2
     try:
         from gradwire.coordinator.report import write_report  # matplotlib loads only for this command
     except ModuleNotFoundError as e:
         if e.name != "gradwire.coordinator.report":
             raise
-        print("coordinator report: error: this gradwire has no report module (gradwire.coordinator.report)", file=sys.stderr)
+        print(
+            "coordinator report: error: this gradwire has no report module (gradwire.coordinator.report)",
+            file=sys.stderr,
+        )
         return 1
     try:
         paths = write_report(output_dir, report_dir)
@@ -283,7 +354,13 @@ def report(output_dir: str, report_dir: str | None = None) -> int:
     return 0
 
 
-def train_listening(listen: str, config: TrainConfig, run: Callable[[list[str], MemberSource], int], security: ServerSecurity, tunnels: Tunnels) -> int:
+def train_listening(
+    listen: str,
+    config: TrainConfig,
+    run: Callable[[list[str], MemberSource], int],
+    security: ServerSecurity,
+    tunnels: Tunnels,
+) -> int:
     """``--listen``: serve Join and Tunnel, wait for the first workers, train with whoever has joined."""
     from gradwire.coordinator.join import JoinRegistry, serve_joins
 
@@ -293,16 +370,25 @@ def train_listening(listen: str, config: TrainConfig, run: Callable[[list[str], 
         return 2
     registry = JoinRegistry()
     try:
-        server, bound = serve_joins(registry, host=host or "[::]", port=int(port_text), security=security, tunnels=tunnels)
+        server, bound = serve_joins(
+            registry, host=host or "[::]", port=int(port_text), security=security, tunnels=tunnels
+        )
     except OSError as e:
         print(f"coordinator train: error: {e}", file=sys.stderr)
         return 1
     try:
         need = max(1, config.min_workers)
-        print(f"listening for workers on {host or '[::]'}:{bound} (worker serve --join THIS_HOST:{bound}); waiting for {need}", file=sys.stderr, flush=True)
+        print(
+            f"listening for workers on {host or '[::]'}:{bound} (worker serve --join THIS_HOST:{bound}); waiting for {need}",
+            file=sys.stderr,
+            flush=True,
+        )
         addresses = registry.wait_for(need, config.connect_timeout)
         if len(addresses) < need:
-            print(f"coordinator train: {len(addresses)} of {need} worker(s) joined within --connect-timeout {config.connect_timeout:g} s", file=sys.stderr)
+            print(
+                f"coordinator train: {len(addresses)} of {need} worker(s) joined within --connect-timeout {config.connect_timeout:g} s",
+                file=sys.stderr,
+            )
             return 1
         registry.poll()  # the trainer sees changes from here on
         return run(addresses, registry)
@@ -318,7 +404,9 @@ def stop_on_signals(trainer: Trainer) -> Iterator[None]:
     def on_signal(signum: int, _frame: object) -> None:
         if trainer.stop_requested:
             raise KeyboardInterrupt
-        log.warning("%s: finishing the round in flight, then a checkpoint (again to stop at once)", signal.Signals(signum).name)
+        log.warning(
+            "%s: finishing the round in flight, then a checkpoint (again to stop at once)", signal.Signals(signum).name
+        )
         trainer.request_stop()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -345,7 +433,19 @@ def resume_command(checkpoint_dir: Path) -> str:
     return shlex.join(["coordinator", *argv, "--resume-from", str(checkpoint_dir)])
 
 
-def train(config: TrainConfig, *, workers: str | None = None, local: int | None = None, progress: bool = True, security: ClientSecurity | None = None, workers_file: str | None = None, listen: str | None = None, status_port: int | None = None, status_host: str = "127.0.0.1", listen_security: ServerSecurity | None = None) -> int:
+def train(
+    config: TrainConfig,
+    *,
+    workers: str | None = None,
+    local: int | None = None,
+    progress: bool = True,
+    security: ClientSecurity | None = None,
+    workers_file: str | None = None,
+    listen: str | None = None,
+    status_port: int | None = None,
+    status_host: str = "127.0.0.1",
+    listen_security: ServerSecurity | None = None,
+) -> int:
     from gradwire.coordinator.trainer import Trainer  # torch and models load only when training
     from gradwire.memory import keep_freed_memory
 
@@ -371,9 +471,18 @@ def train(config: TrainConfig, *, workers: str | None = None, local: int | None 
             if status_port is not None:
                 from gradwire.coordinator.status import StatusBoard, StatusServer
 
-                trainer.status = StatusBoard(run={"run_id": trainer.run_id, "model": config.model, "steps": config.steps, "output_dir": config.output_dir})
+                trainer.status = StatusBoard(
+                    run={
+                        "run_id": trainer.run_id,
+                        "model": config.model,
+                        "steps": config.steps,
+                        "output_dir": config.output_dir,
+                    }
+                )
                 try:
-                    status = StatusServer(trainer.status, host=status_host, port=status_port, token=security.token if security else None)
+                    status = StatusServer(
+                        trainer.status, host=status_host, port=status_port, token=security.token if security else None
+                    )
                 except OSError as e:
                     print(f"coordinator train: error: {e}", file=sys.stderr)
                     return 2
@@ -386,7 +495,10 @@ def train(config: TrainConfig, *, workers: str | None = None, local: int | None 
                 return 1
             except KeyboardInterrupt:
                 latest = latest_checkpoint(trainer.checkpoint_dir)
-                print(f"coordinator train: stopped at once at step {trainer.step}; the newest checkpoint is {latest or 'none'}", file=sys.stderr)
+                print(
+                    f"coordinator train: stopped at once at step {trainer.step}; the newest checkpoint is {latest or 'none'}",
+                    file=sys.stderr,
+                )
                 return 130
             finally:
                 trainer.close()
@@ -396,11 +508,15 @@ def train(config: TrainConfig, *, workers: str | None = None, local: int | None 
             for c in clients:
                 c.close()
         if trainer.interrupted:
-            print(f"stopped at step {trainer.step} of {config.steps}; checkpoint in {trainer.last_checkpoint}. Resume with: {resume_command(trainer.checkpoint_dir)}")
+            print(
+                f"stopped at step {trainer.step} of {config.steps}; checkpoint in {trainer.last_checkpoint}. Resume with: {resume_command(trainer.checkpoint_dir)}"
+            )
             return 0
         if records:
             last = records[-1]
-            print(f"step {last['step']}: loss {last['loss']:.4f}, {last['tokens_per_sec']:.0f} tokens/s, compression {last['compression_ratio']:.0f}x; outputs in {config.output_dir}")
+            print(
+                f"step {last['step']}: loss {last['loss']:.4f}, {last['tokens_per_sec']:.0f} tokens/s, compression {last['compression_ratio']:.0f}x; outputs in {config.output_dir}"
+            )
         return 0
 
     if local:
@@ -423,7 +539,10 @@ def train(config: TrainConfig, *, workers: str | None = None, local: int | None 
             print(f"coordinator train: error: {e}", file=sys.stderr)
             return 2
         if not addresses:
-            print(f"coordinator train: error: --workers-file {workers_file} names no worker (host:port, one per line)", file=sys.stderr)
+            print(
+                f"coordinator train: error: --workers-file {workers_file} names no worker (host:port, one per line)",
+                file=sys.stderr,
+            )
             return 2
         return run(addresses, members)
     addresses = [a.strip() for a in (workers or "").split(",") if a.strip()]

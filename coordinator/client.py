@@ -70,14 +70,24 @@ class WorkerClient:
     ``channel`` replaces the one ``security`` would dial (a worker's tunnel: ``coordinator.tunnel``).
     """
 
-    def __init__(self, address: str, *, timeout: float = 60.0, max_message_mb: int = DEFAULT_MESSAGE_MB, security: ClientSecurity | None = None, channel: grpc.Channel | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float = 60.0,
+        max_message_mb: int = DEFAULT_MESSAGE_MB,
+        security: ClientSecurity | None = None,
+        channel: grpc.Channel | None = None,
+    ) -> None:
         self.address = address
         self.timeout = timeout
         self.max_bytes = check_message_mb(max_message_mb) << 20
         self.security = security or ClientSecurity()
         self.call_metadata = self.security.metadata()  # what every call carries: the token, the run key
         # ``channel``: another way to the worker (``coordinator.tunnel``: through the tunnel it opened)
-        self.channel = channel if channel is not None else self.security.channel(address, [*grpc_options(), *_CLIENT_OPTIONS])
+        self.channel = (
+            channel if channel is not None else self.security.channel(address, [*grpc_options(), *_CLIENT_OPTIONS])
+        )
         self._stub = worker_pb2_grpc.WorkerStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self.last_bytes_down = 0  # coordinator -> worker
@@ -89,12 +99,19 @@ class WorkerClient:
     def describe(self, timeout: float | None = None) -> WorkerInfo:
         """The worker's versions and device; raises ``WorkerError`` if it speaks another protocol."""
         request = pb.DescribeRequest(protocol_version=PROTOCOL_VERSION)
-        reply = self._call(lambda: self._stub.Describe(request, timeout=self._timeout(timeout), metadata=self.call_metadata))
+        reply = self._call(
+            lambda: self._stub.Describe(request, timeout=self._timeout(timeout), metadata=self.call_metadata)
+        )
         self._record(request.ByteSize(), reply.ByteSize())
         info = protocol.info_from_proto(reply)
         if info.protocol_version != PROTOCOL_VERSION:
             details = f"speaks protocol {info.protocol_version}, this coordinator speaks {PROTOCOL_VERSION}"
-            raise WorkerError(self.address, grpc.StatusCode.FAILED_PRECONDITION, details, f"worker at {self.address} {details}: upgrade the older one")
+            raise WorkerError(
+                self.address,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                details,
+                f"worker at {self.address} {details}: upgrade the older one",
+            )
         return info
 
     def push_state(self, state: ModelState, timeout: float | None = None) -> tuple[int, Fingerprint]:
@@ -123,24 +140,40 @@ class WorkerClient:
         """
         down, up = _Counter(), _Counter()
         parts = down.count(protocol.to_parts(protocol.order_to_proto(order)))
-        result = self._framed(lambda: self._stub.RunRound(parts, timeout=self._timeout(timeout), metadata=self.call_metadata), up, pb.RoundResult, protocol.result_from_proto)
+        result = self._framed(
+            lambda: self._stub.RunRound(parts, timeout=self._timeout(timeout), metadata=self.call_metadata),
+            up,
+            pb.RoundResult,
+            protocol.result_from_proto,
+        )
         self._record(down.nbytes, up.nbytes)
         if result.round != order.round:
-            raise WorkerError(self.address, grpc.StatusCode.DATA_LOSS, f"answered round {result.round} to an order for round {order.round}")
+            raise WorkerError(
+                self.address,
+                grpc.StatusCode.DATA_LOSS,
+                f"answered round {result.round} to an order for round {order.round}",
+            )
         return result
 
     def fetch_worker_state(self, run_id: str, timeout: float | None = None) -> WorkerState:
         """The error feedback and inner optimizer state of the worker's session of ``run_id`` (for checkpoints)."""
         request = pb.FetchWorkerStateRequest(run_id=run_id)
         up = _Counter()
-        state = self._framed(lambda: self._stub.FetchWorkerState(request, timeout=self._timeout(timeout), metadata=self.call_metadata), up, pb.WorkerState, protocol.worker_state_from_proto)
+        state = self._framed(
+            lambda: self._stub.FetchWorkerState(request, timeout=self._timeout(timeout), metadata=self.call_metadata),
+            up,
+            pb.WorkerState,
+            protocol.worker_state_from_proto,
+        )
         self._record(request.ByteSize(), up.nbytes)
         return state
 
     def close_run(self, run_id: str, timeout: float | None = None) -> bool:
         """Ask the worker to drop its session of ``run_id``; whether it held one."""
         request = pb.CloseRunRequest(run_id=run_id)
-        reply = self._call(lambda: self._stub.CloseRun(request, timeout=self._timeout(timeout), metadata=self.call_metadata))
+        reply = self._call(
+            lambda: self._stub.CloseRun(request, timeout=self._timeout(timeout), metadata=self.call_metadata)
+        )
         self._record(request.ByteSize(), reply.ByteSize())
         return reply.closed
 
@@ -151,7 +184,9 @@ class WorkerClient:
         try:
             grpc.channel_ready_future(self.channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
-            raise WorkerError(self.address, grpc.StatusCode.UNAVAILABLE, f"not reachable within {timeout:g} s") from None
+            raise WorkerError(
+                self.address, grpc.StatusCode.UNAVAILABLE, f"not reachable within {timeout:g} s"
+            ) from None
         request = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
         while True:
             left = deadline - time.monotonic()
@@ -163,7 +198,9 @@ class WorkerClient:
             except grpc.RpcError as e:
                 last = _code(e).name
             if left <= 0:
-                raise WorkerError(self.address, grpc.StatusCode.UNAVAILABLE, f"not SERVING within {timeout:g} s (health: {last})")
+                raise WorkerError(
+                    self.address, grpc.StatusCode.UNAVAILABLE, f"not SERVING within {timeout:g} s (health: {last})"
+                )
             time.sleep(min(0.1, left))
 
     def cancel(self) -> None:
@@ -216,7 +253,9 @@ class WorkerClient:
         try:
             return from_proto(protocol.parse(cls, self._call(receive)))
         except ValueError as e:  # ProtocolError, PayloadError: the worker sent something malformed
-            raise WorkerError(self.address, grpc.StatusCode.DATA_LOSS, f"sent a malformed {cls.__name__}: {e}") from None
+            raise WorkerError(
+                self.address, grpc.StatusCode.DATA_LOSS, f"sent a malformed {cls.__name__}: {e}"
+            ) from None
 
 
 def _code(e: grpc.RpcError) -> grpc.StatusCode:

@@ -25,10 +25,26 @@ from gradwire.optim.schedule import Schedule, lr_at
 DENSE_CODEC = CodecConfig(min_sparse_numel=2**62, bins=0)
 
 # The settings ``mode_defaults`` fills when their flag is not given.
-AUTO_FIELDS = ("outer_optimizer", "learning_rate", "momentum", "feedback_beta", "bins", "target_chunk", "topk", "inner_momentum")
+AUTO_FIELDS = (
+    "outer_optimizer",
+    "learning_rate",
+    "momentum",
+    "feedback_beta",
+    "bins",
+    "target_chunk",
+    "topk",
+    "inner_momentum",
+)
 
 
-def mode_defaults(*, inner_steps: int, no_compression: bool, outer_optimizer: str | None, inner_optimizer: str, target_chunk: int | None = None) -> dict[str, object]:
+def mode_defaults(
+    *,
+    inner_steps: int,
+    no_compression: bool,
+    outer_optimizer: str | None,
+    inner_optimizer: str,
+    target_chunk: int | None = None,
+) -> dict[str, object]:
     """The defaults of the mode-dependent settings, with the outer optimizer already chosen or not.
 
     Gradient mode keeps DeMo's recipe: sign-SGD at 1e-3 on gradients that error feedback (beta 0.999)
@@ -125,7 +141,9 @@ class TrainConfig:
     connect_timeout: float = 60.0
     sync_tolerance: float = 1e-4
     max_failed_rounds: int = 3  # consecutive rounds with no usable worker before giving up ...
-    max_failed_seconds: float = 60.0  # ... once they also span this long (failed rounds back off, 0.5 s doubling to 30 s)
+    max_failed_seconds: float = (
+        60.0  # ... once they also span this long (failed rounds back off, 0.5 s doubling to 30 s)
+    )
     min_workers: int = 0  # quorum: once this many results are in, stragglers get --straggler-grace; 0 = wait for all
     straggler_grace: str = "1.0x"  # seconds ("10") or a factor of the quorum's median time ("1.5x")
     replay_window: int = 8  # updates kept for workers that missed rounds (catch-up by replay instead of a push)
@@ -146,12 +164,25 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("micro_batch_size", "warmup_steps", "checkpoint_every", "eval_every", "keep_checkpoints", "inner_warmup_steps"):
+        for name in (
+            "micro_batch_size",
+            "warmup_steps",
+            "checkpoint_every",
+            "eval_every",
+            "keep_checkpoints",
+            "inner_warmup_steps",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.target_chunk is not None and self.target_chunk < 1:
             raise ValueError(f"--target-chunk must be >= 1, got {self.target_chunk}")
-        defaults = mode_defaults(inner_steps=self.inner_steps, no_compression=self.no_compression, outer_optimizer=self.outer_optimizer, inner_optimizer=self.inner_optimizer, target_chunk=self.target_chunk)
+        defaults = mode_defaults(
+            inner_steps=self.inner_steps,
+            no_compression=self.no_compression,
+            outer_optimizer=self.outer_optimizer,
+            inner_optimizer=self.inner_optimizer,
+            target_chunk=self.target_chunk,
+        )
         for name in AUTO_FIELDS:
             if getattr(self, name) is None:
                 setattr(self, name, defaults[name])
@@ -174,7 +205,9 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         self.aggregation_rule()  # validates --aggregate
         if self.replay_precision not in REPLAY_PRECISIONS:
-            raise ValueError(f"--replay-precision must be one of {', '.join(REPLAY_PRECISIONS)}, got {self.replay_precision!r}")
+            raise ValueError(
+                f"--replay-precision must be one of {', '.join(REPLAY_PRECISIONS)}, got {self.replay_precision!r}"
+            )
         self.grace()  # validates --straggler-grace
         if not (math.isfinite(self.max_failed_seconds) and self.max_failed_seconds >= 0):
             raise ValueError(f"--max-failed-seconds must be >= 0, got {self.max_failed_seconds}")
@@ -196,7 +229,9 @@ class TrainConfig:
         if self.no_compression:
             return DENSE_CODEC
         try:
-            return CodecConfig(chunk=self.target_chunk, topk=self.topk, use_dct=self.use_dct, bins=self.bins, values=self.values)
+            return CodecConfig(
+                chunk=self.target_chunk, topk=self.topk, use_dct=self.use_dct, bins=self.bins, values=self.values
+            )
         except ValueError as e:
             raise ValueError(f"codec flags (--topk, --target-chunk, --bins, --values): {e}") from None
 
@@ -211,18 +246,31 @@ class TrainConfig:
 
     def inner_optimizer_config(self) -> InnerOptimizerConfig:
         return InnerOptimizerConfig(
-            name=self.inner_optimizer, weight_decay=self.inner_weight_decay, betas=(self.inner_beta1, self.inner_beta2),
-            momentum=self.inner_momentum, nesterov=self.inner_nesterov,
+            name=self.inner_optimizer,
+            weight_decay=self.inner_weight_decay,
+            betas=(self.inner_beta1, self.inner_beta2),
+            momentum=self.inner_momentum,
+            nesterov=self.inner_nesterov,
         )
 
     def outer_schedule(self) -> Schedule:
-        return Schedule(kind=self.lr_schedule, warmup=self.warmup_steps, total=self.steps, min_ratio=self.min_lr_ratio, cycles=self.lr_cycles)
+        return Schedule(
+            kind=self.lr_schedule,
+            warmup=self.warmup_steps,
+            total=self.steps,
+            min_ratio=self.min_lr_ratio,
+            cycles=self.lr_cycles,
+        )
 
     def inner_schedule(self) -> Schedule:
         # Inner steps are counted across rounds: round r's step h is inner step r * H + h.
         return Schedule(
-            kind=self.inner_lr_schedule, warmup=self.inner_warmup_steps, total=self.steps * self.inner_steps,
-            min_ratio=self.inner_min_lr_ratio, cycles=self.inner_lr_cycles, flag_prefix="inner-",
+            kind=self.inner_lr_schedule,
+            warmup=self.inner_warmup_steps,
+            total=self.steps * self.inner_steps,
+            min_ratio=self.inner_min_lr_ratio,
+            cycles=self.inner_lr_cycles,
+            flag_prefix="inner-",
         )
 
     def lr_at(self, step: int) -> float:

@@ -14,7 +14,9 @@ SyncAction = Literal["push", "replay", "current", "catch-up"]
 REPLAY_PRECISIONS = ("auto", "float32", "float64")
 
 
-def decide_sync(known_version: int | None, base_version: int, target_version: int, catch_up_bytes: int | None = None) -> tuple[SyncAction, str]:
+def decide_sync(
+    known_version: int | None, base_version: int, target_version: int, catch_up_bytes: int | None = None
+) -> tuple[SyncAction, str]:
     """What a worker needs before it computes at ``target_version``.
 
     ``base_version`` is where every in-sync worker starts the round; the pending update (if any) moves it
@@ -29,8 +31,14 @@ def decide_sync(known_version: int | None, base_version: int, target_version: in
     if known_version == base_version:
         return "replay", "worker replays the pending update"
     if known_version < base_version and catch_up_bytes is not None:
-        return "catch-up", f"worker at version {known_version} replays {base_version - known_version} missed update(s) ({catch_up_bytes} bytes)"
-    return "push", f"worker at version {known_version}, round starts at {base_version}, missed updates out of the replay window"
+        return (
+            "catch-up",
+            f"worker at version {known_version} replays {base_version - known_version} missed update(s) ({catch_up_bytes} bytes)",
+        )
+    return (
+        "push",
+        f"worker at version {known_version}, round starts at {base_version}, missed updates out of the replay window",
+    )
 
 
 # ------------------------------------------------------------------------------------------- benching
@@ -49,19 +57,28 @@ class Standing:
         return step < self.until
 
 
-def judge(standing: Standing, step: int, verdict: Verdict, *, bench_after: int, bench_rounds: int) -> tuple[Standing, str]:
+def judge(
+    standing: Standing, step: int, verdict: Verdict, *, bench_after: int, bench_rounds: int
+) -> tuple[Standing, str]:
     """A worker's standing after round ``step``'s ``verdict``: ``rejected`` (a malformed payload, a false
     token count, a norm the median clip would cut below ``HARD_CLIP`` of itself) is a strike, and so is
     ``clipped`` for callers that count milder clipping; ``bench_after``
     strikes in a row bench it for ``bench_rounds`` rounds (0 turns benching off). A good round clears
     the strikes."""
     if verdict == "ok":
-        return Standing(), "contribution accepted" if not standing.strikes else f"accepted after {standing.strikes} bad round(s): strikes cleared"
+        return (
+            Standing(),
+            "contribution accepted"
+            if not standing.strikes
+            else f"accepted after {standing.strikes} bad round(s): strikes cleared",
+        )
     strikes = standing.strikes + 1
     if bench_after and strikes >= bench_after:
         until = step + 1 + bench_rounds
         return Standing(0, until), f"{strikes} bad rounds in a row ({verdict} again): benched until step {until}"
-    return Standing(strikes, standing.until), f"{verdict}: strike {strikes}" + (f" of {bench_after}" if bench_after else "")
+    return Standing(strikes, standing.until), f"{verdict}: strike {strikes}" + (
+        f" of {bench_after}" if bench_after else ""
+    )
 
 
 HARD_CLIP = 0.25  # a sender the median-norm clip would scale below this is left out, with a strike
@@ -72,7 +89,15 @@ HARD_CLIP = 0.25  # a sender the median-norm clip would scale below this is left
 RetryAction = Literal["retry", "give-up"]
 
 
-def after_failed_round(failed_in_a_row: int, failing_for: float, *, max_rounds: int, max_seconds: float, first_delay: float = 0.5, max_delay: float = 30.0) -> tuple[RetryAction, float, str]:
+def after_failed_round(
+    failed_in_a_row: int,
+    failing_for: float,
+    *,
+    max_rounds: int,
+    max_seconds: float,
+    first_delay: float = 0.5,
+    max_delay: float = 30.0,
+) -> tuple[RetryAction, float, str]:
     """What to do after a round with no usable worker: wait and retry, or give up.
 
     Waits double from ``first_delay`` up to ``max_delay``, so a restart or a network blip that takes every
@@ -81,12 +106,20 @@ def after_failed_round(failed_in_a_row: int, failing_for: float, *, max_rounds: 
     to wait, reason).
     """
     if failed_in_a_row >= max_rounds and failing_for >= max_seconds:
-        return "give-up", 0.0, (
-            f"{failed_in_a_row} rounds in a row over {failing_for:.0f} s with no usable worker "
-            f"(--max-failed-rounds {max_rounds}, --max-failed-seconds {max_seconds:g})"
+        return (
+            "give-up",
+            0.0,
+            (
+                f"{failed_in_a_row} rounds in a row over {failing_for:.0f} s with no usable worker "
+                f"(--max-failed-rounds {max_rounds}, --max-failed-seconds {max_seconds:g})"
+            ),
         )
     delay = min(max_delay, first_delay * 2 ** max(0, failed_in_a_row - 1))
-    return "retry", delay, f"no usable worker ({failed_in_a_row} round(s) in a row, {failing_for:.1f} s); next round in {delay:.1f} s"
+    return (
+        "retry",
+        delay,
+        f"no usable worker ({failed_in_a_row} round(s) in a row, {failing_for:.1f} s); next round in {delay:.1f} s",
+    )
 
 
 # ------------------------------------------------------------------------------------------- stragglers
@@ -105,7 +138,9 @@ class Grace:
         try:
             grace = cls(factor=float(text[:-1])) if text.endswith("x") else cls(seconds=float(text))
         except ValueError:
-            raise ValueError(f"--straggler-grace must be seconds (10) or a factor of the median time (1.5x), got {text!r}") from None
+            raise ValueError(
+                f"--straggler-grace must be seconds (10) or a factor of the median time (1.5x), got {text!r}"
+            ) from None
         if not all(v >= 0 and v < float("inf") for v in (grace.seconds, grace.factor)):
             raise ValueError(f"--straggler-grace must be >= 0, got {text!r}")
         return grace
@@ -114,7 +149,9 @@ class Grace:
         return self.seconds if not self.factor else self.factor * sorted(arrivals)[len(arrivals) // 2]
 
 
-def decide_close(elapsed: float, arrivals: list[float], waiting: int, *, quorum: int, grace: Grace) -> tuple[bool, float, str]:
+def decide_close(
+    elapsed: float, arrivals: list[float], waiting: int, *, quorum: int, grace: Grace
+) -> tuple[bool, float, str]:
     """Whether a round stops waiting for its last workers: (close, seconds until it would, reason).
 
     ``arrivals`` are the times (since the round began) at which its usable results came in, ``waiting``
@@ -128,7 +165,11 @@ def decide_close(elapsed: float, arrivals: list[float], waiting: int, *, quorum:
     deadline = sorted(arrivals)[quorum - 1] + grace.after(arrivals)
     if elapsed >= deadline:
         return True, 0.0, f"quorum of {quorum} in; {waiting} straggler(s) cut off after {deadline:.2f} s"
-    return False, deadline - elapsed, f"quorum of {quorum} in; waiting up to {deadline - elapsed:.2f} s for {waiting} more"
+    return (
+        False,
+        deadline - elapsed,
+        f"quorum of {quorum} in; waiting up to {deadline - elapsed:.2f} s for {waiting} more",
+    )
 
 
 def decide_first_push(new: int, others: int) -> tuple[Literal["block", "background"], str]:
@@ -159,5 +200,8 @@ def replay_precision(setting: str, coordinator_device: str, worker_devices: Sequ
     kind = coordinator_device.split(":")[0]
     others = sorted({d.split(":")[0] for d in worker_devices if d and d.split(":")[0] != kind})
     if others:
-        return True, f"workers on {', '.join(others)} and the coordinator on {kind}: replays combine in float64 so that every replica computes the same bits"
+        return (
+            True,
+            f"workers on {', '.join(others)} and the coordinator on {kind}: replays combine in float64 so that every replica computes the same bits",
+        )
     return False, f"every worker on {kind}, as the coordinator: float32 replays agree bit for bit"

@@ -86,7 +86,9 @@ def load_exported(path: Path | str) -> tuple[nn.Module, Any]:
         return _read_gpt(path, config)
     if "model_type" in config:
         return _read_hf(path)
-    raise ValueError(f"{config_path} is neither a gradwire GPT spec ('arch': 'gpt') nor a transformers config ('model_type')")
+    raise ValueError(
+        f"{config_path} is neither a gradwire GPT spec ('arch': 'gpt') nor a transformers config ('model_type')"
+    )
 
 
 # ------------------------------------------------------------------------------------------- built-in GPT
@@ -120,7 +122,9 @@ def _backend(tokenizer: Any) -> Tokenizer:
         inner = getattr(tokenizer, attr, None)
         if isinstance(inner, Tokenizer):
             return inner
-    raise TypeError(f"cannot export a tokenizer of type {type(tokenizer).__name__}: expected a tokenizers.Tokenizer or a fast tokenizer")
+    raise TypeError(
+        f"cannot export a tokenizer of type {type(tokenizer).__name__}: expected a tokenizers.Tokenizer or a fast tokenizer"
+    )
 
 
 # ------------------------------------------------------------------------------------------- Hugging Face
@@ -128,7 +132,9 @@ def _backend(tokenizer: Any) -> Tokenizer:
 
 def _write_hf(model: nn.Module, out: Path, tokenizer: Any) -> None:
     if not hasattr(model, "save_pretrained"):
-        raise TypeError(f"spec 'arch' is 'hf' but the model is a {type(model).__name__}, not a transformers PreTrainedModel")
+        raise TypeError(
+            f"spec 'arch' is 'hf' but the model is a {type(model).__name__}, not a transformers PreTrainedModel"
+        )
     # Safetensors is save_pretrained's only format in transformers 5 and its default since 4.35; the
     # safe_serialization argument is gone in 5, so it is not passed.
     model.save_pretrained(out)

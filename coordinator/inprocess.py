@@ -51,7 +51,9 @@ class InProcessClient:
         down = protocol.order_to_proto(order)
         self._cancelled.clear()
         try:
-            result = self.engine.run_round(protocol.order_from_proto(_wire(down, pb.WorkOrder)), cancelled=self._cancelled.is_set)
+            result = self.engine.run_round(
+                protocol.order_from_proto(_wire(down, pb.WorkOrder)), cancelled=self._cancelled.is_set
+            )
         except Exception as e:
             status = status_for(e)  # as the servicer answers it; a bug (None) surfaces here as itself
             if status is None:
@@ -81,5 +83,7 @@ def _wire(message: Message, cls: type[Message]) -> Message:
     return protocol.parse(cls, message.SerializeToString())
 
 
-def in_process_clients(n: int, device: str = "cpu", factory: Callable[[str], WorkerEngine] = WorkerEngine) -> list[InProcessClient]:
+def in_process_clients(
+    n: int, device: str = "cpu", factory: Callable[[str], WorkerEngine] = WorkerEngine
+) -> list[InProcessClient]:
     return [InProcessClient(factory(device), f"in-process-{i}") for i in range(n)]

@@ -124,20 +124,36 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         accepted, reason = self.registry.join(request.address[:300])
         if not accepted:
             log.warning("join from %s refused: %s", context.peer(), reason)
-        return pb.JoinReply(protocol_version=PROTOCOL_VERSION, accepted=accepted, reason=reason, rejoin_seconds=REJOIN_SECONDS)
+        return pb.JoinReply(
+            protocol_version=PROTOCOL_VERSION, accepted=accepted, reason=reason, rejoin_seconds=REJOIN_SECONDS
+        )
 
-    def Tunnel(self, request_iterator: Iterator[pb.TunnelFrame], context: grpc.ServicerContext) -> Iterator[pb.TunnelFrame]:
+    def Tunnel(
+        self, request_iterator: Iterator[pb.TunnelFrame], context: grpc.ServicerContext
+    ) -> Iterator[pb.TunnelFrame]:
         return self.tunnels.serve(request_iterator, context)
 
 
-def serve_joins(registry: JoinRegistry, *, host: str, port: int, security: ServerSecurity | None = None, tunnels: Tunnels | None = None) -> tuple[grpc.Server, int]:
+def serve_joins(
+    registry: JoinRegistry,
+    *,
+    host: str,
+    port: int,
+    security: ServerSecurity | None = None,
+    tunnels: Tunnels | None = None,
+) -> tuple[grpc.Server, int]:
     """Start the Coordinator service on ``host:port``; return the server and the bound port. ``tunnels``
     receives the workers' tunnels (a new registry of them if not given)."""
     from gradwire.worker.server import make_server  # the one server factory (limits, token, deadlines, health)
 
     server, bound, _ = make_server(
         # every open tunnel holds a server thread for its life, besides the few for Join calls
-        CoordinatorServicer(registry, tunnels), host=host, port=port, max_workers=4 + MAX_TUNNELS, security=security,
-        add=coordinator_pb2_grpc.add_CoordinatorServicer_to_server, service_name=SERVICE_NAME,
+        CoordinatorServicer(registry, tunnels),
+        host=host,
+        port=port,
+        max_workers=4 + MAX_TUNNELS,
+        security=security,
+        add=coordinator_pb2_grpc.add_CoordinatorServicer_to_server,
+        service_name=SERVICE_NAME,
     )
     return server, bound

@@ -14,7 +14,9 @@ from gradwire.worker.launch import die_with_parent
 
 
 @contextlib.contextmanager
-def local_workers(n: int, *, threads: int | None = None, device: str = "cpu", token: str | None = None) -> Iterator[list[str]]:
+def local_workers(
+    n: int, *, threads: int | None = None, device: str = "cpu", token: str | None = None
+) -> Iterator[list[str]]:
     """Start ``n`` ``worker serve`` processes; yield their addresses; stop them (SIGTERM, then kill).
 
     With ``token`` the workers require it (handed over in the environment, not on a command line)."""
@@ -29,7 +31,18 @@ def local_workers(n: int, *, threads: int | None = None, device: str = "cpu", to
     try:
         for _ in range(n):
             port = free_port()
-            cmd = [sys.executable, "-m", "gradwire.worker", "serve", "--host", "127.0.0.1", "--port", str(port), "--device", device]
+            cmd = [
+                sys.executable,
+                "-m",
+                "gradwire.worker",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--device",
+                device,
+            ]
             # A session of their own: Ctrl-C in the terminal reaches the coordinator alone, which finishes its
             # round and checkpoints with the workers still up, then stops them; if it is killed outright,
             # they die with it.

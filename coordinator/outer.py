@@ -82,7 +82,16 @@ class OuterStrategy(abc.ABC):
             self._apply(self.pending)
             self._target_fingerprint = self.replica.fingerprint()
 
-    def step(self, aggregator: Aggregate, payloads: tuple[CompressedGradient, ...], weights: tuple[float, ...], lr: float, *, scales: tuple[float, ...] = (), rule: AggregationRule = MEAN) -> float:
+    def step(
+        self,
+        aggregator: Aggregate,
+        payloads: tuple[CompressedGradient, ...],
+        weights: tuple[float, ...],
+        lr: float,
+        *,
+        scales: tuple[float, ...] = (),
+        rule: AggregationRule = MEAN,
+    ) -> float:
         """Turn a round's validated, combined contributions (``compression.robust.aggregate`` of
         ``payloads`` with ``weights``, clip ``scales`` and ``rule``) into the next ``pending`` update.
 
@@ -107,11 +116,22 @@ class OuterStrategy(abc.ABC):
 
     # ------------------------------------------------------------------------------------------ state
 
-    def model_state(self, run_id: str, spec: dict, feedback: dict[str, torch.Tensor], inner_optimizer: dict[str, torch.Tensor]) -> ModelState:
+    def model_state(
+        self, run_id: str, spec: dict, feedback: dict[str, torch.Tensor], inner_optimizer: dict[str, torch.Tensor]
+    ) -> ModelState:
         """The replica's full state (at its current version), for a push to a worker."""
         params = {n: p.detach() for n, p in self.replica.params.items()}
         momentum = {f"momentum.{i}": m for i, m in enumerate(self.replica.momentum)}
-        return ModelState(run_id, self.replica.version, json.dumps(spec), params, self.replica.rule.to_json(), momentum, feedback, inner_optimizer)
+        return ModelState(
+            run_id,
+            self.replica.version,
+            json.dumps(spec),
+            params,
+            self.replica.rule.to_json(),
+            momentum,
+            feedback,
+            inner_optimizer,
+        )
 
     def checkpoint(self) -> TensorGroups:
         """Tensor groups for a checkpoint (after ``apply_pending``): the model and the outer optimizer's state."""
@@ -164,11 +184,15 @@ class ReplayOuter(OuterStrategy):
 class DeltaOuter(OuterStrategy):
     """AdamW on the coordinator; workers follow a shadow replica through compressed deltas."""
 
-    def __init__(self, model: torch.nn.Module, rule: UpdateRule, codec_config: CodecConfig, spec: dict, seed: int) -> None:
+    def __init__(
+        self, model: torch.nn.Module, rule: UpdateRule, codec_config: CodecConfig, spec: dict, seed: int
+    ) -> None:
         shadow = build_from_spec(spec, seed=seed)
         shadow.load_state_dict(model.state_dict())  # the same (possibly pretrained) start
         super().__init__(model, Replica(shadow, rule), codec_config)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1.0, betas=rule.betas, eps=rule.eps, weight_decay=rule.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=1.0, betas=rule.betas, eps=rule.eps, weight_decay=rule.weight_decay
+        )
         self.feedback = ErrorFeedback(beta=1.0)
 
     def _next_update(self, aggregator: Aggregate, replay: StateUpdate) -> StateUpdate:
@@ -199,13 +223,19 @@ class DeltaOuter(OuterStrategy):
         optimizer = tensors.get("optimizer", {})
         for name, p in self.model.named_parameters():
             prefix = f"adamw.{name}."
-            state = {key[len(prefix) :]: v for key, v in optimizer.items() if key.startswith(prefix) and "." not in key[len(prefix) :]}
+            state = {
+                key[len(prefix) :]: v
+                for key, v in optimizer.items()
+                if key.startswith(prefix) and "." not in key[len(prefix) :]
+            }
             if state:
                 self.optimizer.state[p] = state
         self.feedback.load_state_dict(tensors.get("delta-feedback", {}))
 
 
-def make_outer(model: torch.nn.Module, rule: UpdateRule, codec_config: CodecConfig, spec: dict, seed: int) -> OuterStrategy:
+def make_outer(
+    model: torch.nn.Module, rule: UpdateRule, codec_config: CodecConfig, spec: dict, seed: int
+) -> OuterStrategy:
     if rule.replayable:
         return ReplayOuter(model, rule, codec_config)
     return DeltaOuter(model, rule, codec_config, spec, seed)

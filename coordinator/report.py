@@ -42,7 +42,9 @@ def write_report(output_dir: Path | str, report_dir: Path | str | None = None) -
     output_dir = Path(output_dir)
     path = output_dir / METRICS_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"no {METRICS_FILE} in {output_dir}: is it the --output-dir of a coordinator train run?")
+        raise FileNotFoundError(
+            f"no {METRICS_FILE} in {output_dir}: is it the --output-dir of a coordinator train run?"
+        )
     records = _by_step(read_metrics(path))
     if not records:
         raise ValueError(f"{path} holds no metrics records: the run logged no step")
@@ -77,10 +79,25 @@ def _loss(ax: Axes, records: Sequence[dict[str, Any]]) -> None:
     steps, loss = _column(records, "step"), _column(records, "loss")
     many = len(records) >= 50
     # With many steps the raw curve is noise around a trend: draw it faint and the moving average on top.
-    ax.plot(steps, loss, color=_COLORS["loss"], lw=1.0, alpha=0.35 if many else 1.0, marker=None if many else "o", ms=3, label="train loss")
+    ax.plot(
+        steps,
+        loss,
+        color=_COLORS["loss"],
+        lw=1.0,
+        alpha=0.35 if many else 1.0,
+        marker=None if many else "o",
+        ms=3,
+        label="train loss",
+    )
     if many:
         window = max(5, len(records) // 25)
-        ax.plot(steps, _moving_average(loss, window), color=_COLORS["loss"], lw=2.0, label=f"train loss, {window}-step average")
+        ax.plot(
+            steps,
+            _moving_average(loss, window),
+            color=_COLORS["loss"],
+            lw=2.0,
+            label=f"train loss, {window}-step average",
+        )
     eval_loss = _column(records, "eval_loss")
     if np.isfinite(eval_loss).any():
         seen = np.isfinite(eval_loss)
@@ -95,7 +112,9 @@ def _loss(ax: Axes, records: Sequence[dict[str, Any]]) -> None:
 def _loss_vs_bytes(ax: Axes, records: Sequence[dict[str, Any]]) -> None:
     moved = np.cumsum(_column(records, "bytes_up") + _column(records, "bytes_down"))
     loss = _column(records, "loss")
-    ax.plot(moved, loss, color=_COLORS["loss"], lw=1.5, marker="o" if len(records) < 50 else None, ms=3, label="train loss")
+    ax.plot(
+        moved, loss, color=_COLORS["loss"], lw=1.5, marker="o" if len(records) < 50 else None, ms=3, label="train loss"
+    )
     eval_loss = _column(records, "eval_loss")
     if np.isfinite(eval_loss).any():
         seen = np.isfinite(eval_loss)
@@ -121,7 +140,11 @@ def _step_time(ax: Axes, records: Sequence[dict[str, Any]]) -> None:
     rest = np.clip(np.nan_to_num(dispatch) - compute, 0.0, None)
     aggregate = np.nan_to_num(aggregate)
     scale, unit = (1e3, "ms") if np.nanmedian(total) < 1.0 else (1.0, "s")
-    parts = [("worker compute (slowest worker)", compute, "compute"), ("dispatch: network, serialization, waiting", rest, "dispatch"), ("aggregate + outer step", aggregate, "aggregate")]
+    parts = [
+        ("worker compute (slowest worker)", compute, "compute"),
+        ("dispatch: network, serialization, waiting", rest, "dispatch"),
+        ("aggregate + outer step", aggregate, "aggregate"),
+    ]
     if len(steps) <= 60:
         bottom = np.zeros_like(total)
         width = 0.8 * (np.min(np.diff(steps)) if len(steps) > 1 else 1.0)
@@ -129,8 +152,22 @@ def _step_time(ax: Axes, records: Sequence[dict[str, Any]]) -> None:
             ax.bar(steps, values * scale, width, bottom=bottom * scale, color=_COLORS[color], label=label, linewidth=0)
             bottom = bottom + values
     else:  # bars a pixel wide alias into stripes: stacked areas read better
-        ax.stackplot(steps, *(v * scale for _, v, _ in parts), labels=[p[0] for p in parts], colors=[_COLORS[p[2]] for p in parts], step="mid", linewidth=0)
-    ax.plot(steps, total * scale, color="black", lw=0.8, label="step time", drawstyle="default" if len(steps) <= 60 else "steps-mid")
+        ax.stackplot(
+            steps,
+            *(v * scale for _, v, _ in parts),
+            labels=[p[0] for p in parts],
+            colors=[_COLORS[p[2]] for p in parts],
+            step="mid",
+            linewidth=0,
+        )
+    ax.plot(
+        steps,
+        total * scale,
+        color="black",
+        lw=0.8,
+        label="step time",
+        drawstyle="default" if len(steps) <= 60 else "steps-mid",
+    )
     # The first round (and any re-sync) pushes the whole state and can dwarf the rest: cap the axis there
     # and name the steps that go past it.
     typical = float(np.nanpercentile(total, 90))
@@ -142,7 +179,10 @@ def _step_time(ax: Axes, records: Sequence[dict[str, Any]]) -> None:
         ax.text(0.01, 0.97, f"off the chart: {note}", transform=ax.transAxes, va="top", fontsize=8)
     shares = [float(np.nansum(v)) for _, v, _ in parts]
     spent = sum(shares) or 1.0
-    ax.set_title("Step time: " + ", ".join(f"{name} {100 * s / spent:.0f}%" for name, s in zip(("compute", "dispatch", "aggregate"), shares)))
+    ax.set_title(
+        "Step time: "
+        + ", ".join(f"{name} {100 * s / spent:.0f}%" for name, s in zip(("compute", "dispatch", "aggregate"), shares))
+    )
     ax.set_xlabel("step")
     ax.set_ylabel(f"time per step ({unit})")
     ax.grid(alpha=0.3, axis="y")

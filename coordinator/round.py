@@ -94,7 +94,16 @@ class RoundPlan:
 
 
 class RoundDispatcher:
-    def __init__(self, outer: OuterStrategy, pool: ThreadPoolExecutor, *, timeout: float, state_bytes: int = 0, quorum: int = 0, grace: Grace | None = None) -> None:
+    def __init__(
+        self,
+        outer: OuterStrategy,
+        pool: ThreadPoolExecutor,
+        *,
+        timeout: float,
+        state_bytes: int = 0,
+        quorum: int = 0,
+        grace: Grace | None = None,
+    ) -> None:
         self.outer = outer
         self.pool = pool
         self.timeout = timeout
@@ -132,7 +141,12 @@ class RoundDispatcher:
         pushed = dict(zip((s.index for s in to_push), self.pool.map(lambda s: self._push(s, make_state), to_push)))
         applied = threading.Event()
         cut_off = {slot.index: threading.Event() for slot in slots}  # set for a straggler: make no further call
-        futures = [self.pool.submit(self._work, slot, step, pushed.get(slot.index), applied, make_order, make_state, cut_off[slot.index]) for slot in slots]
+        futures = [
+            self.pool.submit(
+                self._work, slot, step, pushed.get(slot.index), applied, make_order, make_state, cut_off[slot.index]
+            )
+            for slot in slots
+        ]
         try:
             outer.apply_pending()
         finally:
@@ -155,16 +169,27 @@ class RoundDispatcher:
             del self._joining[i]
         return {i: f.result() for i, f in done.items()}
 
-    def _close(self, futures: list[Future[SlotOutcome]], slots: Sequence[WorkerSlot], step: int, start: float, cut_off: dict[int, threading.Event]) -> set[int]:
+    def _close(
+        self,
+        futures: list[Future[SlotOutcome]],
+        slots: Sequence[WorkerSlot],
+        step: int,
+        start: float,
+        cut_off: dict[int, threading.Event],
+    ) -> set[int]:
         """Wait for the round's results until ``decisions.decide_close`` closes it; cancel the calls of the
         workers still computing then, and return their slot indices."""
         by_future = dict(zip(futures, slots))
         waiting, arrivals = set(futures), []
         while True:
-            close, wait, why = decide_close(time.monotonic() - start, arrivals, len(waiting), quorum=self.quorum, grace=self.grace)
+            close, wait, why = decide_close(
+                time.monotonic() - start, arrivals, len(waiting), quorum=self.quorum, grace=self.grace
+            )
             if close:
                 break
-            done, waiting = wait_for(waiting, timeout=None if wait == float("inf") else wait, return_when=FIRST_COMPLETED)
+            done, waiting = wait_for(
+                waiting, timeout=None if wait == float("inf") else wait, return_when=FIRST_COMPLETED
+            )
             arrivals += [time.monotonic() - start for f in done if f.result().result is not None]
         for f in waiting:
             cut_off[by_future[f].index].set()  # before the cancel: a call it has not started yet never starts
@@ -173,7 +198,16 @@ class RoundDispatcher:
             log.info("step %d: %s", step, why)
         return {by_future[f].index for f in waiting}
 
-    def _work(self, slot: WorkerSlot, step: int, push: _Push | None, applied: threading.Event, make_order: MakeOrder, make_state: MakeState, cut_off: threading.Event) -> SlotOutcome:
+    def _work(
+        self,
+        slot: WorkerSlot,
+        step: int,
+        push: _Push | None,
+        applied: threading.Event,
+        make_order: MakeOrder,
+        make_state: MakeState,
+        cut_off: threading.Event,
+    ) -> SlotOutcome:
         """Everything one worker does this round; runs on the dispatch pool. Never raises.
 
         Up to three orders: as the worker is believed to stand; after a BEHIND answer, from the version it
@@ -208,10 +242,18 @@ class RoundDispatcher:
                 outcome.bytes_up += slot.client.last_bytes_up
                 if result.status == OK:
                     if result.round != step or result.version != target:
-                        raise ProtocolError(f"result for round {result.round} at version {result.version}, expected {step} at {target}")
+                        raise ProtocolError(
+                            f"result for round {result.round} at version {result.version}, expected {step} at {target}"
+                        )
                     outcome.result = result
                     return outcome
-                log.info("step %d: worker %d is %s (%s)", step, slot.index, "behind" if result.status == BEHIND else "out of sync", result.reason)
+                log.info(
+                    "step %d: worker %d is %s (%s)",
+                    step,
+                    slot.index,
+                    "behind" if result.status == BEHIND else "out of sync",
+                    result.reason,
+                )
                 # A sound replica at another version may catch up by replay; a missing or suspect one (or
                 # one that claims the version it was just sent) gets the state.
                 version = result.version if result.status == BEHIND and result.version != version else None
@@ -231,7 +273,9 @@ class RoundDispatcher:
         total = sum(u.nbytes for u in missed[1]) + (self.outer.pending.nbytes if self.outer.pending is not None else 0)
         return total if not self.state_bytes or total < self.state_bytes else None
 
-    def _order(self, slot: WorkerSlot, action: str, version: int | None, applied: threading.Event, make_order: MakeOrder) -> WorkOrder:
+    def _order(
+        self, slot: WorkerSlot, action: str, version: int | None, applied: threading.Event, make_order: MakeOrder
+    ) -> WorkOrder:
         outer = self.outer
         if action == "replay":
             return make_order(slot, outer.base_version, outer.pending, outer.base_fingerprint, ())

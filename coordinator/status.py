@@ -78,27 +78,44 @@ class StatusBoard:
         self._lock = threading.Lock()
         self.run = dict(run)
         self.started = time.time()
-        self.curves: dict[str, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=CURVE_POINTS))
+        self.curves: dict[str, collections.deque] = collections.defaultdict(
+            lambda: collections.deque(maxlen=CURVE_POINTS)
+        )
         self.latest: dict[str, Any] = {}
         self.workers: dict[int, WorkerRow] = {}
         self.registry = CollectorRegistry()
         self._gauges = {
             key: Gauge(f"gradwire_{key}", help_text, registry=self.registry)
             for key, help_text in (
-                ("step", "rounds completed"), ("loss", "training loss of the last round"),
-                ("eval_loss", "held-out loss, when last measured"), ("tokens_per_sec", "tokens trained per second in the last round"),
-                ("compression_ratio", "dense float32 bytes over payload bytes"), ("step_time_seconds", "wall time of the last round"),
+                ("step", "rounds completed"),
+                ("loss", "training loss of the last round"),
+                ("eval_loss", "held-out loss, when last measured"),
+                ("tokens_per_sec", "tokens trained per second in the last round"),
+                ("compression_ratio", "dense float32 bytes over payload bytes"),
+                ("step_time_seconds", "wall time of the last round"),
                 ("compute_seconds", "slowest worker's compute time in the last round"),
                 ("communication_seconds", "the last round's time outside worker compute and aggregation"),
                 ("aggregate_seconds", "the coordinator's aggregation and outer step in the last round"),
                 ("successful_workers", "workers whose contribution counted in the last round"),
             )
         }
-        self._bytes = Counter("gradwire_bytes", "bytes over the network, by direction", ["direction"], registry=self.registry)
+        self._bytes = Counter(
+            "gradwire_bytes", "bytes over the network, by direction", ["direction"], registry=self.registry
+        )
         self._tokens = Counter("gradwire_tokens", "tokens trained on", registry=self.registry)
         self._total_tokens = 0
-        self._worker_state = Gauge("gradwire_worker_state", "1 for each worker's current state", ["worker", "address", "state"], registry=self.registry)
-        self._worker_rounds = Gauge("gradwire_worker_rounds", "rounds per worker, by outcome", ["worker", "address", "outcome"], registry=self.registry)
+        self._worker_state = Gauge(
+            "gradwire_worker_state",
+            "1 for each worker's current state",
+            ["worker", "address", "state"],
+            registry=self.registry,
+        )
+        self._worker_rounds = Gauge(
+            "gradwire_worker_rounds",
+            "rounds per worker, by outcome",
+            ["worker", "address", "outcome"],
+            registry=self.registry,
+        )
 
     def update(self, record: dict[str, Any] | None, events: list[WorkerEvent]) -> None:
         """A round happened: its metrics record (``None`` if no worker was usable) and, for every worker
@@ -140,10 +157,15 @@ class StatusBoard:
         aggregate = float(record.get("aggregate_time", 0.0))
         communication = max(0.0, float(record.get("step_time", 0.0)) - compute - aggregate)
         point = {
-            "step": step, "loss": record.get("loss"), "tokens_per_sec": record.get("tokens_per_sec"),
-            "bytes_up": record.get("bytes_up"), "bytes_down": record.get("bytes_down"),
-            "compression_ratio": record.get("compression_ratio"), "compute": compute,
-            "communication": communication, "aggregate": aggregate,
+            "step": step,
+            "loss": record.get("loss"),
+            "tokens_per_sec": record.get("tokens_per_sec"),
+            "bytes_up": record.get("bytes_up"),
+            "bytes_down": record.get("bytes_down"),
+            "compression_ratio": record.get("compression_ratio"),
+            "compute": compute,
+            "communication": communication,
+            "aggregate": aggregate,
         }
         for key, value in point.items():
             if key != "step":
@@ -152,7 +174,14 @@ class StatusBoard:
             self.curves["eval_loss"].append((step, record["eval_loss"]))
             self._gauges["eval_loss"].set(record["eval_loss"])
         self.latest = {**record, "communication_time": communication}
-        for key, gauge_key in (("step", "step"), ("loss", "loss"), ("tokens_per_sec", "tokens_per_sec"), ("compression_ratio", "compression_ratio"), ("step_time", "step_time_seconds"), ("successful_workers", "successful_workers")):
+        for key, gauge_key in (
+            ("step", "step"),
+            ("loss", "loss"),
+            ("tokens_per_sec", "tokens_per_sec"),
+            ("compression_ratio", "compression_ratio"),
+            ("step_time", "step_time_seconds"),
+            ("successful_workers", "successful_workers"),
+        ):
             if isinstance(record.get(key), (int, float)):
                 self._gauges[gauge_key].set(record[key])
         self._gauges["compute_seconds"].set(compute)
@@ -219,14 +248,25 @@ def _handler(board: StatusBoard, token: str | None) -> type[BaseHTTPRequestHandl
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
             url = urlsplit(self.path)
             if token is not None:
-                presented = bearer([("authorization", self.headers.get("Authorization", ""))]) or (parse_qs(url.query).get("token") or [None])[0]
+                presented = (
+                    bearer([("authorization", self.headers.get("Authorization", ""))])
+                    or (parse_qs(url.query).get("token") or [None])[0]
+                )
                 if not token_matches(presented, token):
-                    self._send(HTTPStatus.UNAUTHORIZED, b"a token is required: ?token=... or Authorization: Bearer ...\n", "text/plain; charset=utf-8")
+                    self._send(
+                        HTTPStatus.UNAUTHORIZED,
+                        b"a token is required: ?token=... or Authorization: Bearer ...\n",
+                        "text/plain; charset=utf-8",
+                    )
                     return
             if url.path in ("/", "/index.html"):
                 self._send(HTTPStatus.OK, page(), "text/html; charset=utf-8")
             elif url.path == "/api/status":
-                self._send(HTTPStatus.OK, json.dumps(_finite(board.snapshot()), allow_nan=False, default=str).encode(), "application/json")
+                self._send(
+                    HTTPStatus.OK,
+                    json.dumps(_finite(board.snapshot()), allow_nan=False, default=str).encode(),
+                    "application/json",
+                )
             elif url.path == "/metrics":
                 self._send(HTTPStatus.OK, board.prometheus(), CONTENT_TYPE_LATEST)
             else:

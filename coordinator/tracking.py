@@ -73,7 +73,9 @@ def _has_credentials() -> bool:
         from wandb.sdk.lib import wbauth
 
         settings = wandb_setup.singleton().settings
-        auth = wbauth.authenticate_session(host=settings.base_url, source="gradwire", prompt=False, update_session=False)
+        auth = wbauth.authenticate_session(
+            host=settings.base_url, source="gradwire", prompt=False, update_session=False
+        )
         return auth is not None
     except ImportError:  # an older wandb without wbauth: read .netrc the way it does
         pass
@@ -120,7 +122,10 @@ class WandbTracker:
                 mode=self.mode,
             )
             if self.mode == "offline":
-                log.info("wandb: no API key configured; logging offline under %s (upload with `wandb sync`)", Path(self._run.dir).parent)
+                log.info(
+                    "wandb: no API key configured; logging offline under %s (upload with `wandb sync`)",
+                    Path(self._run.dir).parent,
+                )
         except Exception as e:  # noqa: BLE001 - tracking must not stop training
             self._disable(e, "start")
 
@@ -153,7 +158,9 @@ class WandbTracker:
             self._disable(e, "finish")
 
     def _disable(self, error: Exception, when: str) -> None:
-        log.warning("wandb failed to %s (%s: %s); tracking is off for the rest of this run", when, type(error).__name__, error)
+        log.warning(
+            "wandb failed to %s (%s: %s); tracking is off for the rest of this run", when, type(error).__name__, error
+        )
         run, self._run = self._run, None
         if run is not None:
             try:

@@ -47,6 +47,7 @@ from gradwire.replica import Fingerprint, Replica, StateUpdate
 
 log = logging.getLogger("gradwire.coordinator")
 
+
 def max_sequence_length(spec: dict) -> int | None:
     """The longest sequence a model spec can take, when its config says."""
     config = spec.get("config", {})
@@ -73,7 +74,15 @@ class Gathered:
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, clients: Sequence[WorkerClient], *, progress: bool = True, members: MemberSource | None = None, connect: Callable[[str], WorkerClient] | None = None) -> None:
+    def __init__(
+        self,
+        config: TrainConfig,
+        clients: Sequence[WorkerClient],
+        *,
+        progress: bool = True,
+        members: MemberSource | None = None,
+        connect: Callable[[str], WorkerClient] | None = None,
+    ) -> None:
         """``members`` (with ``connect``, which makes a client for an address) re-reads the run's workers
         before every round: workers it adds join after a state push, workers it drops stop getting work."""
         if not clients:
@@ -83,26 +92,40 @@ class Trainer:
         self.members, self._connect = members, connect
         self.config = config
         # A resumed run takes its weights from the checkpoint: no need to load (or have) pretrained ones.
-        resolved = resolve_model(config.model, from_scratch=config.from_scratch or bool(config.resume_from), seed=config.seed)
+        resolved = resolve_model(
+            config.model, from_scratch=config.from_scratch or bool(config.resume_from), seed=config.seed
+        )
         self.spec = resolved.spec
         self.codec_config = config.codec_config()
         self.model = resolved.model
         self.outer = make_outer(self.model, config.update_rule(), self.codec_config, self.spec, config.seed)
         tokenizer_name = config.tokenizer or resolved.default_tokenizer
         if tokenizer_name is None:
-            raise ValueError(f"--model {config.model} has no tokenizer of its own: pass --tokenizer (e.g. gpt2 for GPT-2-vocabulary models)")
+            raise ValueError(
+                f"--model {config.model} has no tokenizer of its own: pass --tokenizer (e.g. gpt2 for GPT-2-vocabulary models)"
+            )
         self.tokenizer = load_tokenizer_arg(tokenizer_name)
         if tokenizer_vocab_size(self.tokenizer) > vocab_size_of(self.spec):
-            raise ValueError(f"--tokenizer {tokenizer_name} has {tokenizer_vocab_size(self.tokenizer)} tokens; --model {config.model} embeds only {vocab_size_of(self.spec)}")
+            raise ValueError(
+                f"--tokenizer {tokenizer_name} has {tokenizer_vocab_size(self.tokenizer)} tokens; --model {config.model} embeds only {vocab_size_of(self.spec)}"
+            )
         self.data = open_data(
-            paths=config.data, tokenizer=self.tokenizer, seq_len=config.sequence_length, seed=config.seed,
-            data_config=config.data_config, text_field=config.text_field, streaming=config.streaming,
-            n_slots=len(clients), val_rows=config.eval_batches * config.batch_size,
+            paths=config.data,
+            tokenizer=self.tokenizer,
+            seq_len=config.sequence_length,
+            seed=config.seed,
+            data_config=config.data_config,
+            text_field=config.text_field,
+            streaming=config.streaming,
+            n_slots=len(clients),
+            val_rows=config.eval_batches * config.batch_size,
         )
         self.batch_dtype = batch_dtype(vocab_size_of(self.spec))
         limit = max_sequence_length(self.spec)
         if limit is not None and config.sequence_length > limit:
-            raise ValueError(f"--sequence-length {config.sequence_length} exceeds the {limit} positions of --model {config.model}")
+            raise ValueError(
+                f"--sequence-length {config.sequence_length} exceeds the {limit} positions of --model {config.model}"
+            )
         self.slots = [WorkerSlot(i, c) for i, c in enumerate(clients)]
         self._next_index = len(self.slots)
         self._exact = False  # replays in float64 (decisions.replay_precision), as last decided
@@ -118,7 +141,14 @@ class Trainer:
         self.progress = progress
         self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="dispatch")  # threads start as needed
         self.outer.set_replay_window(config.replay_window)
-        self.rounds = RoundDispatcher(self.outer, self._pool, timeout=config.round_timeout, state_bytes=self.state_bytes, quorum=config.min_workers, grace=config.grace())
+        self.rounds = RoundDispatcher(
+            self.outer,
+            self._pool,
+            timeout=config.round_timeout,
+            state_bytes=self.state_bytes,
+            quorum=config.min_workers,
+            grace=config.grace(),
+        )
         self._stop = threading.Event()
         self._norms: collections.deque[float] = collections.deque(maxlen=64)  # kept senders' (clipped) norms
         self.status: StatusBoard | None = None  # --status-port: what the status page shows
@@ -149,8 +179,20 @@ class Trainer:
             slot.client.wait_ready(self.config.connect_timeout)
             info = slot.client.describe()
             slot.ranks, slot.device = info.ranks, info.device
-            node = f", a node of {info.ranks} ranks ({info.node_mode}: {', '.join(info.rank_devices)})" if info.ranks > 1 else ""
-            log.info("worker %d at %s: %s (%s), torch %s%s", slot.index, slot.client.address, info.device, info.device_name, info.torch_version, node)
+            node = (
+                f", a node of {info.ranks} ranks ({info.node_mode}: {', '.join(info.rank_devices)})"
+                if info.ranks > 1
+                else ""
+            )
+            log.info(
+                "worker %d at %s: %s (%s), torch %s%s",
+                slot.index,
+                slot.client.address,
+                info.device,
+                info.device_name,
+                info.torch_version,
+                node,
+            )
 
     def run(self) -> list[dict]:
         """Train from ``self.step`` to ``config.steps``; returns the metrics records of this call.
@@ -175,8 +217,10 @@ class Trainer:
                     failed_in_a_row += 1
                     failing_since = failing_since if failed_in_a_row > 1 else time.monotonic()
                     action, delay, reason = after_failed_round(
-                        failed_in_a_row, time.monotonic() - failing_since,
-                        max_rounds=self.config.max_failed_rounds, max_seconds=self.config.max_failed_seconds,
+                        failed_in_a_row,
+                        time.monotonic() - failing_since,
+                        max_rounds=self.config.max_failed_rounds,
+                        max_seconds=self.config.max_failed_seconds,
                     )
                     if action == "give-up":
                         raise RuntimeError(f"{reason}; see the log for each worker's error")
@@ -235,16 +279,32 @@ class Trainer:
         local_steps = self._local_steps(step)
         self._update_members(step)
 
-        def make_order(slot: WorkerSlot, base: int, update: StateUpdate | None, fingerprint: Fingerprint, catch_up: tuple[StateUpdate, ...]) -> WorkOrder:
+        def make_order(
+            slot: WorkerSlot,
+            base: int,
+            update: StateUpdate | None,
+            fingerprint: Fingerprint,
+            catch_up: tuple[StateUpdate, ...],
+        ) -> WorkOrder:
             cfg = self.config
             sent_in, senders = self._pending_senders
             if update is not None and update is self.outer.pending and update.delta is None and slot.index in senders:
                 update = update.without(senders.index(slot.index), sent_in)  # it holds its own payload
             return WorkOrder(
-                self.run_id, step, base, batches[slot.index], self.codec_config, fingerprint, update,
-                feedback_beta=cfg.feedback_beta, micro_batch_size=cfg.micro_batch_size,
-                sync_tolerance=cfg.sync_tolerance, local_steps=local_steps, catch_up=catch_up,
-                compute_before_update=cfg.overlap, next_batch=next_batches.get(slot.index),
+                self.run_id,
+                step,
+                base,
+                batches[slot.index],
+                self.codec_config,
+                fingerprint,
+                update,
+                feedback_beta=cfg.feedback_beta,
+                micro_batch_size=cfg.micro_batch_size,
+                sync_tolerance=cfg.sync_tolerance,
+                local_steps=local_steps,
+                catch_up=catch_up,
+                compute_before_update=cfg.overlap,
+                next_batch=next_batches.get(slot.index),
             )
 
         slots = [s for s in self.slots if not s.standing.benched(step)]
@@ -254,12 +314,18 @@ class Trainer:
         plan = self.rounds.prepare(slots, step, self._state_for)  # less those getting the state meanwhile
         # Rows by position among the round's workers: disjoint within a step. A stream lays each step out
         # by the workers' rows and goes on from where it was when they change: nothing skipped, nothing twice.
-        self.data.set_layout(step * self.config.inner_steps, [self.config.batch_size * slot.ranks for slot in plan.slots])
+        self.data.set_layout(
+            step * self.config.inner_steps, [self.config.batch_size * slot.ranks for slot in plan.slots]
+        )
         batches = {slot.index: self.round_batch(step, position, slot.ranks) for position, slot in enumerate(plan.slots)}
         # --overlap in gradient mode: announce each worker's next batch (the same workers assumed), so that
         # it can compute that gradient while this round's result travels (worker.lookahead).
         announce = self.config.overlap and not self.config.local_sgd and step + 1 < self.config.steps
-        next_batches = {slot.index: self.round_batch(step + 1, position, slot.ranks) for position, slot in enumerate(plan.slots)} if announce else {}
+        next_batches = (
+            {slot.index: self.round_batch(step + 1, position, slot.ranks) for position, slot in enumerate(plan.slots)}
+            if announce
+            else {}
+        )
         round_ = self.rounds.run(plan, step, make_order, self._state_for)
         t_gathered = time.perf_counter()
         rule = self._aggregation_rule()
@@ -271,14 +337,19 @@ class Trainer:
         ranks = sum(o.slot.ranks for o in gathered.outcomes)
         payloads = tuple(r.gradient for r in usable)
         weights = tuple(float(r.tokens) for r in usable)
-        grad_norm = self.outer.step(aggregator, payloads, weights, lr, scales=scales if any(x < 1 for x in scales) else (), rule=rule)
+        grad_norm = self.outer.step(
+            aggregator, payloads, weights, lr, scales=scales if any(x < 1 for x in scales) else (), rule=rule
+        )
         self._pending_senders = (step, [o.slot.index for o in gathered.outcomes])  # in payload order
         self.step += 1
         t_done = time.perf_counter()
         record = self._record(round_, usable, ranks, grad_norm, lr, t0, t_gathered, t_done)
         record.update(
-            clipped=sum(x < 1 for x in scales), rejected=gathered.rejected, benched=sum(s.standing.benched(self.step) for s in self.slots),
-            catch_ups=sum(o.catch_ups for o in round_.outcomes), stragglers=sum(o.straggler for o in round_.outcomes),
+            clipped=sum(x < 1 for x in scales),
+            rejected=gathered.rejected,
+            benched=sum(s.standing.benched(self.step) for s in self.slots),
+            catch_ups=sum(o.catch_ups for o in round_.outcomes),
+            stragglers=sum(o.straggler for o in round_.outcomes),
         )
         self._report(round_, record, {id(o) for o in gathered.outcomes})
         return record
@@ -292,7 +363,13 @@ class Trainer:
         for slot in self.slots:
             o = by_slot.get(slot.index)
             if o is None:
-                state = "benched" if slot.standing.benched(self.step) else "resyncing" if slot.index in round_.joining else "waiting"
+                state = (
+                    "benched"
+                    if slot.standing.benched(self.step)
+                    else "resyncing"
+                    if slot.index in round_.joining
+                    else "waiting"
+                )
             elif o.straggler:
                 state = "straggling"
             elif id(o) in counted:
@@ -300,10 +377,19 @@ class Trainer:
             else:
                 state = "failed"
             seconds = o.result.timings.get("total", 0.0) if o is not None and o.result is not None else 0.0
-            events.append(WorkerEvent(
-                slot.index, slot.client.address, state, slot.device, slot.ranks, seconds,
-                o.bytes_up if o else 0, o.bytes_down + o.first_push_bytes if o else 0, (o.error if o and state == "failed" else ""),
-            ))
+            events.append(
+                WorkerEvent(
+                    slot.index,
+                    slot.client.address,
+                    state,
+                    slot.device,
+                    slot.ranks,
+                    seconds,
+                    o.bytes_up if o else 0,
+                    o.bytes_down + o.first_push_bytes if o else 0,
+                    (o.error if o and state == "failed" else ""),
+                )
+            )
         self.status.update(record, events)
 
     def _update_members(self, step: int) -> None:
@@ -336,7 +422,14 @@ class Trainer:
             slot = WorkerSlot(self._next_index, client, ranks=info.ranks, device=info.device)
             self._next_index += 1
             self.slots.append(slot)
-            log.info("step %d: worker %d (%s) joins the run (%s, %d rank(s))", step, slot.index, address, info.device, info.ranks)
+            log.info(
+                "step %d: worker %d (%s) joins the run (%s, %d rank(s))",
+                step,
+                slot.index,
+                address,
+                info.device,
+                info.ranks,
+            )
 
     def round_batch(self, step: int, slot: int, ranks: int = 1) -> np.ndarray:
         """A worker's rows for round ``step``: H inner steps' batches stacked, (H * ranks * batch_size, T + 1).
@@ -355,7 +448,9 @@ class Trainer:
             return None
         return LocalSteps(cfg.inner_steps, cfg.inner_optimizer_config(), cfg.inner_lrs(step), cfg.clip_grad_norm)
 
-    def _gather(self, round_: RoundOutcome, step: int, batches: dict[int, np.ndarray], rule: AggregationRule) -> Gathered | None:
+    def _gather(
+        self, round_: RoundOutcome, step: int, batches: dict[int, np.ndarray], rule: AggregationRule
+    ) -> Gathered | None:
         """Check every result (its token count against the batch it was sent, its payload against the
         plan), clip the good ones to the round's median norm and combine them by ``--aggregate``; judge
         each worker's standing (``decisions.judge``). ``None`` when no contribution is usable."""
@@ -368,14 +463,26 @@ class Trainer:
                 log.warning("step %d: worker %d (%s) failed: %s", step, o.slot.index, o.slot.client.address, o.error)
                 # Its version is unknown now; the next round asks (it may catch up by replay, not a push).
                 # A straggler most likely applied the round's update before it was cut off.
-                o.slot.guess = self.outer.target_version if o.straggler else o.slot.version if o.slot.version is not None else o.slot.guess
+                o.slot.guess = (
+                    self.outer.target_version
+                    if o.straggler
+                    else o.slot.version
+                    if o.slot.version is not None
+                    else o.slot.guess
+                )
                 o.slot.version = None
                 continue
             o.slot.version = o.result.version
             batch = batches[o.slot.index]
             expected = batch.shape[0] * (batch.shape[1] - 1)
             if o.result.tokens != expected:
-                log.warning("step %d: worker %d reports %d tokens for a batch of %d; contribution ignored", step, o.slot.index, o.result.tokens, expected)
+                log.warning(
+                    "step %d: worker %d reports %d tokens for a batch of %d; contribution ignored",
+                    step,
+                    o.slot.index,
+                    o.result.tokens,
+                    expected,
+                )
                 verdicts[o.slot.index] = "rejected"
                 continue
             try:
@@ -395,14 +502,28 @@ class Trainer:
         for i, (o, scale) in enumerate(zip(good, scales)):
             verdicts[o.slot.index] = "ok" if scale >= HARD_CLIP else "rejected"
             if scale < HARD_CLIP:
-                log.warning("step %d: worker %d sent %.3g x the bound of --clip-factor %g x the median norm; left out", step, o.slot.index, 1 / scale, cfg.clip_factor)
+                log.warning(
+                    "step %d: worker %d sent %.3g x the bound of --clip-factor %g x the median norm; left out",
+                    step,
+                    o.slot.index,
+                    1 / scale,
+                    cfg.clip_factor,
+                )
             elif scale < 1:
-                log.info("step %d: worker %d clipped to %.3g of its norm (--clip-factor %g x the median)", step, o.slot.index, scale, cfg.clip_factor)
+                log.info(
+                    "step %d: worker %d clipped to %.3g of its norm (--clip-factor %g x the median)",
+                    step,
+                    o.slot.index,
+                    scale,
+                    cfg.clip_factor,
+                )
         good, decoded, scales = [good[i] for i in kept], [decoded[i] for i in kept], tuple(scales[i] for i in kept)
         for slot in self.slots:
             if slot.index in verdicts:
                 before = slot.standing
-                slot.standing, reason = judge(before, step, verdicts[slot.index], bench_after=cfg.bench_after, bench_rounds=cfg.bench_rounds)
+                slot.standing, reason = judge(
+                    before, step, verdicts[slot.index], bench_after=cfg.bench_after, bench_rounds=cfg.bench_rounds
+                )
                 if slot.standing.until != before.until:
                     log.warning("step %d: worker %d (%s): %s", step, slot.index, slot.client.address, reason)
         rejected = sum(v == "rejected" for v in verdicts.values())
@@ -412,7 +533,17 @@ class Trainer:
         aggregator = robust.aggregate(self.outer.codec, decoded, weights, scales, rule)
         return Gathered(good, [o.result for o in good], aggregator, scales, rejected)
 
-    def _record(self, round_: RoundOutcome, usable: list[RoundResult], ranks: int, grad_norm: float, lr: float, t0: float, t_gathered: float, t_done: float) -> dict:
+    def _record(
+        self,
+        round_: RoundOutcome,
+        usable: list[RoundResult],
+        ranks: int,
+        grad_norm: float,
+        lr: float,
+        t0: float,
+        t_gathered: float,
+        t_done: float,
+    ) -> dict:
         tokens = sum(r.tokens for r in usable)
         self.total_tokens += tokens
         payload_bytes = sum(r.gradient.nbytes for r in usable)
@@ -420,7 +551,10 @@ class Trainer:
         bytes_down = sum(o.bytes_down for o in round_.outcomes) + round_.push_bytes
         loss = sum(r.loss * r.tokens for r in usable) / tokens
         step_time = t_done - t0
-        slowest = {key: max((r.timings.get(key, 0.0) for r in usable), default=0.0) for key in ("compute", "update", "compress")}
+        slowest = {
+            key: max((r.timings.get(key, 0.0) for r in usable), default=0.0)
+            for key in ("compute", "update", "compress")
+        }
         return {
             "step": self.step,
             "loss": loss,
@@ -496,8 +630,12 @@ class Trainer:
             if inner:
                 tensors[f"inner-{key}"] = inner
         meta = {
-            "config": self.config.to_dict(), "version": self.replica.version, "total_tokens": self.total_tokens,
-            "data_step": self.step, "workers": len(self.slots), "worker_keys": list(futures),
+            "config": self.config.to_dict(),
+            "version": self.replica.version,
+            "total_tokens": self.total_tokens,
+            "data_step": self.step,
+            "workers": len(self.slots),
+            "worker_keys": list(futures),
             "data_layouts": [[first, start, list(rows)] for first, start, rows in self.data.layouts],
         }
         path = save_checkpoint(self.checkpoint_dir, self.step, tensors, meta)
@@ -505,7 +643,9 @@ class Trainer:
             keep_last(self.checkpoint_dir, self.config.keep_checkpoints)
         return path
 
-    def _fetch_worker_state(self, slot: WorkerSlot) -> tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]:
+    def _fetch_worker_state(
+        self, slot: WorkerSlot
+    ) -> tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]:
         if slot.version is None:  # not pushed since a resume: what the checkpoint gave is still current
             return slot.feedback, slot.inner_optimizer
         try:
@@ -538,7 +678,11 @@ class Trainer:
             slot.inner_optimizer = tensors.get(f"inner-{key}", tensors.get(f"inner-{slot.index}"))
             slot.version = None
         if meta.get("workers") != len(self.slots):
-            log.warning("resuming %d-worker checkpoint with %d workers: worker state restored by slot where it exists", meta.get("workers"), len(self.slots))
+            log.warning(
+                "resuming %d-worker checkpoint with %d workers: worker state restored by slot where it exists",
+                meta.get("workers"),
+                len(self.slots),
+            )
         log.info("resumed from %s at step %d", path, self.step)
 
     def save_final(self) -> Path:

@@ -28,7 +28,16 @@ from typing import Any
 import grpc
 
 from gradwire.protocol import PROTOCOL_VERSION
-from gradwire.tunnel import MAX_CALLS, MAX_DETAILS_CHARS, QUEUED_MESSAGES, TUNNEL_PREFIX, check_name, identity, put_while, status_code
+from gradwire.tunnel import (
+    MAX_CALLS,
+    MAX_DETAILS_CHARS,
+    QUEUED_MESSAGES,
+    TUNNEL_PREFIX,
+    check_name,
+    identity,
+    put_while,
+    status_code,
+)
 from gradwire.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -83,7 +92,9 @@ class _Call:
                     raise TunnelError(grpc.StatusCode.CANCELLED, "cancelled") from None
                 if self.link.closed.is_set():
                     self.finish()
-                    raise TunnelError(grpc.StatusCode.UNAVAILABLE, f"the worker's tunnel closed: {self.link.reason}") from None
+                    raise TunnelError(
+                        grpc.StatusCode.UNAVAILABLE, f"the worker's tunnel closed: {self.link.reason}"
+                    ) from None
                 continue
             if isinstance(item, bytes):
                 return item
@@ -126,10 +137,14 @@ class TunnelLink:
             if self.closed.is_set():
                 raise TunnelError(grpc.StatusCode.UNAVAILABLE, f"the worker's tunnel closed: {self.reason}")
             if len(self._calls) >= MAX_CALLS:
-                raise TunnelError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{MAX_CALLS} calls in flight through the tunnel already")
+                raise TunnelError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, f"{MAX_CALLS} calls in flight through the tunnel already"
+                )
             call = _Call(self, next(self._ids), deadline)
             self._calls[call.id] = call
-        opening = pb.TunnelOpen(method=method, timeout_seconds=timeout, metadata=[pb.TunnelMetadata(key=k, value=v) for k, v in metadata])
+        opening = pb.TunnelOpen(
+            method=method, timeout_seconds=timeout, metadata=[pb.TunnelMetadata(key=k, value=v) for k, v in metadata]
+        )
         call.send(open=opening)
         return call
 
@@ -208,7 +223,9 @@ class TunnelLink:
 class Tunnels:
     """The open tunnels by worker name; ``serve`` runs one for the Tunnel handler; ``channel`` calls one."""
 
-    def __init__(self, *, on_open: Callable[[str], None] | None = None, on_close: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self, *, on_open: Callable[[str], None] | None = None, on_close: Callable[[str], None] | None = None
+    ) -> None:
         self._links: dict[str, TunnelLink] = {}
         self._lock = threading.Lock()
         self._watchers: dict[str, list[Callable[[grpc.ChannelConnectivity], None]]] = {}
@@ -233,7 +250,10 @@ class Tunnels:
         if hello.WhichOneof("kind") != "hello":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a tunnel starts with a hello frame")
         if hello.hello.protocol_version != PROTOCOL_VERSION:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this coordinator speaks protocol {PROTOCOL_VERSION}, the worker {hello.hello.protocol_version}: upgrade the older one")
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this coordinator speaks protocol {PROTOCOL_VERSION}, the worker {hello.hello.protocol_version}: upgrade the older one",
+            )
         try:
             name = check_name(hello.hello.name)
         except ValueError as e:
@@ -298,19 +318,45 @@ class TunnelChannel(grpc.Channel):
         self.tunnels, self.name = tunnels, name
         self._subscribed: list[Callable[[grpc.ChannelConnectivity], None]] = []
 
-    def _multi(self, method: str, streams: bool, request_serializer: Callable | None, response_deserializer: Callable | None) -> _MultiCallable:
+    def _multi(
+        self, method: str, streams: bool, request_serializer: Callable | None, response_deserializer: Callable | None
+    ) -> _MultiCallable:
         return _MultiCallable(self, method, streams, request_serializer or identity, response_deserializer or identity)
 
-    def unary_unary(self, method: str, request_serializer: Callable | None = None, response_deserializer: Callable | None = None, _registered_method: bool = False) -> _MultiCallable:
+    def unary_unary(
+        self,
+        method: str,
+        request_serializer: Callable | None = None,
+        response_deserializer: Callable | None = None,
+        _registered_method: bool = False,
+    ) -> _MultiCallable:
         return self._multi(method, False, request_serializer, response_deserializer)
 
-    def unary_stream(self, method: str, request_serializer: Callable | None = None, response_deserializer: Callable | None = None, _registered_method: bool = False) -> _MultiCallable:
+    def unary_stream(
+        self,
+        method: str,
+        request_serializer: Callable | None = None,
+        response_deserializer: Callable | None = None,
+        _registered_method: bool = False,
+    ) -> _MultiCallable:
         return self._multi(method, True, request_serializer, response_deserializer)
 
-    def stream_unary(self, method: str, request_serializer: Callable | None = None, response_deserializer: Callable | None = None, _registered_method: bool = False) -> _MultiCallable:
+    def stream_unary(
+        self,
+        method: str,
+        request_serializer: Callable | None = None,
+        response_deserializer: Callable | None = None,
+        _registered_method: bool = False,
+    ) -> _MultiCallable:
         return self._multi(method, False, request_serializer, response_deserializer)
 
-    def stream_stream(self, method: str, request_serializer: Callable | None = None, response_deserializer: Callable | None = None, _registered_method: bool = False) -> _MultiCallable:
+    def stream_stream(
+        self,
+        method: str,
+        request_serializer: Callable | None = None,
+        response_deserializer: Callable | None = None,
+        _registered_method: bool = False,
+    ) -> _MultiCallable:
         return self._multi(method, True, request_serializer, response_deserializer)
 
     def subscribe(self, callback: Callable[[grpc.ChannelConnectivity], None], try_to_connect: bool = False) -> None:
@@ -338,7 +384,9 @@ class _MultiCallable:
     """One method through a tunnel; called as grpc's multi-callables are (``request``, ``timeout``,
     ``metadata``). A request iterator (streaming methods) is sent from a thread of its own, as grpc does."""
 
-    def __init__(self, channel: TunnelChannel, method: str, streams_responses: bool, serialize: Callable, deserialize: Callable) -> None:
+    def __init__(
+        self, channel: TunnelChannel, method: str, streams_responses: bool, serialize: Callable, deserialize: Callable
+    ) -> None:
         self.channel, self.method, self.streams_responses = channel, method, streams_responses
         self.serialize, self.deserialize = serialize, deserialize
 
@@ -360,7 +408,9 @@ class _MultiCallable:
         if hasattr(request, "SerializeToString") or isinstance(request, bytes):
             self._send_all(call, [request])
         else:
-            threading.Thread(target=self._send_all, args=(call, request), name="gradwire-tunnel-send", daemon=True).start()
+            threading.Thread(
+                target=self._send_all, args=(call, request), name="gradwire-tunnel-send", daemon=True
+            ).start()
         return call
 
     def _reply(self, call: _Call) -> Any:

@@ -76,7 +76,9 @@ def _value(action: argparse.Action, key: str, value: Any, joins: Mapping[str, st
     return _scalar(action, key, value)
 
 
-def values_from_yaml(parser: argparse.ArgumentParser, path: str | Path, *, joins: Mapping[str, str] | None = None) -> dict[str, tuple[str, Any]]:
+def values_from_yaml(
+    parser: argparse.ArgumentParser, path: str | Path, *, joins: Mapping[str, str] | None = None
+) -> dict[str, tuple[str, Any]]:
     """``{dest: (key, value)}`` from a YAML mapping of ``parser``'s flags. ConfigFileError names the key."""
     import yaml
 
@@ -99,10 +101,14 @@ def values_from_yaml(parser: argparse.ArgumentParser, path: str | Path, *, joins
         action = keys.get(key) if isinstance(key, str) else None
         if action is None:
             close = difflib.get_close_matches(str(key), list(keys), n=1)
-            hint = f"did you mean {close[0]!r}?" if close else f"the keys are the flags of `{parser.prog}` without dashes"
+            hint = (
+                f"did you mean {close[0]!r}?" if close else f"the keys are the flags of `{parser.prog}` without dashes"
+            )
             raise ConfigFileError(f"{path}: unknown key {key!r} ({hint})")
         if action.dest in values:
-            raise ConfigFileError(f"{path}: keys {values[action.dest][0]!r} and {key!r} both set --{action.dest.replace('_', '-')}")
+            raise ConfigFileError(
+                f"{path}: keys {values[action.dest][0]!r} and {key!r} both set --{action.dest.replace('_', '-')}"
+            )
         try:
             values[action.dest] = (key, _value(action, key, value, joins or {}))
         except ConfigFileError as e:
@@ -119,7 +125,10 @@ def _typed_dests(build_parser: Callable[[], argparse.ArgumentParser], command: s
 
 
 def parse_args_with_config(
-    build_parser: Callable[[], argparse.ArgumentParser], argv: Sequence[str] | None = None, *, joins: Mapping[str, str] | None = None
+    build_parser: Callable[[], argparse.ArgumentParser],
+    argv: Sequence[str] | None = None,
+    *,
+    joins: Mapping[str, str] | None = None,
 ) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     """Parse ``argv``; if the command has ``--config FILE``, fill in the flags not typed from the file.
 
@@ -143,7 +152,9 @@ def parse_args_with_config(
             if dests & typed:
                 typed |= dests
             elif len(dests & values.keys()) > 1:
-                raise ConfigFileError(f"{path}: keys {' and '.join(repr(values[d][0]) for d in sorted(dests & values.keys()))} exclude each other")
+                raise ConfigFileError(
+                    f"{path}: keys {' and '.join(repr(values[d][0]) for d in sorted(dests & values.keys()))} exclude each other"
+                )
     except ConfigFileError as e:
         command.error(str(e))
     for dest, (key, value) in values.items():
@@ -155,16 +166,33 @@ def parse_args_with_config(
 
 def add_security_flags(parser: argparse.ArgumentParser, *, side: str) -> None:
     """The token and TLS flags; ``side`` is "worker" (server files) or "coordinator" (client files)."""
-    group = parser.add_argument_group("security", "A shared token keeps strangers out; TLS keeps the token and the traffic private. Prefer --token-file or $GRADWIRE_TOKEN to --token: a command line is visible to every user of the machine.")
+    group = parser.add_argument_group(
+        "security",
+        "A shared token keeps strangers out; TLS keeps the token and the traffic private. Prefer --token-file or $GRADWIRE_TOKEN to --token: a command line is visible to every user of the machine.",
+    )
     group.add_argument("--token", help="the shared secret every call must carry (default: $GRADWIRE_TOKEN)")
     group.add_argument("--token-file", metavar="FILE", help="read the token from the first line of FILE")
     if side == "worker":
         group.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate (chain), with --tls-key")
         group.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
-        group.add_argument("--tls-client-ca", metavar="PEM", help="mutual TLS: accept only clients whose certificate this CA signed")
+        group.add_argument(
+            "--tls-client-ca", metavar="PEM", help="mutual TLS: accept only clients whose certificate this CA signed"
+        )
     else:
-        group.add_argument("--tls", action="store_true", help="talk TLS to the workers, trusting the system's CAs (implied by --tls-ca)")
-        group.add_argument("--tls-ca", metavar="PEM", help="talk TLS to the workers, trusting the CA that signed their certificates")
-        group.add_argument("--tls-cert", metavar="PEM", help="mutual TLS: this coordinator's certificate, with --tls-key")
+        group.add_argument(
+            "--tls",
+            action="store_true",
+            help="talk TLS to the workers, trusting the system's CAs (implied by --tls-ca)",
+        )
+        group.add_argument(
+            "--tls-ca", metavar="PEM", help="talk TLS to the workers, trusting the CA that signed their certificates"
+        )
+        group.add_argument(
+            "--tls-cert", metavar="PEM", help="mutual TLS: this coordinator's certificate, with --tls-key"
+        )
         group.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
-        group.add_argument("--tls-server-name", metavar="NAME", help="the name the workers' certificates are issued to, when it is not the host in --workers")
+        group.add_argument(
+            "--tls-server-name",
+            metavar="NAME",
+            help="the name the workers' certificates are issued to, when it is not the host in --workers",
+        )

@@ -37,7 +37,11 @@ class _Guard(grpc.ServerInterceptor, abc.ABC):
     def check(self, context: grpc.ServicerContext) -> None:
         """Abort the call (``context.abort`` raises) or return to let it through."""
 
-    def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None], details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
         handler = continuation(details)
         if handler is None or details.method.startswith(HEALTH_PREFIX):
             return handler
@@ -79,7 +83,11 @@ class _Malformed:
 class RejectMalformed(grpc.ServerInterceptor):
     """Requests (or stream messages) that do not parse as the method's message -> INVALID_ARGUMENT."""
 
-    def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None], details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
         handler = continuation(details)
         if handler is None or handler.request_deserializer is None:
             return handler
@@ -94,13 +102,17 @@ class RejectMalformed(grpc.ServerInterceptor):
 
         def check(request: Any, context: grpc.ServicerContext) -> Any:
             if isinstance(request, _Malformed):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request does not parse: {request.error}")
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request does not parse: {request.error}"
+                )
             return request
 
         def checked_stream(requests: Any, context: grpc.ServicerContext) -> Any:
             for request in requests:
                 if isinstance(request, _Malformed):
-                    raise ValueError(f"{method}: a streamed message does not parse: {request.error}")  # the servicer answers INVALID_ARGUMENT
+                    raise ValueError(
+                        f"{method}: a streamed message does not parse: {request.error}"
+                    )  # the servicer answers INVALID_ARGUMENT
                 yield request
 
         def wrap(behavior: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[[Any, grpc.ServicerContext], Any]:
@@ -126,7 +138,11 @@ def guarded(handler: grpc.RpcMethodHandler, check: Check) -> grpc.RpcMethodHandl
     return _rebuild(handler, wrap)
 
 
-def _rebuild(handler: grpc.RpcMethodHandler, wrap: Callable[[Callable[[Any, grpc.ServicerContext], Any]], Callable[[Any, grpc.ServicerContext], Any]], request_deserializer: Callable[[bytes], Any] | None = None) -> grpc.RpcMethodHandler:
+def _rebuild(
+    handler: grpc.RpcMethodHandler,
+    wrap: Callable[[Callable[[Any, grpc.ServicerContext], Any]], Callable[[Any, grpc.ServicerContext], Any]],
+    request_deserializer: Callable[[bytes], Any] | None = None,
+) -> grpc.RpcMethodHandler:
     """``handler`` with its behaviour wrapped (and, if given, another request deserializer), whatever its kind."""
     kinds = {
         (False, False): (grpc.unary_unary_rpc_method_handler, handler.unary_unary),
@@ -135,4 +151,8 @@ def _rebuild(handler: grpc.RpcMethodHandler, wrap: Callable[[Callable[[Any, grpc
         (True, True): (grpc.stream_stream_rpc_method_handler, handler.stream_stream),
     }
     make, behavior = kinds[(handler.request_streaming, handler.response_streaming)]
-    return make(wrap(behavior), request_deserializer=request_deserializer or handler.request_deserializer, response_serializer=handler.response_serializer)
+    return make(
+        wrap(behavior),
+        request_deserializer=request_deserializer or handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )

@@ -36,7 +36,10 @@ def keep_freed_memory() -> bool:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     # One arena: threads' own arenas live in mmap'd 64 MB heaps that hand large blocks back regardless,
     # and the worker computes on a thread of its own. Call this before other threads allocate.
-    ok = all(mallopt(option, value) == 1 for option, value in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1)))
+    ok = all(
+        mallopt(option, value) == 1
+        for option, value in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1))
+    )
     if not ok:
         log.debug("mallopt refused; freed memory goes back to the kernel as usual")
     return ok

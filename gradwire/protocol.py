@@ -46,7 +46,9 @@ def check_run_id(run_id: str, where: str) -> str:
     if not run_id:
         raise ProtocolError(f"{where} has no run_id")
     if len(run_id) > MAX_RUN_ID or not all(" " <= c <= "~" for c in run_id):
-        raise ProtocolError(f"{where}: run_id must be 1-{MAX_RUN_ID} printable ASCII characters (got {len(run_id)} characters)")
+        raise ProtocolError(
+            f"{where}: run_id must be 1-{MAX_RUN_ID} printable ASCII characters (got {len(run_id)} characters)"
+        )
     return run_id
 
 
@@ -75,7 +77,9 @@ def join_parts(parts: Iterable[pb.Part], max_bytes: int, limit_reason: str = "--
         if declared < 0:  # the first part: refuse an oversized message before holding any of it
             declared = part.total_bytes
             if declared > max_bytes:
-                raise ProtocolError(f"message declares {declared} bytes, over the {_size(max_bytes)} limit ({limit_reason})")
+                raise ProtocolError(
+                    f"message declares {declared} bytes, over the {_size(max_bytes)} limit ({limit_reason})"
+                )
         elif part.total_bytes != declared:
             raise ProtocolError(f"a part declares {part.total_bytes} bytes in all, the first part {declared}")
         if len(buf) + len(part.data) > declared:
@@ -123,7 +127,9 @@ def tensor_to_proto(name: str, t: torch.Tensor) -> pb.Tensor:
     host = t.detach().contiguous().cpu()
     if t.dtype == torch.bfloat16:
         host = host.view(torch.int16)
-    return pb.Tensor(name=name, shape=list(t.shape), dtype=code, data=host.numpy().astype(np_dtype, copy=False).tobytes())
+    return pb.Tensor(
+        name=name, shape=list(t.shape), dtype=code, data=host.numpy().astype(np_dtype, copy=False).tobytes()
+    )
 
 
 def tensor_from_proto(msg: pb.Tensor) -> torch.Tensor:
@@ -179,14 +185,24 @@ class WorkerInfo:
 
 
 def info_to_proto(info: WorkerInfo) -> pb.WorkerInfo:
-    return pb.WorkerInfo(**{**dataclasses.asdict(info), "replicas": dict(info.replicas), "rank_devices": list(info.rank_devices)})
+    return pb.WorkerInfo(
+        **{**dataclasses.asdict(info), "replicas": dict(info.replicas), "rank_devices": list(info.rank_devices)}
+    )
 
 
 def info_from_proto(msg: pb.WorkerInfo) -> WorkerInfo:
     # A worker that does not say is a single device (ranks 0 on the wire).
     return WorkerInfo(
-        msg.protocol_version, msg.gradwire_version, msg.torch_version, msg.device, msg.device_name, msg.local_devices,
-        dict(msg.replicas), max(1, msg.ranks), tuple(msg.rank_devices), msg.node_mode,
+        msg.protocol_version,
+        msg.gradwire_version,
+        msg.torch_version,
+        msg.device,
+        msg.device_name,
+        msg.local_devices,
+        dict(msg.replicas),
+        max(1, msg.ranks),
+        tuple(msg.rank_devices),
+        msg.node_mode,
     )
 
 
@@ -205,9 +221,14 @@ class ModelState:
 
 def state_to_proto(s: ModelState) -> pb.ModelState:
     return pb.ModelState(
-        protocol_version=s.protocol_version, run_id=s.run_id, version=s.version, model_json=s.model_json,
-        parameters=tensors_to_proto(s.parameters), update_rule_json=s.update_rule_json,
-        optimizer_state=tensors_to_proto(s.optimizer_state), feedback=tensors_to_proto(s.feedback),
+        protocol_version=s.protocol_version,
+        run_id=s.run_id,
+        version=s.version,
+        model_json=s.model_json,
+        parameters=tensors_to_proto(s.parameters),
+        update_rule_json=s.update_rule_json,
+        optimizer_state=tensors_to_proto(s.optimizer_state),
+        feedback=tensors_to_proto(s.feedback),
         inner_optimizer=tensors_to_proto(s.inner_optimizer),
     )
 
@@ -216,9 +237,15 @@ def state_from_proto(m: pb.ModelState) -> ModelState:
     _check_version(m.protocol_version)
     check_run_id(m.run_id, "model state")
     return ModelState(
-        m.run_id, m.version, m.model_json, tensors_from_proto(m.parameters, "parameters"), m.update_rule_json,
-        tensors_from_proto(m.optimizer_state, "optimizer_state"), tensors_from_proto(m.feedback, "feedback"),
-        tensors_from_proto(m.inner_optimizer, "inner_optimizer"), m.protocol_version,
+        m.run_id,
+        m.version,
+        m.model_json,
+        tensors_from_proto(m.parameters, "parameters"),
+        m.update_rule_json,
+        tensors_from_proto(m.optimizer_state, "optimizer_state"),
+        tensors_from_proto(m.feedback, "feedback"),
+        tensors_from_proto(m.inner_optimizer, "inner_optimizer"),
+        m.protocol_version,
     )
 
 
@@ -238,9 +265,14 @@ def update_to_proto(u: StateUpdate) -> pb.StateUpdate:
     # No weights means equal weights (as in Replica.apply); the wire always carries one per sender.
     weights = u.weights or [1.0] * (len(u.payloads) + (u.own is not None))
     replay = pb.Replay(
-        payloads=[codec_serde.gradient_to_proto(p) for p in u.payloads], weights=weights, scales=u.scales,
-        aggregation="" if u.rule.mode == MEAN.mode else u.rule.mode, trim=u.rule.trim if u.rule.mode != MEAN.mode else 0.0,
-        exact=u.rule.exact, own_position=u.own[0] + 1 if u.own is not None else 0, own_round=u.own[1] if u.own is not None else 0,
+        payloads=[codec_serde.gradient_to_proto(p) for p in u.payloads],
+        weights=weights,
+        scales=u.scales,
+        aggregation="" if u.rule.mode == MEAN.mode else u.rule.mode,
+        trim=u.rule.trim if u.rule.mode != MEAN.mode else 0.0,
+        exact=u.rule.exact,
+        own_position=u.own[0] + 1 if u.own is not None else 0,
+        own_round=u.own[1] if u.own is not None else 0,
     )
     return pb.StateUpdate(replay=replay, learning_rate=u.learning_rate)
 
@@ -255,7 +287,9 @@ def update_from_proto(m: pb.StateUpdate) -> StateUpdate:
         senders = len(m.replay.payloads) + own
         if len(m.replay.weights) != senders or not senders:
             kept = " and leaves out the receiver's own" if own else ""
-            raise ProtocolError(f"replay has {len(m.replay.payloads)} payloads{kept} and {len(m.replay.weights)} weights")
+            raise ProtocolError(
+                f"replay has {len(m.replay.payloads)} payloads{kept} and {len(m.replay.weights)} weights"
+            )
         if own and m.replay.own_position > senders:
             raise ProtocolError(f"replay own_position {m.replay.own_position} is beyond its {senders} senders")
         for w in m.replay.weights:
@@ -267,12 +301,23 @@ def update_from_proto(m: pb.StateUpdate) -> StateUpdate:
         for scale in m.replay.scales:
             _finite(scale, "replay scales", 0.0, 1.0)
         try:
-            rule = AggregationRule(mode=m.replay.aggregation or MEAN.mode, trim=m.replay.trim if m.replay.aggregation else MEAN.trim, exact=m.replay.exact)
+            rule = AggregationRule(
+                mode=m.replay.aggregation or MEAN.mode,
+                trim=m.replay.trim if m.replay.aggregation else MEAN.trim,
+                exact=m.replay.exact,
+            )
         except ValueError as e:
             raise ProtocolError(f"replay aggregation: {e}") from None
         payloads = tuple(codec_serde.gradient_from_proto(p) for p in m.replay.payloads)
         own_payload = (m.replay.own_position - 1, m.replay.own_round) if own else None
-        return StateUpdate(m.learning_rate, payloads, tuple(m.replay.weights), scales=tuple(m.replay.scales), rule=rule, own=own_payload)
+        return StateUpdate(
+            m.learning_rate,
+            payloads,
+            tuple(m.replay.weights),
+            scales=tuple(m.replay.scales),
+            rule=rule,
+            own=own_payload,
+        )
     raise ProtocolError("state update carries neither a replay nor a delta")
 
 
@@ -292,23 +337,36 @@ class LocalSteps:
             raise ProtocolError(f"local steps: {len(self.learning_rates)} learning rates for {self.steps} steps")
         for lr in self.learning_rates:
             if not (math.isfinite(lr) and 0 <= lr <= MAX_LEARNING_RATE):
-                raise ProtocolError(f"local steps: learning_rates must be finite and in [0, {MAX_LEARNING_RATE:g}], got {lr}")
+                raise ProtocolError(
+                    f"local steps: learning_rates must be finite and in [0, {MAX_LEARNING_RATE:g}], got {lr}"
+                )
         if not (math.isfinite(self.clip_grad_norm) and self.clip_grad_norm >= 0):
             raise ProtocolError(f"local steps: clip_grad_norm must be finite and >= 0, got {self.clip_grad_norm}")
 
 
 def inner_optimizer_to_proto(c: InnerOptimizerConfig) -> pb.InnerOptimizer:
     return pb.InnerOptimizer(
-        name=c.name, weight_decay=c.weight_decay, beta1=c.betas[0], beta2=c.betas[1], eps=c.eps,
-        momentum=c.momentum, nesterov=c.nesterov, ns_steps=c.ns_steps,
+        name=c.name,
+        weight_decay=c.weight_decay,
+        beta1=c.betas[0],
+        beta2=c.betas[1],
+        eps=c.eps,
+        momentum=c.momentum,
+        nesterov=c.nesterov,
+        ns_steps=c.ns_steps,
     )
 
 
 def inner_optimizer_from_proto(m: pb.InnerOptimizer) -> InnerOptimizerConfig:
     try:
         return InnerOptimizerConfig(
-            name=m.name, weight_decay=m.weight_decay, betas=(m.beta1, m.beta2), eps=m.eps,
-            momentum=m.momentum, nesterov=m.nesterov, ns_steps=m.ns_steps,
+            name=m.name,
+            weight_decay=m.weight_decay,
+            betas=(m.beta1, m.beta2),
+            eps=m.eps,
+            momentum=m.momentum,
+            nesterov=m.nesterov,
+            ns_steps=m.ns_steps,
         )
     except ValueError as e:  # the config names the setting; say where it came from
         raise ProtocolError(f"local steps: inner optimizer: {e}") from None
@@ -316,7 +374,9 @@ def inner_optimizer_from_proto(m: pb.InnerOptimizer) -> InnerOptimizerConfig:
 
 def local_steps_to_proto(ls: LocalSteps) -> pb.LocalSteps:
     return pb.LocalSteps(
-        steps=ls.steps, optimizer=inner_optimizer_to_proto(ls.optimizer), learning_rates=ls.learning_rates,
+        steps=ls.steps,
+        optimizer=inner_optimizer_to_proto(ls.optimizer),
+        learning_rates=ls.learning_rates,
         clip_grad_norm=ls.clip_grad_norm,
     )
 
@@ -357,7 +417,12 @@ def batch_to_proto(batch: np.ndarray) -> pb.TokenBatch:
     code = {v: k for k, v in _BATCH_DTYPES.items()}.get(batch.dtype.newbyteorder("<"))
     if code is None or batch.ndim != 2:
         raise ProtocolError(f"token batch must be a 2-D uint16 or int32 array, got {batch.dtype} {batch.shape}")
-    return pb.TokenBatch(rows=batch.shape[0], columns=batch.shape[1], dtype=code, data=np.ascontiguousarray(batch).astype(_BATCH_DTYPES[code]).tobytes())
+    return pb.TokenBatch(
+        rows=batch.shape[0],
+        columns=batch.shape[1],
+        dtype=code,
+        data=np.ascontiguousarray(batch).astype(_BATCH_DTYPES[code]).tobytes(),
+    )
 
 
 def batch_from_proto(b: pb.TokenBatch, what: str = "token batch") -> np.ndarray:
@@ -372,10 +437,16 @@ def batch_from_proto(b: pb.TokenBatch, what: str = "token batch") -> np.ndarray:
 
 def order_to_proto(o: WorkOrder) -> pb.WorkOrder:
     return pb.WorkOrder(
-        protocol_version=o.protocol_version, run_id=o.run_id, round=o.round, base_version=o.base_version,
+        protocol_version=o.protocol_version,
+        run_id=o.run_id,
+        round=o.round,
+        base_version=o.base_version,
         update=update_to_proto(o.update) if o.update is not None else None,
-        fingerprint=fingerprint_to_proto(o.fingerprint), batch=batch_to_proto(o.batch),
-        codec=codec_serde.settings_to_proto(o.codec), feedback_beta=o.feedback_beta, micro_batch_size=o.micro_batch_size,
+        fingerprint=fingerprint_to_proto(o.fingerprint),
+        batch=batch_to_proto(o.batch),
+        codec=codec_serde.settings_to_proto(o.codec),
+        feedback_beta=o.feedback_beta,
+        micro_batch_size=o.micro_batch_size,
         sync_tolerance=o.sync_tolerance,
         local_steps=local_steps_to_proto(o.local_steps) if o.local_steps is not None else None,
         catch_up=[update_to_proto(u) for u in o.catch_up],
@@ -394,7 +465,9 @@ def order_from_proto(m: pb.WorkOrder) -> WorkOrder:
             raise ProtocolError("next_batch is read only by gradient-mode orders with compute_before_update")
         next_batch = batch_from_proto(m.next_batch, "next token batch")
         if next_batch.shape[1] != batch.shape[1]:
-            raise ProtocolError(f"next token batch has rows of {next_batch.shape[1]} tokens, the batch {batch.shape[1]}")
+            raise ProtocolError(
+                f"next token batch has rows of {next_batch.shape[1]} tokens, the batch {batch.shape[1]}"
+            )
     if not 0.0 <= m.feedback_beta <= 1.0:
         raise ProtocolError(f"feedback_beta must be in [0, 1], got {m.feedback_beta}")
     if not 0.0 <= m.sync_tolerance < 1.0:
@@ -405,23 +478,40 @@ def order_from_proto(m: pb.WorkOrder) -> WorkOrder:
         raise ProtocolError(f"work order codec settings: {e.reason}") from None
     local_steps = local_steps_from_proto(m.local_steps) if m.HasField("local_steps") else None
     if local_steps is not None and batch.shape[0] % local_steps.steps:
-        raise ProtocolError(f"token batch of {batch.shape[0]} rows does not split into {local_steps.steps} equal inner steps")
+        raise ProtocolError(
+            f"token batch of {batch.shape[0]} rows does not split into {local_steps.steps} equal inner steps"
+        )
     if len(m.catch_up) > MAX_CATCH_UP:
         raise ProtocolError(f"work order carries {len(m.catch_up)} catch-up updates, more than {MAX_CATCH_UP}")
     if m.catch_up and not m.HasField("update"):
         raise ProtocolError("catch-up updates come before a round's update, and this order has none")
     return WorkOrder(
-        m.run_id, m.round, m.base_version, batch, codec, fingerprint_from_proto(m.fingerprint),
+        m.run_id,
+        m.round,
+        m.base_version,
+        batch,
+        codec,
+        fingerprint_from_proto(m.fingerprint),
         update_from_proto(m.update) if m.HasField("update") else None,
-        m.feedback_beta, m.micro_batch_size, m.sync_tolerance, local_steps, m.protocol_version,
-        tuple(update_from_proto(u) for u in m.catch_up), m.compute_before_update, next_batch,
+        m.feedback_beta,
+        m.micro_batch_size,
+        m.sync_tolerance,
+        local_steps,
+        m.protocol_version,
+        tuple(update_from_proto(u) for u in m.catch_up),
+        m.compute_before_update,
+        next_batch,
     )
 
 
 OK = "ok"
 NEEDS_STATE = "needs_state"  # no replica, or a suspect one: push the state
 BEHIND = "behind"  # a sound replica at another version (``RoundResult.version``): catch up or push
-_STATUS = {OK: pb.RoundResult.STATUS_OK, NEEDS_STATE: pb.RoundResult.STATUS_NEEDS_STATE, BEHIND: pb.RoundResult.STATUS_BEHIND}
+_STATUS = {
+    OK: pb.RoundResult.STATUS_OK,
+    NEEDS_STATE: pb.RoundResult.STATUS_NEEDS_STATE,
+    BEHIND: pb.RoundResult.STATUS_BEHIND,
+}
 
 
 @dataclasses.dataclass
@@ -439,10 +529,15 @@ class RoundResult:
 
 def result_to_proto(r: RoundResult) -> pb.RoundResult:
     return pb.RoundResult(
-        status=_STATUS[r.status], reason=r.reason, round=r.round,
+        status=_STATUS[r.status],
+        reason=r.reason,
+        round=r.round,
         gradient=codec_serde.gradient_to_proto(r.gradient) if r.gradient is not None else None,
-        loss=r.loss, tokens=r.tokens, version=r.version,
-        timings=pb.Timings(**{f"{k}_seconds": v for k, v in r.timings.items()}), node_bytes=r.node_bytes,
+        loss=r.loss,
+        tokens=r.tokens,
+        version=r.version,
+        timings=pb.Timings(**{f"{k}_seconds": v for k, v in r.timings.items()}),
+        node_bytes=r.node_bytes,
     )
 
 
@@ -469,15 +564,24 @@ class WorkerState:
 
 def worker_state_to_proto(w: WorkerState) -> pb.WorkerState:
     return pb.WorkerState(
-        run_id=w.run_id, version=w.version, feedback=tensors_to_proto(w.feedback),
+        run_id=w.run_id,
+        version=w.version,
+        feedback=tensors_to_proto(w.feedback),
         inner_optimizer=tensors_to_proto(w.inner_optimizer),
     )
 
 
 def worker_state_from_proto(m: pb.WorkerState) -> WorkerState:
-    return WorkerState(m.run_id, m.version, tensors_from_proto(m.feedback, "feedback"), tensors_from_proto(m.inner_optimizer, "inner_optimizer"))
+    return WorkerState(
+        m.run_id,
+        m.version,
+        tensors_from_proto(m.feedback, "feedback"),
+        tensors_from_proto(m.inner_optimizer, "inner_optimizer"),
+    )
 
 
 def _check_version(v: int) -> None:
     if v != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {v} is not this side's {PROTOCOL_VERSION}: upgrade the older of coordinator and worker")
+        raise ProtocolError(
+            f"protocol version {v} is not this side's {PROTOCOL_VERSION}: upgrade the older of coordinator and worker"
+        )

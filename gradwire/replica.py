@@ -57,14 +57,18 @@ class StateUpdate:
         """This replay for the sender at ``position``, whose payload (sent in ``round``) it leaves out."""
         if self.delta is not None or self.own is not None or not 0 <= position < len(self.payloads):
             raise ValueError(f"cannot leave out payload {position} of this update")
-        return dataclasses.replace(self, payloads=self.payloads[:position] + self.payloads[position + 1 :], own=(position, round))
+        return dataclasses.replace(
+            self, payloads=self.payloads[:position] + self.payloads[position + 1 :], own=(position, round)
+        )
 
     def with_own(self, payload: CompressedGradient) -> StateUpdate:
         """The whole replay, with the receiver's own ``payload`` back in its place."""
         if self.own is None:
             return self
         position = self.own[0]
-        return dataclasses.replace(self, payloads=self.payloads[:position] + (payload,) + self.payloads[position:], own=None)
+        return dataclasses.replace(
+            self, payloads=self.payloads[:position] + (payload,) + self.payloads[position:], own=None
+        )
 
 
 # ------------------------------------------------------------------------------------------- fingerprint
@@ -79,7 +83,9 @@ class Fingerprint:
     samples: tuple[float, ...]
 
 
-def sample_positions(named_shapes: Sequence[tuple[str, Sequence[int]]], per_tensor: int = SAMPLES_PER_TENSOR) -> list[torch.Tensor]:
+def sample_positions(
+    named_shapes: Sequence[tuple[str, Sequence[int]]], per_tensor: int = SAMPLES_PER_TENSOR
+) -> list[torch.Tensor]:
     """Fixed flat positions to sample in each tensor; the same in every process (seeded by name)."""
     out = []
     for name, shape in named_shapes:
@@ -104,15 +110,21 @@ def fingerprint(tensors: Sequence[torch.Tensor], positions: Sequence[torch.Tenso
     )
 
 
-def compare_fingerprints(expected: Fingerprint, actual: Fingerprint, numels: Sequence[int], tolerance: float) -> tuple[bool, str]:
+def compare_fingerprints(
+    expected: Fingerprint, actual: Fingerprint, numels: Sequence[int], tolerance: float
+) -> tuple[bool, str]:
     """Do two replicas agree within ``tolerance`` (relative)? Returns (same, reason).
 
     Float noise from a different device or kernel moves these by ~1e-7 relative; a replica that missed
     or misapplied an update moves them by orders more.
     """
-    if (len(expected.sums), len(expected.sumsqs)) != (len(actual.sums), len(actual.sumsqs)) or len(expected.samples) != len(actual.samples):
+    if (len(expected.sums), len(expected.sumsqs)) != (len(actual.sums), len(actual.sumsqs)) or len(
+        expected.samples
+    ) != len(actual.samples):
         return False, "fingerprints describe different tensors"
-    for i, (s_e, s_a, q_e, q_a, n) in enumerate(zip(expected.sums, actual.sums, expected.sumsqs, actual.sumsqs, numels)):
+    for i, (s_e, s_a, q_e, q_a, n) in enumerate(
+        zip(expected.sums, actual.sums, expected.sumsqs, actual.sumsqs, numels)
+    ):
         if not all(map(math.isfinite, (s_a, q_a))):
             return False, f"tensor {i}: non-finite values"
         if abs(q_e - q_a) > tolerance * max(q_e, q_a) + 1e-30:
@@ -152,11 +164,18 @@ class Replica:
         """The codec for this replica's tensors under ``config`` (cached: its plan is not free)."""
         if config not in self._codecs:
             device = next(iter(self.params.values())).device
-            self._codecs[config] = GradientCodec({n: tuple(p.shape) for n, p in self.params.items()}, config, device=device)
+            self._codecs[config] = GradientCodec(
+                {n: tuple(p.shape) for n, p in self.params.items()}, config, device=device
+            )
         return self._codecs[config]
 
     @torch.no_grad()
-    def apply(self, update: StateUpdate, aggregator: Aggregator | robust.CoordinateAggregate | None = None, known: tuple[CompressedGradient, DecodedGradient] | None = None) -> dict[str, torch.Tensor]:
+    def apply(
+        self,
+        update: StateUpdate,
+        aggregator: Aggregator | robust.CoordinateAggregate | None = None,
+        known: tuple[CompressedGradient, DecodedGradient] | None = None,
+    ) -> dict[str, torch.Tensor]:
         """Apply ``update``; return what was applied (the aggregate gradient, or the delta).
 
         Every payload is validated before any parameter changes, so a bad update leaves the replica as
@@ -174,7 +193,9 @@ class Replica:
             self.version += 1
             return delta
         if update.own is not None:
-            raise ValueError("this replay leaves out the receiver's own payload: put it back first (StateUpdate.with_own)")
+            raise ValueError(
+                "this replay leaves out the receiver's own payload: put it back first (StateUpdate.with_own)"
+            )
         if not update.payloads:
             raise ValueError("a replay update needs at least one payload")
         if not self.rule.replayable:
@@ -187,7 +208,13 @@ class Replica:
             senders = [known[1] if known is not None and p is known[0] else p for p in update.payloads]
             aggregate = robust.aggregate(codec, senders, weights, update.scales, update.rule).result()
         _check_step(aggregate, update.learning_rate)
-        outer_step(list(self.params.values()), [aggregate[n] for n in self.params], self.rule, update.learning_rate, self.momentum)
+        outer_step(
+            list(self.params.values()),
+            [aggregate[n] for n in self.params],
+            self.rule,
+            update.learning_rate,
+            self.momentum,
+        )
         self.version += 1
         return aggregate
 
@@ -207,7 +234,9 @@ class Replica:
     def _writes(self) -> tuple[int, ...]:
         return tuple(p._version for p in self.params.values())
 
-    def load_state(self, parameters: Mapping[str, torch.Tensor], momentum: Sequence[torch.Tensor] = (), version: int = 0) -> None:
+    def load_state(
+        self, parameters: Mapping[str, torch.Tensor], momentum: Sequence[torch.Tensor] = (), version: int = 0
+    ) -> None:
         """Overwrite the parameters (and sgd momentum) with a full state, e.g. on a push."""
         unknown = sorted(set(parameters) - set(self.params))
         if unknown:
@@ -234,4 +263,6 @@ def _check_step(tensors: Mapping[str, torch.Tensor], lr: float) -> None:
     worst = float(largest.max())
     if not math.isfinite(worst) or lr * worst > STEP_LIMIT:
         name = list(tensors)[int(largest.nan_to_num(math.inf).argmax())]
-        raise ValueError(f"update would move {name!r} by {lr * worst:.3g} (learning rate {lr:g}); refused, nothing changed")
+        raise ValueError(
+            f"update would move {name!r} by {lr * worst:.3g} (learning rate {lr:g}); refused, nothing changed"
+        )

@@ -51,11 +51,18 @@ def check_token(token: str, source: str) -> str:
     if not all("!" <= c <= "~" for c in token):
         raise ValueError(f"{source}: the token must be printable ASCII without spaces")
     if len(token) < MIN_TOKEN_CHARS:
-        log.warning("%s: the token has only %d characters; use %d or more random ones (openssl rand -hex 32)", source, len(token), MIN_TOKEN_CHARS)
+        log.warning(
+            "%s: the token has only %d characters; use %d or more random ones (openssl rand -hex 32)",
+            source,
+            len(token),
+            MIN_TOKEN_CHARS,
+        )
     return token
 
 
-def resolve_token(token: str | None = None, token_file: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:
+def resolve_token(
+    token: str | None = None, token_file: str | None = None, environ: Mapping[str, str] | None = None
+) -> str | None:
     """The shared token: ``--token``, else the first line of ``--token-file``, else ``$GRADWIRE_TOKEN``,
     else ``None`` (no authentication). ``ValueError`` naming the source if it is unusable."""
     if token is not None and token_file is not None:
@@ -140,7 +147,9 @@ class ServerSecurity:
                 f"worker compute and read or replace its runs. Set --token-file or ${TOKEN_ENV} (and TLS), or --host 127.0.0.1"
             )
         elif not self.tls:
-            out.append(f"listening on {host} with a token but without TLS: the token crosses the network in the clear (--tls-cert/--tls-key)")
+            out.append(
+                f"listening on {host} with a token but without TLS: the token crosses the network in the clear (--tls-cert/--tls-key)"
+            )
         return out
 
 
@@ -179,7 +188,8 @@ class ClientSecurity:
         if not self.tls:
             return grpc.insecure_channel(address, options=list(options))
         creds = grpc.ssl_channel_credentials(
-            root_certificates=_read(self.tls_ca, "--tls-ca"), private_key=_read(self.tls_key, "--tls-key"),
+            root_certificates=_read(self.tls_ca, "--tls-ca"),
+            private_key=_read(self.tls_key, "--tls-key"),
             certificate_chain=_read(self.tls_cert, "--tls-cert"),
         )
         extra = [("grpc.ssl_target_name_override", self.tls_server_name)] if self.tls_server_name else []

@@ -49,7 +49,9 @@ _VALUE = re.compile(r"[\x20-\x7e]*")
 def check_name(name: str) -> str:
     """A tunnel's name: 1-128 printable characters without spaces; ``ValueError`` saying why if not."""
     if not _NAME.fullmatch(name):
-        raise ValueError(f"a tunnel's name must be 1-{MAX_NAME_CHARS} printable characters without spaces, got {name[:40]!r}{'...' if len(name) > 40 else ''}")
+        raise ValueError(
+            f"a tunnel's name must be 1-{MAX_NAME_CHARS} printable characters without spaces, got {name[:40]!r}{'...' if len(name) > 40 else ''}"
+        )
     return name
 
 
@@ -61,7 +63,12 @@ def check_metadata(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
     if sum(len(k) + len(v) for k, v in pairs) > MAX_METADATA_CHARS:
         raise ValueError(f"metadata over {MAX_METADATA_CHARS} characters")
     for key, value in pairs:
-        if not _KEY.fullmatch(key) or key.startswith("grpc-") or key.endswith("-bin") or key in ("content-type", "te", "user-agent"):
+        if (
+            not _KEY.fullmatch(key)
+            or key.startswith("grpc-")
+            or key.endswith("-bin")
+            or key in ("content-type", "te", "user-agent")
+        ):
             raise ValueError(f"metadata key {key[:64]!r} cannot travel through a tunnel")
         if not _VALUE.fullmatch(value):
             raise ValueError(f"metadata {key!r}: the value must be printable ASCII")

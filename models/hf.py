@@ -58,14 +58,32 @@ __all__ = ["ResolvedModel", "hf_spec", "load_tokenizer_arg", "resolve_model", "t
 log = logging.getLogger("gradwire.models")
 
 # Any one of these in a model directory means it has weights (sharded checkpoints come with an index).
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 # Any one of these means a tokenizer can be loaded; tokenizer_config.json alone does not (see _checked).
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "sentencepiece.bpe.model", "tekken.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tekken.json",
 )
 # Config entries about where and how a config was saved, not about the architecture. dtype goes too: a
 # spec always builds in fp32 (the weights are pushed in fp32 whatever the checkpoint stored).
-_BOOKKEEPING = ("_name_or_path", "_commit_hash", "transformers_version", "dtype", "torch_dtype", "_attn_implementation_autoset")
+_BOOKKEEPING = (
+    "_name_or_path",
+    "_commit_hash",
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+    "_attn_implementation_autoset",
+)
 
 _HUB_NOTE = (
     "hub ids load from the local Hugging Face cache when offline (HF_HUB_OFFLINE=1): "
@@ -156,7 +174,9 @@ def load_tokenizer_arg(arg: str) -> AnyTokenizer | PreTrainedTokenizerBase:
         return load_tokenizer(arg)
     source, is_dir = _locate(arg, "--tokenizer")
     if is_dir and not _has_any(Path(source), TOKENIZER_FILES):
-        raise ValueError(f"--tokenizer directory {arg!r} holds no tokenizer files (one of {', '.join(TOKENIZER_FILES)})")
+        raise ValueError(
+            f"--tokenizer directory {arg!r} holds no tokenizer files (one of {', '.join(TOKENIZER_FILES)})"
+        )
     from transformers import AutoTokenizer
 
     try:
@@ -270,7 +290,9 @@ def _has_any(directory: Path, names: tuple[str, ...]) -> bool:
 def _checked(tok: PreTrainedTokenizerBase, arg: str) -> PreTrainedTokenizerBase:
     # With its vocabulary files missing, AutoTokenizer may build a tokenizer of one token instead of failing.
     if len(tok) < 2:
-        raise ValueError(f"--tokenizer {arg!r}: the tokenizer loaded with {len(tok)} token(s); its vocabulary files are missing")
+        raise ValueError(
+            f"--tokenizer {arg!r}: the tokenizer loaded with {len(tok)} token(s); its vocabulary files are missing"
+        )
     return tok
 
 

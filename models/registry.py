@@ -119,7 +119,15 @@ def build_from_spec(spec: dict[str, Any], seed: int = 0) -> nn.Module:
 # What a spec may ask for before it is even counted: building millions of layers is itself the attack.
 MAX_LAYERS = 1024
 MAX_DIMENSION = 2**31 - 1  # any integer setting (a width, a vocabulary, a context length)
-_LAYER_KEYS = ("n_layer", "num_hidden_layers", "num_layers", "n_layers", "num_decoder_layers", "encoder_layers", "decoder_layers")
+_LAYER_KEYS = (
+    "n_layer",
+    "num_hidden_layers",
+    "num_layers",
+    "n_layers",
+    "num_decoder_layers",
+    "encoder_layers",
+    "decoder_layers",
+)
 
 
 def spec_elements(spec: dict[str, Any]) -> int:
@@ -155,7 +163,9 @@ def _build_hf(config: dict[str, Any]) -> nn.Module:
     try:
         hf_config = AutoConfig.for_model(model_type, **config)
     except ValueError as e:  # an unknown model_type: the list of known ones is hundreds of names long
-        raise ValueError(f"spec config['model_type'] {model_type!r} is not a transformers architecture: {str(e)[:200]}") from None
+        raise ValueError(
+            f"spec config['model_type'] {model_type!r} is not a transformers architecture: {str(e)[:200]}"
+        ) from None
     return AutoModelForCausalLM.from_config(hf_config)
 
 

@@ -65,7 +65,9 @@ class FaultyEngine(WorkerEngine):
         self.pushes += 1
         return super().push_state(state, owner)
 
-    def run_round(self, order: WorkOrder, cancelled: Callable[[], bool] = lambda: False, owner: bytes = b"") -> RoundResult:
+    def run_round(
+        self, order: WorkOrder, cancelled: Callable[[], bool] = lambda: False, owner: bytes = b""
+    ) -> RoundResult:
         if self.plan.action == "drop" and self.plan.applies(order.round):
             self.injected.append(order.round)
             raise Cancelled(f"round {order.round} dropped (fault injection)")
@@ -77,7 +79,12 @@ class FaultyEngine(WorkerEngine):
                     raise Cancelled(f"round {order.round} cancelled while stalled")
                 time.sleep(0.02)
         result = super().run_round(order, cancelled, owner)
-        if self.plan.action in ("drop", "stall", "stall-push") or result.status != OK or result.gradient is None or not self.plan.applies(order.round):
+        if (
+            self.plan.action in ("drop", "stall", "stall-push")
+            or result.status != OK
+            or result.gradient is None
+            or not self.plan.applies(order.round)
+        ):
             return result
         self.injected.append(order.round)
         return dataclasses.replace(result, **self._tamper(order, result))
@@ -95,7 +102,9 @@ class FaultyEngine(WorkerEngine):
         if plan.action == "nan":
             return {"gradient": _with_first(gradient, dataclasses.replace(first, scale=float("nan")), rest)}
         assert plan.action == "wrong-shape"
-        return {"gradient": _with_first(gradient, dataclasses.replace(first, shape=tuple(s + 1 for s in first.shape)), rest)}
+        return {
+            "gradient": _with_first(gradient, dataclasses.replace(first, shape=tuple(s + 1 for s in first.shape)), rest)
+        }
 
 
 def _with_first(gradient: CompressedGradient, first: object, rest: list) -> CompressedGradient:

@@ -63,4 +63,6 @@ def check_token_range(batch: np.ndarray, vocab_size: int | None) -> None:
         return
     low, high = int(batch.min()), int(batch.max())
     if low < 0 or high >= vocab_size:
-        raise ProtocolError(f"token id {high if high >= vocab_size else low} is outside the model's vocabulary [0, {vocab_size})")
+        raise ProtocolError(
+            f"token id {high if high >= vocab_size else low} is outside the model's vocabulary [0, {vocab_size})"
+        )

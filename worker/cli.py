@@ -103,34 +103,130 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the gradwire.v1.Worker gRPC service until SIGTERM/SIGINT",
         description="Serve the gradwire.v1.Worker gRPC service (with grpc.health.v1) until SIGTERM or SIGINT, then stop gracefully.",
     )
-    serve.add_argument("--config", metavar="FILE.yaml", help="read flag values from a YAML file (keys: port, host, device, max_message_mb, grace); flags typed here win")
-    serve.add_argument("--port", type=_port, help="TCP port to listen on (0: any free port, logged at start); required, here or in --config")
-    serve.add_argument("--host", default="[::]", help="address to listen on (default: [::], every interface, IPv4 and IPv6)")
-    serve.add_argument("--device", type=_device, default="auto", help="where rounds run: auto (the default: cuda if available, else cpu), cpu, cuda or cuda:INDEX")
-    serve.add_argument("--max-message-mb", type=_message_mb, default=DEFAULT_MESSAGE_MB, help=f"largest message accepted, in MiB, once its parts are joined: a model state, a work order with its update (default: {DEFAULT_MESSAGE_MB})")
-    serve.add_argument("--max-model-params", type=_positive, default=DEFAULT_MAX_MODEL_PARAMS, help=f"largest model a coordinator may make this worker build, in parameters and buffers, checked before anything is allocated; requests are also bounded by a multiple of their run's model size (default: {DEFAULT_MAX_MODEL_PARAMS:,})")
-    serve.add_argument("--grace", type=_seconds, default=5.0, help="seconds in-flight calls get to finish after SIGTERM before they are cancelled (default: 5)")
-    node = serve.add_argument_group("multi-GPU nodes", "One worker drives all of a box's GPUs: N ranks in one torch.distributed group (NCCL on CUDA, gloo on CPU); rank 0 serves gRPC. torchrun --nproc-per-node N -m gradwire.worker serve ... works the same.")
-    node.add_argument("--nproc-per-node", type=_nproc, default="1", help="ranks in this node: a number, or auto (every visible GPU; 1 on a CPU) (default: 1)")
-    node.add_argument("--node-mode", choices=["ddp", "local-sgd"], default="ddp", help="among the ranks: ddp (every backward all-reduces gradients) or local-sgd (independent inner steps, parameters averaged every --node-sync-steps and at the end of a round) (default: ddp)")
-    node.add_argument("--node-sync-steps", type=_count, default=0, help="local-sgd: average the ranks' parameters every S inner steps (0: at the end of each round only) (default: 0)")
-    node.add_argument("--node-comm-hook", choices=["none", "fp16", "powersgd", "dct"], default="none", help="ddp: how gradients travel between ranks (default: none, a float32 all-reduce)")
-    node.add_argument("--node-timeout", type=_seconds, default=300.0, help="seconds a collective among the ranks may take before the node counts a rank as lost (default: 300)")
-    node.add_argument("--max-restarts", type=_count, default=3, help="times the launcher restarts a node that lost a rank (default: 3)")
-    serve.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast forward/backward (weights, replica and codec stay float32) (default: fp32)")
-    join = serve.add_argument_group("joining a run", "Instead of (or besides) being named in the coordinator's --workers, a worker can announce itself to a coordinator started with --listen PORT.")
-    join.add_argument("--join", metavar="HOST:PORT", help="announce this worker to the coordinator at HOST:PORT (coordinator train --listen), every few seconds while it serves")
-    join.add_argument("--advertise", metavar="HOST:PORT", help="the address the coordinator should call this worker at (default: --host, or this machine's name, and --port); with --tunnel, the worker's name in the run")
-    join.add_argument("--tunnel", action="store_true", help="for a worker the coordinator cannot dial (behind NAT, or a firewall that only lets connections out): with --join, hold a tunnel open to the coordinator and serve its calls through it; the coordinator never connects to this worker")
-    join.add_argument("--join-tls", action="store_true", help="talk TLS to the --join coordinator, trusting the system's CAs (implied by --join-tls-ca)")
-    join.add_argument("--join-tls-ca", metavar="PEM", help="talk TLS to the --join coordinator, trusting the CA that signed its certificate (coordinator train --listen-tls-cert)")
+    serve.add_argument(
+        "--config",
+        metavar="FILE.yaml",
+        help="read flag values from a YAML file (keys: port, host, device, max_message_mb, grace); flags typed here win",
+    )
+    serve.add_argument(
+        "--port",
+        type=_port,
+        help="TCP port to listen on (0: any free port, logged at start); required, here or in --config",
+    )
+    serve.add_argument(
+        "--host", default="[::]", help="address to listen on (default: [::], every interface, IPv4 and IPv6)"
+    )
+    serve.add_argument(
+        "--device",
+        type=_device,
+        default="auto",
+        help="where rounds run: auto (the default: cuda if available, else cpu), cpu, cuda or cuda:INDEX",
+    )
+    serve.add_argument(
+        "--max-message-mb",
+        type=_message_mb,
+        default=DEFAULT_MESSAGE_MB,
+        help=f"largest message accepted, in MiB, once its parts are joined: a model state, a work order with its update (default: {DEFAULT_MESSAGE_MB})",
+    )
+    serve.add_argument(
+        "--max-model-params",
+        type=_positive,
+        default=DEFAULT_MAX_MODEL_PARAMS,
+        help=f"largest model a coordinator may make this worker build, in parameters and buffers, checked before anything is allocated; requests are also bounded by a multiple of their run's model size (default: {DEFAULT_MAX_MODEL_PARAMS:,})",
+    )
+    serve.add_argument(
+        "--grace",
+        type=_seconds,
+        default=5.0,
+        help="seconds in-flight calls get to finish after SIGTERM before they are cancelled (default: 5)",
+    )
+    node = serve.add_argument_group(
+        "multi-GPU nodes",
+        "One worker drives all of a box's GPUs: N ranks in one torch.distributed group (NCCL on CUDA, gloo on CPU); rank 0 serves gRPC. torchrun --nproc-per-node N -m gradwire.worker serve ... works the same.",
+    )
+    node.add_argument(
+        "--nproc-per-node",
+        type=_nproc,
+        default="1",
+        help="ranks in this node: a number, or auto (every visible GPU; 1 on a CPU) (default: 1)",
+    )
+    node.add_argument(
+        "--node-mode",
+        choices=["ddp", "local-sgd"],
+        default="ddp",
+        help="among the ranks: ddp (every backward all-reduces gradients) or local-sgd (independent inner steps, parameters averaged every --node-sync-steps and at the end of a round) (default: ddp)",
+    )
+    node.add_argument(
+        "--node-sync-steps",
+        type=_count,
+        default=0,
+        help="local-sgd: average the ranks' parameters every S inner steps (0: at the end of each round only) (default: 0)",
+    )
+    node.add_argument(
+        "--node-comm-hook",
+        choices=["none", "fp16", "powersgd", "dct"],
+        default="none",
+        help="ddp: how gradients travel between ranks (default: none, a float32 all-reduce)",
+    )
+    node.add_argument(
+        "--node-timeout",
+        type=_seconds,
+        default=300.0,
+        help="seconds a collective among the ranks may take before the node counts a rank as lost (default: 300)",
+    )
+    node.add_argument(
+        "--max-restarts",
+        type=_count,
+        default=3,
+        help="times the launcher restarts a node that lost a rank (default: 3)",
+    )
+    serve.add_argument(
+        "--precision",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="bf16: autocast forward/backward (weights, replica and codec stay float32) (default: fp32)",
+    )
+    join = serve.add_argument_group(
+        "joining a run",
+        "Instead of (or besides) being named in the coordinator's --workers, a worker can announce itself to a coordinator started with --listen PORT.",
+    )
+    join.add_argument(
+        "--join",
+        metavar="HOST:PORT",
+        help="announce this worker to the coordinator at HOST:PORT (coordinator train --listen), every few seconds while it serves",
+    )
+    join.add_argument(
+        "--advertise",
+        metavar="HOST:PORT",
+        help="the address the coordinator should call this worker at (default: --host, or this machine's name, and --port); with --tunnel, the worker's name in the run",
+    )
+    join.add_argument(
+        "--tunnel",
+        action="store_true",
+        help="for a worker the coordinator cannot dial (behind NAT, or a firewall that only lets connections out): with --join, hold a tunnel open to the coordinator and serve its calls through it; the coordinator never connects to this worker",
+    )
+    join.add_argument(
+        "--join-tls",
+        action="store_true",
+        help="talk TLS to the --join coordinator, trusting the system's CAs (implied by --join-tls-ca)",
+    )
+    join.add_argument(
+        "--join-tls-ca",
+        metavar="PEM",
+        help="talk TLS to the --join coordinator, trusting the CA that signed its certificate (coordinator train --listen-tls-cert)",
+    )
     add_security_flags(serve, side="worker")
     return parser
 
 
 def server_security(args: argparse.Namespace) -> ServerSecurity:
     """The worker's token and TLS settings from its flags; ``ValueError`` naming the flag."""
-    return ServerSecurity(token=resolve_token(args.token, args.token_file), tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)
+    return ServerSecurity(
+        token=resolve_token(args.token, args.token_file),
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+    )
 
 
 def join_security(args: argparse.Namespace, token: str | None) -> ClientSecurity:
@@ -177,7 +273,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line (and its --config file) as ``main`` sees it; exits with status 2 on a bad value."""
     parser, args = parse_args_with_config(build_parser, argv)
     if args.command == "serve" and args.port is None:
-        subcommand_parser(parser, "serve").error("--port is required (on the command line, or port: in the --config file)")
+        subcommand_parser(parser, "serve").error(
+            "--port is required (on the command line, or port: in the --config file)"
+        )
     return args
 
 
@@ -212,7 +310,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rank is None and nproc > 1:  # the launcher: this process supervises the node's ranks
         from gradwire.worker.launch import launch
 
-        return launch(sys.argv[1:] if argv is None else list(argv), nproc, max_restarts=args.max_restarts, grace=args.grace)
+        return launch(
+            sys.argv[1:] if argv is None else list(argv), nproc, max_restarts=args.max_restarts, grace=args.grace
+        )
     return run_rank(args, rank)
 
 
@@ -240,14 +340,25 @@ def run_rank(args: argparse.Namespace, rank: RankInfo | None) -> int:
             try:
                 engine.follow()
             except (NodeFailure, RuntimeError) as e:
-                print(f"worker serve: rank {rank.rank}: the node failed ({e}); exiting so that it restarts", file=sys.stderr)
+                print(
+                    f"worker serve: rank {rank.rank}: the node failed ({e}); exiting so that it restarts",
+                    file=sys.stderr,
+                )
                 return 1
             return 0
         try:
             security = server_security(args)
             return serve(
-                engine, host=args.host, port=args.port, max_message_mb=args.max_message_mb, grace=args.grace, security=security,
-                join=args.join, advertise=args.advertise, tunnel=args.tunnel, join_security=join_security(args, security.token),
+                engine,
+                host=args.host,
+                port=args.port,
+                max_message_mb=args.max_message_mb,
+                grace=args.grace,
+                security=security,
+                join=args.join,
+                advertise=args.advertise,
+                tunnel=args.tunnel,
+                join_security=join_security(args, security.token),
             )
         except OSError as e:  # the address cannot be bound
             print(f"worker serve: error: {e}", file=sys.stderr)

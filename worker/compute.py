@@ -86,7 +86,9 @@ class Placement:
         """Every inner step's rows must split evenly over the ranks (the coordinator sends ranks x batch)."""
         rows = order.batch.shape[0] // order.inner_steps
         if rows % self.ranks:
-            raise ProtocolError(f"token batch of {rows} rows per step does not split over this node's {self.ranks} ranks")
+            raise ProtocolError(
+                f"token batch of {rows} rows per step does not split over this node's {self.ranks} ranks"
+            )
 
     def share(self, rows: torch.Tensor) -> torch.Tensor:
         """This rank's rows of one step's batch: consecutive equal slices, rank 0 first."""
@@ -119,7 +121,11 @@ class Placement:
 
 
 # DDP renamed the setting (torch 2.10+); the old name still works there, with a warning.
-_NO_BUFFER_SYNC = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters else {"broadcast_buffers": False}
+_NO_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    else {"broadcast_buffers": False}
+)
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -127,10 +133,19 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 
 class ComputeStrategy(Protocol):
-    def __call__(self, session: Session, order: WorkOrder, tokens: torch.Tensor, cancelled: IsCancelled, placement: Placement) -> Contribution: ...
+    def __call__(
+        self, session: Session, order: WorkOrder, tokens: torch.Tensor, cancelled: IsCancelled, placement: Placement
+    ) -> Contribution: ...
 
 
-def accumulate_gradient(model: torch.nn.Module, tokens: torch.Tensor, micro_batch_size: int, cancelled: IsCancelled, what: str, precision: str = "fp32") -> float:
+def accumulate_gradient(
+    model: torch.nn.Module,
+    tokens: torch.Tensor,
+    micro_batch_size: int,
+    cancelled: IsCancelled,
+    what: str,
+    precision: str = "fp32",
+) -> float:
     """Mean loss over ``tokens`` (rows, T + 1) with its gradient in ``.grad``, by micro-batches if asked.
 
     Every parameter ends with a gradient (zeros where the loss does not reach), so the codec sees them all.
@@ -160,19 +175,30 @@ def accumulate_gradient(model: torch.nn.Module, tokens: torch.Tensor, micro_batc
     return total / rows
 
 
-def gradient_step(session: Session, order: WorkOrder, tokens: torch.Tensor, cancelled: IsCancelled, placement: Placement | None = None) -> Contribution:
+def gradient_step(
+    session: Session, order: WorkOrder, tokens: torch.Tensor, cancelled: IsCancelled, placement: Placement | None = None
+) -> Contribution:
     """Gradient mode: the batch's mean gradient at the replica's parameters."""
     placement = placement or Placement()
     session.replica.model.train()
     model = placement.wrap(session, session.replica.model)
-    loss = accumulate_gradient(model, placement.share(tokens), order.micro_batch_size, placement.cancellable(cancelled), f"round {order.round}", placement.precision)
+    loss = accumulate_gradient(
+        model,
+        placement.share(tokens),
+        order.micro_batch_size,
+        placement.cancellable(cancelled),
+        f"round {order.round}",
+        placement.precision,
+    )
     grads = {n: p.grad for n, p in session.replica.params.items()}
     if placement.node is not None and not placement.ddp:
         placement.node.average(grads.values())  # local-sgd among the ranks: one step is one gradient average
     return Contribution(grads, placement.mean(loss), tokens.shape[0] * (tokens.shape[1] - 1))
 
 
-def local_steps(session: Session, order: WorkOrder, tokens: torch.Tensor, cancelled: IsCancelled, placement: Placement | None = None) -> Contribution:
+def local_steps(
+    session: Session, order: WorkOrder, tokens: torch.Tensor, cancelled: IsCancelled, placement: Placement | None = None
+) -> Contribution:
     """A local-SGD round: H inner steps on the working copy, then ``replica - working``."""
     placement = placement or Placement()
     plan = order.local_steps
@@ -186,7 +212,9 @@ def local_steps(session: Session, order: WorkOrder, tokens: torch.Tensor, cancel
     drifted = False  # local-sgd ranks step apart until they average; DDP ranks step alike
     for h, lr in enumerate(plan.learning_rates):
         batch = placement.share(tokens[h * rows : (h + 1) * rows])  # (rows / ranks, T + 1): step h, this rank
-        loss_sum += accumulate_gradient(model, batch, order.micro_batch_size, cancelled, f"round {order.round}, inner step {h}", placement.precision)
+        loss_sum += accumulate_gradient(
+            model, batch, order.micro_batch_size, cancelled, f"round {order.round}, inner step {h}", placement.precision
+        )
         if plan.clip_grad_norm:
             torch.nn.utils.clip_grad_norm_(working.parameters(), plan.clip_grad_norm)
         optimizer.step(lr)

@@ -86,7 +86,13 @@ class AccessDenied(PermissionError):
 class WorkerEngine:
     """Serves rounds for any number of coordinator runs, one at a time; thread-safe."""
 
-    def __init__(self, device: str | torch.device = "cpu", max_sessions: int = 2, placement: Placement | None = None, max_model_params: int = DEFAULT_MAX_MODEL_PARAMS) -> None:
+    def __init__(
+        self,
+        device: str | torch.device = "cpu",
+        max_sessions: int = 2,
+        placement: Placement | None = None,
+        max_model_params: int = DEFAULT_MAX_MODEL_PARAMS,
+    ) -> None:
         self.device = torch.device(device)
         self.max_sessions = max_sessions
         self.max_model_params = max_model_params
@@ -101,7 +107,9 @@ class WorkerEngine:
         # one cost ~5-15% of a CPU step (measured on gpt-10m: 2.21 s on one thread, 2.33-2.56 s on fresh ones).
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradwire-compute")
         self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradwire-ahead")  # fingerprints
-        self.lookaheads: collections.Counter[str] = collections.Counter()  # --overlap: gradients computed ahead "used" / "dropped"
+        self.lookaheads: collections.Counter[str] = (
+            collections.Counter()
+        )  # --overlap: gradients computed ahead "used" / "dropped"
         # What to do when the node loses a rank (the server sets it: stop, so that the node restarts).
         self.on_node_failure: Callable[[], None] = lambda: None
         self._last_command = time.monotonic()
@@ -116,25 +124,49 @@ class WorkerEngine:
         """Who this worker is, and the versions of the runs ``owner`` owns (every run's if ``None``)."""
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         ranks = self.placement.ranks
-        devices = tuple(f"cuda:{r}" for r in range(ranks)) if self.device.type == "cuda" else (str(self.device),) * ranks
+        devices = (
+            tuple(f"cuda:{r}" for r in range(ranks)) if self.device.type == "cuda" else (str(self.device),) * ranks
+        )
         return WorkerInfo(
-            PROTOCOL_VERSION, gradwire.__version__, torch.__version__, str(self.device), name,
+            PROTOCOL_VERSION,
+            gradwire.__version__,
+            torch.__version__,
+            str(self.device),
+            name,
             torch.cuda.device_count() if self.device.type == "cuda" else 1,
-            {run: s.replica.version for run, s in list(self.sessions.items()) if owner is None or same_owner(s.owner, owner)},
-            ranks, devices, self.placement.mode if self.node is not None else "",
+            {
+                run: s.replica.version
+                for run, s in list(self.sessions.items())
+                if owner is None or same_owner(s.owner, owner)
+            },
+            ranks,
+            devices,
+            self.placement.mode if self.node is not None else "",
         )
 
     def push_state(self, state: ModelState, owner: bytes = b"") -> tuple[int, Fingerprint]:
         """Start or replace the replica of ``state.run_id``; the run then belongs to ``owner``.
 
         ``AccessDenied`` if another owner holds that run (checked before any rank sees the state)."""
-        return self._compute.submit(self._owned, state.run_id, owner, self._lead, Command.PUSH_STATE, lambda: protocol.state_to_proto(state), self._push_state, state, owner).result()
+        return self._compute.submit(
+            self._owned,
+            state.run_id,
+            owner,
+            self._lead,
+            Command.PUSH_STATE,
+            lambda: protocol.state_to_proto(state),
+            self._push_state,
+            state,
+            owner,
+        ).result()
 
     def _owned(self, run_id: str, owner: bytes, call: Callable[..., T], *args: object) -> T:
         """``call(*args)`` if the run is new or ``owner``'s; runs on the compute thread, where sessions change."""
         session = self.sessions.get(run_id)
         if session is not None and not same_owner(session.owner, owner):
-            raise AccessDenied(f"run {run_id!r} belongs to another coordinator (its run key or client certificate differs)")
+            raise AccessDenied(
+                f"run {run_id!r} belongs to another coordinator (its run key or client certificate differs)"
+            )
         return call(*args)
 
     def _lead(self, command: Command, message: Callable[[], Message], call: Callable[..., T], *args: object) -> T:
@@ -178,7 +210,9 @@ class WorkerEngine:
         return 4 * elements * (STATE_COPIES if kind == "state" else ORDER_COPIES) + REQUEST_SLACK
 
     def _push_state(self, state: ModelState, owner: bytes = b"") -> tuple[int, Fingerprint]:
-        session = Session(state, self.device, owner, self.max_model_params)  # built and validated before it replaces anything
+        session = Session(
+            state, self.device, owner, self.max_model_params
+        )  # built and validated before it replaces anything
         with self._lock:
             previous = self.sessions.pop(state.run_id, None)
             if previous is not None:
@@ -208,9 +242,16 @@ class WorkerEngine:
                 raise ProtocolError(f"no replica for run {run_id!r}")
             if not same_owner(session.owner, owner):
                 raise AccessDenied(f"run {run_id!r} belongs to another coordinator")
-            return WorkerState(run_id, session.replica.version, host_tensors(session.feedback.state_dict()), host_tensors(session.inner_state()))
+            return WorkerState(
+                run_id,
+                session.replica.version,
+                host_tensors(session.feedback.state_dict()),
+                host_tensors(session.inner_state()),
+            )
 
-    def run_round(self, order: WorkOrder, cancelled: Callable[[], bool] = lambda: False, owner: bytes = b"") -> RoundResult:
+    def run_round(
+        self, order: WorkOrder, cancelled: Callable[[], bool] = lambda: False, owner: bytes = b""
+    ) -> RoundResult:
         """One round of ``order``'s run; ``AccessDenied`` if that run is another owner's."""
         return self._compute.submit(self._owned, order.run_id, owner, self._own_round, order, cancelled).result()
 
@@ -224,12 +265,20 @@ class WorkerEngine:
             sent = session.last_sent if session is not None else None
             if sent is None or any(round_ != sent[0] for _, round_ in own):
                 held = f"round {sent[0]}'s" if sent is not None else "none"
-                return RoundResult(NEEDS_STATE, order.round, f"the update leaves out this worker's payload of round {own[0][1]}, and it holds {held}", version=session.replica.version if session else 0)
+                return RoundResult(
+                    NEEDS_STATE,
+                    order.round,
+                    f"the update leaves out this worker's payload of round {own[0][1]}, and it holds {held}",
+                    version=session.replica.version if session else 0,
+                )
             order = dataclasses.replace(
-                order, update=order.update.with_own(sent[1]) if order.update is not None else None,
+                order,
+                update=order.update.with_own(sent[1]) if order.update is not None else None,
                 catch_up=tuple(u.with_own(sent[1]) for u in order.catch_up),
             )
-        return self._lead(Command.RUN_ROUND, lambda: protocol.order_to_proto(order), self._locked_round, order, cancelled)
+        return self._lead(
+            Command.RUN_ROUND, lambda: protocol.order_to_proto(order), self._locked_round, order, cancelled
+        )
 
     def _locked_round(self, order: WorkOrder, cancelled: Callable[[], bool]) -> RoundResult:
         with self._lock, _NodeErrors(active=self.node is not None):
@@ -277,7 +326,9 @@ class WorkerEngine:
                 session.stale = True
             if session is not None and not verdict.stale:  # sound, at another version: it may catch up by replay
                 return RoundResult(BEHIND, order.round, verdict.reason, version=session.replica.version)
-            return RoundResult(NEEDS_STATE, order.round, verdict.reason, version=session.replica.version if session else 0)
+            return RoundResult(
+                NEEDS_STATE, order.round, verdict.reason, version=session.replica.version if session else 0
+            )
         assert session is not None
         replica = session.replica
         bus_before = self._bus_bytes()
@@ -324,8 +375,23 @@ class WorkerEngine:
         session.sent_decoded = self._ahead.submit(replica.codec(order.codec).decode, payload)
         if self.node is None and (expected := lookahead.preview(order, replica.version)) is not None:
             self._compute.submit(self._look_ahead, session, expected)  # runs once this round's result is out
-        timings = {"update": update_seconds, "compute": compute_seconds, "compress": t_done - t_compute, "total": t_done - t0}
-        return RoundResult(OK, order.round, "", payload, contribution.loss, contribution.tokens, replica.version, timings, self._bus_bytes() - bus_before)
+        timings = {
+            "update": update_seconds,
+            "compute": compute_seconds,
+            "compress": t_done - t_compute,
+            "total": t_done - t0,
+        }
+        return RoundResult(
+            OK,
+            order.round,
+            "",
+            payload,
+            contribution.loss,
+            contribution.tokens,
+            replica.version,
+            timings,
+            self._bus_bytes() - bus_before,
+        )
 
     def _tokens(self, batch: np.ndarray) -> torch.Tensor:
         tokens = torch.from_numpy(batch.astype("int64"))  # (rows, T + 1)
@@ -337,11 +403,17 @@ class WorkerEngine:
         """On the compute thread, after a delayed round: the gradient the next order most likely asks for
         (``worker.lookahead``). Whatever goes wrong only means there is none."""
         with self._lock:
-            if self.sessions.get(expected.run_id) is not session or session.stale or session.replica.version != expected.base_version:
+            if (
+                self.sessions.get(expected.run_id) is not session
+                or session.stale
+                or session.replica.version != expected.base_version
+            ):
                 return
             t0 = time.perf_counter()
             try:
-                contribution = gradient_step(session, expected, self._tokens(expected.batch), lambda: False, self.placement)
+                contribution = gradient_step(
+                    session, expected, self._tokens(expected.batch), lambda: False, self.placement
+                )
             except Exception as e:  # noqa: BLE001 - the round will compute it again, and say what fails
                 log.warning("run %r: computing round %d ahead failed: %s", expected.run_id, expected.round, e)
                 return

@@ -30,7 +30,9 @@ def check(address: str, timeout: float = 3.0, service: str = SERVICE_NAME) -> tu
         try:
             # wait_for_ready: a worker still binding its port gets the whole timeout, not an instant
             # UNAVAILABLE; the deadline bounds the wait either way.
-            response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout, wait_for_ready=True)
+            response = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout, wait_for_ready=True
+            )
         except grpc.RpcError as e:
             code = e.code()
             name = code.name if code is not None else "UNKNOWN"
@@ -65,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m gradwire.worker.healthcheck",
         description=f"Exit 0 if the worker at --address reports SERVING for {SERVICE_NAME} over grpc.health.v1, else 1.",
     )
-    parser.add_argument("--address", default=DEFAULT_ADDRESS, help=f"the worker's host:port (default: {DEFAULT_ADDRESS})")
+    parser.add_argument(
+        "--address", default=DEFAULT_ADDRESS, help=f"the worker's host:port (default: {DEFAULT_ADDRESS})"
+    )
     parser.add_argument("--timeout", type=_timeout, default=3.0, help="seconds to wait for the answer (default: 3)")
     return parser
 

@@ -50,12 +50,20 @@ def register(model: DistributedDataParallel, name: str, stats: HookStats) -> Non
         raise ValueError(f"--node-comm-hook must be one of {', '.join(COMM_HOOKS)}, got {name!r}")
     group = dist.group.WORLD
     if name == "none":
-        model.register_comm_hook(stats, _counting(default_hooks.allreduce_hook, group, lambda b: 4 * b.buffer().numel()))
+        model.register_comm_hook(
+            stats, _counting(default_hooks.allreduce_hook, group, lambda b: 4 * b.buffer().numel())
+        )
     elif name == "fp16":
-        model.register_comm_hook(stats, _counting(default_hooks.fp16_compress_hook, group, lambda b: 2 * b.buffer().numel()))
+        model.register_comm_hook(
+            stats, _counting(default_hooks.fp16_compress_hook, group, lambda b: 2 * b.buffer().numel())
+        )
     elif name == "powersgd":
-        state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=2)
-        model.register_comm_hook(stats, _counting(powerSGD_hook.powerSGD_hook, state, lambda b: _powersgd_bytes(b, state)))
+        state = powerSGD_hook.PowerSGDState(
+            process_group=group, matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=2
+        )
+        model.register_comm_hook(
+            stats, _counting(powerSGD_hook.powerSGD_hook, state, lambda b: _powersgd_bytes(b, state))
+        )
     else:
         model.register_comm_hook(DctBus(stats), dct_hook)
 

@@ -37,7 +37,16 @@ def advertised_address(host: str, port: int, advertise: str | None) -> str:
 class Joiner:
     """Calls Join on ``coordinator`` every ``every`` seconds (or as the reply says) until ``stop``."""
 
-    def __init__(self, coordinator: str, address: str, *, token: str | None = None, security: ClientSecurity | None = None, every: float = 5.0, timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        coordinator: str,
+        address: str,
+        *,
+        token: str | None = None,
+        security: ClientSecurity | None = None,
+        every: float = 5.0,
+        timeout: float = 10.0,
+    ) -> None:
         self.coordinator, self.address, self.every, self.timeout = coordinator, address, every, timeout
         security = security or ClientSecurity(token=token)  # ``security``: TLS to the coordinator too
         self._metadata = security.metadata(run_key=False)
@@ -61,7 +70,11 @@ class Joiner:
     def join_once(self) -> float:
         """One Join call; the seconds until the next."""
         try:
-            reply = self._stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION, address=self.address), timeout=self.timeout, metadata=self._metadata)
+            reply = self._stub.Join(
+                pb.JoinRequest(protocol_version=PROTOCOL_VERSION, address=self.address),
+                timeout=self.timeout,
+                metadata=self._metadata,
+            )
         except grpc.RpcError as e:
             self._note(f"cannot reach the coordinator at {self.coordinator}: {e.code().name}: {e.details()}")
             return self.every

@@ -30,8 +30,13 @@ _POLL = 0.2
 
 def rank_env(rank: int, world: int, port: int, restart: int) -> dict[str, str]:
     return {
-        **os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        **os.environ,
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
         "TORCHELASTIC_RESTART_COUNT": str(restart),
     }
 
@@ -50,10 +55,20 @@ def launch(argv: Sequence[str], nproc: int, *, max_restarts: int = 3, grace: flo
             port = free_port()
             # Own sessions: a terminal's Ctrl-C reaches the launcher alone, which stops rank 0 first.
             procs = [
-                subprocess.Popen([sys.executable, "-m", "gradwire.worker", *argv], env=rank_env(r, nproc, port, restart), start_new_session=True, preexec_fn=die_with_parent)  # noqa: PLW1509 - one prctl call, no locks
+                subprocess.Popen(
+                    [sys.executable, "-m", "gradwire.worker", *argv],
+                    env=rank_env(r, nproc, port, restart),
+                    start_new_session=True,
+                    preexec_fn=die_with_parent,
+                )  # noqa: PLW1509 - one prctl call, no locks
                 for r in range(nproc)
             ]
-            log.info("node of %d ranks started (pids %s)%s", nproc, [p.pid for p in procs], f", restart {restart}" if restart else "")
+            log.info(
+                "node of %d ranks started (pids %s)%s",
+                nproc,
+                [p.pid for p in procs],
+                f", restart {restart}" if restart else "",
+            )
             while not stopping and all(p.poll() is None for p in procs):
                 time.sleep(_POLL)
             if stopping:
@@ -61,7 +76,9 @@ def launch(argv: Sequence[str], nproc: int, *, max_restarts: int = 3, grace: flo
                 _reap(procs, grace + 30)
                 return 0
             failed = [(r, p.returncode) for r, p in enumerate(procs) if p.poll() is not None]
-            log.error("node rank(s) exited: %s; stopping the rest", ", ".join(f"rank {r} with {code}" for r, code in failed))
+            log.error(
+                "node rank(s) exited: %s; stopping the rest", ", ".join(f"rank {r} with {code}" for r, code in failed)
+            )
             for p in procs:
                 if p.poll() is None:
                     p.terminate()

@@ -55,4 +55,12 @@ def preview(order: WorkOrder, version: int) -> WorkOrder | None:
     announces one that may be looked ahead; else ``None``."""
     if order.next_batch is None or not order.compute_before_update or order.local_steps is not None:
         return None
-    return dataclasses.replace(order, round=order.round + 1, base_version=version, batch=order.next_batch, update=None, catch_up=(), next_batch=None)
+    return dataclasses.replace(
+        order,
+        round=order.round + 1,
+        base_version=version,
+        batch=order.next_batch,
+        update=None,
+        catch_up=(),
+        next_batch=None,
+    )

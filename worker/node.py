@@ -80,10 +80,16 @@ class NodeGroup:
         if not dist.is_initialized():
             # The timeout bounds every collective of a round: a rank that died or hangs fails the others'
             # calls instead of holding them forever.
-            dist.init_process_group(backend, rank=info.rank, world_size=info.world_size, timeout=datetime.timedelta(seconds=timeout))
+            dist.init_process_group(
+                backend, rank=info.rank, world_size=info.world_size, timeout=datetime.timedelta(seconds=timeout)
+            )
         self.backend = backend
         # Small CPU collectives of a round (verdicts, losses) on gloo, with the same timeout.
-        self._control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout)) if backend != "gloo" else dist.group.WORLD
+        self._control = (
+            dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+            if backend != "gloo"
+            else dist.group.WORLD
+        )
         # Commands, bounded by the same timeout: rank 0 sends a heartbeat when the node is idle.
         self._commands = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
         self.bytes_sent = 0  # by this rank's parameter averages (DDP's gradient traffic: worker.hooks)

@@ -45,7 +45,17 @@ def _server_options() -> list[tuple[str, int]]:
 # ------------------------------------------------------------------------------------------- factory
 
 
-def make_server(servicer: Any, *, host: str = "[::]", port: int = 0, max_workers: int = 8, security: ServerSecurity | None = None, add: Callable[[Any, grpc.Server], None] = worker_pb2_grpc.add_WorkerServicer_to_server, service_name: str = SERVICE_NAME, local_socket: str | None = None) -> tuple[grpc.Server, int, health.HealthServicer]:
+def make_server(
+    servicer: Any,
+    *,
+    host: str = "[::]",
+    port: int = 0,
+    max_workers: int = 8,
+    security: ServerSecurity | None = None,
+    add: Callable[[Any, grpc.Server], None] = worker_pb2_grpc.add_WorkerServicer_to_server,
+    service_name: str = SERVICE_NAME,
+    local_socket: str | None = None,
+) -> tuple[grpc.Server, int, health.HealthServicer]:
     """Build and start a server for ``servicer`` (a Worker by default; ``add`` registers another service,
     as the coordinator's Join service does); return it, the bound port (useful with ``port=0``) and its
     health. ``local_socket``: also listen on this Unix socket, in plaintext (for the tunnel relay, which
@@ -69,11 +79,17 @@ def make_server(servicer: Any, *, host: str = "[::]", port: int = 0, max_workers
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{host}:{port}"
     try:
-        bound = server.add_secure_port(address, credentials) if credentials is not None else server.add_insecure_port(address)
+        bound = (
+            server.add_secure_port(address, credentials)
+            if credentials is not None
+            else server.add_insecure_port(address)
+        )
     except RuntimeError:
         bound = 0
     if bound == 0:  # grpc raises RuntimeError, or in older versions returns 0
-        raise OSError(f"cannot listen on {host}:{port}: the port is in use or the address is not this machine's (--host, --port)")
+        raise OSError(
+            f"cannot listen on {host}:{port}: the port is in use or the address is not this machine's (--host, --port)"
+        )
     if local_socket is not None:
         server.add_insecure_port(f"unix:{local_socket}")
     server.start()
@@ -82,7 +98,18 @@ def make_server(servicer: Any, *, host: str = "[::]", port: int = 0, max_workers
     return server, bound, health_servicer
 
 
-def serve(engine: Any, host: str = "[::]", port: int = 0, max_message_mb: int = DEFAULT_MESSAGE_MB, grace: float = 5.0, security: ServerSecurity | None = None, join: str | None = None, advertise: str | None = None, tunnel: bool = False, join_security: ClientSecurity | None = None) -> int:
+def serve(
+    engine: Any,
+    host: str = "[::]",
+    port: int = 0,
+    max_message_mb: int = DEFAULT_MESSAGE_MB,
+    grace: float = 5.0,
+    security: ServerSecurity | None = None,
+    join: str | None = None,
+    advertise: str | None = None,
+    tunnel: bool = False,
+    join_security: ClientSecurity | None = None,
+) -> int:
     """Serve ``engine`` until SIGTERM or SIGINT, then shut down gracefully; return the exit code: 0, or 1
     when a node lost a rank (its launcher, or torchrun, then restarts the node).
 
@@ -107,8 +134,16 @@ def serve(engine: Any, host: str = "[::]", port: int = 0, max_message_mb: int = 
     security = security or ServerSecurity()
     relay_dir = tempfile.mkdtemp(prefix="gradwire-relay-") if join and tunnel else None  # private (0700)
     relay_socket = f"{relay_dir}/worker.sock" if relay_dir else None
-    server, bound, health_servicer = make_server(servicer, host=host, port=port, security=security, local_socket=relay_socket)
-    log.info("worker listening on %s:%d (%s, %s)", host, bound, "TLS" + (" with client certificates" if security.tls_client_ca else "") if security.tls else "plaintext", "token required" if security.token else "no token")
+    server, bound, health_servicer = make_server(
+        servicer, host=host, port=port, security=security, local_socket=relay_socket
+    )
+    log.info(
+        "worker listening on %s:%d (%s, %s)",
+        host,
+        bound,
+        "TLS" + (" with client certificates" if security.tls_client_ca else "") if security.tls else "plaintext",
+        "token required" if security.token else "no token",
+    )
     for warning in security.warnings(host):
         log.warning("!" * 100)
         log.warning("%s", warning)

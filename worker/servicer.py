@@ -45,7 +45,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def Describe(self, request: pb.DescribeRequest, context: grpc.ServicerContext) -> pb.WorkerInfo:
         # Answer whatever version the caller speaks: the caller compares and explains the mismatch.
         if request.protocol_version != PROTOCOL_VERSION:
-            log.warning("%s speaks protocol %d, this worker %d", context.peer(), request.protocol_version, PROTOCOL_VERSION)
+            log.warning(
+                "%s speaks protocol %d, this worker %d", context.peer(), request.protocol_version, PROTOCOL_VERSION
+            )
         try:
             return protocol.info_to_proto(self.engine.info(owner=caller(context)))
         except Exception as e:
@@ -79,11 +81,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def FetchWorkerState(self, request: pb.FetchWorkerStateRequest, context: grpc.ServicerContext) -> Iterator[pb.Part]:
         try:
-            parts = list(protocol.to_parts(protocol.worker_state_to_proto(self.engine.worker_state(protocol.check_run_id(request.run_id, "FetchWorkerState"), owner=caller(context)))))
+            parts = list(
+                protocol.to_parts(
+                    protocol.worker_state_to_proto(
+                        self.engine.worker_state(
+                            protocol.check_run_id(request.run_id, "FetchWorkerState"), owner=caller(context)
+                        )
+                    )
+                )
+            )
         except Exception as e:
             self._fail(context, "FetchWorkerState", e)
         yield from parts
-
 
     def CloseRun(self, request: pb.CloseRunRequest, context: grpc.ServicerContext) -> pb.CloseRunReply:
         try:
@@ -99,7 +108,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         justifies (``WorkerEngine.request_limit``) or than ``--max-message-mb``."""
         by_model = self.engine.request_limit(owner, kind)
         if by_model < self.max_bytes:
-            return protocol.join_parts(parts, by_model, "a multiple of the run's model size; --max-model-params for a new run")
+            return protocol.join_parts(
+                parts, by_model, "a multiple of the run's model size; --max-model-params for a new run"
+            )
         return protocol.join_parts(parts, self.max_bytes)
 
     def _fail(self, context: grpc.ServicerContext, method: str, e: Exception) -> NoReturn:
@@ -141,4 +152,6 @@ def _fail(context: grpc.ServicerContext, method: str, e: Exception) -> NoReturn:
         log.warning("%s from %s %s: %s", method, context.peer(), _LOGGED_AS.get(code, "failed"), text)
         context.abort(code, text)
     log.exception("%s from %s failed", method, context.peer())
-    context.abort(grpc.StatusCode.INTERNAL, f"{method} failed on the worker: {type(e).__name__}: {text} (see the worker's log)")
+    context.abort(
+        grpc.StatusCode.INTERNAL, f"{method} failed on the worker: {type(e).__name__}: {text} (see the worker's log)"
+    )

@@ -38,7 +38,9 @@ log = logging.getLogger(__name__)
 class Session:
     """One coordinator run's replica, error feedback and local-SGD state on this worker."""
 
-    def __init__(self, state: ModelState, device: torch.device, owner: bytes = b"", max_elements: int | None = None) -> None:
+    def __init__(
+        self, state: ModelState, device: torch.device, owner: bytes = b"", max_elements: int | None = None
+    ) -> None:
         """Build the run's replica from ``state``. The spec is sized first (on the meta device): a model of
         more than ``max_elements`` parameters and buffers is refused before anything is allocated."""
         try:
@@ -49,7 +51,9 @@ class Session:
             if max_elements is not None:
                 elements = spec_elements(spec)
                 if elements > max_elements:
-                    raise ValueError(f"the model has {elements:,} parameters and buffers, more than this worker's --max-model-params {max_elements:,}")
+                    raise ValueError(
+                        f"the model has {elements:,} parameters and buffers, more than this worker's --max-model-params {max_elements:,}"
+                    )
             model = build_from_spec(spec)
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
             raise ProtocolError(f"model state: {e}") from None
@@ -88,7 +92,10 @@ class Session:
     def diverged(self) -> None:
         """Training produced a NaN or infinity: forget the error feedback and the inner optimizer state that
         took it in (the replica itself only moves by validated updates, so it stays sound)."""
-        log.warning("run %r: training diverged on this worker; its error feedback and inner optimizer state are reset", self.run_id)
+        log.warning(
+            "run %r: training diverged on this worker; its error feedback and inner optimizer state are reset",
+            self.run_id,
+        )
         self.feedback.reset()
         self._inner = self._inner_config = None
         self._inner_restore = {}
@@ -108,14 +115,24 @@ class Session:
         if self._inner is not None and self._inner_config == config:
             return self._inner
         if self._inner is not None:
-            log.info("run %r: inner optimizer settings changed (%s -> %s); its state starts afresh", self.run_id, self._inner_config, config)
+            log.info(
+                "run %r: inner optimizer settings changed (%s -> %s); its state starts afresh",
+                self.run_id,
+                self._inner_config,
+                config,
+            )
         working = self._working if self._working is not None else self.working_model()
         self._inner, self._inner_config = InnerOptimizer(working, config), config
         if self._inner_restore:
             try:
                 self._inner.load_state_tensors(self._inner_restore)
             except ValueError as e:
-                log.warning("run %r: saved inner optimizer state does not fit %s (%s); starting afresh", self.run_id, config.name, e)
+                log.warning(
+                    "run %r: saved inner optimizer state does not fit %s (%s); starting afresh",
+                    self.run_id,
+                    config.name,
+                    e,
+                )
             self._inner_restore = {}
         return self._inner
 

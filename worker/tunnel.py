@@ -23,7 +23,17 @@ import grpc
 from gradwire.protocol import PROTOCOL_VERSION
 from gradwire.security import ClientSecurity
 from gradwire.transport import grpc_options
-from gradwire.tunnel import MAX_CALLS, MAX_DETAILS_CHARS, METHODS, QUEUED_MESSAGES, TUNNEL_SECONDS, check_metadata, check_name, identity, put_while
+from gradwire.tunnel import (
+    MAX_CALLS,
+    MAX_DETAILS_CHARS,
+    METHODS,
+    QUEUED_MESSAGES,
+    TUNNEL_SECONDS,
+    check_metadata,
+    check_name,
+    identity,
+    put_while,
+)
 from gradwire.v1 import coordinator_pb2 as pb
 from gradwire.v1 import coordinator_pb2_grpc
 
@@ -36,7 +46,9 @@ MAX_CALL_SECONDS = 7 * 24 * 3600.0
 class _LocalCall:
     """One relayed call: requests from the tunnel into a call on the local server, its replies back."""
 
-    def __init__(self, relay: TunnelRelay, call_id: int, method: str, timeout: float, metadata: list[tuple[str, str]]) -> None:
+    def __init__(
+        self, relay: TunnelRelay, call_id: int, method: str, timeout: float, metadata: list[tuple[str, str]]
+    ) -> None:
         self.relay, self.id, self.method, self.timeout, self.metadata = relay, call_id, method, timeout, metadata
         self.requests: queue.Queue[Any] = queue.Queue(maxsize=QUEUED_MESSAGES)
         self.cancelled = threading.Event()
@@ -96,7 +108,11 @@ class _LocalCall:
         except _Status as e:
             status = (e.code, e.details)
         except grpc.RpcError as e:
-            status = (e.code(), e.details() or "") if callable(getattr(e, "code", None)) else (grpc.StatusCode.UNKNOWN, str(e))
+            status = (
+                (e.code(), e.details() or "")
+                if callable(getattr(e, "code", None))
+                else (grpc.StatusCode.UNKNOWN, str(e))
+            )
         except grpc.FutureCancelledError:
             status = (grpc.StatusCode.CANCELLED, "cancelled")
         except _Closed:
@@ -104,7 +120,11 @@ class _LocalCall:
         finally:
             self.relay.forget(self.id)
         try:
-            self.relay.send(pb.TunnelFrame(call=self.id, status=pb.TunnelStatus(code=status[0].value[0], details=status[1][:MAX_DETAILS_CHARS])))
+            self.relay.send(
+                pb.TunnelFrame(
+                    call=self.id, status=pb.TunnelStatus(code=status[0].value[0], details=status[1][:MAX_DETAILS_CHARS])
+                )
+            )
         except _Closed:
             pass
 
@@ -123,7 +143,9 @@ class TunnelRelay:
     """Holds a tunnel open to ``coordinator`` under ``name`` and relays the calls in it to ``local`` (this
     worker's own server, e.g. ``unix:/path``); reopens it ``every`` seconds after it drops, until ``stop``."""
 
-    def __init__(self, coordinator: str, name: str, local: str, *, security: ClientSecurity | None = None, every: float = 5.0) -> None:
+    def __init__(
+        self, coordinator: str, name: str, local: str, *, security: ClientSecurity | None = None, every: float = 5.0
+    ) -> None:
         self.coordinator, self.name, self.every = coordinator, check_name(name), every
         security = security or ClientSecurity()
         self._metadata = security.metadata(run_key=False)
@@ -167,7 +189,9 @@ class TunnelRelay:
         ended = threading.Event()
         self._out = out
         try:
-            self._tunnel = frames = self._stub.Tunnel(self._outbound(out, ended), timeout=TUNNEL_SECONDS, metadata=self._metadata)
+            self._tunnel = frames = self._stub.Tunnel(
+                self._outbound(out, ended), timeout=TUNNEL_SECONDS, metadata=self._metadata
+            )
             for frame in frames:
                 self._handle(frame)
             self._note("")
@@ -235,7 +259,11 @@ class TunnelRelay:
 
     def _open(self, call_id: int, opening: pb.TunnelOpen, *, exists: bool) -> None:
         def refuse(code: grpc.StatusCode, details: str) -> None:
-            self.send(pb.TunnelFrame(call=call_id, status=pb.TunnelStatus(code=code.value[0], details=details[:MAX_DETAILS_CHARS])))
+            self.send(
+                pb.TunnelFrame(
+                    call=call_id, status=pb.TunnelStatus(code=code.value[0], details=details[:MAX_DETAILS_CHARS])
+                )
+            )
 
         if call_id == 0 or exists:
             return refuse(grpc.StatusCode.INVALID_ARGUMENT, f"call {call_id} is not a new call id")
@@ -243,7 +271,10 @@ class TunnelRelay:
             return refuse(grpc.StatusCode.UNIMPLEMENTED, f"{opening.method[:200]!r} is not relayed through a tunnel")
         timeout = opening.timeout_seconds
         if not (math.isfinite(timeout) and 0 < timeout <= MAX_CALL_SECONDS):
-            return refuse(grpc.StatusCode.INVALID_ARGUMENT, f"a deadline of {timeout} s; calls need one of at most {MAX_CALL_SECONDS:.0f} s")
+            return refuse(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"a deadline of {timeout} s; calls need one of at most {MAX_CALL_SECONDS:.0f} s",
+            )
         try:
             metadata = check_metadata([(m.key, m.value) for m in opening.metadata])
         except ValueError as e:

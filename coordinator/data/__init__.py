@@ -31,6 +31,14 @@ from gradwire.coordinator.data.streaming import StreamingTokenSource
 from gradwire.coordinator.data.tokens import batch_dtype
 
 __all__ = [
-    "DataConfig", "StreamingTokenSource", "TokenSource", "TokenStream", "TokenizerLike", "batch_dtype",
-    "cache_dir", "open_data", "read_texts", "tokenize_corpus",
+    "DataConfig",
+    "StreamingTokenSource",
+    "TokenSource",
+    "TokenStream",
+    "TokenizerLike",
+    "batch_dtype",
+    "cache_dir",
+    "open_data",
+    "read_texts",
+    "tokenize_corpus",
 ]

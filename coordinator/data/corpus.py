@@ -34,8 +34,16 @@ from gradwire.coordinator.data.streaming import StreamingTokenSource, text_piece
 from gradwire.coordinator.data.tokens import Encoder, batch_dtype, val_windows
 
 __all__ = [
-    "DataConfig", "StreamingTokenSource", "TokenSource", "TokenStream", "TokenizerLike", "batch_dtype",
-    "cache_dir", "open_data", "read_texts", "tokenize_corpus",
+    "DataConfig",
+    "StreamingTokenSource",
+    "TokenSource",
+    "TokenStream",
+    "TokenizerLike",
+    "batch_dtype",
+    "cache_dir",
+    "open_data",
+    "read_texts",
+    "tokenize_corpus",
 ]
 
 log = logging.getLogger(__name__)
@@ -210,7 +218,12 @@ class TokenStream:
     """
 
     def __init__(
-        self, ids: np.ndarray, *, seq_len: int, seed: int = 0, val_fraction: float = 0.005,
+        self,
+        ids: np.ndarray,
+        *,
+        seq_len: int,
+        seed: int = 0,
+        val_fraction: float = 0.005,
         val_ids: np.ndarray | None = None,
     ) -> None:
         if seq_len < 1:
@@ -262,7 +275,11 @@ class TokenStream:
         cls, config: DataConfig, tokenizer: TokenizerLike, *, seq_len: int, cache: Path | None | bool = True
     ) -> TokenStream:
         return cls.from_texts(
-            config.paths, tokenizer, seq_len=seq_len, seed=config.seed, val_fraction=config.val_fraction,
+            config.paths,
+            tokenizer,
+            seq_len=seq_len,
+            seed=config.seed,
+            val_fraction=config.val_fraction,
             cache=cache,
         )
 
@@ -379,6 +396,7 @@ def _hub_split_ids(
     fingerprint = getattr(ds, "_fingerprint", None)
     parts = None
     if isinstance(fingerprint, str):
+
         def parts() -> list[bytes]:
             return [s.encode() for s in ("hub", *ident, split, fingerprint, str(limit))]
 
@@ -389,12 +407,19 @@ def _hub_split_ids(
 
 
 def _open_stream(
-    source: Source, tokenizer: Any, data_config: str | None, text_field: str, *, seq_len: int, n_slots: int,
+    source: Source,
+    tokenizer: Any,
+    data_config: str | None,
+    text_field: str,
+    *,
+    seq_len: int,
+    n_slots: int,
     val_rows: int,
 ) -> StreamingTokenSource:
     what = source.describe()
     open_val: Callable[[], Iterable[tuple[str, bool]]] | None = None
     if source.kind == "text":
+
         def open_train() -> Iterable[tuple[str, bool]]:
             return text_pieces(source.files)
     else:
@@ -408,8 +433,10 @@ def _open_stream(
             return dataset_pieces(train, text_field, what)  # an IterableDataset starts over on each iteration
 
         if val is not None:
+
             def open_val() -> Iterable[tuple[str, bool]]:
                 return dataset_pieces(val, text_field, f"{what} (validation)")
+
     return StreamingTokenSource(
         open_train, tokenizer, seq_len=seq_len, n_slots=n_slots, val_rows=val_rows, open_val=open_val, what=what
     )

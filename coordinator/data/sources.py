@@ -166,6 +166,4 @@ def dataset_pieces(ds: Any, text_field: str, what: str) -> Iterator[tuple[str, b
 
 
 def _missing_field(text_field: str, columns: Iterable[str], what: str) -> ValueError:
-    return ValueError(
-        f"--text-field {text_field!r} is not a column of {what}; its columns are: {', '.join(columns)}"
-    )
+    return ValueError(f"--text-field {text_field!r} is not a column of {what}; its columns are: {', '.join(columns)}")

@@ -210,7 +210,13 @@ class StreamingTokenSource:
         restored = []
         for first, start, rows in layouts:
             rows = tuple(int(r) for r in rows)
-            if int(first) < 0 or int(start) < 0 or not rows or min(rows) < 1 or (restored and int(first) <= restored[-1][0]):
+            if (
+                int(first) < 0
+                or int(start) < 0
+                or not rows
+                or min(rows) < 1
+                or (restored and int(first) <= restored[-1][0])
+            ):
                 raise ValueError(f"bad data layout in the checkpoint: {layouts!r}")
             restored.append((int(first), int(start), rows))
         with self._lock:
@@ -230,16 +236,22 @@ class StreamingTokenSource:
     def batch(self, step: int, slot: int, batch_size: int, seq_len: int) -> np.ndarray:
         """Training rows (batch_size, seq_len + 1) of worker ``slot`` at ``step``; see the class docstring."""
         if batch_size < 1 or seq_len != self.seq_len:
-            raise ValueError(f"batch_size must be >= 1 and seq_len {self.seq_len} (this stream's), got {batch_size} and {seq_len}")
+            raise ValueError(
+                f"batch_size must be >= 1 and seq_len {self.seq_len} (this stream's), got {batch_size} and {seq_len}"
+            )
         with self._lock:  # the other slots of this step wait here, then find it cut
             seg = self._layout(step)
             if seg is None:  # no layout set: n_slots slots of batch_size rows from the start
                 seg = (0, 0, (batch_size,) * self.n_slots)
             rows_per_slot = seg[2]
             if step < 0 or not 0 <= slot < len(rows_per_slot):
-                raise ValueError(f"step must be >= 0 and slot in [0, {len(rows_per_slot)}) (the step's layout), got {step} and {slot}")
+                raise ValueError(
+                    f"step must be >= 0 and slot in [0, {len(rows_per_slot)}) (the step's layout), got {step} and {slot}"
+                )
             if rows_per_slot[slot] != batch_size:
-                raise ValueError(f"slot {slot} of step {step} takes {rows_per_slot[slot]} rows in the layout, not {batch_size}")
+                raise ValueError(
+                    f"slot {slot} of step {step} takes {rows_per_slot[slot]} rows in the layout, not {batch_size}"
+                )
             key = (step, rows_per_slot)
             rows = self._recent.get(key)
             if rows is None:

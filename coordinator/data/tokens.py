@@ -83,8 +83,10 @@ def _splits_at_blank_lines(tokenizer_json: str | None) -> bool:
         return False
     pre = spec.get("pre_tokenizer") or {}
     return (
-        spec.get("normalizer") is None and pre.get("type") == "ByteLevel"
-        and pre.get("use_regex", True) and not pre.get("add_prefix_space", False)
+        spec.get("normalizer") is None
+        and pre.get("type") == "ByteLevel"
+        and pre.get("use_regex", True)
+        and not pre.get("add_prefix_space", False)
     )
 
 
@@ -191,4 +193,3 @@ def val_windows(val: np.ndarray, batch_size: int, seq_len: int, count: int) -> l
     offsets = np.linspace(0, len(val) - seq_len - 1, num=count * batch_size).round().astype(np.int64)
     rows = val[offsets[:, None] + np.arange(seq_len + 1)]  # (count * B, T+1)
     return list(rows.reshape(count, batch_size, seq_len + 1))
-

@@ -78,18 +78,23 @@ class InnerOptimizerConfig:
         if not _is_number(self.momentum) or not math.isfinite(self.momentum):
             raise ValueError(f"--inner-momentum must be a finite number, got {self.momentum!r}")
         if self.name == "adamw" and self.momentum != 0.0:
-            raise ValueError("--inner-momentum does not apply to --inner-optimizer adamw (its momentum is beta1 "
-                             f"of --inner-betas); got {self.momentum}")
+            raise ValueError(
+                "--inner-momentum does not apply to --inner-optimizer adamw (its momentum is beta1 "
+                f"of --inner-betas); got {self.momentum}"
+            )
         if self.name == "sgd" and not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"--inner-momentum must be in [0, 1) for --inner-optimizer sgd, got {self.momentum}")
         if self.name == "muon" and not 0.0 < self.momentum < 1.0:
-            raise ValueError(f"--inner-momentum must be in (0, 1) for --inner-optimizer muon (0.95 is usual), "
-                             f"got {self.momentum}")
+            raise ValueError(
+                f"--inner-momentum must be in (0, 1) for --inner-optimizer muon (0.95 is usual), got {self.momentum}"
+            )
         if type(self.nesterov) is not bool:  # 1 or "yes" from a config file is a mistake
             raise ValueError(f"--inner-nesterov must be true or false, got {self.nesterov!r}")
         if self.nesterov and self.name != "sgd":
-            raise ValueError(f"--inner-nesterov applies to --inner-optimizer sgd only (muon always uses Nesterov "
-                             f"momentum), not {self.name}")
+            raise ValueError(
+                f"--inner-nesterov applies to --inner-optimizer sgd only (muon always uses Nesterov "
+                f"momentum), not {self.name}"
+            )
         if self.nesterov and self.momentum == 0.0:
             raise ValueError("--inner-nesterov needs --inner-momentum > 0")
         # torch's Newton-Schulz refuses 100 or more iterations.
@@ -153,13 +158,15 @@ class InnerOptimizer:
         c = config
         # lr=0 until the first step(lr) sets it: nothing may step with a learning rate nobody chose.
         if c.name == "adamw":
-            adamw = torch.optim.AdamW(self._params.values(), lr=0.0, betas=c.betas, eps=c.eps,
-                                      weight_decay=c.weight_decay)
+            adamw = torch.optim.AdamW(
+                self._params.values(), lr=0.0, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay
+            )
             self._optimizers: list[torch.optim.Optimizer] = [adamw]
             self._expected = {name: _ADAMW_KEYS for name in self._params}
         elif c.name == "sgd":
-            sgd = torch.optim.SGD(self._params.values(), lr=0.0, momentum=c.momentum, nesterov=c.nesterov,
-                                  weight_decay=c.weight_decay)
+            sgd = torch.optim.SGD(
+                self._params.values(), lr=0.0, momentum=c.momentum, nesterov=c.nesterov, weight_decay=c.weight_decay
+            )
             self._optimizers = [sgd]
             # Plain SGD (momentum 0) keeps no state at all.
             keys = _MOMENTUM_KEYS if c.momentum > 0 else frozenset()
@@ -170,14 +177,22 @@ class InnerOptimizer:
             if hidden:
                 # "match_rms_adamw" scales each matrix's orthogonalized update to the RMS an AdamW update
                 # has (0.2 * sqrt(max(A, B))), so one learning rate and one schedule suit both groups.
-                self._optimizers.append(Muon(
-                    [p for n, p in self._params.items() if n in hidden], lr=0.0, weight_decay=c.weight_decay,
-                    momentum=c.momentum, nesterov=True, ns_steps=c.ns_steps, adjust_lr_fn="match_rms_adamw",
-                ))
+                self._optimizers.append(
+                    Muon(
+                        [p for n, p in self._params.items() if n in hidden],
+                        lr=0.0,
+                        weight_decay=c.weight_decay,
+                        momentum=c.momentum,
+                        nesterov=True,
+                        ns_steps=c.ns_steps,
+                        adjust_lr_fn="match_rms_adamw",
+                    )
+                )
             rest = [p for n, p in self._params.items() if n not in hidden]
             if rest:
-                self._optimizers.append(torch.optim.AdamW(rest, lr=0.0, betas=c.betas, eps=c.eps,
-                                                          weight_decay=c.weight_decay))
+                self._optimizers.append(
+                    torch.optim.AdamW(rest, lr=0.0, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
+                )
             self._expected = {name: _MOMENTUM_KEYS if name in hidden else _ADAMW_KEYS for name in self._params}
         self._owner: dict[int, torch.optim.Optimizer] = {
             id(p): opt for opt in self._optimizers for group in opt.param_groups for p in group["params"]
@@ -231,8 +246,10 @@ class InnerOptimizer:
             if name not in self._params:
                 raise ValueError(f"optimizer state {full_key!r}: the model has no parameter {name!r}")
             if key not in self._expected[name]:
-                raise ValueError(f"optimizer state {full_key!r}: {self.config.name} keeps no {key!r} for this "
-                                 f"parameter (it keeps {sorted(self._expected[name]) or 'nothing'})")
+                raise ValueError(
+                    f"optimizer state {full_key!r}: {self.config.name} keeps no {key!r} for this "
+                    f"parameter (it keeps {sorted(self._expected[name]) or 'nothing'})"
+                )
             _check_tensor(full_key, key, value, self._params[name])
             staged.setdefault(name, {})[key] = value
         for name, entries in staged.items():

@@ -25,8 +25,13 @@ def newton_schulz_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16
 
 
-def orthogonalize(update: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
-                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def orthogonalize(
+    update: torch.Tensor,
+    coefficients: tuple[float, float, float],
+    steps: int,
+    eps: float,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """Newton-Schulz's approximate ``U V^T`` of ``update = U S V^T`` (singular values land in ~[0.5, 1.5]).
 
     The quintic iteration of Keller Jordan's Muon, as torch runs it, in ``dtype``; returns ``dtype``.
@@ -74,8 +79,9 @@ class Muon(torch.optim.Muon):
             for p, grad, buf in zip(params, grads, buffers, strict=True):
                 buf.lerp_(grad, 1 - momentum)
                 update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-                ortho = orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"],
-                                      newton_schulz_dtype(p.device))
+                ortho = orthogonalize(
+                    update, group["ns_coefficients"], group["ns_steps"], group["eps"], newton_schulz_dtype(p.device)
+                )
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(ortho.to(p.dtype), alpha=-lr * lr_ratio(group["adjust_lr_fn"], p.shape))
         return loss

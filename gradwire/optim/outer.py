@@ -54,7 +54,9 @@ class UpdateRule:
             raise ValueError(f"--momentum applies to the sgd and nesterov outer optimizers, not {self.optimizer}")
         if self.optimizer == "nesterov" and not self.momentum:
             raise ValueError("--outer-optimizer nesterov needs --momentum > 0 (DiLoCo uses 0.9)")
-        if not all(math.isfinite(b) and 0 <= b < 1 for b in self.betas) or not (math.isfinite(self.eps) and self.eps > 0):
+        if not all(math.isfinite(b) and 0 <= b < 1 for b in self.betas) or not (
+            math.isfinite(self.eps) and self.eps > 0
+        ):
             raise ValueError(f"adamw betas must be in [0, 1) and eps > 0, got {self.betas}, {self.eps}")
 
     @property
@@ -91,7 +93,13 @@ class UpdateRule:
 
 
 @torch.no_grad()
-def outer_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], rule: UpdateRule, lr: float, momentum: list[torch.Tensor] | None = None) -> None:
+def outer_step(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    rule: UpdateRule,
+    lr: float,
+    momentum: list[torch.Tensor] | None = None,
+) -> None:
     """One replayable outer step in place.
 
     ``momentum`` holds the momentum buffers of ``sgd``/``nesterov``, one per parameter, created on first

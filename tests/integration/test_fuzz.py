@@ -37,7 +37,9 @@ def peak_rss_mb(pid: int) -> float:
 
 def valid_messages(client: WorkerClient) -> tuple[ModelState, WorkOrder, Replica]:
     replica = Replica(build_from_spec(SPEC, seed=0), RULE)
-    state = ModelState(RUN, 0, json.dumps(SPEC), {n: p.detach().clone() for n, p in replica.model.named_parameters()}, RULE.to_json())
+    state = ModelState(
+        RUN, 0, json.dumps(SPEC), {n: p.detach().clone() for n, p in replica.model.named_parameters()}, RULE.to_json()
+    )
     client.push_state(state)
     batch = np.random.default_rng(0).integers(0, 8192, (2, 17)).astype(np.uint16)
     first = client.run_round(WorkOrder(RUN, 0, 0, batch, CodecConfig(), replica.fingerprint()))
@@ -56,16 +58,31 @@ def test_the_worker_survives_fuzzing_and_serves_a_round_afterwards(tmp_path) -> 
         state, order, replica = valid_messages(client)
         start_mb = peak_rss_mb(proc.pid)
         t0 = time.monotonic()
-        counts = fuzz(client.channel, protocol.state_to_proto(state), protocol.order_to_proto(order), calls=2000, seconds=150, seed=1, metadata=client.call_metadata, deadline=10.0)
+        counts = fuzz(
+            client.channel,
+            protocol.state_to_proto(state),
+            protocol.order_to_proto(order),
+            calls=2000,
+            seconds=150,
+            seed=1,
+            metadata=client.call_metadata,
+            deadline=10.0,
+        )
         elapsed = time.monotonic() - t0
         total = sum(sum(c.values()) for c in counts.values())
         assert proc.poll() is None, "the worker died"
         assert total >= 1000, f"only {total} calls in {elapsed:.0f} s"
         for rpc, answers in counts.items():
-            assert "INTERNAL" not in answers and "UNKNOWN" not in answers, (rpc, answers, (tmp_path / "worker.log").read_text()[-3000:])
+            assert "INTERNAL" not in answers and "UNKNOWN" not in answers, (
+                rpc,
+                answers,
+                (tmp_path / "worker.log").read_text()[-3000:],
+            )
             assert "DEADLINE_EXCEEDED" not in answers, (rpc, answers)  # nothing hangs
             assert "RESOURCE_EXHAUSTED" not in answers, (rpc, answers)  # no error text too large to send back
-        assert counts["PushState"].get("INVALID_ARGUMENT", 0) > 50 and counts["RunRound"].get("INVALID_ARGUMENT", 0) > 50
+        assert (
+            counts["PushState"].get("INVALID_ARGUMENT", 0) > 50 and counts["RunRound"].get("INVALID_ARGUMENT", 0) > 50
+        )
         assert peak_rss_mb(proc.pid) < start_mb + 600, (start_mb, peak_rss_mb(proc.pid))
         # Still a working worker: a fresh state and a plain round.
         client.push_state(state)

@@ -26,10 +26,25 @@ from .conftest import live_workers
 # Vocabularies that hold every GPT-2 id (50257): OPT's own padded size, and LLaMA padded to a multiple of 64.
 # No dropout, so a worker's first loss can be recomputed here exactly.
 CONFIGS = {
-    "opt": lambda: OPTConfig(vocab_size=50272, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, ffn_dim=64,
-                             max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.0),
-    "llama": lambda: LlamaConfig(vocab_size=50304, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64),
+    "opt": lambda: OPTConfig(
+        vocab_size=50272,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        ffn_dim=64,
+        max_position_embeddings=64,
+        word_embed_proj_dim=32,
+        dropout=0.0,
+    ),
+    "llama": lambda: LlamaConfig(
+        vocab_size=50304,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    ),
 }
 
 
@@ -43,8 +58,15 @@ def model_dir(request, tmp_path) -> Path:
 
 
 def test_a_model_directory_trains_from_its_weights(model_dir, tmp_path) -> None:
-    config = TrainConfig(model=str(model_dir), tokenizer="gpt2", steps=4, batch_size=2, sequence_length=16,
-                         output_dir=str(tmp_path / "run"), round_timeout=60.0)
+    config = TrainConfig(
+        model=str(model_dir),
+        tokenizer="gpt2",
+        steps=4,
+        batch_size=2,
+        sequence_length=16,
+        output_dir=str(tmp_path / "run"),
+        round_timeout=60.0,
+    )
     with live_workers(2) as workers:
         trainer = Trainer(config, [w.client() for w in workers], progress=False)
         try:

@@ -9,7 +9,6 @@ import torch
 
 from gradwire.compression import CodecConfig, NonFiniteInput
 from gradwire.coordinator.client import WorkerError
-
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.inprocess import in_process_clients
 from gradwire.coordinator.metrics import read_metrics
@@ -21,7 +20,9 @@ from .conftest import live_workers, run_trainer
 
 
 def test_in_process_workers_train_exactly_as_served_ones(tmp_path):
-    settings = dict(model="gpt-tiny", steps=3, batch_size=2, sequence_length=32, inner_steps=2, inner_learning_rate=3e-3)
+    settings = dict(
+        model="gpt-tiny", steps=3, batch_size=2, sequence_length=32, inner_steps=2, inner_learning_rate=3e-3
+    )
     with live_workers(2) as workers:
         served = run_trainer(TrainConfig(**settings, output_dir=str(tmp_path / "a")), [w.client() for w in workers])
     simulated = run_trainer(TrainConfig(**settings, output_dir=str(tmp_path / "b")), in_process_clients(2))
@@ -36,7 +37,11 @@ def test_in_process_workers_train_exactly_as_served_ones(tmp_path):
 def test_in_process_failures_surface_as_the_served_statuses(monkeypatch):
     """What the servicer would answer (worker.servicer.status_for), a bug as itself."""
     client = in_process_clients(1)[0]
-    for error, code in ((NonFiniteInput("w"), grpc.StatusCode.FAILED_PRECONDITION), (ProtocolError("bad order"), grpc.StatusCode.INVALID_ARGUMENT), (Cancelled("stop"), grpc.StatusCode.CANCELLED)):
+    for error, code in (
+        (NonFiniteInput("w"), grpc.StatusCode.FAILED_PRECONDITION),
+        (ProtocolError("bad order"), grpc.StatusCode.INVALID_ARGUMENT),
+        (Cancelled("stop"), grpc.StatusCode.CANCELLED),
+    ):
         monkeypatch.setattr(client.engine, "run_round", lambda *a, error=error, **k: (_ for _ in ()).throw(error))
         with pytest.raises(WorkerError) as info:
             client.run_round(ORDER)

@@ -70,7 +70,27 @@ def test_workers_join_a_listening_coordinator_one_after_the_other(tmp_path: Path
     listen, ports = free_port(), [free_port(), free_port()]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "GRADWIRE_TOKEN": TOKEN}
     out = tmp_path / "run"
-    argv = [sys.executable, "-m", "gradwire.coordinator", "train", "--listen", f"127.0.0.1:{listen}", "--model", "gpt-tiny", "--steps", "300", "--batch-size", "2", "--sequence-length", "32", "--output-dir", str(out), "--no-progress", "--checkpoint-every", "0"]
+    argv = [
+        sys.executable,
+        "-m",
+        "gradwire.coordinator",
+        "train",
+        "--listen",
+        f"127.0.0.1:{listen}",
+        "--model",
+        "gpt-tiny",
+        "--steps",
+        "300",
+        "--batch-size",
+        "2",
+        "--sequence-length",
+        "32",
+        "--output-dir",
+        str(out),
+        "--no-progress",
+        "--checkpoint-every",
+        "0",
+    ]
     coordinator = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     workers = []
     os.environ["GRADWIRE_TOKEN"] = TOKEN  # the workers' token, from their environment

@@ -22,7 +22,15 @@ BATCH = 2
 
 
 def _config(tmp_path, **overrides) -> TrainConfig:
-    base = dict(model="gpt-tiny", steps=4, batch_size=BATCH, sequence_length=32, inner_steps=H, output_dir=str(tmp_path / "run"), round_timeout=60.0)
+    base = dict(
+        model="gpt-tiny",
+        steps=4,
+        batch_size=BATCH,
+        sequence_length=32,
+        inner_steps=H,
+        output_dir=str(tmp_path / "run"),
+        round_timeout=60.0,
+    )
     return TrainConfig(**{**base, **overrides})
 
 
@@ -42,7 +50,9 @@ def _assert_same_params(a: torch.nn.Module, b: torch.nn.Module, atol: float) -> 
         torch.testing.assert_close(x, y, atol=atol, rtol=0, msg=name)
 
 
-EXACT = dict(no_compression=True, inner_optimizer="sgd", inner_learning_rate=0.5, outer_optimizer="sgd", learning_rate=1.0)
+EXACT = dict(
+    no_compression=True, inner_optimizer="sgd", inner_learning_rate=0.5, outer_optimizer="sgd", learning_rate=1.0
+)
 
 
 def test_one_worker_equals_single_process_sgd_on_the_same_batches(tmp_path):
@@ -92,7 +102,12 @@ def test_compressed_defaults_train_and_send_less_per_token(tmp_path, two_workers
 def test_diloco_with_inner_muon_trains(tmp_path, two_workers):
     # Uncompressed pseudo-gradients default to DiLoCo's outer Nesterov (lr 0.7, momentum 0.9).
     config = _config(tmp_path, steps=8, inner_learning_rate=3e-3, inner_optimizer="muon", no_compression=True)
-    assert (config.outer_optimizer, config.learning_rate, config.momentum, config.inner_momentum) == ("nesterov", 0.7, 0.9, 0.95)
+    assert (config.outer_optimizer, config.learning_rate, config.momentum, config.inner_momentum) == (
+        "nesterov",
+        0.7,
+        0.9,
+        0.95,
+    )
     train(config, two_workers)
     records = read_metrics(tmp_path / "run")
     assert all(r["successful_workers"] == 2 for r in records)
@@ -110,14 +125,21 @@ def test_resume_in_local_sgd_mode_is_the_straight_run(tmp_path):
     with live_workers(2) as workers:
         train(_config(tmp_path / "b", steps=10, **settings), workers)
     with live_workers(2) as workers:  # fresh workers: their state comes from the checkpoint
-        resumed = train(_config(tmp_path / "b", steps=20, resume_from=str(tmp_path / "b" / "run" / "checkpoints"), **settings), workers)
-    assert [r["loss"] for r in read_metrics(tmp_path / "b" / "run")] == [r["loss"] for r in read_metrics(tmp_path / "a" / "run")]
+        resumed = train(
+            _config(tmp_path / "b", steps=20, resume_from=str(tmp_path / "b" / "run" / "checkpoints"), **settings),
+            workers,
+        )
+    assert [r["loss"] for r in read_metrics(tmp_path / "b" / "run")] == [
+        r["loss"] for r in read_metrics(tmp_path / "a" / "run")
+    ]
     for (name, a), (_, b) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
         assert torch.equal(a, b), name
 
 
 def test_a_resync_push_keeps_the_inner_optimizer_state(tmp_path, two_workers):
-    trainer = Trainer(_config(tmp_path, steps=6, inner_learning_rate=3e-3), [w.client() for w in two_workers], progress=False)
+    trainer = Trainer(
+        _config(tmp_path, steps=6, inner_learning_rate=3e-3), [w.client() for w in two_workers], progress=False
+    )
     records = steps_with_fault(trainer, lambda: corrupt_replica(two_workers[1]))
     assert [r["pushes"] for r in records] == [2, 0, 0, 1, 0, 0]
     assert all(r["successful_workers"] == 2 and np.isfinite(r["loss"]) for r in records)

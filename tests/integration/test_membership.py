@@ -20,7 +20,6 @@ from gradwire.coordinator.trainer import Trainer
 from gradwire.worker.engine import WorkerEngine
 
 from ..faults import faulty
-
 from .conftest import live_workers, worker_process
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -41,7 +40,9 @@ def test_a_workers_file_change_adds_and_removes_workers_between_rounds(tmp_path:
         members = WorkersFile(listing)
         members.poll()
         connect = lambda address: WorkerClient(address, timeout=30)
-        config = TrainConfig(model="gpt-tiny", steps=9, batch_size=2, sequence_length=32, output_dir=str(tmp_path / "run"))
+        config = TrainConfig(
+            model="gpt-tiny", steps=9, batch_size=2, sequence_length=32, output_dir=str(tmp_path / "run")
+        )
         trainer = Trainer(config, [connect(a), connect(b)], progress=False, members=members, connect=connect)
         rows: dict[int, list] = {}
         step_batch = trainer.round_batch
@@ -90,7 +91,9 @@ def test_a_joiner_whose_state_push_stalls_holds_no_round(tmp_path: Path) -> None
         members = WorkersFile(listing)
         members.poll()
         connect = lambda address: WorkerClient(address, timeout=30)
-        config = TrainConfig(model="gpt-tiny", steps=20, batch_size=2, sequence_length=32, output_dir=str(tmp_path / "run"))
+        config = TrainConfig(
+            model="gpt-tiny", steps=20, batch_size=2, sequence_length=32, output_dir=str(tmp_path / "run")
+        )
         trainer = Trainer(config, [connect(a)], progress=False, members=members, connect=connect)
         try:
             trainer.connect()
@@ -125,7 +128,17 @@ def test_streamed_data_follows_a_worker_that_joins_and_a_resume_keeps_the_layout
     def trainer_for(out: str, clients: list[str], resume: str | None = None) -> tuple[Trainer, dict[int, list]]:
         members = WorkersFile(listing)
         members.poll()
-        config = TrainConfig(model="gpt-tiny", steps=6, batch_size=2, sequence_length=32, output_dir=str(tmp_path / out), data=(str(data),), streaming=True, checkpoint_every=0, resume_from=resume)
+        config = TrainConfig(
+            model="gpt-tiny",
+            steps=6,
+            batch_size=2,
+            sequence_length=32,
+            output_dir=str(tmp_path / out),
+            data=(str(data),),
+            streaming=True,
+            checkpoint_every=0,
+            resume_from=resume,
+        )
         trainer = Trainer(config, [connect(c) for c in clients], progress=False, members=members, connect=connect)
         rows: dict[int, list] = {}
         cut = trainer.round_batch
@@ -157,7 +170,9 @@ def test_streamed_data_follows_a_worker_that_joins_and_a_resume_keeps_the_layout
         assert [len(rows[s]) for s in range(6)] == [1, 1, 1, 2, 2, 2]  # b's rows from the round it works in
         ordered = np.concatenate([np.concatenate(rows[s]) for s in range(6)])
         assert len({r.tobytes() for r in ordered}) == len(ordered)  # no window twice, across workers and rounds
-        assert all(ordered[i][-1] == ordered[i + 1][0] for i in range(len(ordered) - 1))  # none skipped: they tile the stream
+        assert all(
+            ordered[i][-1] == ordered[i + 1][0] for i in range(len(ordered) - 1)
+        )  # none skipped: they tile the stream
         resumed, rows_after = trainer_for("resumed", [a, b], resume=str(checkpoint))
         try:
             resumed.run()
@@ -178,7 +193,31 @@ def test_coordinator_train_with_a_workers_file_picks_up_a_new_worker(tmp_path: P
     listing.write_text(f"127.0.0.1:{ports[0]}\n")
     out = tmp_path / "run"
     try:
-        coordinator = subprocess.Popen([sys.executable, "-m", "gradwire.coordinator", "train", "--workers-file", str(listing), "--model", "gpt-tiny", "--steps", "200", "--batch-size", "2", "--sequence-length", "32", "--output-dir", str(out), "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+        coordinator = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gradwire.coordinator",
+                "train",
+                "--workers-file",
+                str(listing),
+                "--model",
+                "gpt-tiny",
+                "--steps",
+                "200",
+                "--batch-size",
+                "2",
+                "--sequence-length",
+                "32",
+                "--output-dir",
+                str(out),
+                "--no-progress",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=ENV,
+        )
         deadline = time.monotonic() + 120
         while not ((out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= 5):
             assert coordinator.poll() is None and time.monotonic() < deadline, coordinator.communicate()[1][-3000:]

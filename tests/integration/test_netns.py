@@ -40,7 +40,9 @@ def transfer(lab: Lab, nbytes: int) -> float:
     server = lab.popen(0, [sys.executable, "-c", SERVER, lab.hosts[0].address], stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout.readline().strip() == "ready"
-        out = lab.popen(1, [sys.executable, "-c", CLIENT, lab.hosts[0].address, str(nbytes)], stdout=subprocess.PIPE, text=True).communicate(timeout=60)[0]
+        out = lab.popen(
+            1, [sys.executable, "-c", CLIENT, lab.hosts[0].address, str(nbytes)], stdout=subprocess.PIPE, text=True
+        ).communicate(timeout=60)[0]
     finally:
         server.wait(30)
     received, seconds = out.split()
@@ -71,7 +73,9 @@ def round_trip(lab: Lab) -> float:
     server = lab.popen(0, [sys.executable, "-c", ECHO, lab.hosts[0].address], stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout.readline().strip() == "ready"
-        out = lab.popen(1, [sys.executable, "-c", PING, lab.hosts[0].address], stdout=subprocess.PIPE, text=True).communicate(timeout=60)[0]
+        out = lab.popen(
+            1, [sys.executable, "-c", PING, lab.hosts[0].address], stdout=subprocess.PIPE, text=True
+        ).communicate(timeout=60)[0]
     finally:
         server.wait(30)
     return float(out)

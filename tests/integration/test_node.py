@@ -41,12 +41,36 @@ TIMEOUT = 60.0
 
 
 @contextlib.contextmanager
-def node(tmp_path: Path, *flags: str, ranks: int = 2, torchrun: bool = False, timeout: float = 20.0) -> Iterator[tuple[str, subprocess.Popen]]:
+def node(
+    tmp_path: Path, *flags: str, ranks: int = 2, torchrun: bool = False, timeout: float = 20.0
+) -> Iterator[tuple[str, subprocess.Popen]]:
     """A node of ``ranks`` CPU ranks serving on a free loopback port; yields its address and process."""
     port = free_port()
-    serve = ["serve", "--port", str(port), "--host", "127.0.0.1", "--device", "cpu", "--node-timeout", str(timeout), *flags]
+    serve = [
+        "serve",
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--device",
+        "cpu",
+        "--node-timeout",
+        str(timeout),
+        *flags,
+    ]
     if torchrun:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", str(free_port()), "-m", "gradwire.worker", *serve]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(ranks),
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "gradwire.worker",
+            *serve,
+        ]
     else:
         cmd = [sys.executable, "-m", "gradwire.worker", *serve, "--nproc-per-node", str(ranks)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -136,7 +160,11 @@ def test_local_sgd_among_ranks_is_ddp_at_s1_and_model_averaging_at_s_h(tmp_path)
     h = 3
     order = WorkOrder("run", 0, 0, batch(4 * h), DENSE_CODEC, replica.fingerprint(), local_steps=_local(h))
     results = {}
-    for mode, flags in {"ddp": (), "s1": ("--node-mode", "local-sgd", "--node-sync-steps", "1"), "sh": ("--node-mode", "local-sgd")}.items():
+    for mode, flags in {
+        "ddp": (),
+        "s1": ("--node-mode", "local-sgd", "--node-sync-steps", "1"),
+        "sh": ("--node-mode", "local-sgd"),
+    }.items():
         with node(tmp_path, *flags) as (address, _), WorkerClient(address, timeout=TIMEOUT) as client:
             client.push_state(st)
             results[mode] = contribution(replica, client.run_round(order))
@@ -164,7 +192,15 @@ def test_compressing_node_hooks_train_and_send_less_on_the_bus(tmp_path, hook):
     dense_bytes = 4 * sum(p.numel() for p in replica.params.values())
     with node(tmp_path, "--node-comm-hook", hook) as (address, _), WorkerClient(address, timeout=TIMEOUT) as client:
         client.push_state(st)
-        order = WorkOrder("run", 0, 0, batch(4 * 6), DENSE_CODEC, replica.fingerprint(), local_steps=LocalSteps(6, InnerOptimizerConfig(), (3e-3,) * 6))
+        order = WorkOrder(
+            "run",
+            0,
+            0,
+            batch(4 * 6),
+            DENSE_CODEC,
+            replica.fingerprint(),
+            local_steps=LocalSteps(6, InnerOptimizerConfig(), (3e-3,) * 6),
+        )
         result = client.run_round(order)
     delta = contribution(replica, result)
     assert all(torch.isfinite(d).all() for d in delta.values()) and any(d.abs().max() > 0 for d in delta.values())
@@ -181,7 +217,16 @@ def test_compressing_node_hooks_train_and_send_less_on_the_bus(tmp_path, hook):
 
 def test_a_coordinator_trains_with_two_nodes_one_under_torchrun(tmp_path):
     with node(tmp_path) as (a, _), node(tmp_path, torchrun=True) as (b, _):
-        config = TrainConfig(model="gpt-tiny", steps=6, batch_size=2, sequence_length=32, inner_steps=2, inner_learning_rate=3e-3, output_dir=str(tmp_path / "run"), round_timeout=TIMEOUT)
+        config = TrainConfig(
+            model="gpt-tiny",
+            steps=6,
+            batch_size=2,
+            sequence_length=32,
+            inner_steps=2,
+            inner_learning_rate=3e-3,
+            output_dir=str(tmp_path / "run"),
+            round_timeout=TIMEOUT,
+        )
         run_trainer(config, [WorkerClient(a, timeout=TIMEOUT), WorkerClient(b, timeout=TIMEOUT)])
     records = read_metrics(tmp_path / "run")
     assert all(r["ranks"] == 4 and r["successful_workers"] == 2 for r in records)
@@ -202,7 +247,15 @@ def _rank_pid(launcher: subprocess.Popen, rank: int) -> int:
 @pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["dies", "hangs"])
 def test_a_node_that_loses_a_rank_fails_its_round_restarts_and_rejoins(tmp_path, fault):
     with node(tmp_path) as (a, launcher), node(tmp_path, ranks=1) as (b, _):
-        config = TrainConfig(model="gpt-tiny", steps=12, batch_size=2, sequence_length=32, output_dir=str(tmp_path / "run"), round_timeout=30.0, max_failed_rounds=5)
+        config = TrainConfig(
+            model="gpt-tiny",
+            steps=12,
+            batch_size=2,
+            sequence_length=32,
+            output_dir=str(tmp_path / "run"),
+            round_timeout=30.0,
+            max_failed_rounds=5,
+        )
         from gradwire.coordinator.trainer import Trainer
 
         trainer = Trainer(config, [WorkerClient(a, timeout=30.0), WorkerClient(b, timeout=30.0)], progress=False)

@@ -21,7 +21,15 @@ from .conftest import assert_in_step, corrupt_replica, live_workers, steps_with_
 
 
 def _config(tmp_path, **overrides) -> TrainConfig:
-    base = dict(model="gpt-tiny", steps=4, batch_size=2, sequence_length=32, output_dir=str(tmp_path / "run"), round_timeout=60.0, overlap=True)
+    base = dict(
+        model="gpt-tiny",
+        steps=4,
+        batch_size=2,
+        sequence_length=32,
+        output_dir=str(tmp_path / "run"),
+        round_timeout=60.0,
+        overlap=True,
+    )
     return TrainConfig(**{**base, **overrides})
 
 
@@ -47,7 +55,10 @@ def test_one_worker_is_delayed_sgd_on_the_same_batches(tmp_path):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=name)
     # ... and not the undelayed run: the delay is real.
     with live_workers(1) as workers:
-        plain = train(_config(tmp_path / "plain", no_compression=True, outer_optimizer="sgd", learning_rate=0.1, overlap=False), workers)
+        plain = train(
+            _config(tmp_path / "plain", no_compression=True, outer_optimizer="sgd", learning_rate=0.1, overlap=False),
+            workers,
+        )
     assert any(not torch.allclose(a, b, atol=1e-5) for a, b in zip(plain.model.parameters(), model.parameters()))
 
 
@@ -65,7 +76,9 @@ def test_computing_ahead_changes_no_bit_and_serves_every_round_after_the_first(t
     assert used == [{"used": config.steps - 1}] * 2
     for (name, a), (_, b) in zip(ahead.model.named_parameters(), plain.model.named_parameters()):
         assert torch.equal(a, b), name
-    assert [r["loss"] for r in read_metrics(tmp_path / "ahead" / "run")] == [r["loss"] for r in read_metrics(tmp_path / "plain" / "run")]
+    assert [r["loss"] for r in read_metrics(tmp_path / "ahead" / "run")] == [
+        r["loss"] for r in read_metrics(tmp_path / "plain" / "run")
+    ]
 
 
 def test_a_worker_out_of_sync_is_pushed_the_state_and_the_run_goes_on(tmp_path, two_workers):
@@ -83,7 +96,16 @@ def test_local_sgd_rounds_can_be_delayed_too(tmp_path):
     # Local-SGD rounds start from the replica before the update as well (one-step-delayed outer steps),
     # with nothing computed ahead. Exact math: H = 2 inner SGD steps from theta[r-1] give the
     # pseudo-gradient d = theta[r-1] - local; outer SGD at lr 1: theta[r+1] = theta[r] - d.
-    config = _config(tmp_path, steps=3, inner_steps=2, no_compression=True, inner_optimizer="sgd", inner_learning_rate=0.5, outer_optimizer="sgd", learning_rate=1.0)
+    config = _config(
+        tmp_path,
+        steps=3,
+        inner_steps=2,
+        no_compression=True,
+        inner_optimizer="sgd",
+        inner_learning_rate=0.5,
+        outer_optimizer="sgd",
+        learning_rate=1.0,
+    )
     with live_workers(1) as workers:
         trainer = train(config, workers)
         assert not workers[0].engine.lookaheads
@@ -118,11 +140,15 @@ def test_streamed_data_announced_ahead_is_the_next_rounds_rows(tmp_path, caplog)
     data.write_text(corpus_path().read_text(encoding="utf-8")[:200_000], encoding="utf-8")
 
     def rows_of(overlap: bool) -> tuple[list[np.ndarray], list]:
-        config = _config(tmp_path / f"o{overlap}", steps=5, data=(str(data),), streaming=True, checkpoint_every=0, overlap=overlap)
+        config = _config(
+            tmp_path / f"o{overlap}", steps=5, data=(str(data),), streaming=True, checkpoint_every=0, overlap=overlap
+        )
         with live_workers(2) as workers:
             trainer = Trainer(config, [w.client() for w in workers], progress=False)
             cut, rows = trainer.round_batch, {}
-            trainer.round_batch = lambda step, position, ranks=1: rows.setdefault((step, position), cut(step, position, ranks))
+            trainer.round_batch = lambda step, position, ranks=1: rows.setdefault(
+                (step, position), cut(step, position, ranks)
+            )
             try:
                 trainer.run()
             finally:

@@ -16,7 +16,18 @@ _SPEC.loader.exec_module(quality)
 
 def test_quality_benchmark_reports_every_method(tmp_path, capsys):
     out = tmp_path / "quality"
-    args = ["--model", "gpt-tiny", "--steps-total", "4", "--inner-steps", "2", "--batch-size", "2", "--sequence-length", "32"]
+    args = [
+        "--model",
+        "gpt-tiny",
+        "--steps-total",
+        "4",
+        "--inner-steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--sequence-length",
+        "32",
+    ]
     result = quality.main([*args, "--methods", "dense,averaging,sparseloco", "--output-dir", str(out), "--json"])
     assert set(result["methods"]) == {"dense", "averaging", "sparseloco"}
     for name, r in result["methods"].items():

@@ -62,7 +62,9 @@ def served(security: ServerSecurity) -> Iterator[Served]:
 
 def state(run: str = RUN, version: int = 0) -> ModelState:
     model = build_from_spec(SPEC, seed=0)
-    return ModelState(run, version, json.dumps(SPEC), {n: p.detach().clone() for n, p in model.named_parameters()}, RULE.to_json())
+    return ModelState(
+        run, version, json.dumps(SPEC), {n: p.detach().clone() for n, p in model.named_parameters()}, RULE.to_json()
+    )
 
 
 def order(replica: Replica, run: str = RUN, round: int = 1) -> WorkOrder:
@@ -95,7 +97,11 @@ def test_without_the_token_every_call_is_refused_and_nothing_changes() -> None:
         (session,) = worker.engine.sessions.values()
         before = session.replica.fingerprint()
         replica = coordinator_replica()
-        for intruder in (worker.client(), worker.client(token="wrong-token-0123456789abcdef"), worker.client(token=TOKEN[:-1])):
+        for intruder in (
+            worker.client(),
+            worker.client(token="wrong-token-0123456789abcdef"),
+            worker.client(token=TOKEN[:-1]),
+        ):
             assert code_of(intruder.describe) == grpc.StatusCode.UNAUTHENTICATED
             assert code_of(lambda c=intruder: c.push_state(state("run-b"))) == grpc.StatusCode.UNAUTHENTICATED
             assert code_of(lambda c=intruder: c.push_state(state(RUN, version=7))) == grpc.StatusCode.UNAUTHENTICATED
@@ -110,7 +116,9 @@ def test_without_the_token_every_call_is_refused_and_nothing_changes() -> None:
 
 def test_health_answers_without_a_token() -> None:
     with served(ServerSecurity(token=TOKEN)) as worker, grpc.insecure_channel(worker.address) as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5
+        )
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
@@ -118,7 +126,9 @@ def test_a_token_worker_trains_with_a_token_coordinator(tmp_path: Path) -> None:
     with served(ServerSecurity(token=TOKEN)) as a, served(ServerSecurity(token=TOKEN)) as b:
         shared = ClientSecurity(token=TOKEN)  # one run key for the run's every worker
         clients = [WorkerClient(w.address, timeout=TIMEOUT, security=shared) for w in (a, b)]
-        config = TrainConfig(model="gpt-tiny", steps=3, batch_size=2, sequence_length=32, output_dir=str(tmp_path / "run"))
+        config = TrainConfig(
+            model="gpt-tiny", steps=3, batch_size=2, sequence_length=32, output_dir=str(tmp_path / "run")
+        )
         trainer = run_trainer(config, clients)
         assert trainer.step == 3
         for w in (a, b):
@@ -157,7 +167,9 @@ def test_the_run_key_is_what_owns_a_run() -> None:
         worker.client(run_key=key).push_state(state())
         again = worker.client(run_key=key)  # a new channel, the same run (a coordinator reconnecting)
         assert again.push_state(state(RUN, version=0))[0] == 0
-        assert code_of(lambda: worker.client(run_key=bytes(32)).push_state(state())) == grpc.StatusCode.PERMISSION_DENIED
+        assert (
+            code_of(lambda: worker.client(run_key=bytes(32)).push_state(state())) == grpc.StatusCode.PERMISSION_DENIED
+        )
 
 
 # --------------------------------------------------------------------------------------------- TLS
@@ -186,11 +198,18 @@ def test_mutual_tls_needs_a_client_certificate_from_the_ca(ca: CertificateAuthor
     server_cert = ca.issue("worker", server=True)
     alice, bob = ca.issue("alice", server=False), ca.issue("bob", server=False)
     mallory = CertificateAuthority(tmp_path / "mallory", name="mallory CA").issue("mallory", server=False)
-    settings = ServerSecurity(tls_cert=str(server_cert.cert), tls_key=str(server_cert.key), tls_client_ca=str(ca.files.cert))
+    settings = ServerSecurity(
+        tls_cert=str(server_cert.cert), tls_key=str(server_cert.key), tls_client_ca=str(ca.files.cert)
+    )
     with served(settings) as worker:
+
         def client(cert=None, key: bytes = bytes(32), timeout: float = TIMEOUT) -> WorkerClient:
             files = {"tls_cert": str(cert.cert), "tls_key": str(cert.key)} if cert else {}
-            return WorkerClient(worker.address, timeout=timeout, security=ClientSecurity(tls_ca=str(ca.files.cert), run_key=key, **files))
+            return WorkerClient(
+                worker.address,
+                timeout=timeout,
+                security=ClientSecurity(tls_ca=str(ca.files.cert), run_key=key, **files),
+            )
 
         assert code_of(client(timeout=3).describe) == grpc.StatusCode.UNAVAILABLE  # no client certificate
         assert code_of(client(mallory, timeout=3).describe) == grpc.StatusCode.UNAVAILABLE  # signed by another CA

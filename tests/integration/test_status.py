@@ -34,7 +34,9 @@ def get(url: str, token: str | None = None) -> tuple[int, str, bytes]:
 def run(tmp_path: Path):
     """A 6-round run with a status board and server (token set), and its metrics."""
     with live_workers(2) as workers:
-        config = TrainConfig(model="gpt-tiny", steps=6, batch_size=2, sequence_length=32, output_dir=str(tmp_path), eval_every=3)
+        config = TrainConfig(
+            model="gpt-tiny", steps=6, batch_size=2, sequence_length=32, output_dir=str(tmp_path), eval_every=3
+        )
         trainer = Trainer(config, [w.client() for w in workers], progress=False)
         trainer.status = StatusBoard(run={"run_id": trainer.run_id, "model": "gpt-tiny", "steps": 6})
         server = StatusServer(trainer.status, port=0, token=TOKEN)
@@ -68,11 +70,17 @@ def test_metrics_endpoint_is_prometheus_text_with_the_same_figures(run) -> None:
     status, content_type, body = get(base + "/metrics", TOKEN)
     assert status == 200 and content_type.startswith("text/plain")
     samples = [s for f in text_string_to_metric_families(body.decode()) for s in f.samples]
-    value = lambda name, **labels: next(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))  # noqa: E731
+    value = lambda name, **labels: next(
+        s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )  # noqa: E731
     assert value("gradwire_step") == 6 and value("gradwire_loss") == pytest.approx(records[-1]["loss"])
     assert value("gradwire_tokens_total") == records[-1]["total_tokens"]
     assert value("gradwire_bytes_total", direction="up") == sum(r["bytes_up"] for r in records)
-    assert value("gradwire_worker_state", worker="0", state="training") + value("gradwire_worker_state", worker="0", state="resyncing") == 1
+    assert (
+        value("gradwire_worker_state", worker="0", state="training")
+        + value("gradwire_worker_state", worker="0", state="resyncing")
+        == 1
+    )
 
 
 def test_every_path_needs_the_token_and_the_page_is_served(run) -> None:
@@ -80,7 +88,9 @@ def test_every_path_needs_the_token_and_the_page_is_served(run) -> None:
     for path in ("/", "/api/status", "/metrics"):
         assert get(base + path)[0] == 401 and get(base + path, "wrong")[0] == 401
     status, content_type, body = get(base + "/?token=" + TOKEN)
-    assert status == 200 and content_type.startswith("text/html") and b'id="loss-chart"' in body and b"api/status" in body
+    assert (
+        status == 200 and content_type.startswith("text/html") and b'id="loss-chart"' in body and b"api/status" in body
+    )
     assert get(base + "/nope", TOKEN)[0] == 404
 
 
@@ -88,8 +98,14 @@ def test_a_dead_worker_turns_failed() -> None:
     board = StatusBoard(run={})
     from gradwire.coordinator.status import WorkerEvent
 
-    board.update({"step": 1, "loss": 5.0, "total_tokens": 10}, [WorkerEvent(0, "a:1", "training"), WorkerEvent(1, "b:2", "training")])
-    board.update({"step": 2, "loss": float("nan"), "total_tokens": 20}, [WorkerEvent(0, "a:1", "training"), WorkerEvent(1, "b:2", "failed", error="UNAVAILABLE")])
+    board.update(
+        {"step": 1, "loss": 5.0, "total_tokens": 10},
+        [WorkerEvent(0, "a:1", "training"), WorkerEvent(1, "b:2", "training")],
+    )
+    board.update(
+        {"step": 2, "loss": float("nan"), "total_tokens": 20},
+        [WorkerEvent(0, "a:1", "training"), WorkerEvent(1, "b:2", "failed", error="UNAVAILABLE")],
+    )
     rows = {r["id"]: r for r in board.snapshot()["workers"]}
     assert rows[1]["state"] == "failed" and rows[1]["rounds_failed"] == 1 and rows[1]["last_error"] == "UNAVAILABLE"
     board.update(None, [WorkerEvent(0, "a:1", "failed")])  # b left the run

@@ -17,13 +17,24 @@ from gradwire.coordinator.trainer import Trainer
 from .conftest import live_workers
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium; .ci/run installs it)")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium; .ci/run installs it)"
+)
 TOKEN = "page-token-0123456789abcdef"
 
 
 def browse(url: str, *flags: str) -> str:
     """The page's DOM after its scripts ran (a few seconds of virtual time: several polls)."""
-    argv = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--virtual-time-budget=4000", *(flags or ("--dump-dom",)), url]
+    argv = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--virtual-time-budget=4000",
+        *(flags or ("--dump-dom",)),
+        url,
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=90)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout
@@ -37,7 +48,9 @@ def rows(dom: str) -> dict[str, str]:
 @pytest.mark.slow
 def test_the_page_shows_workers_and_the_loss_curve_and_a_dead_worker_fails(tmp_path: Path) -> None:
     with live_workers(2) as workers:
-        config = TrainConfig(model="gpt-tiny", steps=20, batch_size=2, sequence_length=32, output_dir=str(tmp_path / "run"))
+        config = TrainConfig(
+            model="gpt-tiny", steps=20, batch_size=2, sequence_length=32, output_dir=str(tmp_path / "run")
+        )
         trainer = Trainer(config, [w.client(timeout=5) for w in workers], progress=False)
         trainer.status = StatusBoard(run={"run_id": trainer.run_id, "model": "gpt-tiny", "steps": 20})
         server = StatusServer(trainer.status, port=0, token=TOKEN)
@@ -48,7 +61,9 @@ def test_the_page_shows_workers_and_the_loss_curve_and_a_dead_worker_fails(tmp_p
                 trainer.train_step()
             dom = browse(url)
             assert rows(dom) == {"0": "training", "1": "training"}, dom[-3000:]
-            points = re.search(r'id="loss-chart"[^>]*data-points="(\d+)"', dom) or re.search(r'data-points="(\d+)"[^>]*id="loss-chart"', dom)
+            points = re.search(r'id="loss-chart"[^>]*data-points="(\d+)"', dom) or re.search(
+                r'data-points="(\d+)"[^>]*id="loss-chart"', dom
+            )
             assert points and int(points.group(1)) == 4, "no loss curve drawn"
             assert '<b id="step">4</b>' in dom
             shot = tmp_path / "status.png"

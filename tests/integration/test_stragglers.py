@@ -24,7 +24,15 @@ STALLED = {2, 3}
 
 
 def test_a_stalled_worker_is_cut_off_after_the_grace_and_rejoins_without_a_push(tmp_path: Path) -> None:
-    config = TrainConfig(model="gpt-tiny", steps=7, batch_size=2, sequence_length=32, output_dir=str(tmp_path), min_workers=2, straggler_grace="0.3")
+    config = TrainConfig(
+        model="gpt-tiny",
+        steps=7,
+        batch_size=2,
+        sequence_length=32,
+        output_dir=str(tmp_path),
+        min_workers=2,
+        straggler_grace="0.3",
+    )
     honest = lambda: WorkerEngine("cpu")
     with live_workers(3, [honest, honest, faulty("stall", factor=20.0, rounds=STALLED)]) as workers:
         trainer = train(config, workers)
@@ -43,7 +51,9 @@ def test_a_stalled_worker_is_cut_off_after_the_grace_and_rejoins_without_a_push(
 
 
 def test_a_factor_grace_and_no_quorum_wait_for_everyone(tmp_path: Path) -> None:
-    config = TrainConfig(model="gpt-tiny", steps=3, batch_size=2, sequence_length=32, output_dir=str(tmp_path))  # min_workers 0
+    config = TrainConfig(
+        model="gpt-tiny", steps=3, batch_size=2, sequence_length=32, output_dir=str(tmp_path)
+    )  # min_workers 0
     with live_workers(2, [lambda: WorkerEngine("cpu"), faulty("stall", factor=1.0, rounds={1})]) as workers:
         train(config, workers)
     records = {r["step"]: r for r in read_metrics(tmp_path)}
@@ -58,7 +68,15 @@ def test_a_sigstopped_worker_process_does_not_hold_rounds_and_rejoins_after_sigc
             port = free_port()
             procs.append(worker_process(port))
             clients.append(WorkerClient(f"127.0.0.1:{port}", timeout=60))
-        config = TrainConfig(model="gpt-tiny", steps=10, batch_size=2, sequence_length=32, output_dir=str(tmp_path), min_workers=2, straggler_grace="0.5")
+        config = TrainConfig(
+            model="gpt-tiny",
+            steps=10,
+            batch_size=2,
+            sequence_length=32,
+            output_dir=str(tmp_path),
+            min_workers=2,
+            straggler_grace="0.5",
+        )
         trainer = Trainer(config, clients, progress=False)
         try:
             trainer.connect()
@@ -90,12 +108,14 @@ def test_a_state_push_in_flight_can_be_cancelled() -> None:
     import grpc
 
     from gradwire.coordinator.client import WorkerError
-    from gradwire.protocol import ModelState
     from gradwire.models import build_from_spec, model_spec
+    from gradwire.protocol import ModelState
 
     spec = model_spec("gpt-tiny")
     model = build_from_spec(spec)
-    state = ModelState("run-1", 0, json.dumps(spec), {n: p.detach() for n, p in model.named_parameters()}, '{"optimizer": "signsgd"}')
+    state = ModelState(
+        "run-1", 0, json.dumps(spec), {n: p.detach() for n, p in model.named_parameters()}, '{"optimizer": "signsgd"}'
+    )
     with live_workers(1, faulty("stall-push", factor=4.0)) as (worker,):
         client = worker.client(timeout=30)
         errors: list[WorkerError] = []

@@ -18,7 +18,14 @@ from .conftest import assert_in_step, corrupt_replica, live_workers, steps_with_
 
 
 def _config(tmp_path, **overrides) -> TrainConfig:
-    base = dict(model="gpt-tiny", steps=30, batch_size=4, sequence_length=32, output_dir=str(tmp_path / "run"), round_timeout=60.0)
+    base = dict(
+        model="gpt-tiny",
+        steps=30,
+        batch_size=4,
+        sequence_length=32,
+        output_dir=str(tmp_path / "run"),
+        round_timeout=60.0,
+    )
     return TrainConfig(**{**base, **overrides})
 
 
@@ -51,7 +58,9 @@ def test_dense_sgd_through_the_service_equals_single_process_training(tmp_path, 
     # The same 2b sequences per step, in one process.
     model = build_from_spec(model_spec("gpt-tiny"), seed=config.seed)
     for step in range(config.steps):
-        rows = np.concatenate([trainer.data.batch(step, slot, config.batch_size, config.sequence_length) for slot in (0, 1)])
+        rows = np.concatenate(
+            [trainer.data.batch(step, slot, config.batch_size, config.sequence_length) for slot in (0, 1)]
+        )
         model.zero_grad()
         lm_loss(model, torch.from_numpy(rows.astype(np.int64))).backward()
         with torch.no_grad():
@@ -70,7 +79,9 @@ def test_resume_continues_the_same_trajectory(tmp_path):
     with live_workers(2) as workers:
         train(_config(tmp_path / "b", steps=10), workers)
     with live_workers(2) as workers:  # fresh worker processes: error feedback comes from the checkpoint
-        resumed = train(_config(tmp_path / "b", steps=20, resume_from=str(tmp_path / "b" / "run" / "checkpoints")), workers)
+        resumed = train(
+            _config(tmp_path / "b", steps=20, resume_from=str(tmp_path / "b" / "run" / "checkpoints")), workers
+        )
     losses_a = [r["loss"] for r in read_metrics(tmp_path / "a" / "run")]
     losses_b = [r["loss"] for r in read_metrics(tmp_path / "b" / "run")]
     assert losses_b == losses_a
@@ -81,7 +92,9 @@ def test_resume_continues_the_same_trajectory(tmp_path):
 def test_float64_replays_keep_replicas_bit_identical(tmp_path, two_workers):
     """--replay-precision float64 (what auto picks for CUDA workers under a CPU coordinator): the workers'
     replicas still equal the coordinator's bit for bit, with no push after the first."""
-    trainer = Trainer(_config(tmp_path, steps=6, replay_precision="float64"), [w.client() for w in two_workers], progress=False)
+    trainer = Trainer(
+        _config(tmp_path, steps=6, replay_precision="float64"), [w.client() for w in two_workers], progress=False
+    )
     records = steps_with_fault(trainer, lambda: None, before=2, after=2)
     assert [r["pushes"] for r in records] == [2, 0, 0, 0]
     assert trainer.pending is not None and trainer.pending.rule.exact
@@ -144,7 +157,9 @@ def test_jsonl_data_trains_through_the_service(tmp_path, two_workers, streaming)
     with path.open("w", encoding="utf-8") as f:
         for i in range(0, len(text), 2000):
             f.write(json.dumps({"body": text[i : i + 2000], "id": i}) + "\n")
-    config = _config(tmp_path, steps=4, data=(str(path),), text_field="body", streaming=streaming, eval_every=2, eval_batches=1)
+    config = _config(
+        tmp_path, steps=4, data=(str(path),), text_field="body", streaming=streaming, eval_every=2, eval_batches=1
+    )
     trainer = train(config, two_workers)
     records = read_metrics(tmp_path / "run")
     assert [r["successful_workers"] for r in records] == [2, 2, 2, 2]
@@ -165,7 +180,11 @@ def test_a_worker_is_never_sent_its_own_payload_back(tmp_path, two_workers):
     trainer = train(_config(tmp_path, steps=5), two_workers)
     records = read_metrics(tmp_path / "run")
     for before, r in zip(records[1:], records[2:]):  # round k replays round k-1's payloads
-        assert 0.9 * before["bytes_up"] < r["bytes_down"] < 1.1 * before["bytes_up"] + 4096, (r["step"], r["bytes_down"], before["bytes_up"])
+        assert 0.9 * before["bytes_up"] < r["bytes_down"] < 1.1 * before["bytes_up"] + 4096, (
+            r["step"],
+            r["bytes_down"],
+            before["bytes_up"],
+        )
     assert all(r["pushes"] == 0 for r in records[1:])
     for w in two_workers:
         (session,) = w.engine.sessions.values()

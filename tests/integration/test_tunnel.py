@@ -36,6 +36,7 @@ from gradwire.worker.engine import WorkerEngine
 from gradwire.worker.server import make_server
 from gradwire.worker.servicer import WorkerServicer
 from gradwire.worker.tunnel import TunnelRelay
+
 from ..faults import FaultPlan, FaultyEngine
 from ..tls import CertificateAuthority
 from .conftest import run_trainer, worker_process
@@ -45,10 +46,14 @@ TIMEOUT = 60.0
 
 
 @contextlib.contextmanager
-def coordinator_side(token: str | None = TOKEN, security: ServerSecurity | None = None) -> Iterator[tuple[JoinRegistry, Tunnels, str]]:
+def coordinator_side(
+    token: str | None = TOKEN, security: ServerSecurity | None = None
+) -> Iterator[tuple[JoinRegistry, Tunnels, str]]:
     """The coordinator's --listen server: (its registry, its tunnels, its address)."""
     registry, tunnels = JoinRegistry(), Tunnels()
-    server, port = serve_joins(registry, host="127.0.0.1", port=0, security=security or ServerSecurity(token=token), tunnels=tunnels)
+    server, port = serve_joins(
+        registry, host="127.0.0.1", port=0, security=security or ServerSecurity(token=token), tunnels=tunnels
+    )
     try:
         yield registry, tunnels, f"127.0.0.1:{port}"
     finally:
@@ -56,14 +61,24 @@ def coordinator_side(token: str | None = TOKEN, security: ServerSecurity | None 
 
 
 @contextlib.contextmanager
-def tunnelled_worker(coordinator: str, name: str = "box-behind-nat", engine: WorkerEngine | None = None, token: str | None = TOKEN, tls_ca: str | None = None) -> Iterator[tuple[WorkerEngine, TunnelRelay]]:
+def tunnelled_worker(
+    coordinator: str,
+    name: str = "box-behind-nat",
+    engine: WorkerEngine | None = None,
+    token: str | None = TOKEN,
+    tls_ca: str | None = None,
+) -> Iterator[tuple[WorkerEngine, TunnelRelay]]:
     """A worker and its relay (the worker's server also listens on loopback TCP, as `worker serve` does;
     the tests reach it only through the tunnel)."""
     engine = engine or WorkerEngine("cpu")
     with tempfile.TemporaryDirectory(prefix="gradwire-test-relay-") as tmp:
         socket = f"{tmp}/worker.sock"
-        server, _, _ = make_server(WorkerServicer(engine), host="127.0.0.1", port=0, security=ServerSecurity(token=token), local_socket=socket)
-        relay = TunnelRelay(coordinator, name, f"unix:{socket}", security=ClientSecurity(token=token, tls_ca=tls_ca), every=0.2).start()
+        server, _, _ = make_server(
+            WorkerServicer(engine), host="127.0.0.1", port=0, security=ServerSecurity(token=token), local_socket=socket
+        )
+        relay = TunnelRelay(
+            coordinator, name, f"unix:{socket}", security=ClientSecurity(token=token, tls_ca=tls_ca), every=0.2
+        ).start()
         try:
             yield engine, relay
         finally:
@@ -78,8 +93,15 @@ def wait_for(predicate, timeout: float = 20.0, what: str = "") -> None:
         time.sleep(0.02)
 
 
-def client_through(tunnels: Tunnels, name: str, security: ClientSecurity | None = None, timeout: float = TIMEOUT) -> WorkerClient:
-    return WorkerClient(TUNNEL_PREFIX + name, timeout=timeout, security=security or ClientSecurity(token=TOKEN), channel=tunnels.channel(name))
+def client_through(
+    tunnels: Tunnels, name: str, security: ClientSecurity | None = None, timeout: float = TIMEOUT
+) -> WorkerClient:
+    return WorkerClient(
+        TUNNEL_PREFIX + name,
+        timeout=timeout,
+        security=security or ClientSecurity(token=TOKEN),
+        channel=tunnels.channel(name),
+    )
 
 
 # ------------------------------------------------------------------------------------------- pure checks
@@ -91,7 +113,14 @@ def test_names_and_metadata_are_checked() -> None:
         with pytest.raises(ValueError, match="name"):
             check_name(bad)
     assert check_metadata([("authorization", "Bearer x"), ("gradwire-run-key", "ab12")])
-    for bad in ([("grpc-timeout", "1S")], [("key-bin", "x")], [("Upper", "x")], [("k", "\x00")], [("k", "v")] * 17, [("k", "v" * 9000)]):
+    for bad in (
+        [("grpc-timeout", "1S")],
+        [("key-bin", "x")],
+        [("Upper", "x")],
+        [("k", "\x00")],
+        [("k", "v")] * 17,
+        [("k", "v" * 9000)],
+    ):
         with pytest.raises(ValueError):
             check_metadata(bad)
 
@@ -114,7 +143,9 @@ def test_a_tunnelled_member_lives_while_its_tunnel_is_open_and_for_the_expiry_af
 
 def test_a_worker_behind_a_tunnel_trains_like_a_direct_one(tmp_path: Path) -> None:
     """The same run through a tunnel and over a direct connection: identical losses and parameters."""
-    config = TrainConfig(model="gpt-tiny", steps=4, batch_size=2, sequence_length=32, output_dir=str(tmp_path / "tunnel"))
+    config = TrainConfig(
+        model="gpt-tiny", steps=4, batch_size=2, sequence_length=32, output_dir=str(tmp_path / "tunnel")
+    )
     with coordinator_side() as (registry, tunnels, address), tunnelled_worker(address) as (engine, relay):
         wait_for(lambda: registry.live() == [TUNNEL_PREFIX + "box-behind-nat"], what="the tunnel")
         client = client_through(tunnels, "box-behind-nat")
@@ -126,7 +157,9 @@ def test_a_worker_behind_a_tunnel_trains_like_a_direct_one(tmp_path: Path) -> No
     direct_engine = WorkerEngine("cpu")
     server, port, _ = make_server(WorkerServicer(direct_engine), host="127.0.0.1", port=0)
     try:
-        direct_config = TrainConfig(model="gpt-tiny", steps=4, batch_size=2, sequence_length=32, output_dir=str(tmp_path / "direct"))
+        direct_config = TrainConfig(
+            model="gpt-tiny", steps=4, batch_size=2, sequence_length=32, output_dir=str(tmp_path / "direct")
+        )
         direct = run_trainer(direct_config, [WorkerClient(f"127.0.0.1:{port}", timeout=TIMEOUT)])
     finally:
         server.stop(0)
@@ -154,7 +187,9 @@ def test_calls_through_a_tunnel_meet_the_workers_own_checks() -> None:
         with pytest.raises(grpc.RpcError) as e:  # garbage for a real method: the worker's RejectMalformed
             channel.unary_unary("/gradwire.v1.Worker/Describe")(b"\xff\xff\xff", timeout=5, metadata=metadata)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert client_through(tunnels, "box-behind-nat").describe().protocol_version == PROTOCOL_VERSION  # still serving
+        assert (
+            client_through(tunnels, "box-behind-nat").describe().protocol_version == PROTOCOL_VERSION
+        )  # still serving
 
 
 class CancelRecorder(FaultyEngine):
@@ -174,7 +209,9 @@ class CancelRecorder(FaultyEngine):
 
 def test_a_stalled_call_times_out_and_is_cancelled_at_the_worker(tmp_path: Path) -> None:
     engine = CancelRecorder()
-    config = TrainConfig(model="gpt-tiny", steps=2, batch_size=2, sequence_length=32, output_dir=str(tmp_path / "run"), round_timeout=3.0)
+    config = TrainConfig(
+        model="gpt-tiny", steps=2, batch_size=2, sequence_length=32, output_dir=str(tmp_path / "run"), round_timeout=3.0
+    )
     with coordinator_side() as (registry, tunnels, address), tunnelled_worker(address, engine=engine):
         wait_for(lambda: tunnels.get("box-behind-nat") is not None, what="the tunnel")
         trainer = Trainer(config, [client_through(tunnels, "box-behind-nat", timeout=3.0)], progress=False)
@@ -229,12 +266,16 @@ def test_a_tunnel_over_tls(tmp_path: Path) -> None:
             assert client_through(tunnels, "box-behind-nat").describe().protocol_version == PROTOCOL_VERSION
 
 
-def open_raw(address: str, frames: list[pb.TunnelFrame], token: str | None = TOKEN) -> grpc.RpcError | list[pb.TunnelFrame]:
+def open_raw(
+    address: str, frames: list[pb.TunnelFrame], token: str | None = TOKEN
+) -> grpc.RpcError | list[pb.TunnelFrame]:
     """Open a tunnel by hand and send ``frames``; what came back (frames, or the error that ended it)."""
     with grpc.insecure_channel(address) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         try:
-            return list(stub.Tunnel(iter(frames), timeout=5, metadata=[("authorization", f"Bearer {token}")] if token else None))
+            return list(
+                stub.Tunnel(iter(frames), timeout=5, metadata=[("authorization", f"Bearer {token}")] if token else None)
+            )
         except grpc.RpcError as e:
             return e
 
@@ -243,13 +284,24 @@ def open_raw(address: str, frames: list[pb.TunnelFrame], token: str | None = TOK
     ("frames", "code"),
     [
         ([pb.TunnelFrame(message=b"x")], grpc.StatusCode.INVALID_ARGUMENT),
-        ([pb.TunnelFrame(hello=pb.TunnelHello(protocol_version=PROTOCOL_VERSION + 1, name="w"))], grpc.StatusCode.FAILED_PRECONDITION),
-        ([pb.TunnelFrame(hello=pb.TunnelHello(protocol_version=PROTOCOL_VERSION, name="has space"))], grpc.StatusCode.INVALID_ARGUMENT),
-        ([pb.TunnelFrame(hello=pb.TunnelHello(protocol_version=PROTOCOL_VERSION, name="x" * 5000))], grpc.StatusCode.INVALID_ARGUMENT),
+        (
+            [pb.TunnelFrame(hello=pb.TunnelHello(protocol_version=PROTOCOL_VERSION + 1, name="w"))],
+            grpc.StatusCode.FAILED_PRECONDITION,
+        ),
+        (
+            [pb.TunnelFrame(hello=pb.TunnelHello(protocol_version=PROTOCOL_VERSION, name="has space"))],
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            [pb.TunnelFrame(hello=pb.TunnelHello(protocol_version=PROTOCOL_VERSION, name="x" * 5000))],
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
     ],
     ids=["no-hello", "other-protocol", "bad-name", "huge-name"],
 )
-def test_a_bad_tunnel_is_refused_with_a_clear_status_and_the_coordinator_keeps_serving(frames: list[pb.TunnelFrame], code: grpc.StatusCode) -> None:
+def test_a_bad_tunnel_is_refused_with_a_clear_status_and_the_coordinator_keeps_serving(
+    frames: list[pb.TunnelFrame], code: grpc.StatusCode
+) -> None:
     with coordinator_side() as (registry, tunnels, address):
         error = open_raw(address, frames)
         assert isinstance(error, grpc.RpcError) and error.code() == code, error
@@ -283,13 +335,35 @@ def test_frames_for_calls_that_do_not_exist_are_ignored() -> None:
 # ------------------------------------------------------------------------------------------- the commands
 
 
-def train_through_a_tunnel(out: Path, steps: int, coordinator_flags: list[str], worker_flags: list[str]) -> tuple[list[dict], str]:
+def train_through_a_tunnel(
+    out: Path, steps: int, coordinator_flags: list[str], worker_flags: list[str]
+) -> tuple[list[dict], str]:
     """`coordinator train --listen` and one `worker serve --join ... --tunnel` process, both with the token;
     the run's metrics and the coordinator's log."""
     listen, port = free_port(), free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "GRADWIRE_TOKEN": TOKEN}
-    argv = [sys.executable, "-m", "gradwire.coordinator", "train", "--listen", f"127.0.0.1:{listen}", *coordinator_flags, "--model", "gpt-tiny", "--steps", str(steps),
-            "--batch-size", "2", "--sequence-length", "32", "--output-dir", str(out), "--no-progress", "--checkpoint-every", "0"]
+    argv = [
+        sys.executable,
+        "-m",
+        "gradwire.coordinator",
+        "train",
+        "--listen",
+        f"127.0.0.1:{listen}",
+        *coordinator_flags,
+        "--model",
+        "gpt-tiny",
+        "--steps",
+        str(steps),
+        "--batch-size",
+        "2",
+        "--sequence-length",
+        "32",
+        "--output-dir",
+        str(out),
+        "--no-progress",
+        "--checkpoint-every",
+        "0",
+    ]
     coordinator = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     os.environ["GRADWIRE_TOKEN"] = TOKEN  # the worker's token, from its environment
     try:
@@ -321,7 +395,9 @@ def test_worker_serve_tunnel_over_tls_trains(tmp_path: Path) -> None:
     ca = CertificateAuthority(tmp_path / "pki")
     issued = ca.issue("coordinator", server=True)
     records, stderr = train_through_a_tunnel(
-        tmp_path / "run", 3, ["--listen-tls-cert", str(issued.cert), "--listen-tls-key", str(issued.key)],
+        tmp_path / "run",
+        3,
+        ["--listen-tls-cert", str(issued.cert), "--listen-tls-key", str(issued.key)],
         ["--join-tls-ca", str(ca.files.cert), "--advertise", "tls-box"],
     )
     assert [r["successful_workers"] for r in records] == [1, 1, 1]
@@ -330,18 +406,62 @@ def test_worker_serve_tunnel_over_tls_trains(tmp_path: Path) -> None:
 
 def test_tunnel_flags_are_checked(tmp_path: Path) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    run = subprocess.run([sys.executable, "-m", "gradwire.worker", "serve", "--port", "0", "--tunnel"], capture_output=True, text=True, env=env, timeout=60)
+    run = subprocess.run(
+        [sys.executable, "-m", "gradwire.worker", "serve", "--port", "0", "--tunnel"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert run.returncode == 2 and "--tunnel needs --join" in run.stderr
-    run = subprocess.run([sys.executable, "-m", "gradwire.worker", "serve", "--port", "0", "--join", "127.0.0.1:1", "--join-tls-ca", str(tmp_path / "missing.pem")], capture_output=True, text=True, env=env, timeout=60)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gradwire.worker",
+            "serve",
+            "--port",
+            "0",
+            "--join",
+            "127.0.0.1:1",
+            "--join-tls-ca",
+            str(tmp_path / "missing.pem"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert run.returncode == 2 and "--join-tls-ca" in run.stderr
 
 
 def test_listen_tls_flags_are_checked(tmp_path: Path) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    base = [sys.executable, "-m", "gradwire.coordinator", "train", "--listen", "127.0.0.1:0", "--model", "gpt-tiny", "--steps", "1", "--output-dir", str(tmp_path / "run")]
-    run = subprocess.run([*base, "--listen-tls-cert", str(tmp_path / "missing.pem")], capture_output=True, text=True, env=env, timeout=60)
+    base = [
+        sys.executable,
+        "-m",
+        "gradwire.coordinator",
+        "train",
+        "--listen",
+        "127.0.0.1:0",
+        "--model",
+        "gpt-tiny",
+        "--steps",
+        "1",
+        "--output-dir",
+        str(tmp_path / "run"),
+    ]
+    run = subprocess.run(
+        [*base, "--listen-tls-cert", str(tmp_path / "missing.pem")], capture_output=True, text=True, env=env, timeout=60
+    )
     assert run.returncode == 2 and "--listen-tls-cert and --listen-tls-key go together" in run.stderr
-    run = subprocess.run([*base, "--listen-tls-cert", str(tmp_path / "missing.pem"), "--listen-tls-key", str(tmp_path / "missing.key")], capture_output=True, text=True, env=env, timeout=60)
+    run = subprocess.run(
+        [*base, "--listen-tls-cert", str(tmp_path / "missing.pem"), "--listen-tls-key", str(tmp_path / "missing.key")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert run.returncode == 2 and "--listen-tls-" in run.stderr and "missing" in run.stderr
 
 
@@ -354,14 +474,24 @@ def test_garbage_on_the_tunnel_never_gets_internal_and_the_coordinator_keeps_ser
     hello = pb.TunnelFrame(hello=pb.TunnelHello(protocol_version=PROTOCOL_VERSION, name="fuzz")).SerializeToString()
     kinds = [
         lambda: bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64))),  # not a frame at all
-        lambda: pb.TunnelFrame(call=rng.randrange(2**64), message=rng.randbytes(rng.randrange(0, 2048))).SerializeToString(),
-        lambda: pb.TunnelFrame(call=rng.randrange(4), status=pb.TunnelStatus(code=rng.randrange(-5, 40), details="x" * rng.randrange(3000))).SerializeToString(),
-        lambda: pb.TunnelFrame(call=rng.randrange(4), open=pb.TunnelOpen(method="/x/y", timeout_seconds=rng.uniform(-1, 1e9))).SerializeToString(),
-        lambda: pb.TunnelFrame(hello=pb.TunnelHello(protocol_version=rng.randrange(10), name=rng.choice(["", "a b", "w" * 200, "ok"]))).SerializeToString(),
+        lambda: pb.TunnelFrame(
+            call=rng.randrange(2**64), message=rng.randbytes(rng.randrange(0, 2048))
+        ).SerializeToString(),
+        lambda: pb.TunnelFrame(
+            call=rng.randrange(4), status=pb.TunnelStatus(code=rng.randrange(-5, 40), details="x" * rng.randrange(3000))
+        ).SerializeToString(),
+        lambda: pb.TunnelFrame(
+            call=rng.randrange(4), open=pb.TunnelOpen(method="/x/y", timeout_seconds=rng.uniform(-1, 1e9))
+        ).SerializeToString(),
+        lambda: pb.TunnelFrame(
+            hello=pb.TunnelHello(protocol_version=rng.randrange(10), name=rng.choice(["", "a b", "w" * 200, "ok"]))
+        ).SerializeToString(),
     ]
     codes = []
     with coordinator_side() as (registry, tunnels, address), grpc.insecure_channel(address) as channel:
-        call = channel.stream_stream("/gradwire.v1.Coordinator/Tunnel", request_serializer=None, response_deserializer=None)
+        call = channel.stream_stream(
+            "/gradwire.v1.Coordinator/Tunnel", request_serializer=None, response_deserializer=None
+        )
         for _ in range(120):
             frames = ([hello] if rng.random() < 0.5 else []) + [rng.choice(kinds)() for _ in range(rng.randrange(1, 6))]
             try:
@@ -369,7 +499,9 @@ def test_garbage_on_the_tunnel_never_gets_internal_and_the_coordinator_keeps_ser
                 codes.append(grpc.StatusCode.OK)
             except grpc.RpcError as e:
                 codes.append(e.code())
-        assert grpc.StatusCode.INTERNAL not in codes and grpc.StatusCode.UNKNOWN not in codes, sorted({c.name for c in codes})
+        assert grpc.StatusCode.INTERNAL not in codes and grpc.StatusCode.UNKNOWN not in codes, sorted(
+            {c.name for c in codes}
+        )
         assert grpc.StatusCode.INVALID_ARGUMENT in codes
         with tunnelled_worker(address):
             wait_for(lambda: tunnels.get("box-behind-nat") is not None, what="the tunnel after the garbage")

@@ -20,33 +20,77 @@ OK, WHY = root_available()
 @pytest.mark.skipif(not OK, reason=WHY)
 def test_every_method_runs_over_the_shaped_links(capsys: pytest.CaptureFixture) -> None:
     latency = "25ms" if tun_available()[0] else "0"  # user-space latency needs TUN interfaces
-    assert wan.main(["--model", "gpt-tiny", "--steps", "4", "--inner-steps", "2", "--batch-size", "2", "--seq-len", "32", "--bandwidth", "50mbit", "--latency", latency, "--methods", ",".join(wan.METHODS), "--json"]) == 0
+    assert (
+        wan.main(
+            [
+                "--model",
+                "gpt-tiny",
+                "--steps",
+                "4",
+                "--inner-steps",
+                "2",
+                "--batch-size",
+                "2",
+                "--seq-len",
+                "32",
+                "--bandwidth",
+                "50mbit",
+                "--latency",
+                latency,
+                "--methods",
+                ",".join(wan.METHODS),
+                "--json",
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out)
     methods = result["methods"]
     assert set(methods) == {"ddp", "ddp-powersgd", "gradwire", "gradwire-overlap", "gradwire-local"}
     for name, r in methods.items():
         assert r["bytes_per_step"] > 0 and math.isfinite(r["eval_loss"]) and r["step_time"] > 0, name
-    assert methods["ddp"]["tokens"] == methods["gradwire"]["tokens"] == methods["gradwire-overlap"]["tokens"] == methods["gradwire-local"]["tokens"]
+    assert (
+        methods["ddp"]["tokens"]
+        == methods["gradwire"]["tokens"]
+        == methods["gradwire-overlap"]["tokens"]
+        == methods["gradwire-local"]["tokens"]
+    )
     assert methods["gradwire"]["bytes_per_step"] < methods["ddp"]["bytes_per_step"]
     for name in ("gradwire", "gradwire-overlap"):  # where gradwire's non-compute time goes, in parts that add up
         r = methods[name]
         assert r["replay_time"] > 0 and r["encode_time"] > 0 and r["aggregate_time"] > 0, name
-        assert math.isclose(r["replay_time"] + r["encode_time"] + r["aggregate_time"] + r["link_time"], r["non_compute_time"], rel_tol=1e-9), name
-    for name, timed in (("gradwire", 3), ("gradwire-overlap", 3), ("gradwire-local", 1)):  # round by round, round 1 left out
+        assert math.isclose(
+            r["replay_time"] + r["encode_time"] + r["aggregate_time"] + r["link_time"],
+            r["non_compute_time"],
+            rel_tol=1e-9,
+        ), name
+    for name, timed in (
+        ("gradwire", 3),
+        ("gradwire-overlap", 3),
+        ("gradwire-local", 1),
+    ):  # round by round, round 1 left out
         r = methods[name]
-        assert len(r["rounds_non_compute_time"]) == len(r["rounds_replay_time"]) == len(r["rounds_encode_time"]) == timed, name
+        assert (
+            len(r["rounds_non_compute_time"]) == len(r["rounds_replay_time"]) == len(r["rounds_encode_time"]) == timed
+        ), name
         assert all(t > 0 for t in r["rounds_replay_time"] + r["rounds_encode_time"]), name
     local = methods["gradwire-local"]
     assert math.isclose(local["rounds_non_compute_time"][0], local["non_compute_time"], rel_tol=1e-9)
 
 
-def test_without_namespaces_it_says_why_and_exits_0(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+def test_without_namespaces_it_says_why_and_exits_0(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     monkeypatch.setattr(wan, "root_available", lambda: (False, "network namespaces need root"))
     assert wan.main(["--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"skipped": "benchmarks.wan needs network namespaces: network namespaces need root"}
+    assert json.loads(capsys.readouterr().out) == {
+        "skipped": "benchmarks.wan needs network namespaces: network namespaces need root"
+    }
 
 
-def test_latency_without_tun_interfaces_says_why_and_exits_0(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+def test_latency_without_tun_interfaces_says_why_and_exits_0(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     monkeypatch.setattr(wan, "root_available", lambda: (True, ""))
     monkeypatch.setattr(wan, "tun_available", lambda: (False, "/dev/net/tun is missing (the tun kernel module)"))
     assert wan.main(["--latency", "10ms", "--json"]) == 0

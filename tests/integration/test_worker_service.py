@@ -30,6 +30,7 @@ from gradwire.compression import CodecConfig, GradientCodec
 from gradwire.coordinator import client as client_module
 from gradwire.coordinator.client import WorkerClient, WorkerError
 from gradwire.models import build_from_spec, model_spec
+from gradwire.models import lm_loss as real_lm_loss
 from gradwire.optim.inner import InnerOptimizerConfig
 from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import BEHIND, NEEDS_STATE, OK, LocalSteps, ModelState, RoundResult, WorkOrder
@@ -38,7 +39,6 @@ from gradwire.transport import free_port
 from gradwire.v1 import worker_pb2 as pb
 from gradwire.v1 import worker_pb2_grpc
 from gradwire.worker import cli
-from gradwire.models import lm_loss as real_lm_loss
 from gradwire.worker import compute as compute_module
 from gradwire.worker.compute import Cancelled
 from gradwire.worker.engine import WorkerEngine
@@ -103,9 +103,28 @@ def state_of(replica: Replica) -> ModelState:
     return ModelState(RUN, replica.version, json.dumps(SPEC), params, RULE.to_json())
 
 
-def make_order(replica: Replica, round: int, base_version: int, update: StateUpdate | None = None, *, rows: int = 2, columns: int = 17, micro_batch_size: int = 0, fingerprint: Fingerprint | None = None) -> WorkOrder:
+def make_order(
+    replica: Replica,
+    round: int,
+    base_version: int,
+    update: StateUpdate | None = None,
+    *,
+    rows: int = 2,
+    columns: int = 17,
+    micro_batch_size: int = 0,
+    fingerprint: Fingerprint | None = None,
+) -> WorkOrder:
     batch = np.random.default_rng(round).integers(0, 8192, (rows, columns)).astype(np.uint16)
-    return WorkOrder(RUN, round, base_version, batch, CodecConfig(), fingerprint or replica.fingerprint(), update, micro_batch_size=micro_batch_size)
+    return WorkOrder(
+        RUN,
+        round,
+        base_version,
+        batch,
+        CodecConfig(),
+        fingerprint or replica.fingerprint(),
+        update,
+        micro_batch_size=micro_batch_size,
+    )
 
 
 def codec_for(replica: Replica) -> GradientCodec:
@@ -130,7 +149,9 @@ def assert_rpc_error(call, code: grpc.StatusCode, match: str = "") -> grpc.RpcEr
 def raw_round(worker: Worker, parts: list[pb.Part], timeout: float | None = TIMEOUT) -> bytes:
     """RunRound with hand-made parts; returns the reply's bytes."""
     stub = worker_pb2_grpc.WorkerStub(worker.client.channel)
-    return protocol.join_parts(stub.RunRound(iter(parts), timeout=timeout, metadata=worker.client.call_metadata), 1 << 30)
+    return protocol.join_parts(
+        stub.RunRound(iter(parts), timeout=timeout, metadata=worker.client.call_metadata), 1 << 30
+    )
 
 
 # ------------------------------------------------------------------------------------------- rounds
@@ -220,11 +241,15 @@ def test_catch_up_replays_missed_updates_before_the_rounds_update(worker: Worker
     coordinator = Replica(build_from_spec(SPEC, seed=0), RULE)
     updates, fingerprints = [], []
     for r in range(3):  # three rounds' updates, made from the coordinator's own gradients
-        payload = codec_for(coordinator).compress({n: torch.randn_like(p) * 1e-2 for n, p in coordinator.params.items()})
+        payload = codec_for(coordinator).compress(
+            {n: torch.randn_like(p) * 1e-2 for n, p in coordinator.params.items()}
+        )
         fingerprints.append(coordinator.fingerprint())
         updates.append(StateUpdate(0.1, (payload,), (1.0,)))
         coordinator.apply(updates[-1])
-    order = dataclasses.replace(make_order(replica, 7, 0, updates[2], fingerprint=fingerprints[0]), catch_up=tuple(updates[:2]))
+    order = dataclasses.replace(
+        make_order(replica, 7, 0, updates[2], fingerprint=fingerprints[0]), catch_up=tuple(updates[:2])
+    )
     result = worker.client.run_round(order)
     assert (result.status, result.version) == (OK, 3)
     (session,) = worker.engine.sessions.values()
@@ -266,18 +291,49 @@ BAD_ROUNDS = {
     "runs-past-declared": (lambda o: [pb.Part(data=b"x" * 64, total_bytes=10)], "runs past"),
     "garbage-last-part": (lambda o: [pb.Part(data=b"junk", last=True, total_bytes=4, sha256=b"nope")], "SHA-256"),
     "no-parts": (lambda o: [], "ended before its last part"),
-    "short-of-declared": (lambda o: [pb.Part(data=b"x", total_bytes=10, last=True, sha256=hashlib.sha256(b"x").digest())], "declare 10"),
+    "short-of-declared": (
+        lambda o: [pb.Part(data=b"x", total_bytes=10, last=True, sha256=hashlib.sha256(b"x").digest())],
+        "declare 10",
+    ),
     "truncated": (lambda o: order_parts(o, 64)[:-1], "ended before its last part"),
     "wrong-sha": (lambda o: _wrong_sha(order_parts(o, 64)), "SHA-256"),
     "framed-garbage": (lambda o: frame(b"\xff" * 32), "not a WorkOrder"),
-    "foreign-protocol-version": (lambda o: order_parts(_mangled(o, lambda m: setattr(m, "protocol_version", protocol.PROTOCOL_VERSION + 1))), "protocol version"),
+    "foreign-protocol-version": (
+        lambda o: order_parts(_mangled(o, lambda m: setattr(m, "protocol_version", protocol.PROTOCOL_VERSION + 1))),
+        "protocol version",
+    ),
     "bad-batch-bytes": (lambda o: order_parts(_mangled(o, lambda m: setattr(m.batch, "rows", 3))), "does not match"),
-    "token-out-of-vocabulary": (lambda o: order_parts(dataclasses.replace(o, batch=np.full((2, 5), 9000, np.uint16))), "token id"),
-    "sequence-too-long": (lambda o: order_parts(dataclasses.replace(o, batch=np.zeros((1, 500), np.uint16))), "max_seq_len"),
+    "token-out-of-vocabulary": (
+        lambda o: order_parts(dataclasses.replace(o, batch=np.full((2, 5), 9000, np.uint16))),
+        "token id",
+    ),
+    "sequence-too-long": (
+        lambda o: order_parts(dataclasses.replace(o, batch=np.zeros((1, 500), np.uint16))),
+        "max_seq_len",
+    ),
     "codec-settings": (lambda o: order_parts(_mangled(o, lambda m: setattr(m.codec, "topk", 0))), "codec settings"),
-    "local-steps-uneven-batch": (lambda o: order_parts(dataclasses.replace(o, local_steps=LocalSteps(3, InnerOptimizerConfig(), (1e-3,) * 3))), "does not split"),
-    "local-steps-bad-optimizer": (lambda o: order_parts(_mangled(dataclasses.replace(o, local_steps=LocalSteps(2, InnerOptimizerConfig(), (1e-3,) * 2)), lambda m: setattr(m.local_steps.optimizer, "name", "lion"))), "inner optimizer"),
-    "local-steps-nan-lr": (lambda o: order_parts(_mangled(dataclasses.replace(o, local_steps=LocalSteps(2, InnerOptimizerConfig(), (1e-3,) * 2)), lambda m: m.local_steps.learning_rates.__setitem__(0, float("nan")))), "finite"),
+    "local-steps-uneven-batch": (
+        lambda o: order_parts(dataclasses.replace(o, local_steps=LocalSteps(3, InnerOptimizerConfig(), (1e-3,) * 3))),
+        "does not split",
+    ),
+    "local-steps-bad-optimizer": (
+        lambda o: order_parts(
+            _mangled(
+                dataclasses.replace(o, local_steps=LocalSteps(2, InnerOptimizerConfig(), (1e-3,) * 2)),
+                lambda m: setattr(m.local_steps.optimizer, "name", "lion"),
+            )
+        ),
+        "inner optimizer",
+    ),
+    "local-steps-nan-lr": (
+        lambda o: order_parts(
+            _mangled(
+                dataclasses.replace(o, local_steps=LocalSteps(2, InnerOptimizerConfig(), (1e-3,) * 2)),
+                lambda m: m.local_steps.learning_rates.__setitem__(0, float("nan")),
+            )
+        ),
+        "finite",
+    ),
 }
 
 
@@ -290,11 +346,15 @@ def test_bad_round_requests_are_invalid_and_the_server_carries_on(worker: Worker
     assert_round_ok(worker, replica)
 
 
-def test_an_update_whose_payload_has_wrong_shapes_is_invalid_and_changes_nothing(worker: Worker, replica: Replica) -> None:
+def test_an_update_whose_payload_has_wrong_shapes_is_invalid_and_changes_nothing(
+    worker: Worker, replica: Replica
+) -> None:
     worker.client.push_state(state_of(replica))
     gradient = worker.client.run_round(make_order(replica, 0, 0)).gradient
     t = gradient.tensors[0]
-    bad = dataclasses.replace(gradient, tensors=(dataclasses.replace(t, shape=tuple(s + 1 for s in t.shape)), *gradient.tensors[1:]))
+    bad = dataclasses.replace(
+        gradient, tensors=(dataclasses.replace(t, shape=tuple(s + 1 for s in t.shape)), *gradient.tensors[1:])
+    )
     update = StateUpdate(0.1, (bad,), (1.0,))
     with pytest.raises(WorkerError) as info:
         worker.client.run_round(make_order(replica, 1, 0, update))
@@ -306,7 +366,9 @@ def test_an_update_whose_payload_has_wrong_shapes_is_invalid_and_changes_nothing
 def test_bad_pushes_are_invalid_and_the_server_carries_on(worker: Worker, replica: Replica) -> None:
     stub = worker_pb2_grpc.WorkerStub(worker.client.channel)
     good = state_of(replica)
-    wrong_shape = dataclasses.replace(good, parameters={**good.parameters, "tok_emb.weight": good.parameters["tok_emb.weight"][:10]})
+    wrong_shape = dataclasses.replace(
+        good, parameters={**good.parameters, "tok_emb.weight": good.parameters["tok_emb.weight"][:10]}
+    )
     cases = [
         (dataclasses.replace(good, model_json="{not json"), "model state"),
         (dataclasses.replace(good, update_rule_json='{"optimizer": "lion"}'), "model state"),
@@ -316,7 +378,11 @@ def test_bad_pushes_are_invalid_and_the_server_carries_on(worker: Worker, replic
     for state, message in cases:
         parts = iter(protocol.to_parts(protocol.state_to_proto(state)))
         assert_rpc_error(lambda: stub.PushState(parts, timeout=TIMEOUT), grpc.StatusCode.INVALID_ARGUMENT, message)
-    assert_rpc_error(lambda: stub.PushState(iter([pb.Part(data=b"\xff")]), timeout=TIMEOUT), grpc.StatusCode.INVALID_ARGUMENT, "runs past the 0 bytes")
+    assert_rpc_error(
+        lambda: stub.PushState(iter([pb.Part(data=b"\xff")]), timeout=TIMEOUT),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "runs past the 0 bytes",
+    )
     worker.client.push_state(good)
     assert_round_ok(worker, replica)
 
@@ -342,7 +408,9 @@ def test_fetch_worker_state_of_an_unknown_run_is_invalid(worker: Worker) -> None
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "no replica" in info.value.details
 
 
-def test_a_diverged_round_fails_precondition_resets_the_feedback_and_the_server_carries_on(worker: Worker, replica: Replica, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_diverged_round_fails_precondition_resets_the_feedback_and_the_server_carries_on(
+    worker: Worker, replica: Replica, monkeypatch: pytest.MonkeyPatch
+) -> None:
     worker.client.push_state(state_of(replica))
     first = assert_round_ok(worker, replica, round=0)  # leaves error feedback behind
     assert worker.engine.sessions[RUN].feedback.buffers
@@ -372,10 +440,18 @@ def test_an_engine_bug_is_internal_and_the_server_carries_on(worker: Worker, mon
 
 def test_calls_without_a_deadline_are_refused(worker: Worker, replica: Replica) -> None:
     stub = worker_pb2_grpc.WorkerStub(worker.client.channel)
-    assert_rpc_error(lambda: stub.Describe(pb.DescribeRequest()), grpc.StatusCode.INVALID_ARGUMENT, "every call needs a deadline")
+    assert_rpc_error(
+        lambda: stub.Describe(pb.DescribeRequest()), grpc.StatusCode.INVALID_ARGUMENT, "every call needs a deadline"
+    )
     parts = order_parts(make_order(replica, 0, 0))
-    assert_rpc_error(lambda: raw_round(worker, parts, timeout=None), grpc.StatusCode.INVALID_ARGUMENT, "every call needs a deadline")
-    assert_rpc_error(lambda: list(stub.FetchWorkerState(pb.FetchWorkerStateRequest(run_id=RUN))), grpc.StatusCode.INVALID_ARGUMENT, "deadline")
+    assert_rpc_error(
+        lambda: raw_round(worker, parts, timeout=None), grpc.StatusCode.INVALID_ARGUMENT, "every call needs a deadline"
+    )
+    assert_rpc_error(
+        lambda: list(stub.FetchWorkerState(pb.FetchWorkerStateRequest(run_id=RUN))),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "deadline",
+    )
     # Health checks are exempt: load balancers and probes rarely set one.
     health = health_pb2_grpc.HealthStub(worker.client.channel)
     assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
@@ -403,7 +479,9 @@ def test_a_round_past_its_deadline_stops_on_the_worker(worker: Worker, replica: 
         worker.client.run_round(_long_order(replica), timeout=0.5)
     assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - t0 < 5
-    assert _wait_for(lambda: worker.engine.cancelled_rounds == [7]), "the worker kept computing a round nobody waits for"
+    assert _wait_for(lambda: worker.engine.cancelled_rounds == [7]), (
+        "the worker kept computing a round nobody waits for"
+    )
     assert_round_ok(worker, replica)
 
 
@@ -429,7 +507,10 @@ def test_describe_refuses_another_protocol_version(worker: Worker, monkeypatch: 
     with pytest.raises(WorkerError, match="protocol") as info:
         worker.client.describe()
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert str(info.value) == f"worker at {worker.address} speaks protocol {protocol.PROTOCOL_VERSION}, this coordinator speaks {protocol.PROTOCOL_VERSION + 1}: upgrade the older one"
+    assert (
+        str(info.value)
+        == f"worker at {worker.address} speaks protocol {protocol.PROTOCOL_VERSION}, this coordinator speaks {protocol.PROTOCOL_VERSION + 1}: upgrade the older one"
+    )
 
 
 def test_wait_ready_gives_up_on_a_dead_address() -> None:
@@ -451,7 +532,21 @@ def test_help_names_the_flags(capsys: pytest.CaptureFixture[str]) -> None:
         assert "--port" in out and "--device" in out
 
 
-@pytest.mark.parametrize("argv", [["serve", "--port", "0", "--device", "tpu"], ["serve", "--port", "0", "--device", "cuda:99"], ["serve", "--port", "-1"], ["serve", "--port", "0", "--max-message-mb", "1"], ["serve"], [], ["serve", "--port", "0", "--nproc-per-node", "0"], ["serve", "--port", "0", "--node-mode", "ring"], ["serve", "--port", "0", "--precision", "fp8"], ["serve", "--port", "0", "--node-comm-hook", "zip"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--port", "0", "--device", "tpu"],
+        ["serve", "--port", "0", "--device", "cuda:99"],
+        ["serve", "--port", "-1"],
+        ["serve", "--port", "0", "--max-message-mb", "1"],
+        ["serve"],
+        [],
+        ["serve", "--port", "0", "--nproc-per-node", "0"],
+        ["serve", "--port", "0", "--node-mode", "ring"],
+        ["serve", "--port", "0", "--precision", "fp8"],
+        ["serve", "--port", "0", "--node-comm-hook", "zip"],
+    ],
+)
 def test_bad_flags_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     try:
         code = cli.main(argv)
@@ -475,7 +570,23 @@ def test_worker_process_serves_then_stops_on_sigterm(tmp_path) -> None:
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     log = open(tmp_path / "worker.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "gradwire.worker", "serve", "--port", str(port), "--host", "127.0.0.1", "--device", "cpu"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gradwire.worker",
+            "serve",
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "--device",
+            "cpu",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         with WorkerClient(f"127.0.0.1:{port}", timeout=5.0) as client:
             client.wait_ready(timeout=20.0)

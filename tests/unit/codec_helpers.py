@@ -7,7 +7,9 @@ import torch
 from gradwire.compression import CompressedGradient, ErrorFeedback, GradientCodec, PayloadError, serde
 
 
-def rounds_to_send(codec: GradientCodec, grads: dict[str, torch.Tensor], max_rounds: int, cosine: float = 0.95) -> tuple[int, float]:
+def rounds_to_send(
+    codec: GradientCodec, grads: dict[str, torch.Tensor], max_rounds: int, cosine: float = 0.95
+) -> tuple[int, float]:
     """Compress the same gradient every round with error feedback (beta 0.999) until what was sent, summed,
     points the way the gradient does (``cosine``); returns (rounds, the cosine reached)."""
     feedback = ErrorFeedback(beta=0.999)

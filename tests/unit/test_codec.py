@@ -49,7 +49,13 @@ def test_default_settings_keep_the_largest_coefficients():
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
 
 
-CODINGS = {"8-bit": CodecConfig(), "2-bit": CodecConfig(bins=4), "3-bit": CodecConfig(bins=5), "4-bit": CodecConfig(bins=16), "sign": CodecConfig(values="sign")}
+CODINGS = {
+    "8-bit": CodecConfig(),
+    "2-bit": CodecConfig(bins=4),
+    "3-bit": CodecConfig(bins=5),
+    "4-bit": CodecConfig(bins=16),
+    "sign": CodecConfig(values="sign"),
+}
 
 
 @pytest.mark.parametrize("config", list(CODINGS.values()), ids=list(CODINGS))
@@ -170,7 +176,9 @@ def test_error_feedback_reset_forgets():
 def test_error_feedback_keeps_quantization_error(config):
     """After one step the residual is exactly g minus what the receiver decodes."""
     shapes = {"w": (128, 128), "b": (300,)}
-    codec = GradientCodec(shapes, dataclasses.replace(config, min_sparse_numel=512), transform_dtype=EXACT)  # b is dense, coded
+    codec = GradientCodec(
+        shapes, dataclasses.replace(config, min_sparse_numel=512), transform_dtype=EXACT
+    )  # b is dense, coded
     g = _grads(7, shapes=shapes)
     feedback = ErrorFeedback(beta=1.0)
     sent = codec.decompress(codec.compress(g, feedback))
@@ -178,7 +186,9 @@ def test_error_feedback_keeps_quantization_error(config):
     torch.testing.assert_close(residual_b, g["b"].flatten() - sent["b"].flatten(), atol=1e-6, rtol=0)
     assert residual_b.abs().max() > 0  # quantization error is real and was kept
     (key,) = [k for k in feedback.buffers if k.startswith("group")]
-    residual_w = idct_chunks(feedback.buffers[key].view(4, 64, 64)).view(2, 2, 64, 64).permute(0, 2, 1, 3).reshape(128, 128)
+    residual_w = (
+        idct_chunks(feedback.buffers[key].view(4, 64, 64)).view(2, 2, 64, 64).permute(0, 2, 1, 3).reshape(128, 128)
+    )
     torch.testing.assert_close(residual_w, g["w"] - sent["w"], atol=1e-5, rtol=0)
 
 
@@ -231,7 +241,9 @@ def test_bfloat16_transform_keeps_what_the_codec_keeps():
     sent = codec.decompress(codec.compress(g, feedback))
     (key,) = feedback.buffers
     assert feedback.buffers[key].dtype == torch.float32
-    residual = idct_chunks(feedback.buffers[key].view(4, 64, 64)).view(2, 2, 64, 64).permute(0, 2, 1, 3).reshape(128, 128)
+    residual = (
+        idct_chunks(feedback.buffers[key].view(4, 64, 64)).view(2, 2, 64, 64).permute(0, 2, 1, 3).reshape(128, 128)
+    )
     assert ((residual - (g["w"] - sent["w"])).norm() / g["w"].norm()) < 1e-2
 
 
@@ -246,7 +258,13 @@ def test_bfloat16_transform_selects_nearly_the_same_coefficients():
         g = _grads(20 + step, shapes=shapes)
         p_fast, p_exact = fast.compress(g, fb_fast), exact.compress(g, fb_exact)
         if step == 0:
-            same = [a == b for a, b in zip(fast.decode(p_fast).indices[0].sort(1).values.flatten().tolist(), exact.decode(p_exact).indices[0].sort(1).values.flatten().tolist())]
+            same = [
+                a == b
+                for a, b in zip(
+                    fast.decode(p_fast).indices[0].sort(1).values.flatten().tolist(),
+                    exact.decode(p_exact).indices[0].sort(1).values.flatten().tolist(),
+                )
+            ]
             assert sum(same) / len(same) > 0.9
         sent_fast += fast.decompress(p_fast)["w"]
         sent_exact += exact.decompress(p_exact)["w"]

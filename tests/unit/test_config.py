@@ -11,7 +11,13 @@ from gradwire.coordinator.config import TrainConfig, mode_defaults
 def test_gradient_mode_keeps_demo_defaults() -> None:
     c = TrainConfig()
     assert (c.inner_steps, c.local_sgd) == (1, False)
-    assert (c.outer_optimizer, c.learning_rate, c.momentum, c.feedback_beta, c.bins) == ("signsgd", 1e-3, 0.0, 0.999, 256)
+    assert (c.outer_optimizer, c.learning_rate, c.momentum, c.feedback_beta, c.bins) == (
+        "signsgd",
+        1e-3,
+        0.0,
+        0.999,
+        256,
+    )
 
 
 def test_local_sgd_defaults_follow_sparseloco_and_diloco() -> None:
@@ -51,7 +57,15 @@ def test_explicit_values_win_over_the_mode_defaults() -> None:
 
 
 def test_schedules_are_evaluated_per_round_and_per_inner_step() -> None:
-    c = TrainConfig(steps=10, learning_rate=1.0, lr_schedule="linear", warmup_steps=2, inner_steps=4, inner_learning_rate=1.0, inner_warmup_steps=4)
+    c = TrainConfig(
+        steps=10,
+        learning_rate=1.0,
+        lr_schedule="linear",
+        warmup_steps=2,
+        inner_steps=4,
+        inner_learning_rate=1.0,
+        inner_warmup_steps=4,
+    )
     assert [c.lr_at(s) for s in (0, 1)] == [0.5, 1.0] and c.lr_at(10) == 0.0
     assert c.inner_lrs(0) == (0.25, 0.5, 0.75, 1.0)  # warmup counts inner steps, across rounds
     assert c.inner_lrs(1) == (1.0,) * 4
@@ -80,8 +94,38 @@ def test_bad_values_name_the_flag(changes: dict, flag: str) -> None:
 def test_the_command_line_reaches_the_mode_defaults() -> None:
     config, _ = load_train(["train", "--local", "2", "--inner-steps", "30"])
     assert (config.inner_steps, config.outer_optimizer, config.learning_rate, config.bins) == (30, "sgd", 1.0, 4)
-    config, _ = load_train(["train", "--local", "2", "--learning-rate", "0.25", "--bins", "16", "--values", "sign", "--inner-optimizer", "muon", "--inner-momentum", "0.8"])
+    config, _ = load_train(
+        [
+            "train",
+            "--local",
+            "2",
+            "--learning-rate",
+            "0.25",
+            "--bins",
+            "16",
+            "--values",
+            "sign",
+            "--inner-optimizer",
+            "muon",
+            "--inner-momentum",
+            "0.8",
+        ]
+    )
     assert (config.learning_rate, config.bins, config.values, config.inner_momentum) == (0.25, 16, "sign", 0.8)
     # "auto" says so explicitly (compose passes it when a setting is left unset).
-    config, _ = load_train(["train", "--local", "2", "--inner-steps", "30", "--learning-rate", "auto", "--outer-optimizer", "auto", "--bins", "auto"])
+    config, _ = load_train(
+        [
+            "train",
+            "--local",
+            "2",
+            "--inner-steps",
+            "30",
+            "--learning-rate",
+            "auto",
+            "--outer-optimizer",
+            "auto",
+            "--bins",
+            "auto",
+        ]
+    )
     assert (config.learning_rate, config.outer_optimizer, config.bins) == (1.0, "sgd", 4)

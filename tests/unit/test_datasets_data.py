@@ -212,7 +212,9 @@ def test_a_streams_layout_follows_the_workers_and_no_window_is_trained_twice_or_
     stream = np.concatenate(starts)
     ids = np.tile(np.array(expected_ids(tok))[4 * (SEQ + 1) :], 20)  # after the held-out head, epoch after epoch
     for r, row in enumerate(stream):
-        np.testing.assert_array_equal(row, ids[r * SEQ : r * SEQ + SEQ + 1])  # contiguous: nothing twice, nothing skipped
+        np.testing.assert_array_equal(
+            row, ids[r * SEQ : r * SEQ + SEQ + 1]
+        )  # contiguous: nothing twice, nothing skipped
     assert [first for first, _, _ in source.layouts] == [0, 3, 5]
     resumed = open_stream(files, tok, n_slots=2)
     resumed.restore_layouts([[f, s, list(r)] for f, s, r in source.layouts])

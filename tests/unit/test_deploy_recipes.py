@@ -25,7 +25,11 @@ def serve_flags() -> set[str]:
 
 def assert_worker_command(argv: list[str]) -> dict[str, str]:
     assert argv[:2] == ["worker", "serve"], argv
-    flags = {a: (argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else "") for i, a in enumerate(argv) if a.startswith("--")}
+    flags = {
+        a: (argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else "")
+        for i, a in enumerate(argv)
+        if a.startswith("--")
+    }
     assert set(flags) <= serve_flags(), set(flags) - serve_flags()
     return flags
 

@@ -23,7 +23,15 @@ TEXT = "To be, or not to be, that is the question."
 def tiny_opt() -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, OPTConfig
 
-    config = OPTConfig(vocab_size=1000, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, ffn_dim=64, max_position_embeddings=64, word_embed_proj_dim=32)
+    config = OPTConfig(
+        vocab_size=1000,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        ffn_dim=64,
+        max_position_embeddings=64,
+        word_embed_proj_dim=32,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return AutoModelForCausalLM.from_config(config).eval()

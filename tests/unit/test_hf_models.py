@@ -30,10 +30,24 @@ from gradwire.models import (
 
 VOCAB = 1000
 CONFIGS = {
-    "opt": lambda: OPTConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, ffn_dim=64,
-                             max_position_embeddings=64, word_embed_proj_dim=32),
-    "llama": lambda: LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64),
+    "opt": lambda: OPTConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        ffn_dim=64,
+        max_position_embeddings=64,
+        word_embed_proj_dim=32,
+    ),
+    "llama": lambda: LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    ),
 }
 # The LLaMA checkpoint is stored in bf16, like most released checkpoints: it must still load (and build) in fp32.
 SAVE_DTYPE = {"opt": torch.float32, "llama": torch.bfloat16}

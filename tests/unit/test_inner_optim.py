@@ -116,8 +116,9 @@ def test_a_few_steps_of_each_optimizer_lower_the_loss(tiny: GPT) -> None:
 
 
 def test_muon_takes_exactly_the_hidden_matrices_of_the_gpt(tiny: GPT) -> None:
-    expected = [f"blocks.{i}.{m}.weight" for i in range(2)
-                for m in ("attn.qkv", "attn.proj", "mlp.gate", "mlp.up", "mlp.down")]
+    expected = [
+        f"blocks.{i}.{m}.weight" for i in range(2) for m in ("attn.qkv", "attn.proj", "mlp.gate", "mlp.up", "mlp.down")
+    ]
     assert muon_parameters(tiny) == expected
     # Not the embedding its head is tied to (one tensor, named tok_emb.weight), not the norms.
     assert tiny.lm_head.weight is tiny.tok_emb.weight
@@ -146,13 +147,21 @@ def test_muon_rule_leaves_embeddings_head_and_biases_to_adamw() -> None:
 @pytest.mark.parametrize("tied", [False, True])
 def test_muon_rule_on_a_tiny_hf_model(tied: bool) -> None:
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-                                      tie_word_embeddings=tied)
+    config = transformers.LlamaConfig(
+        vocab_size=100,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=tied,
+    )
     model = transformers.AutoModelForCausalLM.from_config(config)
     layer = "model.layers.0"
     assert muon_parameters(model) == [f"{layer}.self_attn.{m}_proj.weight" for m in "qkvo"] + [
-        f"{layer}.mlp.{m}_proj.weight" for m in ("gate", "up", "down")]
+        f"{layer}.mlp.{m}_proj.weight" for m in ("gate", "up", "down")
+    ]
 
 
 def test_muon_update_is_approximately_orthogonal() -> None:

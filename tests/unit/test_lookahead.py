@@ -47,7 +47,9 @@ def _engine() -> WorkerEngine:
 
 def _order(engine: WorkerEngine, round_: int, batch: np.ndarray, **changes: object) -> WorkOrder:
     (session,) = engine.sessions.values()
-    base = WorkOrder("run", round_, session.replica.version, batch, CODEC, session.replica.fingerprint(), compute_before_update=True)
+    base = WorkOrder(
+        "run", round_, session.replica.version, batch, CODEC, session.replica.fingerprint(), compute_before_update=True
+    )
     return dataclasses.replace(base, **changes)
 
 
@@ -73,10 +75,14 @@ def test_an_order_other_than_the_announced_one_drops_the_lookahead(change):
     first, announced = _batch(1), _batch(2)
     ahead.run_round(_order(ahead, 0, first, next_batch=announced))
     plain.run_round(_order(plain, 0, first))
-    changes = {"batch": dict(batch=_batch(3)), "round": dict(round=2), "micro_batch_size": dict(micro_batch_size=2)}[change]
+    changes = {"batch": dict(batch=_batch(3)), "round": dict(round=2), "micro_batch_size": dict(micro_batch_size=2)}[
+        change
+    ]
     order = {**dict(round=1, batch=announced), **changes}
     a = ahead.run_round(_order(ahead, order.pop("round"), order.pop("batch"), **order))
-    b = plain.run_round(_order(plain, 2 if change == "round" else 1, _batch(3) if change == "batch" else announced, **order))
+    b = plain.run_round(
+        _order(plain, 2 if change == "round" else 1, _batch(3) if change == "batch" else announced, **order)
+    )
     assert ahead.lookaheads == {"dropped": 1}
     assert _payload_bytes(a) == _payload_bytes(b)
 
@@ -116,7 +122,9 @@ def test_lookahead_serves_only_the_computation_it_made():
 
 
 def test_preview_is_the_next_round_on_the_announced_batch():
-    order = WorkOrder("run", 3, 7, _batch(1), CODEC, Fingerprint((), (), ()), compute_before_update=True, next_batch=_batch(2))
+    order = WorkOrder(
+        "run", 3, 7, _batch(1), CODEC, Fingerprint((), (), ()), compute_before_update=True, next_batch=_batch(2)
+    )
     nxt = preview(order, 8)
     assert (nxt.round, nxt.base_version, nxt.update, nxt.next_batch) == (4, 8, None, None)
     assert np.array_equal(nxt.batch, order.next_batch)
@@ -159,11 +167,15 @@ def test_the_own_payload_decoded_while_waiting_is_what_the_replay_sums(monkeypat
     first = engine.run_round(_order(engine, 0, _batch(1), compute_before_update=False))
     assert first.status == OK and session.sent_decoded is not None
     shapes = {n: tuple(p.shape) for n, p in reference.params.items()}
-    other = GradientCodec(shapes, CODEC).compress({n: torch.randn(s, generator=torch.Generator().manual_seed(7)) for n, s in shapes.items()})
+    other = GradientCodec(shapes, CODEC).compress(
+        {n: torch.randn(s, generator=torch.Generator().manual_seed(7)) for n, s in shapes.items()}
+    )
     update = StateUpdate(0.5, (first.gradient, other), (1.0, 3.0))
     decoded = []
     real_decode = GradientCodec.decode
-    monkeypatch.setattr(GradientCodec, "decode", lambda codec, payload: decoded.append(payload) or real_decode(codec, payload))
+    monkeypatch.setattr(
+        GradientCodec, "decode", lambda codec, payload: decoded.append(payload) or real_decode(codec, payload)
+    )
     second = engine.run_round(_order(engine, 1, _batch(2), compute_before_update=False, update=update.without(0, 0)))
     assert second.status == OK and second.version == 5
     assert decoded[0] is other and not any(p is first.gradient for p in decoded)  # its own came decoded

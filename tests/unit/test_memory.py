@@ -29,7 +29,9 @@ print(took, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 
 def _faults(mode: str) -> tuple[str, int]:
-    out = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, timeout=120, check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.split()
     return out[0], int(out[1])
 
 

@@ -143,9 +143,17 @@ def test_lm_loss_of_hf_model_matches_its_own_shifted_loss() -> None:
     spec = {
         "arch": "hf",
         "tokenizer": "gpt2",
-        "config": {"model_type": "opt", "vocab_size": 512, "hidden_size": 32, "num_hidden_layers": 2,
-                   "num_attention_heads": 4, "ffn_dim": 64, "max_position_embeddings": 64,
-                   "word_embed_proj_dim": 32, "use_cache": False},
+        "config": {
+            "model_type": "opt",
+            "vocab_size": 512,
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "ffn_dim": 64,
+            "max_position_embeddings": 64,
+            "word_embed_proj_dim": 32,
+            "use_cache": False,
+        },
     }
     model = build_from_spec(spec, seed=0).eval()  # eval: no dropout, so both calls see the same network
     tokens = torch.randint(0, 512, (2, 17))

@@ -49,7 +49,10 @@ def test_outer_sgd_with_lr_one_lands_on_the_mean_model():
 
 
 def test_update_rule_validates_and_round_trips():
-    for rule in (UpdateRule(optimizer="sgd", momentum=0.9, weight_decay=0.01), UpdateRule(optimizer="nesterov", momentum=0.9)):
+    for rule in (
+        UpdateRule(optimizer="sgd", momentum=0.9, weight_decay=0.01),
+        UpdateRule(optimizer="nesterov", momentum=0.9),
+    ):
         assert UpdateRule.from_json(rule.to_json()) == rule
     assert UpdateRule(optimizer="nesterov", momentum=0.9).replayable and not UpdateRule(optimizer="adamw").replayable
     with pytest.raises(ValueError, match="outer-optimizer"):

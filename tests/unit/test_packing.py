@@ -60,7 +60,9 @@ def _reference_pack(codes: list[int], bits: int) -> bytes:
     return stream.to_bytes((len(codes) * bits + 7) // 8, "little")
 
 
-codes_and_bits = st.integers(1, 8).flatmap(lambda bits: st.tuples(st.just(bits), st.lists(st.integers(0, (1 << bits) - 1), max_size=301)))
+codes_and_bits = st.integers(1, 8).flatmap(
+    lambda bits: st.tuples(st.just(bits), st.lists(st.integers(0, (1 << bits) - 1), max_size=301))
+)
 
 
 @given(codes_and_bits)

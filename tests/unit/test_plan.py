@@ -6,7 +6,9 @@ from gradwire.compression import CodecConfig, Encoding, ModelPlan, ValueFormat
 from gradwire.compression.plan import code_bits, largest_divisor_at_most, plan_tensor, value_format_for
 
 
-@pytest.mark.parametrize(("n", "limit", "want"), [(768, 64, 64), (50272, 64, 32), (2050, 64, 50), (50261, 64, 1), (7, 64, 7), (3072, 48, 48)])
+@pytest.mark.parametrize(
+    ("n", "limit", "want"), [(768, 64, 64), (50272, 64, 32), (2050, 64, 50), (50261, 64, 1), (7, 64, 7), (3072, 48, 48)]
+)
 def test_largest_divisor(n, limit, want):
     assert largest_divisor_at_most(n, limit) == want
 
@@ -49,7 +51,9 @@ def test_value_format_is_whichever_is_smaller():
     assert plan_tensor("norm", (768,), cfg).value_format == ValueFormat.FLOAT32
 
 
-@pytest.mark.parametrize(("bins", "bits"), [(2, 1), (3, 2), (4, 2), (5, 3), (8, 3), (9, 4), (16, 4), (17, 5), (129, 8), (256, 8)])
+@pytest.mark.parametrize(
+    ("bins", "bits"), [(2, 1), (3, 2), (4, 2), (5, 3), (8, 3), (9, 4), (16, 4), (17, 5), (129, 8), (256, 8)]
+)
 def test_code_bits_is_ceil_log2_bins(bins, bits):
     assert code_bits(bins) == bits
 

@@ -64,7 +64,10 @@ def test_parts_round_trip(size: int) -> None:
 
 def framed(data: bytes) -> list[pb.Part]:
     half, total = len(data) // 2, len(data)
-    return [pb.Part(data=data[:half], total_bytes=total), pb.Part(data=data[half:], last=True, total_bytes=total, sha256=hashlib.sha256(data).digest())]
+    return [
+        pb.Part(data=data[:half], total_bytes=total),
+        pb.Part(data=data[half:], last=True, total_bytes=total, sha256=hashlib.sha256(data).digest()),
+    ]
 
 
 def _with_total(part: pb.Part, total: int) -> pb.Part:
@@ -80,13 +83,31 @@ def _with_total(part: pb.Part, total: int) -> pb.Part:
         (lambda ps: ps[:-1], "ended before its last part"),
         (lambda ps: [], "ended before its last part"),
         (lambda ps: [ps[0], _with_total(ps[1], 201)], "a part declares 201 bytes in all, the first part 200"),
-        (lambda ps: [_with_total(ps[0], 201), _with_total(ps[1], 201)], "framed message is 200 bytes, its parts declare 201"),
-        (lambda ps: [ps[0], pb.Part(data=ps[1].data, last=True, total_bytes=ps[1].total_bytes, sha256=b"\0" * 32)], "SHA-256"),
+        (
+            lambda ps: [_with_total(ps[0], 201), _with_total(ps[1], 201)],
+            "framed message is 200 bytes, its parts declare 201",
+        ),
+        (
+            lambda ps: [ps[0], pb.Part(data=ps[1].data, last=True, total_bytes=ps[1].total_bytes, sha256=b"\0" * 32)],
+            "SHA-256",
+        ),
         (lambda ps: [pb.Part(data=b"x" + ps[0].data, total_bytes=200), ps[1]], "runs past the 200 bytes"),
         (lambda ps: [pb.Part(data=bytes([ps[0].data[0] ^ 1]) + ps[0].data[1:], total_bytes=200), ps[1]], "SHA-256"),
-        (lambda ps: [pb.Part(data=ps[0].data), ps[1]], "runs past the 0 bytes"),  # protocol 2 framing: no total up front
+        (
+            lambda ps: [pb.Part(data=ps[0].data), ps[1]],
+            "runs past the 0 bytes",
+        ),  # protocol 2 framing: no total up front
     ],
-    ids=["no-last-part", "empty-stream", "totals-disagree", "short-of-total", "wrong-hash", "extra-byte", "flipped-bit", "no-total-first"],
+    ids=[
+        "no-last-part",
+        "empty-stream",
+        "totals-disagree",
+        "short-of-total",
+        "wrong-hash",
+        "extra-byte",
+        "flipped-bit",
+        "no-total-first",
+    ],
 )
 def test_join_parts_rejects_broken_frames(mangle, message: str) -> None:
     parts = mangle(framed(bytes(range(200))))
@@ -108,7 +129,9 @@ def test_join_parts_refuses_a_declared_oversize_before_reading_on() -> None:
             consumed.append(1)
             yield pb.Part(data=b"\0" * 1024, total_bytes=1 << 40)
 
-    with pytest.raises(ProtocolError, match=r"declares 1099511627776 bytes, over the 1.0 MiB limit \(--max-message-mb\)"):
+    with pytest.raises(
+        ProtocolError, match=r"declares 1099511627776 bytes, over the 1.0 MiB limit \(--max-message-mb\)"
+    ):
         protocol.join_parts(huge(), max_bytes=1 << 20)
     assert len(consumed) == 1  # one part looked at, none kept
 
@@ -126,7 +149,9 @@ def test_join_parts_stops_at_the_declared_size_when_parts_run_on() -> None:
     assert len(consumed) == 5
 
 
-@pytest.mark.parametrize("data", [b"\xff" * 16, b"\x0f", b"\x0a\x05ab"], ids=["truncated-varint", "bad-wire-type", "short-field"])
+@pytest.mark.parametrize(
+    "data", [b"\xff" * 16, b"\x0f", b"\x0a\x05ab"], ids=["truncated-varint", "bad-wire-type", "short-field"]
+)
 def test_parse_rejects_garbage(data: bytes) -> None:
     with pytest.raises(ProtocolError, match="not a WorkOrder"):
         protocol.parse(pb.WorkOrder, data)
@@ -176,12 +201,28 @@ def test_info_round_trip() -> None:
 
 def test_model_state_round_trip() -> None:
     state = ModelState(
-        "run", 5, '{"arch": "gpt"}', {"w": torch.randn(3, 4), "b": torch.randn(4).bfloat16()}, '{"optimizer": "sgd"}',
-        {"momentum.0": torch.randn(3, 4)}, {"w": torch.randn(3, 4)}, {"w/exp_avg": torch.randn(3, 4), "w/step": torch.tensor(2.0)},
+        "run",
+        5,
+        '{"arch": "gpt"}',
+        {"w": torch.randn(3, 4), "b": torch.randn(4).bfloat16()},
+        '{"optimizer": "sgd"}',
+        {"momentum.0": torch.randn(3, 4)},
+        {"w": torch.randn(3, 4)},
+        {"w/exp_avg": torch.randn(3, 4), "w/step": torch.tensor(2.0)},
     )
     back = protocol.state_from_proto(protocol.parse(pb.ModelState, protocol.state_to_proto(state).SerializeToString()))
-    assert (back.run_id, back.version, back.model_json, back.update_rule_json) == (state.run_id, state.version, state.model_json, state.update_rule_json)
-    pairs = [(state.parameters, back.parameters), (state.optimizer_state, back.optimizer_state), (state.feedback, back.feedback), (state.inner_optimizer, back.inner_optimizer)]
+    assert (back.run_id, back.version, back.model_json, back.update_rule_json) == (
+        state.run_id,
+        state.version,
+        state.model_json,
+        state.update_rule_json,
+    )
+    pairs = [
+        (state.parameters, back.parameters),
+        (state.optimizer_state, back.optimizer_state),
+        (state.feedback, back.feedback),
+        (state.inner_optimizer, back.inner_optimizer),
+    ]
     for mine, theirs in pairs:
         assert list(mine) == list(theirs)  # order matters: named_parameters() order
         assert all(torch.equal(mine[k], theirs[k]) for k in mine)
@@ -259,12 +300,20 @@ def test_order_from_proto_rejects(mangle, message: str, gradient: CompressedGrad
 
 
 def local(steps: int = 2, **changes: object) -> LocalSteps:
-    base = dict(optimizer=InnerOptimizerConfig(name="adamw", weight_decay=0.1), learning_rates=(1e-3,) * steps, clip_grad_norm=1.0)
+    base = dict(
+        optimizer=InnerOptimizerConfig(name="adamw", weight_decay=0.1),
+        learning_rates=(1e-3,) * steps,
+        clip_grad_norm=1.0,
+    )
     return LocalSteps(steps=steps, **{**base, **changes})
 
 
 def test_work_order_with_local_steps_round_trips() -> None:
-    for plan in (local(2), local(1, optimizer=InnerOptimizerConfig(name="muon", momentum=0.95)), local(2, optimizer=InnerOptimizerConfig(name="sgd", momentum=0.9, nesterov=True))):
+    for plan in (
+        local(2),
+        local(1, optimizer=InnerOptimizerConfig(name="muon", momentum=0.95)),
+        local(2, optimizer=InnerOptimizerConfig(name="sgd", momentum=0.9, nesterov=True)),
+    ):
         o = order(local_steps=plan)
         back = protocol.order_from_proto(protocol.parse(pb.WorkOrder, protocol.order_to_proto(o).SerializeToString()))
         assert_orders_equal(back, o)
@@ -286,7 +335,10 @@ def test_work_order_with_local_steps_round_trips() -> None:
         (lambda m: setattr(m.local_steps.optimizer, "beta1", 1.5), "inner optimizer"),
         (lambda m: setattr(m.local_steps.optimizer, "weight_decay", float("nan")), "inner optimizer"),
         (lambda m: m.local_steps.ClearField("optimizer"), "optimizer missing"),
-        (lambda m: (setattr(m.local_steps, "steps", 3), m.local_steps.learning_rates.append(1e-3)), "does not split into 3"),
+        (
+            lambda m: (setattr(m.local_steps, "steps", 3), m.local_steps.learning_rates.append(1e-3)),
+            "does not split into 3",
+        ),
     ],
 )
 def test_local_steps_from_proto_rejects(mangle, message: str) -> None:
@@ -306,7 +358,10 @@ def test_order_from_proto_rejects_a_foreign_payload_version(gradient: Compressed
 def test_round_result_round_trip(gradient: CompressedGradient) -> None:
     timings = {"update": 0.5, "compute": 1.0, "compress": 0.25, "total": 1.75}
     ok = RoundResult(protocol.OK, 4, "", gradient, 9.0, 32, 2, timings)
-    assert protocol.result_from_proto(protocol.parse(pb.RoundResult, protocol.result_to_proto(ok).SerializeToString())) == ok
+    assert (
+        protocol.result_from_proto(protocol.parse(pb.RoundResult, protocol.result_to_proto(ok).SerializeToString()))
+        == ok
+    )
     needs = protocol.result_from_proto(protocol.result_to_proto(RoundResult(protocol.NEEDS_STATE, 4, "no replica")))
     assert (needs.status, needs.reason, needs.gradient) == (protocol.NEEDS_STATE, "no replica", None)
 
@@ -321,6 +376,11 @@ def test_round_result_rejects_unknown_status_and_ok_without_gradient() -> None:
 def test_worker_state_round_trip() -> None:
     ws = WorkerState("run", 3, {"w": torch.randn(4, 4)}, {"w/exp_avg": torch.randn(4, 4), "w/step": torch.tensor(3.0)})
     back = protocol.worker_state_from_proto(protocol.worker_state_to_proto(ws))
-    assert (back.run_id, back.version, list(back.feedback), list(back.inner_optimizer)) == ("run", 3, ["w"], ["w/exp_avg", "w/step"])
+    assert (back.run_id, back.version, list(back.feedback), list(back.inner_optimizer)) == (
+        "run",
+        3,
+        ["w"],
+        ["w/exp_avg", "w/step"],
+    )
     assert torch.equal(back.feedback["w"], ws.feedback["w"])
     assert all(torch.equal(back.inner_optimizer[k], v) for k, v in ws.inner_optimizer.items())

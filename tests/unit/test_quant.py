@@ -84,7 +84,9 @@ def test_sign_is_the_sign_times_mean_magnitude_per_segment():
     seg = torch.cat([torch.zeros(3000), torch.ones(5000), torch.full((3,), 2)]).long()
     q = quantize_sign(v, seg, 3)
     assert q.codes.dtype == torch.uint8 and torch.equal(q.codes, (v < 0).to(torch.uint8))
-    torch.testing.assert_close(q.scale, torch.stack([a.abs().mean(), b.abs().mean(), torch.tensor(0.0)]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        q.scale, torch.stack([a.abs().mean(), b.abs().mean(), torch.tensor(0.0)]), rtol=1e-5, atol=0
+    )
     assert torch.equal(q.shift, torch.zeros(3))
     want = torch.where(v < 0, -q.scale[seg], q.scale[seg])
     assert torch.equal(q.dequantized, want)  # exactly +-scale: what the receiver decodes

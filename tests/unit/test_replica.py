@@ -18,7 +18,14 @@ def _payloads(model, n=2, seed=0):
     return tuple(codec.compress({k: torch.randn(s, generator=g) for k, s in shapes.items()}) for _ in range(n))
 
 
-@pytest.mark.parametrize("rule", [UpdateRule(optimizer="signsgd", weight_decay=0.1), UpdateRule(optimizer="sgd", momentum=0.9), UpdateRule(optimizer="nesterov", momentum=0.9)])
+@pytest.mark.parametrize(
+    "rule",
+    [
+        UpdateRule(optimizer="signsgd", weight_decay=0.1),
+        UpdateRule(optimizer="sgd", momentum=0.9),
+        UpdateRule(optimizer="nesterov", momentum=0.9),
+    ],
+)
 def test_replay_keeps_two_replicas_bit_identical(rule):
     a, b = Replica(build_model("gpt-tiny"), rule), Replica(build_model("gpt-tiny"), rule)
     for step in range(3):

@@ -59,7 +59,13 @@ def test_resumed_and_odd_logs_still_draw(tmp_path: Path) -> None:
     # A resumed run re-logs steps 10..19; an older log lacks worker_compute_time; a diverged step logs null.
     synthetic_run(tmp_path, 20)
     synthetic_run(tmp_path, 15, first_step=10)
-    diverged = {key: 1 for key in METRIC_KEYS} | {"step": 25, "loss": float("nan"), "step_time": 0.1, "dispatch_time": 0.08, "aggregate_time": 0.02}
+    diverged = {key: 1 for key in METRIC_KEYS} | {
+        "step": 25,
+        "loss": float("nan"),
+        "step_time": 0.1,
+        "dispatch_time": 0.08,
+        "aggregate_time": 0.02,
+    }
     with MetricsLog(tmp_path) as log:
         log.append(diverged)
     report = tmp_path / "report"

@@ -69,7 +69,10 @@ def test_rules_do_not_depend_on_sender_order() -> None:
     codec = GradientCodec(SHAPES, CodecConfig(topk=64))
     ps = payloads(codec, grads(4, seed=5))
     for rule in (MEAN, AggregationRule(mode="median"), AggregationRule(mode="trimmed-mean")):
-        results = [aggregate(codec, [ps[i] for i in order], [1.0] * 4, (), rule).result() for order in itertools.permutations(range(4), 4)][:6]
+        results = [
+            aggregate(codec, [ps[i] for i in order], [1.0] * 4, (), rule).result()
+            for order in itertools.permutations(range(4), 4)
+        ][:6]
         for r in results[1:]:
             for k in SHAPES:
                 torch.testing.assert_close(r[k], results[0][k], rtol=1e-6, atol=1e-7)
@@ -82,7 +85,9 @@ def test_median_of_one_sender_is_its_decompression_and_norms_agree() -> None:
     dense = codec.decompress(p)
     for k in SHAPES:
         torch.testing.assert_close(agg.result()[k], dense[k], rtol=1e-5, atol=1e-6)
-    assert agg.norm() == pytest.approx(float(torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in dense.values()]))), rel=1e-4)
+    assert agg.norm() == pytest.approx(
+        float(torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in dense.values()]))), rel=1e-4
+    )
 
 
 def test_bad_arguments() -> None:
@@ -99,7 +104,9 @@ def test_bad_arguments() -> None:
 def test_a_replay_carries_its_scales_and_rule() -> None:
     codec = GradientCodec(SHAPES, CodecConfig())
     ps = tuple(payloads(codec, grads(3)))
-    update = StateUpdate(0.5, ps, (1.0, 2.0, 3.0), scales=(1.0, 0.25, 1.0), rule=AggregationRule(mode="trimmed-mean", trim=0.3))
+    update = StateUpdate(
+        0.5, ps, (1.0, 2.0, 3.0), scales=(1.0, 0.25, 1.0), rule=AggregationRule(mode="trimmed-mean", trim=0.3)
+    )
     back = protocol.update_from_proto(protocol.update_to_proto(update))
     assert (back.scales, back.rule, back.weights) == (update.scales, update.rule, update.weights)
     plain = protocol.update_from_proto(protocol.update_to_proto(dataclasses.replace(update, scales=(), rule=MEAN)))
@@ -179,9 +186,9 @@ def test_a_replay_can_leave_out_the_receivers_own_payload() -> None:
         assert back.own == (position, 7) and back.weights == update.weights and back.scales == update.scales
         assert back.with_own(ps[position]) == update
     with pytest.raises(ValueError, match="put it back first"):
-        from gradwire.replica import Replica  # noqa: F401 - the replica refuses a partial replay
         from gradwire.models import build_from_spec, model_spec
         from gradwire.optim.outer import UpdateRule
+        from gradwire.replica import Replica  # noqa: F401 - the replica refuses a partial replay
 
         Replica(build_from_spec(model_spec("gpt-tiny")), UpdateRule()).apply(update.without(0, 1))
     msg = protocol.update_to_proto(update.without(2, 7))

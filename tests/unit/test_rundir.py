@@ -35,11 +35,17 @@ def test_overwrite_removes_the_old_run(tmp_path: Path) -> None:
     ckpt = a_run(tmp_path / "run")
     (tmp_path / "run" / "notes.txt").write_text("mine")
     claim(tmp_path / "run", ckpt, resuming=False, overwrite=True)
-    assert not (tmp_path / "run" / "metrics.jsonl").exists() and not ckpt.exists() and not (tmp_path / "run" / "final").exists()
+    assert (
+        not (tmp_path / "run" / "metrics.jsonl").exists()
+        and not ckpt.exists()
+        and not (tmp_path / "run" / "final").exists()
+    )
     assert (tmp_path / "run" / "notes.txt").read_text() == "mine"  # not ours: kept
 
 
-def test_leftovers_of_an_interrupted_checkpoint_are_removed_and_the_last_complete_one_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_leftovers_of_an_interrupted_checkpoint_are_removed_and_the_last_complete_one_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ckpt = a_run(tmp_path / "run")
     from gradwire.coordinator import checkpoint
 

@@ -35,7 +35,13 @@ def test_the_token_comes_from_the_flag_then_the_file_then_the_environment(tmp_pa
 
 @pytest.mark.parametrize(
     ("token", "message"),
-    [("", "empty"), ("has space", "printable ASCII"), ("tab\there", "printable ASCII"), ("é" * 20, "printable ASCII"), ("x" * 5000, "longer than")],
+    [
+        ("", "empty"),
+        ("has space", "printable ASCII"),
+        ("tab\there", "printable ASCII"),
+        ("é" * 20, "printable ASCII"),
+        ("x" * 5000, "longer than"),
+    ],
 )
 def test_unusable_tokens_name_their_source(token: str, message: str) -> None:
     with pytest.raises(ValueError, match=f"--token: .*{message}"):
@@ -81,11 +87,28 @@ def test_run_keys_and_owners() -> None:
 
 def test_any_tls_file_turns_tls_on() -> None:
     assert not ClientSecurity().tls
-    assert ClientSecurity(tls_ca="ca.pem").tls and ClientSecurity(tls_server_name="gpu1").tls and ClientSecurity(tls=True).tls
+    assert (
+        ClientSecurity(tls_ca="ca.pem").tls
+        and ClientSecurity(tls_server_name="gpu1").tls
+        and ClientSecurity(tls=True).tls
+    )
     with pytest.raises(ValueError, match="go together"):
         ClientSecurity(tls_key="k.pem")
 
 
-@pytest.mark.parametrize(("host", "loopback"), [("127.0.0.1", True), ("127.1.2.3", True), ("[::1]", True), ("localhost", True), ("[::]", False), ("0.0.0.0", False), ("", False), ("gpu1.example.org", False), ("10.0.0.5", False)])
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.1.2.3", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("[::]", False),
+        ("0.0.0.0", False),
+        ("", False),
+        ("gpu1.example.org", False),
+        ("10.0.0.5", False),
+    ],
+)
 def test_is_loopback(host: str, loopback: bool) -> None:
     assert is_loopback(host) is loopback

@@ -34,6 +34,7 @@ def pack12(indices: list[int]) -> bytes:
 
 SETTINGS = CodecConfig(chunk=8, topk=3, use_dct=True, bins=16, range_sigmas=0.1, min_sparse_numel=64)
 
+
 def pack_bits(codes: list[int], bits: int) -> bytes:
     """The documented value layout, the slow obvious way: an LSB-first stream, code i at bit i * bits."""
     stream = sum(c << (i * bits) for i, c in enumerate(codes))

@@ -81,7 +81,9 @@ def test_metric_names() -> None:
     assert set(METRIC_KEYS) - {"step"} <= set(METRIC_NAMES)
 
 
-def test_mode_is_offline_without_a_key_and_the_users_choice_wins(no_wandb_key: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mode_is_offline_without_a_key_and_the_users_choice_wins(
+    no_wandb_key: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert wandb_mode() == "offline"
     monkeypatch.setenv("WANDB_MODE", "disabled")
     assert wandb_mode() is None  # wandb reads WANDB_MODE itself
@@ -94,7 +96,9 @@ def test_mode_is_offline_without_a_key_and_the_users_choice_wins(no_wandb_key: P
 
 
 @pytest.mark.slow
-def test_offline_run_records_metrics_under_the_seed_names(no_wandb_key: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_offline_run_records_metrics_under_the_seed_names(
+    no_wandb_key: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     out = tmp_path / "run"
     config = TrainConfig(model="gpt-tiny", wandb_project="gradwire-test", wandb_run_name="unit", output_dir=str(out))
     with caplog.at_level(logging.INFO, logger="gradwire.coordinator.tracking"):
@@ -116,7 +120,9 @@ def test_offline_run_records_metrics_under_the_seed_names(no_wandb_key: Path, tm
     history = []
     for r in records:
         if r.WhichOneof("record_type") == "history":
-            history.append({"/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in r.history.item})
+            history.append(
+                {"/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in r.history.item}
+            )
     kinds = sorted(r.WhichOneof("record_type") or "?" for r in records)
     assert [h["_step"] for h in history] == [1, 2, 3], f"records in {log_file.name}: {kinds}"
     assert [h["train/loss"] for h in history] == [4.0, 3.0, 2.0]
@@ -147,7 +153,9 @@ class Broken:
         self.finished.append(exit_code)
 
 
-def test_a_wandb_error_warns_once_and_turns_tracking_off(no_wandb_key: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_wandb_error_warns_once_and_turns_tracking_off(
+    no_wandb_key: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     broken = Broken()
     monkeypatch.setattr(wandb, "init", lambda **kwargs: broken)
     tracker = WandbTracker(TrainConfig(wandb_project="p", output_dir=str(no_wandb_key / "run")))
@@ -161,7 +169,9 @@ def test_a_wandb_error_warns_once_and_turns_tracking_off(no_wandb_key: Path, mon
     assert not tracker.enabled and broken.finished == [1]
 
 
-def test_a_failing_wandb_init_does_not_raise(no_wandb_key: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_failing_wandb_init_does_not_raise(
+    no_wandb_key: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     def fail(**kwargs: object) -> None:
         raise wandb.errors.UsageError("no API key configured")
 

@@ -91,10 +91,14 @@ def tensor(p: CompressedGradient, name: str) -> CompressedTensor:
 
 def with_tensor(p: CompressedGradient, target: str, /, **changes: object) -> CompressedGradient:
     assert any(t.name == target for t in p.tensors)
-    return dataclasses.replace(p, tensors=tuple(dataclasses.replace(t, **changes) if t.name == target else t for t in p.tensors))
+    return dataclasses.replace(
+        p, tensors=tuple(dataclasses.replace(t, **changes) if t.name == target else t for t in p.tensors)
+    )
 
 
-def expect_error(codec: GradientCodec, bad: CompressedGradient, tensor_name: str | tuple[str, ...], field: str) -> PayloadError:
+def expect_error(
+    codec: GradientCodec, bad: CompressedGradient, tensor_name: str | tuple[str, ...], field: str
+) -> PayloadError:
     with pytest.raises(PayloadError) as info:
         codec.decode(bad)
     err = info.value
@@ -202,28 +206,82 @@ def _other(name: str) -> str:
 
 GRADIENT_CASES: list[tuple[str, GradientEdit, tuple[str, ...] | str, str]] = [
     ("version-0", lambda p: dataclasses.replace(p, format_version=0), GRADIENT_LEVEL, "format_version"),
-    ("version-next", lambda p: dataclasses.replace(p, format_version=FORMAT_VERSION + 1), GRADIENT_LEVEL, "format_version"),
-    ("settings-topk", lambda p: dataclasses.replace(p, settings=dataclasses.replace(CONFIG, topk=16)), GRADIENT_LEVEL, "settings"),
-    ("settings-bins", lambda p: dataclasses.replace(p, settings=dataclasses.replace(CONFIG, bins=128)), GRADIENT_LEVEL, "settings"),
-    ("settings-values", lambda p: dataclasses.replace(p, settings=dataclasses.replace(CONFIG, values="sign")), GRADIENT_LEVEL, "settings"),
-    ("settings-range", lambda p: dataclasses.replace(p, settings=dataclasses.replace(CONFIG, range_sigmas=5.0)), GRADIENT_LEVEL, "settings"),
-    ("settings-dct", lambda p: dataclasses.replace(p, settings=dataclasses.replace(CONFIG, use_dct=False)), GRADIENT_LEVEL, "settings"),
-    ("settings-min-sparse", lambda p: dataclasses.replace(p, settings=dataclasses.replace(CONFIG, min_sparse_numel=0)), GRADIENT_LEVEL, "settings"),
+    (
+        "version-next",
+        lambda p: dataclasses.replace(p, format_version=FORMAT_VERSION + 1),
+        GRADIENT_LEVEL,
+        "format_version",
+    ),
+    (
+        "settings-topk",
+        lambda p: dataclasses.replace(p, settings=dataclasses.replace(CONFIG, topk=16)),
+        GRADIENT_LEVEL,
+        "settings",
+    ),
+    (
+        "settings-bins",
+        lambda p: dataclasses.replace(p, settings=dataclasses.replace(CONFIG, bins=128)),
+        GRADIENT_LEVEL,
+        "settings",
+    ),
+    (
+        "settings-values",
+        lambda p: dataclasses.replace(p, settings=dataclasses.replace(CONFIG, values="sign")),
+        GRADIENT_LEVEL,
+        "settings",
+    ),
+    (
+        "settings-range",
+        lambda p: dataclasses.replace(p, settings=dataclasses.replace(CONFIG, range_sigmas=5.0)),
+        GRADIENT_LEVEL,
+        "settings",
+    ),
+    (
+        "settings-dct",
+        lambda p: dataclasses.replace(p, settings=dataclasses.replace(CONFIG, use_dct=False)),
+        GRADIENT_LEVEL,
+        "settings",
+    ),
+    (
+        "settings-min-sparse",
+        lambda p: dataclasses.replace(p, settings=dataclasses.replace(CONFIG, min_sparse_numel=0)),
+        GRADIENT_LEVEL,
+        "settings",
+    ),
     ("missing-first", lambda p: dataclasses.replace(p, tensors=p.tensors[1:]), "w", "name"),
-    ("missing-middle", lambda p: dataclasses.replace(p, tensors=tuple(t for t in p.tensors if t.name != "vec")), "vec", "name"),
+    (
+        "missing-middle",
+        lambda p: dataclasses.replace(p, tensors=tuple(t for t in p.tensors if t.name != "vec")),
+        "vec",
+        "name",
+    ),
     ("missing-last", lambda p: dataclasses.replace(p, tensors=p.tensors[:-1]), "d32", "name"),
     ("no-tensors", lambda p: dataclasses.replace(p, tensors=()), tuple(SHAPES), "name"),
-    ("extra", lambda p: dataclasses.replace(p, tensors=(*p.tensors, dataclasses.replace(p.tensors[-1], name="extra.bias"))), "extra.bias", "name"),
+    (
+        "extra",
+        lambda p: dataclasses.replace(p, tensors=(*p.tensors, dataclasses.replace(p.tensors[-1], name="extra.bias"))),
+        "extra.bias",
+        "name",
+    ),
     ("renamed", lambda p: with_tensor(p, "sp", name="sp2"), ("sp2", "sp"), "name"),
     # Reordering names no single tensor today (tensor=""); see test_reordered_payload_names_a_tensor.
-    ("reordered", lambda p: dataclasses.replace(p, tensors=(p.tensors[1], p.tensors[0], *p.tensors[2:])), ("", "w", "odd"), "name"),
+    (
+        "reordered",
+        lambda p: dataclasses.replace(p, tensors=(p.tensors[1], p.tensors[0], *p.tensors[2:])),
+        ("", "w", "odd"),
+        "name",
+    ),
     ("reversed", lambda p: dataclasses.replace(p, tensors=p.tensors[::-1]), ("", *SHAPES), "name"),
     ("duplicated", lambda p: dataclasses.replace(p, tensors=(*p.tensors, p.tensors[0])), ("", "w"), "name"),
 ]
 
 
-@pytest.mark.parametrize(("edit", "tensor_name", "field"), [c[1:] for c in GRADIENT_CASES], ids=[c[0] for c in GRADIENT_CASES])
-def test_gradient_level_rule(codec: GradientCodec, good: CompressedGradient, edit: GradientEdit, tensor_name: str | tuple[str, ...], field: str) -> None:
+@pytest.mark.parametrize(
+    ("edit", "tensor_name", "field"), [c[1:] for c in GRADIENT_CASES], ids=[c[0] for c in GRADIENT_CASES]
+)
+def test_gradient_level_rule(
+    codec: GradientCodec, good: CompressedGradient, edit: GradientEdit, tensor_name: str | tuple[str, ...], field: str
+) -> None:
     expect_error(codec, edit(good), tensor_name, field)
 
 
@@ -317,7 +375,9 @@ TENSOR_CASES: list[tuple[str, str, str, TensorChange]] = [
 
 
 @pytest.mark.parametrize(("name", "field", "change"), [c[1:] for c in TENSOR_CASES], ids=[c[0] for c in TENSOR_CASES])
-def test_tensor_rule(codec: GradientCodec, good: CompressedGradient, name: str, field: str, change: TensorChange) -> None:
+def test_tensor_rule(
+    codec: GradientCodec, good: CompressedGradient, name: str, field: str, change: TensorChange
+) -> None:
     ct = tensor(good, name)
     changes = change(ct, num_values(codec, name)) if callable(change) else change
     bad = with_tensor(good, name, **changes)
@@ -373,7 +433,9 @@ def test_bytes_from_another_plan_fail_in_decode(codec: GradientCodec) -> None:
 
     # Other names: a different model altogether.
     model = GradientCodec({"embed.weight": (512, 64), "ln.bias": (64,)}, CONFIG)
-    parsed = serde.gradient_from_bytes(serde.gradient_to_bytes(model.compress({"embed.weight": torch.randn(512, 64), "ln.bias": torch.randn(64)})))
+    parsed = serde.gradient_from_bytes(
+        serde.gradient_to_bytes(model.compress({"embed.weight": torch.randn(512, 64), "ln.bias": torch.randn(64)}))
+    )
     expect_error(codec, parsed, ("embed.weight", "ln.bias", *SHAPES), "name")
 
     # Other settings: serde accepts any valid settings, the codec rejects them.
@@ -391,14 +453,18 @@ def test_truncated_bytes_fail_with_payload_error(codec: GradientCodec, good: Com
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(position=st.integers(min_value=0, max_value=1 << 30), flip=st.integers(min_value=1, max_value=255))
-def test_single_byte_corruption_raises_only_payload_error(codec: GradientCodec, good: CompressedGradient, position: int, flip: int) -> None:
+def test_single_byte_corruption_raises_only_payload_error(
+    codec: GradientCodec, good: CompressedGradient, position: int, flip: int
+) -> None:
     check_corrupted_byte(codec, good, position, flip)
 
 
 # ---------------------------------------------------------------- code range and tensor order
 
 
-@pytest.mark.parametrize(("bins", "bits", "code"), [(12, 4, 12), (12, 4, 15), (5, 3, 5), (5, 3, 7), (3, 2, 3), (200, 8, 255)])
+@pytest.mark.parametrize(
+    ("bins", "bits", "code"), [(12, 4, 12), (12, 4, 15), (5, 3, 5), (5, 3, 7), (3, 2, 3), (200, 8, 255)]
+)
 @pytest.mark.parametrize("target", ["a", "b"])
 def test_code_beyond_bins_is_rejected(bins: int, bits: int, code: int, target: str) -> None:
     """When bins is not a power of two a packed code can exceed the table: a PayloadError on ``values``.

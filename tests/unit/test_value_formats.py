@@ -82,7 +82,10 @@ def case(request: pytest.FixtureRequest) -> tuple[str, GradientCodec, Compressed
     config, formats = FORMATS[request.param]
     codec = GradientCodec(SHAPES, config)
     assert {t.name: t.value_format for t in codec.plan.tensors} == formats
-    assert {g.chunk_shape: [m.name for m in g.members] for g in codec.plan.groups} == {(64, 64): ["w"], (64,): ["vec", "odd", "one"]}
+    assert {g.chunk_shape: [m.name for m in g.members] for g in codec.plan.groups} == {
+        (64, 64): ["w"],
+        (64,): ["vec", "odd", "one"],
+    }
     return request.param, codec, codec.compress(_grads(1))
 
 
@@ -102,7 +105,9 @@ def test_payload_bytes_are_what_the_plan_says(case: tuple[str, GradientCodec, Co
             assert ct.shift == 0.0 and ct.scale > 0
 
 
-def test_decoded_values_are_exactly_what_error_feedback_subtracted(case: tuple[str, GradientCodec, CompressedGradient]) -> None:
+def test_decoded_values_are_exactly_what_error_feedback_subtracted(
+    case: tuple[str, GradientCodec, CompressedGradient],
+) -> None:
     """Per kept coefficient: residual == accumulated - decoded, bit for bit; unsent ones stay whole."""
     _, codec, _ = case
     feedback = RecordingFeedback()
@@ -145,8 +150,12 @@ def test_sign_decodes_to_sign_times_mean_magnitude_per_tensor() -> None:
     torch.testing.assert_close(decoded.dense[d], torch.sign(g) * g.abs().mean(), rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize(("config", "fmt"), [(CodecConfig(topk=256, bins=4), LUT), (CodecConfig(topk=256, values="sign"), SGN)])
-def test_error_feedback_sends_a_fixed_gradient_within_24_rounds_at_6_percent_density(config: CodecConfig, fmt: ValueFormat) -> None:
+@pytest.mark.parametrize(
+    ("config", "fmt"), [(CodecConfig(topk=256, bins=4), LUT), (CodecConfig(topk=256, values="sign"), SGN)]
+)
+def test_error_feedback_sends_a_fixed_gradient_within_24_rounds_at_6_percent_density(
+    config: CodecConfig, fmt: ValueFormat
+) -> None:
     """At 2 bits (or 1) per value, error feedback gets a fixed gradient across about as fast as raw float32.
 
     256 of 4096 kept per chunk: raw float32 values need 16 rounds to reach cosine 0.95 here, 2-bit codes
@@ -162,7 +171,9 @@ def test_error_feedback_sends_a_fixed_gradient_within_24_rounds_at_6_percent_den
 
 def test_fewer_bits_make_smaller_payloads() -> None:
     shapes = {"w": (1024, 1024)}
-    sizes = {name: GradientCodec(shapes, cfg).plan.payload_bytes() for name, (cfg, _) in FORMATS.items() if name != "lut5"}
+    sizes = {
+        name: GradientCodec(shapes, cfg).plan.payload_bytes() for name, (cfg, _) in FORMATS.items() if name != "lut5"
+    }
     sizes["lut256"] = GradientCodec(shapes, BASE).plan.payload_bytes()
     assert sizes["sign"] < sizes["lut4"] < sizes["lut16"] < sizes["lut256"]
     index_bytes = 3 * 8192 // 2
@@ -186,7 +197,9 @@ def sign() -> tuple[GradientCodec, CompressedGradient]:
 
 
 def _with(p: CompressedGradient, target: str, **changes: object) -> CompressedGradient:
-    return dataclasses.replace(p, tensors=tuple(dataclasses.replace(t, **changes) if t.name == target else t for t in p.tensors))
+    return dataclasses.replace(
+        p, tensors=tuple(dataclasses.replace(t, **changes) if t.name == target else t for t in p.tensors)
+    )
 
 
 def _expect(codec: GradientCodec, bad: CompressedGradient, tensor: str, field: str) -> PayloadError:
@@ -218,7 +231,12 @@ LUT5_CASES = [
     ("empty", "vec", "values", {"values": b""}),
     # pad bits of the last byte are zero (vec: 525 bits, d: 180 bits)
     ("pad-top-bit", "vec", "values", lambda ct, n: _set_top_pad_bit(ct)),
-    ("pad-lowest-bit", "vec", "values", lambda ct, n: {"values": ct.values[:-1] + bytes([ct.values[-1] | 1 << (n * 3 % 8)])}),
+    (
+        "pad-lowest-bit",
+        "vec",
+        "values",
+        lambda ct, n: {"values": ct.values[:-1] + bytes([ct.values[-1] | 1 << (n * 3 % 8)])},
+    ),
     ("pad-dense", "d", "values", lambda ct, n: _set_top_pad_bit(ct)),
     # codes < bins
     ("code-5-first", "w", "values", _set_code(0, 5, 3)),
@@ -282,7 +300,9 @@ def test_sign_rule(sign: tuple[GradientCodec, CompressedGradient], name: str, fi
     _run_case(*sign, name, field, change)
 
 
-def test_valid_boundaries_are_accepted(lut5: tuple[GradientCodec, CompressedGradient], sign: tuple[GradientCodec, CompressedGradient]) -> None:
+def test_valid_boundaries_are_accepted(
+    lut5: tuple[GradientCodec, CompressedGradient], sign: tuple[GradientCodec, CompressedGradient]
+) -> None:
     codec, good = lut5
     codec.decode(good)
     codec.decode(_with(good, "vec", values=_set_code(-1, 4, 3)(_tensor(good, "vec"), 175)["values"]))  # bins - 1
@@ -292,7 +312,9 @@ def test_valid_boundaries_are_accepted(lut5: tuple[GradientCodec, CompressedGrad
     codec.decode(_with(good, "d", scale=1e30, shift=-0.0))
 
 
-def test_settings_must_agree_on_the_coding(lut5: tuple[GradientCodec, CompressedGradient], sign: tuple[GradientCodec, CompressedGradient]) -> None:
+def test_settings_must_agree_on_the_coding(
+    lut5: tuple[GradientCodec, CompressedGradient], sign: tuple[GradientCodec, CompressedGradient]
+) -> None:
     _expect(lut5[0], sign[1], "<gradient>", "settings")
     _expect(sign[0], lut5[1], "<gradient>", "settings")
     # bins plays no part in sign coding, but settings are compared whole.
@@ -301,9 +323,17 @@ def test_settings_must_agree_on_the_coding(lut5: tuple[GradientCodec, Compressed
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(which=st.sampled_from(["lut5", "sign"]), position=st.integers(min_value=0, max_value=1 << 30), flip=st.integers(min_value=1, max_value=255))
+@given(
+    which=st.sampled_from(["lut5", "sign"]),
+    position=st.integers(min_value=0, max_value=1 << 30),
+    flip=st.integers(min_value=1, max_value=255),
+)
 def test_single_byte_corruption_raises_only_payload_error(
-    lut5: tuple[GradientCodec, CompressedGradient], sign: tuple[GradientCodec, CompressedGradient], which: str, position: int, flip: int
+    lut5: tuple[GradientCodec, CompressedGradient],
+    sign: tuple[GradientCodec, CompressedGradient],
+    which: str,
+    position: int,
+    flip: int,
 ) -> None:
     codec, good = lut5 if which == "lut5" else sign
     check_corrupted_byte(codec, good, position, flip)

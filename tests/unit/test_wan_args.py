@@ -12,7 +12,6 @@ def test_unknown_method_is_refused_before_anything_runs(capsys: pytest.CaptureFi
     assert "unknown method 'gradwire-locl'" in capsys.readouterr().err
 
 
-
 def test_bad_step_counts_are_refused_before_anything_runs(capsys: pytest.CaptureFixture) -> None:
     for flag in ("--steps", "--baseline-steps", "--inner-steps"):
         with pytest.raises(SystemExit) as e:
@@ -24,10 +23,21 @@ def test_bad_step_counts_are_refused_before_anything_runs(capsys: pytest.Capture
 def test_loss_is_compared_only_after_equal_tokens() -> None:
     row = {"step_time": 3.0, "non_compute_time": 0.5, "bytes_per_step": 2e6, "eval_loss": 6.6}
     results = {
-        "ddp": {"step_time": 12.0, "non_compute_time": 9.0, "bytes_per_step": 2.4e8, "eval_loss": 6.0, "tokens": 20_480},
+        "ddp": {
+            "step_time": 12.0,
+            "non_compute_time": 9.0,
+            "bytes_per_step": 2.4e8,
+            "eval_loss": 6.0,
+            "tokens": 20_480,
+        },
         "gradwire": {**row, "tokens": 20_480},
         "gradwire-local": {**row, "tokens": 40_960},  # run longer than the baseline (--baseline-steps)
-        "flat": {**row, "non_compute_time": 0.01, "tokens": 20_480, "non_compute_measured": "separate steps"},  # ~0: no ratio
+        "flat": {
+            **row,
+            "non_compute_time": 0.01,
+            "tokens": 20_480,
+            "non_compute_measured": "separate steps",
+        },  # ~0: no ratio
         "long-rounds": {**row, "non_compute_time": 0.02, "tokens": 20_480, "non_compute_measured": "same rounds"},
     }
     wan.compare_with_ddp(results)

@@ -24,7 +24,12 @@ def test_rates_in_tc_units() -> None:
 
 
 def test_latency_flag() -> None:
-    assert parse_latency("25ms") == 0.025 and parse_latency("0.1s") == 0.1 and parse_latency("40") == 0.04 and parse_latency("0") == 0
+    assert (
+        parse_latency("25ms") == 0.025
+        and parse_latency("0.1s") == 0.1
+        and parse_latency("40") == 0.04
+        and parse_latency("0") == 0
+    )
     for bad in ("soon", "-1ms", "11s"):
         with pytest.raises(Exception, match="latency"):
             parse_latency(bad)

@@ -36,13 +36,17 @@ def session() -> Session:
 
 def order_for(session: Session, rows: int = 4, plan: LocalSteps | None = None, **changes: object) -> WorkOrder:
     batch = np.random.default_rng(0).integers(0, 8192, (rows, 17)).astype(np.uint16)
-    base = WorkOrder("run", 0, session.replica.version, batch, CodecConfig(), session.replica.fingerprint(), local_steps=plan)
+    base = WorkOrder(
+        "run", 0, session.replica.version, batch, CodecConfig(), session.replica.fingerprint(), local_steps=plan
+    )
     return dataclasses.replace(base, **changes)
 
 
 def view(session: Session, **changes: object) -> ReplicaView:
     r = session.replica
-    return dataclasses.replace(ReplicaView(r.version, r.fingerprint(), r.numels, session.vocab_size, session.stale), **changes)
+    return dataclasses.replace(
+        ReplicaView(r.version, r.fingerprint(), r.numels, session.vocab_size, session.stale), **changes
+    )
 
 
 def test_check_says_why_a_replica_cannot_serve(session: Session) -> None:
@@ -93,7 +97,9 @@ def test_local_steps_train_a_working_copy_and_return_the_pseudo_gradient(session
     steps = {float(v) for k, v in session.inner_state().items() if k.endswith("/step")}
     assert steps == {2.0}
     # The next round starts the working copy from the replica again, and AdamW keeps counting.
-    local_steps(session, dataclasses.replace(order, round=1), torch.from_numpy(order.batch.astype(np.int64)), lambda: False)
+    local_steps(
+        session, dataclasses.replace(order, round=1), torch.from_numpy(order.batch.astype(np.int64)), lambda: False
+    )
     assert {float(v) for k, v in session.inner_state().items() if k.endswith("/step")} == {4.0}
 
 
@@ -103,12 +109,18 @@ def test_inner_state_from_a_checkpoint_is_loaded_when_the_optimizer_is_built(ses
     local_steps(session, order, torch.from_numpy(order.batch.astype(np.int64)), lambda: False)
     saved = session.inner_state()
     params = {n: p.detach().clone() for n, p in session.replica.params.items()}
-    restored = Session(ModelState("run", 4, json.dumps(SPEC), params, session.replica.rule.to_json(), inner_optimizer=saved), torch.device("cpu"))
+    restored = Session(
+        ModelState("run", 4, json.dumps(SPEC), params, session.replica.rule.to_json(), inner_optimizer=saved),
+        torch.device("cpu"),
+    )
     assert set(restored.inner_state()) == set(saved)  # waiting to be loaded, and reported as such
     restored.inner_optimizer(plan.optimizer)
     assert all(torch.equal(restored.inner_state()[k], v) for k, v in saved.items())
     # Another optimizer's state does not fit: the optimizer starts afresh instead of failing the round.
-    other = Session(ModelState("run", 4, json.dumps(SPEC), params, session.replica.rule.to_json(), inner_optimizer=saved), torch.device("cpu"))
+    other = Session(
+        ModelState("run", 4, json.dumps(SPEC), params, session.replica.rule.to_json(), inner_optimizer=saved),
+        torch.device("cpu"),
+    )
     other.inner_optimizer(InnerOptimizerConfig(name="sgd", momentum=0.9))
     assert other.inner_state() == {}
 
@@ -128,7 +140,12 @@ def test_bf16_autocast_computes_nearly_the_fp32_gradient(session: Session) -> No
 
 @pytest.mark.parametrize(
     ("changes", "flag"),
-    [({"mode": "allreduce"}, "--node-mode"), ({"sync_steps": -1}, "--node-sync-steps"), ({"comm_hook": "zip"}, "--node-comm-hook"), ({"precision": "fp8"}, "--precision")],
+    [
+        ({"mode": "allreduce"}, "--node-mode"),
+        ({"sync_steps": -1}, "--node-sync-steps"),
+        ({"comm_hook": "zip"}, "--node-comm-hook"),
+        ({"precision": "fp8"}, "--precision"),
+    ],
 )
 def test_placement_settings_name_their_flag(changes: dict, flag: str) -> None:
     with pytest.raises(ValueError, match=flag):
@@ -138,6 +155,10 @@ def test_placement_settings_name_their_flag(changes: dict, flag: str) -> None:
 def test_rank_environment_follows_torchrun() -> None:
     assert rank_from_env({}) is None and rank_from_env({"WORLD_SIZE": "1", "RANK": "0"}) is None
     assert rank_from_env({"WORLD_SIZE": "4", "RANK": "2", "LOCAL_RANK": "2"}) == RankInfo(2, 4, 2)
-    for bad in ({"WORLD_SIZE": "2", "RANK": "2"}, {"WORLD_SIZE": "x"}, {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "-1"}):
+    for bad in (
+        {"WORLD_SIZE": "2", "RANK": "2"},
+        {"WORLD_SIZE": "x"},
+        {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "-1"},
+    ):
         with pytest.raises(ValueError, match="RANK|WORLD_SIZE"):
             rank_from_env(bad)

@@ -54,7 +54,12 @@ def test_every_shipped_config_parses(path: Path) -> None:
 
 def test_the_example_configs_say_what_their_names_promise() -> None:
     opt, _ = load_train(["train", "--config", str(CONFIGS / "opt-125m-wikitext103.yaml")])
-    assert (opt.model, opt.data, opt.data_config, opt.outer_optimizer) == ("facebook/opt-125m", ("wikitext",), "wikitext-103-raw-v1", "signsgd")
+    assert (opt.model, opt.data, opt.data_config, opt.outer_optimizer) == (
+        "facebook/opt-125m",
+        ("wikitext",),
+        "wikitext-103-raw-v1",
+        "signsgd",
+    )
     assert (opt.topk, opt.target_chunk, opt.wandb_project) == (32, 64, "gradwire") and opt.learning_rate < 1e-3
     gpt, args = load_train(["train", "--config", str(CONFIGS / "gpt-10m-shakespeare.yaml")])
     assert (gpt.model, gpt.data, args.workers) == ("gpt-10m", (), "gpu1:50051,gpu2:50051")
@@ -71,8 +76,13 @@ def _cuda() -> bool:
 
 
 def test_typed_flags_beat_the_file(tmp_path: Path) -> None:
-    path = write(tmp_path, "local: 2\nsteps: 7\nlearning_rate: 0.01\ntopk: 16\nno_dct: true\ndata: [a.txt, b.txt]\nlog_level: DEBUG\n")
-    config, args = load_train(["train", "--config", path, "--steps", "9", "--topk", "32", "--use-dct", "--workers", "h:1"])
+    path = write(
+        tmp_path,
+        "local: 2\nsteps: 7\nlearning_rate: 0.01\ntopk: 16\nno_dct: true\ndata: [a.txt, b.txt]\nlog_level: DEBUG\n",
+    )
+    config, args = load_train(
+        ["train", "--config", path, "--steps", "9", "--topk", "32", "--use-dct", "--workers", "h:1"]
+    )
     assert (config.steps, config.topk, config.use_dct) == (9, 32, True)  # typed, even when equal to the default
     assert (config.learning_rate, config.data, args.log_level) == (0.01, ("a.txt", "b.txt"), "DEBUG")  # from the file
     assert (args.workers, args.local) == ("h:1", None)  # --workers pushes out the file's local: 2
@@ -81,9 +91,17 @@ def test_typed_flags_beat_the_file(tmp_path: Path) -> None:
 
 def test_yaml_spellings(tmp_path: Path) -> None:
     # Dashed keys; 3e-4 (a string to YAML 1.1) converted as the flag would; one path or a list; workers as a list.
-    path = write(tmp_path, "workers: [a:1, b:2]\nlearning-rate: 3e-4\ndata: corpus.txt\nmax_failed_rounds: '5'\ntokenizer: null\n")
+    path = write(
+        tmp_path,
+        "workers: [a:1, b:2]\nlearning-rate: 3e-4\ndata: corpus.txt\nmax_failed_rounds: '5'\ntokenizer: null\n",
+    )
     config, args = load_train(["train", "--config", path])
-    assert (config.learning_rate, config.data, config.max_failed_rounds, config.tokenizer) == (3e-4, ("corpus.txt",), 5, None)
+    assert (config.learning_rate, config.data, config.max_failed_rounds, config.tokenizer) == (
+        3e-4,
+        ("corpus.txt",),
+        5,
+        None,
+    )
     assert args.workers == "a:1,b:2"
     config, _ = load_train(["train", "--config", write(tmp_path, "", "empty.yaml"), "--local", "1"])
     assert config == TrainConfig()
@@ -93,7 +111,9 @@ def test_unknown_key_is_named_with_the_file(tmp_path: Path, capsys: pytest.Captu
     path = write(tmp_path, "local: 1\noptimizer: sgd\n")
     err = fails(capsys, load_train, ["train", "--config", path])
     assert "unknown key 'optimizer'" in err and "run.yaml" in err and "outer_optimizer" in err  # the suggestion
-    err = fails(capsys, worker_cli.parse_args, ["serve", "--config", write(tmp_path, "port: 1\nthreads: 4\n", "w.yaml")])
+    err = fails(
+        capsys, worker_cli.parse_args, ["serve", "--config", write(tmp_path, "port: 1\nthreads: 4\n", "w.yaml")]
+    )
     assert "unknown key 'threads'" in err and "w.yaml" in err
 
 
@@ -147,7 +167,9 @@ def test_worker_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert (args.port, args.host, args.device, args.max_message_mb, args.grace) == (0, "127.0.0.1", "cpu", 64, 2.0)
     err = fails(capsys, worker_cli.parse_args, ["serve", "--config", write(tmp_path, "port: 70000\n", "bad.yaml")])
     assert "key 'port'" in err and "bad.yaml" in err
-    assert "--port is required" in fails(capsys, worker_cli.parse_args, ["serve", "--config", write(tmp_path, "grace: 1\n", "noport.yaml")])
+    assert "--port is required" in fails(
+        capsys, worker_cli.parse_args, ["serve", "--config", write(tmp_path, "grace: 1\n", "noport.yaml")]
+    )
     assert worker_cli.parse_args(["serve", "--port", "5"]).config_keys == {}  # no --config: as before
 
 
