@@ -11,8 +11,8 @@ shipped corpus, and measures on it:
             payload is metadata rather than indices and values;
   fidelity  relative L2 error and cosine of decompress(compress(g)) vs g, single shot, no error feedback
             (and the error with a float32 transform, where the default is bfloat16);
-  time      compress (and with a float32 transform, side by side), decompress, and aggregation of 1, 8 and 64 payloads (median over --repeats, after one
-            warm-up call);
+  time      compress (and with a float32 transform, side by side), decompress, and aggregation of 1, 8 and
+            64 payloads (median over --repeats, after one warm-up call);
   top-k     the codec's per-chunk selection (``compression.select``) against torch.topk on the same
             coefficient stacks, side by side;
   DCT rate  achieved GFLOP/s of the forward chunk DCT over every chunk group of the model, next to plain

@@ -95,7 +95,7 @@ def run_fuzz(calls: int, seconds: float) -> dict:
             )
             client.push_state(state)
             batch = np.random.default_rng(0).integers(0, 8192, (2, 17)).astype(np.uint16)
-            first = client.run_round(WorkOrder("fuzzed", 0, 0, batch, CodecConfig(), replica.fingerprint()))
+            first, _ = client.run_round(WorkOrder("fuzzed", 0, 0, batch, CodecConfig(), replica.fingerprint()))
             order = WorkOrder(
                 "fuzzed",
                 1,
@@ -120,9 +120,8 @@ def run_fuzz(calls: int, seconds: float) -> dict:
             elapsed = time.monotonic() - t0
             alive = proc.poll() is None
             client.push_state(state)
-            served = (
-                client.run_round(WorkOrder("fuzzed", 9, 0, batch, CodecConfig(), replica.fingerprint())).status == OK
-            )
+            after, _ = client.run_round(WorkOrder("fuzzed", 9, 0, batch, CodecConfig(), replica.fingerprint()))
+            served = after.status == OK
             return {
                 "calls": sum(sum(a.values()) for a in answers.values()),
                 "seconds": round(elapsed, 1),
@@ -183,7 +182,9 @@ def train_with(factories: list[Callable[[], WorkerEngine]], steps: int, director
 
 
 def run_bad_workers(steps: int) -> dict:
-    honest = lambda: WorkerEngine("cpu")
+    def honest() -> WorkerEngine:
+        return WorkerEngine("cpu")
+
     cases = {
         "x1000": faulty("scale", factor=1000.0),
         "minus_x1000": faulty("scale", factor=-1000.0),

@@ -89,7 +89,7 @@ def measure(client: WorkerClient, replica: Replica, state: ModelState, rows: int
         )
         order = WorkOrder(state.run_id, step, 0, batch, CodecConfig(), replica.fingerprint())
         t0 = time.perf_counter()
-        result = client.run_round(order)
+        result, _ = client.run_round(order)
         if step:
             times.append(time.perf_counter() - t0)
             bus.append(result.node_bytes)

@@ -5,7 +5,7 @@
     python -m benchmarks.quality --set sparseloco.topk=64 --set demo.learning_rate=2e-3   # tuning
 
 Trains the same model from the same seed on the embedded Shakespeare corpus once per method, with two
-workers simulated in this process (``coordinator.inprocess``: the service's own ``Trainer``, engine and
+workers simulated in this process (``worker.inprocess``: the service's own ``Trainer``, engine and
 codec, every message serialized as on the wire, no gRPC). Every method trains on the same number of tokens
 (``--steps-total`` inner steps per worker of ``--batch-size`` x ``--sequence-length`` tokens; local-SGD
 methods take them as ``steps-total / H`` rounds of H) and is evaluated on the same held-out batches.
@@ -49,10 +49,10 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
 from gradwire.coordinator.config import TrainConfig
-from gradwire.coordinator.inprocess import in_process_clients
 from gradwire.coordinator.trainer import Trainer
 from gradwire.memory import keep_freed_memory
 from gradwire.models import model_names
+from gradwire.worker.inprocess import in_process_clients
 
 WORKERS = 2
 EVAL_BATCHES = 16
@@ -176,13 +176,15 @@ def compare(results: dict[str, dict[str, Any]], dense_bytes_per_token: float) ->
 
 def table(results: dict[str, dict[str, Any]]) -> str:
     lines = [
-        "| method | H | held-out loss | gap vs dense | train loss | uplink B/token/worker | x fewer than dense fp32 | rounds | tokens | wall |",
+        "| method | H | held-out loss | gap vs dense | train loss | uplink B/token/worker | x fewer than dense fp32 | "
+        "rounds | tokens | wall |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         gap = f"{100 * r['loss_gap_vs_dense']:+.2f}%" if r["loss_gap_vs_dense"] is not None else "-"
         lines.append(
-            f"| {name} | {r['inner_steps']} | {r['eval_loss']:.4f} | {gap} | {r['train_loss']:.4f} | {r['bytes_up_per_token']:.4g} "
+            f"| {name} | {r['inner_steps']} | {r['eval_loss']:.4f} | {gap} | {r['train_loss']:.4f} | "
+            f"{r['bytes_up_per_token']:.4g} "
             f"| {r['uplink_reduction_vs_dense']:,.0f}x | {r['rounds']} | {r['tokens']:,} | {r['wall_s']:.0f} s |"
         )
     return "\n".join(lines)
@@ -285,7 +287,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             parser.error(f"method {name}: {e}")
         if args.steps_total % configs[name].inner_steps:
             parser.error(
-                f"--steps-total {args.steps_total} is not a multiple of {name}'s H = {configs[name].inner_steps}: tokens would differ"
+                f"--steps-total {args.steps_total} is not a multiple of {name}'s H = {configs[name].inner_steps}: "
+                "tokens would differ"
             )
     results = {}
     for name, config in configs.items():
@@ -331,9 +334,11 @@ if __name__ == "__main__":
 
 
 # What we tried (gpt-5m, 2 workers, 600 inner steps per worker of 4 x 128 tokens, H 30 = 20 rounds unless
-# said, until the default became 1200 steps at the end; held-out loss at the end; "sim" = plain single-process AdamW on both workers' batches, the same math
-# as `dense` without the service, used to screen dense learning rates; warmup 30 + cosine to 0.1 throughout):
-#   dense adamw lr     4e-3 sim 5.489 at step 300 (stopped) | 2e-3 4.857 | 1e-3 sim 4.826 | 7e-4 sim 4.815 (kept) | 5e-4 sim 4.946 at 420 (worse, stopped)
+# said, until the default became 1200 steps at the end; held-out loss at the end; "sim" = plain single-process
+# AdamW on both workers' batches, the same math as `dense` without the service, used to screen dense learning
+# rates; warmup 30 + cosine to 0.1 throughout):
+#   dense adamw lr     4e-3 sim 5.489 at step 300 (stopped) | 2e-3 4.857 | 1e-3 sim 4.826 | 7e-4 sim 4.815 (kept)
+#                      | 5e-4 sim 4.946 at 420 (worse, stopped)
 #   demo signsgd lr    5e-4 5.099 | 1e-3 5.069 | 2e-3 5.055 (kept) | 2e-3 with feedback beta 0.99 5.127
 #   single worker      adamw 2e-3, its own half of the data: 5.125 (the bar local SGD must clear)
 #   diloco (dense)     inner 2e-3: outer nesterov 0.7/0.9 5.549 | outer sgd lr 1 (plain averaging) 5.083

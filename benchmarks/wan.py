@@ -1,12 +1,12 @@
 """How much faster than plain DDP, over a slow link, at what loss? (root needed)
 
-    sudo python -m benchmarks.wan --json                                # gpt-10m, 2 workers, 100 Mbit/s, 25 ms (~10 min)
+    sudo python -m benchmarks.wan --json                               # gpt-10m, 2 workers, 100 Mbit/s, 25 ms: ~10 min
     sudo python -m benchmarks.wan --methods gradwire,gradwire-overlap --json   # with one-step-delayed rounds
     sudo python -m benchmarks.wan --latency 0 --json                    # no added latency (a plain bridge)
     sudo python -m benchmarks.wan --model gpt-tiny --steps 6 --json     # a quick look
     sudo python -m benchmarks.wan --methods gradwire --target-chunk 32 --topk 8 --json   # another codec setting
+    # local SGD at H 120 against DDP timed over 20 steps:
     sudo python -m benchmarks.wan --methods ddp,gradwire-local --steps 360 --inner-steps 120 --baseline-steps 20 --json
-                                                                        # local SGD at H 120 against DDP timed over 20 steps
 
 Makes test hosts in network namespaces (``benchmarks.netns``), every link shaped to ``--bandwidth`` with a
 token bucket and every packet delayed by ``--latency`` one way (in user space, ``benchmarks.wire``: this
@@ -268,8 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         "--baseline-steps",
         type=int,
         default=None,
-        help="steps the DDP baselines run (default: --steps). Their per-step cost is steady after a few steps, so fewer "
-        "let local SGD run long rounds in less time; their loss is then not at equal tokens and is not compared",
+        help="steps the DDP baselines run (default: --steps). Their per-step cost is steady after a few steps, so "
+        "fewer let local SGD run long rounds in less time; their loss is then not at equal tokens and is not compared",
     )
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)

@@ -256,7 +256,8 @@ class GradientCodec:
             raise PayloadError(
                 culprit,
                 "name",
-                f"tensor list differs from the plan (unexpected {extra[:3]}, missing {absent[:3]}, or reordered/repeated)",
+                f"tensor list differs from the plan (unexpected {extra[:3]}, missing {absent[:3]}, or "
+                "reordered/repeated)",
             )
         by_name = dict(zip(names, payload.tensors))
         for t in self.plan.tensors:

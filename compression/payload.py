@@ -62,7 +62,8 @@ class NonFiniteInput(ArithmeticError):
 
     def __init__(self, tensor: str) -> None:
         super().__init__(
-            f"the gradient of {tensor!r} is not finite: training diverged (try a lower learning rate, or --clip-grad-norm)"
+            f"the gradient of {tensor!r} is not finite: training diverged (try a lower learning rate, or "
+            "--clip-grad-norm)"
         )
         self.tensor = tensor
 

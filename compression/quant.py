@@ -1,6 +1,7 @@
 """Value quantization per tensor, vectorized over many tensors ("segments") at once.
 
-``quantize``: up to 256 bins with a per-tensor lookup table. Each tensor ("segment") gets a shift (the mean of its values) and a scale (bin width) so that the window
+``quantize``: up to 256 bins with a per-tensor lookup table. Each tensor ("segment") gets a shift (the mean of
+its values) and a scale (bin width) so that the window
 ``mean +- range_sigmas * std`` spans ``bins`` bins; values outside clamp to the edge bins. The receiver
 reconstructs each value as the *mean of the values that fell in its bin* (the lookup table), not the bin
 centre, so the reconstruction is unbiased per bin and clamped outliers keep their average magnitude.

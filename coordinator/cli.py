@@ -1,8 +1,9 @@
 """``coordinator train``: the command a user runs on their own machine; ``coordinator report``: its charts.
 
-Every flag is a ``TrainConfig`` field (``--learning-rate`` is ``learning_rate``); the flags are built from
-the dataclass, so defaults and validation live in one place. ``--config run.yaml`` supplies values for the
-same flags (keys are the flags without dashes, see ``configs/``); flags typed on the command line win.
+Every setting is a ``TrainConfig`` field (``--learning-rate`` is ``learning_rate``); its flag, ``--help``
+line, section and choices are generated from the field and its metadata (``config.setting``), so a setting,
+its default, help and validation live in one place. ``--config run.yaml`` supplies values for the same flags
+(keys are the flags without dashes, see ``configs/``); flags typed on the command line win.
 """
 
 from __future__ import annotations
@@ -20,16 +21,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gradwire.cliconfig import add_security_flags, parse_args_with_config, subcommand_parser
-from gradwire.compression.robust import AGGREGATIONS
 from gradwire.coordinator.checkpoint import latest_checkpoint
 from gradwire.coordinator.client import WorkerClient, WorkerError
-from gradwire.coordinator.config import AUTO_FIELDS, TrainConfig
-from gradwire.coordinator.decisions import REPLAY_PRECISIONS
-from gradwire.coordinator.local import local_workers
+from gradwire.coordinator.config import AUTO_FIELDS, RUN, SECTIONS, TrainConfig
+from gradwire.coordinator.local import LOCAL_DEVICES, local_workers
 from gradwire.coordinator.membership import MemberSource, WorkersFile
 from gradwire.coordinator.tunnel import Tunnels
-from gradwire.models import model_names
-from gradwire.optim import INNER_OPTIMIZERS, OUTER_OPTIMIZERS, SCHEDULES
 from gradwire.security import ClientSecurity, ServerSecurity, resolve_token
 from gradwire.tunnel import TUNNEL_PREFIX
 
@@ -38,101 +35,38 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-HELP = {
-    "model": f"a built-in model ({', '.join(model_names())}), a Hugging Face hub id (e.g. facebook/opt-125m) or a local model directory",
-    "from_scratch": "for Hugging Face models: fresh weights built from the config, not the pretrained ones",
-    "tokenizer": "a Hugging Face tokenizer name or directory, or gpt2 / bpe-8k (default: the model's own)",
-    "data": "text/jsonl/json/csv/parquet files or directories, or a hub dataset name (default: the embedded Shakespeare corpus)",
-    "data_config": "the configuration of a hub dataset, e.g. wikitext-103-raw-v1",
-    "text_field": "the column holding the text in jsonl/json/csv/parquet or hub data",
-    "streaming": "stream the data instead of loading it (corpora larger than memory)",
-    "eval_every": "report held-out loss every N steps (0: never)",
-    "eval_batches": "batches of held-out data per evaluation",
-    "wandb_project": "log metrics and config to this Weights & Biases project (offline when no API key is set)",
-    "wandb_run_name": "the Weights & Biases run name",
-    "steps": "outer steps (rounds) to train for, in all (a resumed run continues to this step)",
-    "batch_size": "sequences per worker per step (per inner step in local-SGD rounds)",
-    "sequence_length": "tokens per sequence",
-    "micro_batch_size": "sequences per forward/backward on a worker (0: the whole batch at once)",
-    "outer_optimizer": "outer optimizer: sgd, nesterov (DiLoCo), signsgd (DeMo-style, decoupled weight decay) or adamw (auto: signsgd in gradient mode; with --inner-steps > 1 sgd, or nesterov with --no-compression)",
-    "learning_rate": "outer learning rate (auto: 1e-3 in gradient mode; with --inner-steps > 1, 1.0 for sgd, 0.7 for nesterov, else 1e-3)",
-    "momentum": "momentum of the sgd and nesterov outer optimizers (auto: 0.9 for nesterov, else 0)",
-    "weight_decay": "decoupled weight decay of the outer optimizer",
-    "lr_schedule": "outer learning-rate schedule after warmup: constant, cosine (optionally with restarts, --lr-cycles), linear (decay to --min-lr-ratio at --steps) or inverse-sqrt",
-    "warmup_steps": "linear outer learning-rate warmup steps",
-    "min_lr_ratio": "cosine/linear schedules end at this fraction of the learning rate",
-    "lr_cycles": "cosine schedule: restarts, as this many equal cycles after warmup",
-    "inner_steps": "local-SGD rounds: inner optimizer steps on every worker between syncs (1: gradient mode, one compressed gradient per step)",
-    "inner_optimizer": "the workers' inner optimizer in local-SGD rounds: adamw, sgd or muon (Newton-Schulz orthogonalised momentum for hidden matrices, AdamW for the rest)",
-    "inner_learning_rate": "inner learning rate",
-    "inner_weight_decay": "decoupled weight decay of the inner optimizer",
-    "inner_beta1": "inner AdamW beta1 (muon: for its AdamW part)",
-    "inner_beta2": "inner AdamW beta2 (muon: for its AdamW part)",
-    "inner_momentum": "momentum of the inner sgd or muon (auto: 0.95 for muon, else 0)",
-    "inner_nesterov": "Nesterov momentum for the inner sgd",
-    "clip_grad_norm": "clip every inner step's gradient to this global L2 norm (0: no clipping)",
-    "inner_lr_schedule": "inner learning-rate schedule over all inner steps (--steps x --inner-steps): constant, cosine, linear or inverse-sqrt",
-    "inner_warmup_steps": "linear inner learning-rate warmup, in inner steps",
-    "inner_min_lr_ratio": "inner cosine/linear schedules end at this fraction of the inner learning rate",
-    "inner_lr_cycles": "inner cosine schedule: restarts, as this many equal cycles after warmup",
-    "topk": "coefficients kept per full --target-chunk x --target-chunk chunk (scaled by area for smaller chunks) (auto: the mode's density at that chunk: 32 of 64x64 = 0.78%% in gradient mode, 90 of 64x64 = 2.2%% with --inner-steps > 1)",
-    "target_chunk": "chunk edge: each dimension is cut into its largest divisor <= this (max 64) (auto: 64; 16 costs a quarter of the transform FLOPs)",
-    "use_dct": "DCT-transform chunks before top-k",
-    "bins": "quantization bins for kept values, packed in ceil(log2(bins)) bits: 4 = 2 bits, 16 = 4 bits, 256 = 8 bits (0: raw float32; auto: 256 in gradient mode, 4 with --inner-steps > 1)",
-    "values": "how kept values travel: lut (quantized through --bins) or sign (1 bit each plus one scale per tensor, as DisTrO)",
-    "no_compression": "send exact dense float32 gradients (a baseline)",
-    "overlap": "one-step-delayed rounds: every worker computes round r's contribution before applying round r-1's update, so in gradient mode it computes the next gradient while its last result travels and is aggregated (hides the link's time at the cost of one step of staleness)",
-    "feedback_beta": "decay of the workers' error-feedback buffers (auto: 0.999 in gradient mode, 0.95 with --inner-steps > 1)",
-    "output_dir": "where metrics.jsonl, checkpoints/ and final/ go",
-    "checkpoint_dir": "checkpoint directory (default: OUTPUT_DIR/checkpoints)",
-    "checkpoint_every": "save a checkpoint every N steps, and at the end (0: only at the end); SIGINT/SIGTERM also save one",
-    "keep_checkpoints": "keep only the newest N checkpoints (0: keep all)",
-    "resume_from": "checkpoint directory (or checkpoint root) to continue from",
-    "seed": "seed for model initialization and data order",
-    "round_timeout": "deadline in seconds of every round and state-push call",
-    "connect_timeout": "seconds to wait for workers to come up",
-    "sync_tolerance": "relative tolerance of the replica fingerprint check",
-    "max_failed_rounds": "give up after this many rounds in a row with no usable worker, once they also span --max-failed-seconds",
-    "max_failed_seconds": "seconds of failed rounds in a row before giving up (failed rounds back off: 0.5 s, doubling to 30 s)",
-    "min_workers": "quorum: once this many workers' results are in, wait --straggler-grace for the rest, then cut them off (0: wait for every worker)",
-    "straggler_grace": "how long a round with its quorum waits for stragglers: seconds (10) or a factor of the quorum's median time (1.5x)",
-    "replay_window": "updates the coordinator keeps for workers that missed rounds: one behind by fewer replays them instead of receiving the state (0: always push)",
-    "overwrite": "replace the run already in --output-dir (its metrics and checkpoints are deleted); without it a new run there is refused",
-    "aggregate": "how the workers' contributions combine, in the DCT-coefficient domain: mean (weighted by tokens), or per coefficient trimmed-mean or median",
-    "replay_precision": "how replicas combine a replayed update: float64 (rounded once to float32) computes the same bits on CPUs and GPUs, so sign steps cannot drift apart across device kinds; auto (the default) uses it only when some worker's device kind differs from the coordinator's",
-    "clip_factor": "clip each worker's contribution to this many times the round's median norm (templar's rule; 0: off)",
-    "bench_after": "bench a worker after this many bad rounds in a row (payload rejected, false token count, or clipped below a quarter) (0: never)",
-    "bench_rounds": "rounds a benched worker sits out before it is tried again",
-}
 AUTO = "auto"
-CHOICES = {
-    "outer_optimizer": list(OUTER_OPTIMIZERS),
-    "inner_optimizer": list(INNER_OPTIMIZERS),
-    "lr_schedule": list(SCHEDULES),
-    "inner_lr_schedule": list(SCHEDULES),
-    "values": ["lut", "sign"],
-    "aggregate": list(AGGREGATIONS),
-    "replay_precision": list(REPLAY_PRECISIONS),
-}
 
 
-def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+def _add_config_flags(parser: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:
+    """One flag per ``TrainConfig`` field, built from its metadata alone, in one group per section (returned,
+    by section title)."""
+    groups = {title: parser.add_argument_group(title, about) for title, about in SECTIONS.items()}
     for field in dataclasses.fields(TrainConfig):
+        meta = field.metadata
+        group = groups[meta["section"]]
         flag = "--" + field.name.replace("_", "-")
         default = field.default
-        shown = "auto" if field.name in AUTO_FIELDS else repr(default)
-        kwargs: dict = {"dest": field.name, "help": f"{HELP[field.name]} (default: {shown})"}
-        if field.name == "data":
-            parser.add_argument(flag, nargs="+", default=[], metavar="PATH", **kwargs)
-        elif field.name == "use_dct":
-            dct = parser.add_mutually_exclusive_group()
-            dct.add_argument("--use-dct", action="store_true", default=True, **kwargs)
-            dct.add_argument("--no-dct", dest="use_dct", action="store_false", help="select raw values, no DCT")
+        shown = AUTO if field.name in AUTO_FIELDS else repr(default)
+        # A help that says its default in words ("default: the model's own") is not given a second one.
+        text = meta["help"] if "(default:" in meta["help"] else f"{meta['help']} (default: {shown})"
+        # argparse %-formats help text: a literal % is written %%.
+        kwargs: dict = {"dest": field.name, "help": text.replace("%", "%%")}
+        if "metavar" in meta:
+            kwargs["metavar"] = meta["metavar"]
+        choices = meta.get("choices")
+        if isinstance(default, tuple):  # one or more values
+            group.add_argument(flag, nargs="+", type=_flag_type(field), default=[], choices=choices, **kwargs)
         elif isinstance(default, bool):
-            parser.add_argument(flag, action="store_true", default=default, **kwargs)
+            if "negative" in meta:  # --use-dct / --no-dct
+                negative, negative_help = meta["negative"]
+                pair = group.add_mutually_exclusive_group()
+                pair.add_argument(flag, action="store_true", default=default, **kwargs)
+                pair.add_argument(negative, dest=field.name, action="store_false", help=negative_help)
+            else:
+                group.add_argument(flag, action="store_true", default=default, **kwargs)
         elif field.name in AUTO_FIELDS:  # "auto" (or nothing) leaves it to the mode's default
-            choices = CHOICES.get(field.name)
-            parser.add_argument(
+            group.add_argument(
                 flag,
                 type=_or_auto(_flag_type(field)),
                 default=None,
@@ -140,16 +74,19 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
                 **kwargs,
             )
         else:
-            parser.add_argument(
-                flag, type=_flag_type(field), default=default, choices=CHOICES.get(field.name), **kwargs
+            group.add_argument(
+                flag, type=_flag_type(field), default=default, choices=list(choices) if choices else None, **kwargs
             )
+    return groups
 
 
 def _flag_type(field: dataclasses.Field) -> type:
-    """The type a flag's text converts to: the field's, also for optional fields (``float | None``)."""
-    if field.default is not None:
+    """The type a flag's text converts to: the field's, also for optional fields (``float | None``) and for
+    each value of a tuple field (``tuple[str, ...]``)."""
+    if field.default is not None and not isinstance(field.default, tuple):
         return type(field.default)
-    annotation = str(field.type)  # a string: this module and config.py use postponed annotations
+    # A string: this module and config.py use postponed annotations.
+    annotation = str(field.type).removeprefix("tuple[")
     return next((t for t in (int, float) if annotation.startswith(t.__name__)), str)
 
 
@@ -170,13 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser(
         "train",
         help="train a model with remote workers",
-        description="Train a model: dispatch batches to workers, aggregate their compressed gradients, step, keep their replicas in sync.",
-        epilog="One of --workers or --local is required, on the command line or in the --config file.",
+        description="Train a model: dispatch batches to workers, aggregate their compressed gradients, step, "
+        "keep their replicas in sync.",
+        epilog="One of --workers, --workers-file, --listen or --local is required, on the command line or in the "
+        "--config file.",
     )
     train.add_argument(
         "--config",
         metavar="FILE.yaml",
-        help="read flag values from a YAML file: keys are the flags without dashes (learning_rate: 3.0e-4, data: [a.txt, b.txt]); flags typed here win",
+        help="read flag values from a YAML file: keys are the flags without dashes "
+        "(learning_rate: 3.0e-4, data: [a.txt, b.txt]); flags typed here win",
     )
     # Not required=True: either may come from --config instead; train_config_from_args checks.
     where = train.add_mutually_exclusive_group()
@@ -189,27 +129,42 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument(
         "--listen",
         metavar="[HOST:]PORT",
-        help="let workers join: serve the Coordinator service on PORT (every interface unless HOST is given) for `worker serve --join`; training starts once --min-workers (at least one) have joined, and workers come and go as they announce themselves or go quiet",
+        help="let workers join: serve the Coordinator service on PORT (every interface unless HOST is given) "
+        "for `worker serve --join`; training starts once --min-workers (at least one) have joined, and workers "
+        "come and go as they announce themselves or go quiet",
     )
     where.add_argument(
         "--workers-file",
         metavar="FILE",
-        help="worker addresses in FILE (one per line or comma-separated, # comments), re-read before every round: workers added join after a state push, workers removed stop getting work",
+        help="worker addresses in FILE (one per line or comma-separated, # comments), re-read before every "
+        "round: workers added join after a state push, workers removed stop getting work",
+    )
+    # Besides --local, not instead of it: outside the group above. Not a TrainConfig field: it says where
+    # this machine's worker daemons run, not how the run trains.
+    train.add_argument(
+        "--local-device",
+        choices=LOCAL_DEVICES,
+        default="auto",
+        help="where the --local workers run: auto (one GPU each when this machine has at least N GPUs, else "
+        "all on the CPU), cpu, or cuda (worker i on GPU i, round-robin when there are fewer GPUs than workers) "
+        "(default: auto)",
     )
     # Besides --listen, not instead of it: outside the group above.
     train.add_argument(
         "--listen-tls-cert",
         metavar="PEM",
-        help="serve --listen with TLS, with this certificate (chain) and --listen-tls-key: workers then join with --join-tls-ca (a must when their token crosses an open network)",
+        help="serve --listen with TLS, with this certificate (chain) and --listen-tls-key: workers then join "
+        "with --join-tls-ca (a must when their token crosses an open network)",
     )
     train.add_argument("--listen-tls-key", metavar="PEM", help="the private key of --listen-tls-cert")
-    _add_config_flags(train)
+    sections = _add_config_flags(train)
     add_security_flags(train, side="coordinator")
     train.add_argument(
         "--status-port",
         type=int,
         metavar="PORT",
-        help="serve a live status page (/), its JSON (/api/status) and Prometheus metrics (/metrics) on PORT (0: any free port, printed); with a token, every path needs it",
+        help="serve a live status page (/), its JSON (/api/status) and Prometheus metrics (/metrics) on PORT "
+        "(0: any free port, printed); with a token, every path needs it",
     )
     train.add_argument(
         "--status-host",
@@ -217,8 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST",
         help="address of the status page (default: 127.0.0.1, this machine only)",
     )
-    train.add_argument("--no-progress", action="store_true", help="no progress bar")
-    train.add_argument(
+    # Not TrainConfig fields (checkpoints need not record them), but about the run all the same.
+    sections[RUN].add_argument("--no-progress", action="store_true", help="no progress bar")
+    sections[RUN].add_argument(
         "--log-level",
         default="INFO",
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -262,7 +218,8 @@ def train_config_from_args(parser: argparse.ArgumentParser, args: argparse.Names
     try:
         if args.workers is None and args.local is None and args.workers_file is None and args.listen is None:
             raise ValueError(
-                "one of --workers, --workers-file, --listen or --local is required (on the command line, or workers: / local: in the --config file)"
+                "one of --workers, --workers-file, --listen or --local is required "
+                "(on the command line, or workers: / local: in the --config file)"
             )
         if args.local is not None and args.local < 1:
             raise ValueError(f"--local must be >= 1, got {args.local}")
@@ -316,6 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config,
         workers=args.workers,
         local=args.local,
+        local_device=args.local_device,
         progress=not args.no_progress,
         security=security,
         workers_file=args.workers_file,
@@ -379,14 +337,16 @@ def train_listening(
     try:
         need = max(1, config.min_workers)
         print(
-            f"listening for workers on {host or '[::]'}:{bound} (worker serve --join THIS_HOST:{bound}); waiting for {need}",
+            f"listening for workers on {host or '[::]'}:{bound} (worker serve --join THIS_HOST:{bound}); "
+            f"waiting for {need}",
             file=sys.stderr,
             flush=True,
         )
         addresses = registry.wait_for(need, config.connect_timeout)
         if len(addresses) < need:
             print(
-                f"coordinator train: {len(addresses)} of {need} worker(s) joined within --connect-timeout {config.connect_timeout:g} s",
+                f"coordinator train: {len(addresses)} of {need} worker(s) joined within "
+                f"--connect-timeout {config.connect_timeout:g} s",
                 file=sys.stderr,
             )
             return 1
@@ -438,6 +398,7 @@ def train(
     *,
     workers: str | None = None,
     local: int | None = None,
+    local_device: str = "auto",
     progress: bool = True,
     security: ClientSecurity | None = None,
     workers_file: str | None = None,
@@ -496,7 +457,8 @@ def train(
             except KeyboardInterrupt:
                 latest = latest_checkpoint(trainer.checkpoint_dir)
                 print(
-                    f"coordinator train: stopped at once at step {trainer.step}; the newest checkpoint is {latest or 'none'}",
+                    f"coordinator train: stopped at once at step {trainer.step}; "
+                    f"the newest checkpoint is {latest or 'none'}",
                     file=sys.stderr,
                 )
                 return 130
@@ -509,13 +471,15 @@ def train(
                 c.close()
         if trainer.interrupted:
             print(
-                f"stopped at step {trainer.step} of {config.steps}; checkpoint in {trainer.last_checkpoint}. Resume with: {resume_command(trainer.checkpoint_dir)}"
+                f"stopped at step {trainer.step} of {config.steps}; checkpoint in {trainer.last_checkpoint}. "
+                f"Resume with: {resume_command(trainer.checkpoint_dir)}"
             )
             return 0
         if records:
             last = records[-1]
             print(
-                f"step {last['step']}: loss {last['loss']:.4f}, {last['tokens_per_sec']:.0f} tokens/s, compression {last['compression_ratio']:.0f}x; outputs in {config.output_dir}"
+                f"step {last['step']}: loss {last['loss']:.4f}, {last['tokens_per_sec']:.0f} tokens/s, "
+                f"compression {last['compression_ratio']:.0f}x; outputs in {config.output_dir}"
             )
         return 0
 
@@ -525,7 +489,14 @@ def train(
         # The local workers get the cores; the coordinator mostly waits, and its share of the work
         # (aggregating, replaying updates) would otherwise fight them for the same cores.
         torch.set_num_threads(1)
-        with local_workers(local, token=security.token if security else None) as addresses:
+        with contextlib.ExitStack() as stack:
+            try:
+                addresses = stack.enter_context(
+                    local_workers(local, device=local_device, token=security.token if security else None)
+                )
+            except ValueError as e:  # --local-device cuda without a GPU
+                print(f"coordinator train: error: {e}", file=sys.stderr)
+                return 2
             return run(addresses)
     if listen is not None:
         listen_security = listen_security or ServerSecurity(token=security.token if security else None)

@@ -6,9 +6,9 @@ a gRPC status, a worker that speaks another protocol, a reply that does not pars
 round (absent, straggling, needs a restart), never as a crash: the round loop records the error in place
 of that worker's result.
 
-Each client also counts the bytes of its last call in both directions (``last_bytes_down``: coordinator to
-worker; ``last_bytes_up``: worker to coordinator): the data of every framed ``Part``, or the serialized
-size of a small unary message.
+The calls that move data (push, round, fetch) return their ``Traffic`` beside their answer: the data of
+every framed ``Part`` in each direction, or the serialized size of a small unary message. The client
+satisfies ``gradwire.link.WorkerLink``.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gradwire import protocol
+from gradwire.link import Traffic, WorkerError
 from gradwire.protocol import PROTOCOL_VERSION, ModelState, RoundResult, WorkerInfo, WorkerState, WorkOrder
 from gradwire.replica import Fingerprint
 from gradwire.security import ClientSecurity
@@ -33,20 +34,6 @@ T = TypeVar("T")
 
 # A worker that restarts should be found again within seconds, not after grpc's default 2-minute backoff.
 _CLIENT_OPTIONS = [("grpc.max_reconnect_backoff_ms", 10_000)]
-
-
-class WorkerError(Exception):
-    """A call to one worker failed; ``code`` is a ``grpc.StatusCode`` saying how.
-
-    Besides the worker's own statuses: UNAVAILABLE (unreachable or not serving), DEADLINE_EXCEEDED
-    (straggler), FAILED_PRECONDITION (another protocol version, or training diverged on that worker), DATA_LOSS (a reply that does not parse).
-    """
-
-    def __init__(self, address: str, code: grpc.StatusCode, details: str, message: str | None = None) -> None:
-        super().__init__(message or f"worker at {address}: {code.name}: {details}")
-        self.address = address
-        self.code = code
-        self.details = details
 
 
 class _Counter:
@@ -64,7 +51,7 @@ class _Counter:
 class WorkerClient:
     """Calls one worker. Each method takes ``timeout`` (seconds; default: the constructor's) as its deadline.
 
-    Byte counters are per call: use one client from one thread at a time (as the round loop does).
+    One call at a time per client (``cancel`` aims at the one in flight), as the round loop makes them.
     ``security`` gives the channel (TLS or not) and what every call carries (the token, the run key); the
     clients of one run share it, so that the run's key is the same at every worker.
     ``channel`` replaces the one ``security`` would dial (a worker's tunnel: ``coordinator.tunnel``).
@@ -90,8 +77,6 @@ class WorkerClient:
         )
         self._stub = worker_pb2_grpc.WorkerStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
-        self.last_bytes_down = 0  # coordinator -> worker
-        self.last_bytes_up = 0  # worker -> coordinator
         self._in_flight: Any = None  # the streaming call in progress, for ``cancel``
 
     # ---------------------------------------------------------------- calls
@@ -102,7 +87,6 @@ class WorkerClient:
         reply = self._call(
             lambda: self._stub.Describe(request, timeout=self._timeout(timeout), metadata=self.call_metadata)
         )
-        self._record(request.ByteSize(), reply.ByteSize())
         info = protocol.info_from_proto(reply)
         if info.protocol_version != PROTOCOL_VERSION:
             details = f"speaks protocol {info.protocol_version}, this coordinator speaks {PROTOCOL_VERSION}"
@@ -114,8 +98,8 @@ class WorkerClient:
             )
         return info
 
-    def push_state(self, state: ModelState, timeout: float | None = None) -> tuple[int, Fingerprint]:
-        """Replace the worker's replica of ``state.run_id``; return its version and fingerprint."""
+    def push_state(self, state: ModelState, timeout: float | None = None) -> tuple[tuple[int, Fingerprint], Traffic]:
+        """Replace the worker's replica of ``state.run_id``: its version and fingerprint, and the bytes."""
         down = _Counter()
         parts = down.count(protocol.to_parts(protocol.state_to_proto(state)))
 
@@ -130,11 +114,12 @@ class WorkerClient:
                 self._in_flight = None
 
         reply = self._call(push)
-        self._record(down.nbytes, reply.ByteSize())
-        return reply.version, protocol.fingerprint_from_proto(reply.fingerprint)
+        answer = (reply.version, protocol.fingerprint_from_proto(reply.fingerprint))
+        return answer, Traffic(down.nbytes, reply.ByteSize())
 
-    def run_round(self, order: WorkOrder, timeout: float | None = None) -> RoundResult:
-        """One round; the result's gradient is structurally checked (the aggregator checks it against its plan).
+    def run_round(self, order: WorkOrder, timeout: float | None = None) -> tuple[RoundResult, Traffic]:
+        """One round and its bytes; the result's gradient is structurally checked (the aggregator checks it
+        against its plan).
 
         A malformed ``order`` is the caller's bug and raises ``ProtocolError`` before anything is sent.
         """
@@ -146,16 +131,15 @@ class WorkerClient:
             pb.RoundResult,
             protocol.result_from_proto,
         )
-        self._record(down.nbytes, up.nbytes)
         if result.round != order.round:
             raise WorkerError(
                 self.address,
                 grpc.StatusCode.DATA_LOSS,
                 f"answered round {result.round} to an order for round {order.round}",
             )
-        return result
+        return result, Traffic(down.nbytes, up.nbytes)
 
-    def fetch_worker_state(self, run_id: str, timeout: float | None = None) -> WorkerState:
+    def fetch_worker_state(self, run_id: str, timeout: float | None = None) -> tuple[WorkerState, Traffic]:
         """The error feedback and inner optimizer state of the worker's session of ``run_id`` (for checkpoints)."""
         request = pb.FetchWorkerStateRequest(run_id=run_id)
         up = _Counter()
@@ -165,8 +149,7 @@ class WorkerClient:
             pb.WorkerState,
             protocol.worker_state_from_proto,
         )
-        self._record(request.ByteSize(), up.nbytes)
-        return state
+        return state, Traffic(request.ByteSize(), up.nbytes)
 
     def close_run(self, run_id: str, timeout: float | None = None) -> bool:
         """Ask the worker to drop its session of ``run_id``; whether it held one."""
@@ -174,7 +157,6 @@ class WorkerClient:
         reply = self._call(
             lambda: self._stub.CloseRun(request, timeout=self._timeout(timeout), metadata=self.call_metadata)
         )
-        self._record(request.ByteSize(), reply.ByteSize())
         return reply.closed
 
     def wait_ready(self, timeout: float | None = None) -> None:
@@ -223,9 +205,6 @@ class WorkerClient:
 
     def _timeout(self, timeout: float | None) -> float:
         return self.timeout if timeout is None else timeout
-
-    def _record(self, down: int, up: int) -> None:
-        self.last_bytes_down, self.last_bytes_up = down, up
 
     def _call(self, fn: Callable[[], T]) -> T:
         try:

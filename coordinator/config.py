@@ -1,5 +1,9 @@
 """The coordinator's settings: one dataclass, from which the CLI is built and which checkpoints record.
 
+Every field is a setting: its name is the ``coordinator train`` flag without dashes and the ``--config``
+YAML key; its metadata (``setting``) holds its help text, its section of ``--help`` and its choices, from
+which ``coordinator.cli`` generates the flag - a setting is added here and nowhere else.
+
 Two modes share it. Gradient mode (``inner_steps`` 1) sends one compressed gradient per worker and step.
 Local-SGD rounds (``inner_steps`` H > 1: DiLoCo / SparseLoCo) take H inner optimizer steps on each worker
 and send one compressed pseudo-gradient per round. Settings whose good values depend on the mode (the
@@ -13,13 +17,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
+from typing import Any
 
 from gradwire.compression import CodecConfig
-from gradwire.compression.robust import AggregationRule
+from gradwire.compression.config import VALUE_CODINGS
+from gradwire.compression.robust import AGGREGATIONS, AggregationRule
 from gradwire.coordinator.decisions import REPLAY_PRECISIONS, Grace
-from gradwire.optim.inner import InnerOptimizerConfig
-from gradwire.optim.outer import UpdateRule
-from gradwire.optim.schedule import Schedule, lr_at
+from gradwire.models import model_names
+from gradwire.optim.inner import INNER_OPTIMIZERS, InnerOptimizerConfig
+from gradwire.optim.outer import OUTER_OPTIMIZERS, UpdateRule
+from gradwire.optim.schedule import SCHEDULES, Schedule, lr_at
 
 # --no-compression: every tensor dense, raw float32 - the codec's exact path, no special case elsewhere.
 DENSE_CODEC = CodecConfig(min_sparse_numel=2**62, bins=0)
@@ -35,6 +43,52 @@ AUTO_FIELDS = (
     "topk",
     "inner_momentum",
 )
+
+# The sections of the settings, in the order of ``--help``: title -> what the section holds.
+MODEL_AND_DATA = "model and data"
+OUTER = "outer optimizer"
+INNER = "inner steps"
+CODEC = "codec"
+ROUND_POLICY = "round policy"
+RUN = "run directory"
+TRACKING = "tracking"
+SECTIONS: dict[str, str] = {
+    MODEL_AND_DATA: "What to train, on what text, for how long.",
+    OUTER: "The coordinator's step with the workers' aggregated contributions.",
+    INNER: "Local-SGD rounds: optimizer steps every worker takes between syncs (--inner-steps > 1).",
+    CODEC: "How the workers' gradients or pseudo-gradients are compressed: DCT, top-k, quantized values.",
+    ROUND_POLICY: "Deadlines, quorum and stragglers, replays, and what to do with workers that send bad results.",
+    RUN: "Where outputs and checkpoints go, resuming, seeding, progress.",
+    TRACKING: "Weights & Biases.",
+}
+
+
+def setting(
+    default: Any,
+    *,
+    help: str,
+    section: str,
+    choices: Sequence[str] | None = None,
+    metavar: str | None = None,
+    negative: tuple[str, str] | None = None,
+) -> Any:
+    """A ``TrainConfig`` field with what its flag needs in its metadata.
+
+    ``help`` is its ``--help`` text (the default is appended there); ``section`` one of ``SECTIONS``;
+    ``choices`` the values its flag and YAML key accept (plus ``auto`` for ``AUTO_FIELDS``); ``metavar``
+    the name of its value in ``--help``; ``negative`` a boolean's ``(flag, help)`` that sets it false.
+    A tuple default makes a flag taking one or more values.
+    """
+    if section not in SECTIONS:
+        raise ValueError(f"unknown settings section {section!r}; one of {', '.join(SECTIONS)}")
+    metadata: dict[str, Any] = {"help": help, "section": section}
+    if choices is not None:
+        metadata["choices"] = tuple(choices)
+    if metavar is not None:
+        metadata["metavar"] = metavar
+    if negative is not None:
+        metadata["negative"] = negative
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def mode_defaults(
@@ -83,81 +137,285 @@ def mode_defaults(
 
 @dataclasses.dataclass(kw_only=True)
 class TrainConfig:
-    """What to train, on what, and how rounds run. Field names match the ``coordinator train`` flags."""
+    """What to train, on what, and how rounds run. Field names match the ``coordinator train`` flags; each
+    field's help, section and choices are in its metadata (``setting``)."""
 
-    model: str = "gpt-10m"  # a built-in name, a Hugging Face hub id, or a local model directory
-    from_scratch: bool = False  # HF models: fresh weights from the config instead of the pretrained ones
-    tokenizer: str | None = None  # default: the model's own
-    data: tuple[str, ...] = ()  # files, directories or a hub dataset; empty = the embedded Shakespeare corpus
-    data_config: str | None = None  # a hub dataset's configuration, e.g. wikitext-103-raw-v1
-    text_field: str = "text"  # the column holding the text in jsonl/json/csv/parquet/hub data
-    streaming: bool = False  # read the data as a stream (corpora larger than memory)
-    eval_every: int = 0  # held-out loss every N steps (0: never)
-    eval_batches: int = 4
-    steps: int = 100  # outer steps (rounds)
-    batch_size: int = 8  # sequences per worker per inner step
-    sequence_length: int = 256
-    micro_batch_size: int = 0  # rows per forward/backward on a worker; 0 = the whole batch
-    # Outer optimizer (the coordinator's step); None = the mode's default (mode_defaults)
-    outer_optimizer: str | None = None
-    learning_rate: float | None = None
-    momentum: float | None = None
-    weight_decay: float = 0.0
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0
-    lr_cycles: int = 1
-    # Local-SGD rounds: H inner steps on every worker between syncs
-    inner_steps: int = 1
-    inner_optimizer: str = "adamw"
-    inner_learning_rate: float = 1e-3
-    inner_weight_decay: float = 0.0
-    inner_beta1: float = 0.9
-    inner_beta2: float = 0.95
-    inner_momentum: float | None = None
-    inner_nesterov: bool = False
-    clip_grad_norm: float = 0.0  # on every inner step; 0 = no clipping
-    inner_lr_schedule: str = "constant"
-    inner_warmup_steps: int = 0
-    inner_min_lr_ratio: float = 0.0
-    inner_lr_cycles: int = 1
-    # Codec
-    topk: int | None = None
-    target_chunk: int | None = None
-    use_dct: bool = True
-    bins: int | None = None
-    values: str = "lut"  # lut: quantized through bins; sign: 1 bit per value and one scale per tensor
-    no_compression: bool = False
-    feedback_beta: float | None = None
-    # Runs, checkpoints
-    output_dir: str = "runs/gradwire"
-    checkpoint_dir: str | None = None  # default: <output_dir>/checkpoints
-    checkpoint_every: int = 100  # a checkpoint every N steps, and at the end; 0 = only at the end
-    keep_checkpoints: int = 3  # keep the newest N checkpoints; 0 = keep all
-    resume_from: str | None = None
-    seed: int = 0
-    # Rounds
-    round_timeout: float = 600.0  # seconds; the deadline of every round RPC
-    connect_timeout: float = 60.0
-    sync_tolerance: float = 1e-4
-    max_failed_rounds: int = 3  # consecutive rounds with no usable worker before giving up ...
-    max_failed_seconds: float = (
-        60.0  # ... once they also span this long (failed rounds back off, 0.5 s doubling to 30 s)
+    # Model and data
+    model: str = setting(
+        "gpt-10m",
+        help=f"a built-in model ({', '.join(model_names())}), a Hugging Face hub id (e.g. facebook/opt-125m) "
+        "or a local model directory",
+        section=MODEL_AND_DATA,
     )
-    min_workers: int = 0  # quorum: once this many results are in, stragglers get --straggler-grace; 0 = wait for all
-    straggler_grace: str = "1.0x"  # seconds ("10") or a factor of the quorum's median time ("1.5x")
-    replay_window: int = 8  # updates kept for workers that missed rounds (catch-up by replay instead of a push)
-    overlap: bool = False  # one-step-delayed rounds: compute round r before round r-1's update (hides the link)
-    overwrite: bool = False  # replace the run already in output_dir (without it, a new run there is refused)
-    # Robust aggregation (compression.robust) and benching (decisions.judge)
-    aggregate: str = "mean"  # mean | trimmed-mean | median, in the coefficient domain
-    replay_precision: str = "auto"  # auto | float32 | float64: how replays combine (decisions.replay_precision)
-    clip_factor: float = 2.0  # each sender clipped to this x the round's median norm; 0 = off
-    bench_after: int = 3  # bad rounds in a row (rejected, or clipped hard) before a worker is benched; 0 = never
-    bench_rounds: int = 20  # rounds a benched worker sits out
+    from_scratch: bool = setting(
+        False,
+        help="for Hugging Face models: fresh weights built from the config, not the pretrained ones",
+        section=MODEL_AND_DATA,
+    )
+    tokenizer: str | None = setting(
+        None,
+        help="a Hugging Face tokenizer name or directory, or gpt2 / bpe-8k (default: the model's own)",
+        section=MODEL_AND_DATA,
+    )
+    data: tuple[str, ...] = setting(
+        (),
+        help="text/jsonl/json/csv/parquet files or directories, or a hub dataset name "
+        "(default: the embedded Shakespeare corpus)",
+        section=MODEL_AND_DATA,
+        metavar="PATH",
+    )
+    data_config: str | None = setting(
+        None, help="the configuration of a hub dataset, e.g. wikitext-103-raw-v1", section=MODEL_AND_DATA
+    )
+    text_field: str = setting(
+        "text", help="the column holding the text in jsonl/json/csv/parquet or hub data", section=MODEL_AND_DATA
+    )
+    streaming: bool = setting(
+        False, help="stream the data instead of loading it (corpora larger than memory)", section=MODEL_AND_DATA
+    )
+    steps: int = setting(
+        100,
+        help="outer steps (rounds) to train for, in all (a resumed run continues to this step)",
+        section=MODEL_AND_DATA,
+    )
+    batch_size: int = setting(
+        8,
+        help="sequences per worker per step (per inner step in local-SGD rounds)",
+        section=MODEL_AND_DATA,
+    )
+    sequence_length: int = setting(256, help="tokens per sequence", section=MODEL_AND_DATA)
+    micro_batch_size: int = setting(
+        0,
+        help="sequences per forward/backward on a worker (0: the whole batch at once)",
+        section=MODEL_AND_DATA,
+    )
+    eval_every: int = setting(0, help="report held-out loss every N steps (0: never)", section=MODEL_AND_DATA)
+    eval_batches: int = setting(4, help="batches of held-out data per evaluation", section=MODEL_AND_DATA)
+
+    # Outer optimizer (the coordinator's step); None = the mode's default (mode_defaults)
+    outer_optimizer: str | None = setting(
+        None,
+        help="outer optimizer: sgd, nesterov (DiLoCo), signsgd (DeMo-style, decoupled weight decay) or adamw "
+        "(auto: signsgd in gradient mode; with --inner-steps > 1 sgd, or nesterov with --no-compression)",
+        section=OUTER,
+        choices=OUTER_OPTIMIZERS,
+    )
+    learning_rate: float | None = setting(
+        None,
+        help="outer learning rate (auto: 1e-3 in gradient mode; with --inner-steps > 1, 1.0 for sgd, "
+        "0.7 for nesterov, else 1e-3)",
+        section=OUTER,
+    )
+    momentum: float | None = setting(
+        None,
+        help="momentum of the sgd and nesterov outer optimizers (auto: 0.9 for nesterov, else 0)",
+        section=OUTER,
+    )
+    weight_decay: float = setting(0.0, help="decoupled weight decay of the outer optimizer", section=OUTER)
+    lr_schedule: str = setting(
+        "constant",
+        help="outer learning-rate schedule after warmup: constant, cosine (optionally with restarts, "
+        "--lr-cycles), linear (decay to --min-lr-ratio at --steps) or inverse-sqrt",
+        section=OUTER,
+        choices=SCHEDULES,
+    )
+    warmup_steps: int = setting(0, help="linear outer learning-rate warmup steps", section=OUTER)
+    min_lr_ratio: float = setting(
+        0.0, help="cosine/linear schedules end at this fraction of the learning rate", section=OUTER
+    )
+    lr_cycles: int = setting(1, help="cosine schedule: restarts, as this many equal cycles after warmup", section=OUTER)
+
+    # Inner steps: local-SGD rounds of H steps on every worker between syncs
+    inner_steps: int = setting(
+        1,
+        help="local-SGD rounds: inner optimizer steps on every worker between syncs "
+        "(1: gradient mode, one compressed gradient per step)",
+        section=INNER,
+    )
+    inner_optimizer: str = setting(
+        "adamw",
+        help="the workers' inner optimizer in local-SGD rounds: adamw, sgd or muon "
+        "(Newton-Schulz orthogonalised momentum for hidden matrices, AdamW for the rest)",
+        section=INNER,
+        choices=INNER_OPTIMIZERS,
+    )
+    inner_learning_rate: float = setting(1e-3, help="inner learning rate", section=INNER)
+    inner_weight_decay: float = setting(0.0, help="decoupled weight decay of the inner optimizer", section=INNER)
+    inner_beta1: float = setting(0.9, help="inner AdamW beta1 (muon: for its AdamW part)", section=INNER)
+    inner_beta2: float = setting(0.95, help="inner AdamW beta2 (muon: for its AdamW part)", section=INNER)
+    inner_momentum: float | None = setting(
+        None, help="momentum of the inner sgd or muon (auto: 0.95 for muon, else 0)", section=INNER
+    )
+    inner_nesterov: bool = setting(False, help="Nesterov momentum for the inner sgd", section=INNER)
+    clip_grad_norm: float = setting(
+        0.0,
+        help="clip each worker's gradient to this global L2 norm before it is compressed (gradient mode), "
+        "or every inner step's gradient (local-SGD rounds) (0: no clipping)",
+        section=INNER,
+    )
+    inner_lr_schedule: str = setting(
+        "constant",
+        help="inner learning-rate schedule over all inner steps (--steps x --inner-steps): constant, cosine, "
+        "linear or inverse-sqrt",
+        section=INNER,
+        choices=SCHEDULES,
+    )
+    inner_warmup_steps: int = setting(0, help="linear inner learning-rate warmup, in inner steps", section=INNER)
+    inner_min_lr_ratio: float = setting(
+        0.0, help="inner cosine/linear schedules end at this fraction of the inner learning rate", section=INNER
+    )
+    inner_lr_cycles: int = setting(
+        1, help="inner cosine schedule: restarts, as this many equal cycles after warmup", section=INNER
+    )
+
+    # Codec
+    topk: int | None = setting(
+        None,
+        help="coefficients kept per full --target-chunk x --target-chunk chunk (scaled by area for smaller "
+        "chunks) (auto: the mode's density at that chunk: 32 of 64x64 = 0.78% in gradient mode, "
+        "90 of 64x64 = 2.2% with --inner-steps > 1)",
+        section=CODEC,
+    )
+    target_chunk: int | None = setting(
+        None,
+        help="chunk edge: each dimension is cut into its largest divisor <= this (max 64) "
+        "(auto: 64; 16 costs a quarter of the transform FLOPs)",
+        section=CODEC,
+    )
+    use_dct: bool = setting(
+        True,
+        help="DCT-transform chunks before top-k",
+        section=CODEC,
+        negative=("--no-dct", "select raw values, no DCT"),
+    )
+    bins: int | None = setting(
+        None,
+        help="quantization bins for kept values, packed in ceil(log2(bins)) bits: 4 = 2 bits, 16 = 4 bits, "
+        "256 = 8 bits (0: raw float32; auto: 256 in gradient mode, 4 with --inner-steps > 1)",
+        section=CODEC,
+    )
+    values: str = setting(
+        "lut",
+        help="how kept values travel: lut (quantized through --bins) or sign "
+        "(1 bit each plus one scale per tensor, as DisTrO)",
+        section=CODEC,
+        choices=VALUE_CODINGS,
+    )
+    no_compression: bool = setting(False, help="send exact dense float32 gradients (a baseline)", section=CODEC)
+    feedback_beta: float | None = setting(
+        None,
+        help="decay of the workers' error-feedback buffers (auto: 0.999 in gradient mode, 0.95 with --inner-steps > 1)",
+        section=CODEC,
+    )
+
+    # Round policy: deadlines, quorum and stragglers, replays, overlap, robust aggregation and benching
+    round_timeout: float = setting(
+        600.0, help="deadline in seconds of every round and state-push call", section=ROUND_POLICY
+    )
+    connect_timeout: float = setting(60.0, help="seconds to wait for workers to come up", section=ROUND_POLICY)
+    sync_tolerance: float = setting(
+        1e-4, help="relative tolerance of the replica fingerprint check", section=ROUND_POLICY
+    )
+    max_failed_rounds: int = setting(
+        3,
+        help="give up after this many rounds in a row with no usable worker, once they also span --max-failed-seconds",
+        section=ROUND_POLICY,
+    )
+    max_failed_seconds: float = setting(
+        60.0,
+        help="seconds of failed rounds in a row before giving up (failed rounds back off: 0.5 s, doubling to 30 s)",
+        section=ROUND_POLICY,
+    )
+    min_workers: int = setting(
+        0,
+        help="quorum: once this many workers' results are in, wait --straggler-grace for the rest, then cut "
+        "them off (0: wait for every worker)",
+        section=ROUND_POLICY,
+    )
+    straggler_grace: str = setting(
+        "1.0x",
+        help="how long a round with its quorum waits for stragglers: seconds (10) or a factor of the "
+        "quorum's median time (1.5x)",
+        section=ROUND_POLICY,
+    )
+    replay_window: int = setting(
+        8,
+        help="updates the coordinator keeps for workers that missed rounds: one behind by fewer replays them "
+        "instead of receiving the state (0: always push)",
+        section=ROUND_POLICY,
+    )
+    overlap: bool = setting(
+        False,
+        help="one-step-delayed rounds: every worker computes round r's contribution before applying round "
+        "r-1's update, so in gradient mode it computes the next gradient while its last result travels and "
+        "is aggregated (hides the link's time at the cost of one step of staleness)",
+        section=ROUND_POLICY,
+    )
+    aggregate: str = setting(
+        "mean",
+        help="how the workers' contributions combine, in the DCT-coefficient domain: mean (weighted by "
+        "tokens), or per coefficient trimmed-mean or median",
+        section=ROUND_POLICY,
+        choices=AGGREGATIONS,
+    )
+    replay_precision: str = setting(
+        "auto",
+        help="how replicas combine a replayed update: float64 (rounded once to float32) computes the same "
+        "bits on CPUs and GPUs, so sign steps cannot drift apart across device kinds; auto (the default) "
+        "uses it only when some worker's device kind differs from the coordinator's",
+        section=ROUND_POLICY,
+        choices=REPLAY_PRECISIONS,
+    )
+    clip_factor: float = setting(
+        2.0,
+        help="clip each worker's contribution to this many times the round's median norm (templar's rule; 0: off)",
+        section=ROUND_POLICY,
+    )
+    bench_after: int = setting(
+        3,
+        help="bench a worker after this many bad rounds in a row (payload rejected, false token count, or "
+        "clipped below a quarter) (0: never)",
+        section=ROUND_POLICY,
+    )
+    bench_rounds: int = setting(
+        20, help="rounds a benched worker sits out before it is tried again", section=ROUND_POLICY
+    )
+
+    # Run directory: outputs, checkpoints, resuming, seed, progress
+    output_dir: str = setting("runs/gradwire", help="where metrics.jsonl, checkpoints/ and final/ go", section=RUN)
+    overwrite: bool = setting(
+        False,
+        help="replace the run already in --output-dir (its metrics and checkpoints are deleted); "
+        "without it a new run there is refused",
+        section=RUN,
+    )
+    checkpoint_dir: str | None = setting(
+        None, help="checkpoint directory (default: OUTPUT_DIR/checkpoints)", section=RUN
+    )
+    checkpoint_every: int = setting(
+        100,
+        help="save a checkpoint every N steps, and at the end (0: only at the end); SIGINT/SIGTERM also save one",
+        section=RUN,
+    )
+    keep_checkpoints: int = setting(3, help="keep only the newest N checkpoints (0: keep all)", section=RUN)
+    resume_from: str | None = setting(
+        None, help="checkpoint directory (or checkpoint root) to continue from", section=RUN
+    )
+    seed: int = setting(0, help="seed for model initialization and data order", section=RUN)
+    log_every: float = setting(
+        30.0,
+        help="when stderr is not a terminal (nohup, a CI log, docker logs): one progress line every N seconds "
+        "and at the end: step, loss, tokens/s, bytes up/down, ETA (0: only at the end)",
+        section=RUN,
+    )
+
     # Tracking
-    wandb_project: str | None = None  # log to Weights & Biases (offline without an API key)
-    wandb_run_name: str | None = None
+    wandb_project: str | None = setting(
+        None,
+        help="log metrics and config to this Weights & Biases project (offline when no API key is set)",
+        section=TRACKING,
+    )
+    wandb_run_name: str | None = setting(None, help="the Weights & Biases run name", section=TRACKING)
 
     def __post_init__(self) -> None:
         positive = ("steps", "batch_size", "sequence_length", "max_failed_rounds", "eval_batches", "inner_steps")
@@ -213,6 +471,8 @@ class TrainConfig:
             raise ValueError(f"--max-failed-seconds must be >= 0, got {self.max_failed_seconds}")
         if self.round_timeout <= 0 or self.connect_timeout <= 0:
             raise ValueError("--round-timeout and --connect-timeout must be positive")
+        if not (math.isfinite(self.log_every) and self.log_every >= 0):
+            raise ValueError(f"--log-every must be >= 0 seconds (0: only at the end), got {self.log_every}")
         self.data = tuple(self.data)
         self.update_rule()  # UpdateRule validates --outer-optimizer, --weight-decay, --momentum
         self.codec_config()  # CodecConfig validates --topk, --target-chunk, --bins, --values

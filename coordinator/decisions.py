@@ -33,7 +33,8 @@ def decide_sync(
     if known_version < base_version and catch_up_bytes is not None:
         return (
             "catch-up",
-            f"worker at version {known_version} replays {base_version - known_version} missed update(s) ({catch_up_bytes} bytes)",
+            f"worker at version {known_version} replays {base_version - known_version} missed update(s) "
+            f"({catch_up_bytes} bytes)",
         )
     return (
         "push",
@@ -202,6 +203,7 @@ def replay_precision(setting: str, coordinator_device: str, worker_devices: Sequ
     if others:
         return (
             True,
-            f"workers on {', '.join(others)} and the coordinator on {kind}: replays combine in float64 so that every replica computes the same bits",
+            f"workers on {', '.join(others)} and the coordinator on {kind}: replays combine in float64 so that every "
+            "replica computes the same bits",
         )
     return False, f"every worker on {kind}, as the coordinator: float32 replays agree bit for bit"

@@ -123,7 +123,8 @@ def _backend(tokenizer: Any) -> Tokenizer:
         if isinstance(inner, Tokenizer):
             return inner
     raise TypeError(
-        f"cannot export a tokenizer of type {type(tokenizer).__name__}: expected a tokenizers.Tokenizer or a fast tokenizer"
+        f"cannot export a tokenizer of type {type(tokenizer).__name__}: expected a tokenizers.Tokenizer or a fast "
+        "tokenizer"
     )
 
 

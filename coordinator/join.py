@@ -119,7 +119,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         if request.protocol_version != PROTOCOL_VERSION:
-            reason = f"this coordinator speaks protocol {PROTOCOL_VERSION}, the worker {request.protocol_version}: upgrade the older one"
+            reason = (
+                f"this coordinator speaks protocol {PROTOCOL_VERSION}, "
+                f"the worker {request.protocol_version}: upgrade the older one"
+            )
             return pb.JoinReply(protocol_version=PROTOCOL_VERSION, accepted=False, reason=reason)
         accepted, reason = self.registry.join(request.address[:300])
         if not accepted:
@@ -144,7 +147,7 @@ def serve_joins(
 ) -> tuple[grpc.Server, int]:
     """Start the Coordinator service on ``host:port``; return the server and the bound port. ``tunnels``
     receives the workers' tunnels (a new registry of them if not given)."""
-    from gradwire.worker.server import make_server  # the one server factory (limits, token, deadlines, health)
+    from gradwire.server import make_server  # the one server factory (limits, token, deadlines, health)
 
     server, bound, _ = make_server(
         # every open tunnel holds a server thread for its life, besides the few for Join calls

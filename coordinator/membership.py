@@ -3,15 +3,19 @@
 ``WorkersFile.poll`` returns the addresses the file names now (one per line or comma-separated; ``#``
 starts a comment), or ``None`` when it has not changed or cannot be read (a half-written file is not
 a reason to drop every worker). ``diff_members`` is the pure part: who joins and who leaves.
+``Roster`` holds the run's workers (its slots) and applies a source's changes before each round.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
+
+from gradwire.coordinator.round import WorkerSlot
+from gradwire.link import WorkerError, WorkerLink
 
 log = logging.getLogger(__name__)
 
@@ -87,3 +91,105 @@ class WorkersFile:
             return None
         self._stamp = stamp
         return addresses
+
+
+class Roster:
+    """The run's workers as slots, and how they change between rounds.
+
+    ``source`` (``--workers-file``, ``--listen``), with ``connect`` to make a link for a new address, is
+    asked before every round (``update``): workers it adds join after a state push, workers it drops stop
+    getting work. Without a source the workers are the fixed ``links``.
+    """
+
+    def __init__(
+        self,
+        links: Sequence[WorkerLink],
+        *,
+        source: MemberSource | None = None,
+        connect: Callable[[str], WorkerLink] | None = None,
+        connect_timeout: float = 60.0,
+    ) -> None:
+        if not links:
+            raise ValueError("--workers (or --local N) must name at least one worker")
+        if source is not None and connect is None:
+            raise ValueError("--workers-file and --listen need a client factory")
+        self.slots = [WorkerSlot(i, link) for i, link in enumerate(links)]
+        self.source, self._connect = source, connect
+        self.connect_timeout = connect_timeout
+        self._next_index = len(self.slots)
+
+    def describe_all(self) -> None:
+        """Describe every worker; a protocol mismatch or an unreachable worker stops here, clearly."""
+        for slot in self.slots:
+            slot.client.wait_ready(self.connect_timeout)
+            info = slot.client.describe()
+            slot.ranks, slot.device = info.ranks, info.device
+            node = (
+                f", a node of {info.ranks} ranks ({info.node_mode}: {', '.join(info.rank_devices)})"
+                if info.ranks > 1
+                else ""
+            )
+            log.info(
+                "worker %d at %s: %s (%s), torch %s%s",
+                slot.index,
+                slot.client.address,
+                info.device,
+                info.device_name,
+                info.torch_version,
+                node,
+            )
+
+    def active(self, step: int) -> list[WorkerSlot]:
+        """The slots that work round ``step``: all but the benched (all of them if every one is)."""
+        slots = [s for s in self.slots if not s.standing.benched(step)]
+        if not slots:
+            log.warning("step %d: every worker is benched; trying them all", step)
+            return list(self.slots)
+        return slots
+
+    def update(self, step: int) -> None:
+        """Apply a change of the source: drop the workers it no longer names, add the new ones (each after
+        a short readiness check; one that is not ready yet is tried again next round)."""
+        if self.source is None:
+            return
+        wanted = self.source.poll()
+        if wanted is None:
+            return
+        joining, leaving = diff_members([s.client.address for s in self.slots], wanted)
+        for slot in [s for s in self.slots if s.client.address in leaving]:
+            if len(self.slots) == 1:
+                log.warning("step %d: the run's last worker (%s) left its list; keeping it", step, slot.client.address)
+                break
+            self.slots.remove(slot)
+            slot.client.close()
+            log.info("step %d: worker %d (%s) left the run", step, slot.index, slot.client.address)
+        for address in joining:
+            assert self._connect is not None
+            link = self._connect(address)
+            try:
+                link.wait_ready(min(5.0, self.connect_timeout))
+                info = link.describe()
+            except WorkerError as e:
+                log.warning("step %d: %s is not ready to join yet (%s); trying again next round", step, address, e)
+                link.close()
+                self.source.forget()
+                continue
+            slot = WorkerSlot(self._next_index, link, ranks=info.ranks, device=info.device)
+            self._next_index += 1
+            self.slots.append(slot)
+            log.info(
+                "step %d: worker %d (%s) joins the run (%s, %d rank(s))",
+                step,
+                slot.index,
+                address,
+                info.device,
+                info.ranks,
+            )
+
+    def close_sessions(self, run_id: str, timeout: float) -> None:
+        """Ask every worker to drop ``run_id``'s session (best effort: a worker that is gone has none)."""
+        for slot in self.slots:
+            try:
+                slot.client.close_run(run_id, timeout=timeout)
+            except WorkerError as e:
+                log.info("worker %d: could not close the session: %s", slot.index, e)

@@ -1,4 +1,6 @@
-"""Per-step metrics: one JSON line per step in ``<output_dir>/metrics.jsonl``, and a terminal progress bar.
+"""Per-step metrics: each round's record (``round_record``), one JSON line per step in
+``<output_dir>/metrics.jsonl``, and progress on stderr: a bar on a terminal, a line every ``--log-every``
+seconds elsewhere (``progress``).
 
 Every record carries all ``METRIC_KEYS`` (extra keys are allowed), so the log of any run can be read and
 compared by the same code. Lines are strict JSON: a non-finite value (a diverged loss) is written as
@@ -12,15 +14,31 @@ import math
 import numbers
 import os
 import sys
+import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from tqdm import tqdm
 
-__all__ = ["METRIC_KEYS", "METRICS_FILE", "MetricsLog", "ProgressBar", "read_metrics"]
+if TYPE_CHECKING:
+    from gradwire.coordinator.gather import Gathered
+    from gradwire.coordinator.round import RoundOutcome
+    from gradwire.coordinator.tracking import Tracker
+
+__all__ = [
+    "METRIC_KEYS",
+    "METRICS_FILE",
+    "MetricsLog",
+    "ProgressBar",
+    "ProgressLog",
+    "RunRecorder",
+    "progress",
+    "read_metrics",
+    "round_record",
+]
 
 METRIC_KEYS = (
     "step",
@@ -171,3 +189,175 @@ class ProgressBar:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+class ProgressLog:
+    """Progress where stderr is not a terminal (nohup, a CI log, ``docker logs``): one line every ``every``
+    seconds and one at the end: step, loss, tokens/s, bytes up and down so far, and the time left."""
+
+    def __init__(
+        self,
+        total: int,
+        initial: int = 0,
+        *,
+        every: float = 30.0,
+        stream: IO[str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.total, self.every = total, every
+        self.stream = stream if stream is not None else sys.stderr
+        self.clock = clock
+        self._start = self._last_line = clock()
+        self._first = initial
+        self._record: Mapping[str, Any] | None = None
+        self._bytes_up = self._bytes_down = 0
+        self._unwritten = False
+
+    def update(self, record: Mapping[str, Any]) -> None:
+        self._record = record
+        self._bytes_up += int(record.get("bytes_up", 0))
+        self._bytes_down += int(record.get("bytes_down", 0))
+        self._unwritten = True
+        now = self.clock()
+        if self.every and now - self._last_line >= self.every:
+            self._write(now)
+
+    def close(self) -> None:
+        if self._unwritten:
+            self._write(self.clock())
+
+    def line(self, now: float) -> str:
+        """The progress line as of ``now`` (after at least one ``update``)."""
+        assert self._record is not None
+        step, done = int(self._record["step"]), int(self._record["step"]) - self._first
+        eta = (self.total - step) * (now - self._start) / done if done > 0 else math.nan
+        return (
+            f"step {step}/{self.total} | loss {float(self._record['loss']):.4f} | "
+            f"{float(self._record['tokens_per_sec']):,.0f} tok/s | "
+            f"up {_size(self._bytes_up)}, down {_size(self._bytes_down)} | ETA {_duration(eta)}"
+        )
+
+    def _write(self, now: float) -> None:
+        self.stream.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {self.line(now)}\n")
+        self.stream.flush()
+        self._last_line, self._unwritten = now, False
+
+
+class Progress(Protocol):
+    def update(self, record: Mapping[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def progress(
+    total: int, initial: int = 0, *, enabled: bool = True, every: float = 30.0, stream: IO[str] | None = None
+) -> Progress:
+    """The progress display for a run on ``stream`` (stderr): a bar on a terminal, else a log line every
+    ``every`` seconds; nothing when not ``enabled``."""
+    stream = stream if stream is not None else sys.stderr
+    if enabled and not stream.isatty():
+        return ProgressLog(total, initial, every=every, stream=stream)
+    return ProgressBar(total, initial, disable=not enabled)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+def round_record(
+    step: int,
+    round_: RoundOutcome,
+    gathered: Gathered,
+    *,
+    grad_norm: float,
+    lr: float,
+    times: tuple[float, float, float],
+    total_tokens: int,
+    dense_bytes: int,
+    inner_steps: int,
+    benched: int,
+    clip_grad_norm: float = 0.0,
+) -> dict[str, Any]:
+    """The metrics record of a round that had usable contributions. ``step``: rounds done after it;
+    ``times``: when it started, when its results were in, when its outer step was done (one clock);
+    ``dense_bytes``: one contribution's size as dense float32."""
+    usable = gathered.results
+    start, gathered_at, done = times
+    tokens = sum(r.tokens for r in usable)
+    payload_bytes = sum(r.gradient.nbytes for r in usable if r.gradient is not None)
+    bytes_up = sum(o.bytes_up for o in round_.outcomes)
+    bytes_down = sum(o.bytes_down for o in round_.outcomes) + round_.push_bytes
+    loss = sum(r.loss * r.tokens for r in usable) / tokens
+    step_time = done - start
+    slowest = {
+        key: max((r.timings.get(key, 0.0) for r in usable), default=0.0) for key in ("compute", "update", "compress")
+    }
+    return {
+        "step": step,
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "tokens_per_sec": tokens / step_time,
+        "compression_ratio": dense_bytes * len(usable) / max(1, payload_bytes),
+        "bytes_up": bytes_up,
+        "bytes_down": bytes_down,
+        "step_time": step_time,
+        "dispatch_time": gathered_at - start,
+        "aggregate_time": done - gathered_at,
+        "successful_workers": len(usable),
+        "total_tokens": total_tokens,
+        "lr": lr,
+        "pushes": round_.pushes,
+        "ranks": sum(o.slot.ranks for o in gathered.outcomes),
+        "tokens_per_sec_per_worker": tokens / step_time / len(usable),
+        "node_bus_bytes": sum(r.node_bytes for r in usable),
+        "inner_steps": inner_steps,
+        "inner_loss": loss,
+        "bytes_up_per_token": bytes_up / tokens,
+        "bytes_down_per_token": bytes_down / tokens,
+        "worker_compute_time": slowest["compute"],
+        "worker_update_time": slowest["update"],
+        "worker_compress_time": slowest["compress"],
+        # gradient mode: the senders' gradient norms before --clip-grad-norm, and how many it clipped
+        "worker_grad_norm": sum(r.grad_norm for r in usable) / len(usable),
+        "grad_clipped": sum(r.grad_norm > clip_grad_norm for r in usable) if clip_grad_norm else 0,
+        "clipped": gathered.count("clipped"),
+        "rejected": gathered.count("left out"),
+        "benched": benched,
+        "catch_ups": sum(o.catch_ups for o in round_.outcomes),
+        "stragglers": sum(o.straggler for o in round_.outcomes),
+    }
+
+
+class RunRecorder:
+    """Where a run's records go, in order: ``metrics.jsonl``, the tracker (``--wandb-project``), and the
+    progress display. ``close`` ends all three (the tracker with the run's exit code)."""
+
+    def __init__(self, output_dir: Path | str, shown: Progress, tracker: Tracker | None = None) -> None:
+        self.log = MetricsLog(output_dir)
+        self.shown, self.tracker = shown, tracker
+
+    def append(self, record: Mapping[str, Any]) -> None:
+        self.log.append(record)
+        if self.tracker is not None:
+            self.tracker.log(record, step=int(record["step"]))
+        self.shown.update(record)
+
+    def close(self, exit_code: int) -> None:
+        try:
+            if self.tracker is not None:
+                self.tracker.finish(exit_code=exit_code)
+        finally:
+            self.shown.close()
+            self.log.close()

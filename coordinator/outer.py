@@ -50,6 +50,10 @@ class OuterStrategy(abc.ABC):
         # The last updates before ``pending``, for workers that missed rounds: (from version, fingerprint
         # there, update), oldest first (``catch_up``).
         self.history: collections.deque[tuple[int, Fingerprint, StateUpdate]] = collections.deque(maxlen=8)
+        # Who sent ``pending``'s payloads (slot indices, in payload order) and in which round: each of them
+        # kept its own payload and is sent the replay without it (``update_for``).
+        self._senders: tuple[int, ...] = ()
+        self._sent_in = -1
 
     def set_replay_window(self, n: int) -> None:
         self.history = collections.deque(self.history, maxlen=n)
@@ -76,6 +80,14 @@ class OuterStrategy(abc.ABC):
         """The replica's fingerprint at ``target_version`` (once ``apply_pending`` has run)."""
         return self.base_fingerprint if self.pending is None else self._target_fingerprint
 
+    def update_for(self, slot: int) -> StateUpdate | None:
+        """``pending`` as worker ``slot`` is sent it: a sender's replay leaves out the payload it sent,
+        which it holds (``StateUpdate.without``; the worker puts it back). Deltas go whole to everyone."""
+        update = self.pending
+        if update is None or update.delta is not None or slot not in self._senders:
+            return update
+        return update.without(self._senders.index(slot), self._sent_in)
+
     def apply_pending(self) -> None:
         """Bring the coordinator's replica to ``target_version``, if it is not there yet."""
         if self.pending is not None and self.replica.version == self.base_version:
@@ -91,25 +103,32 @@ class OuterStrategy(abc.ABC):
         *,
         scales: tuple[float, ...] = (),
         rule: AggregationRule = MEAN,
+        senders: tuple[int, ...] = (),
+        round: int = -1,
     ) -> float:
         """Turn a round's validated, combined contributions (``compression.robust.aggregate`` of
         ``payloads`` with ``weights``, clip ``scales`` and ``rule``) into the next ``pending`` update.
+        ``senders`` are the slots that sent ``payloads``, in order, in round ``round`` (``update_for``).
 
         The round's version (the one its contributions were computed at) becomes the new base. Returns
         the aggregate's L2 norm.
         """
+        if senders and len(senders) != len(payloads):
+            raise ValueError(f"{len(senders)} senders for {len(payloads)} payloads")
         self.apply_pending()  # a no-op when the round already did it, as it does while workers compute
         target, target_fingerprint = self.target_version, self.target_fingerprint
         norm = aggregator.norm()
         if self.pending is not None:
             self.history.append((self.base_version, self.base_fingerprint, self.pending))
         self.pending = self._next_update(aggregator, StateUpdate(lr, payloads, weights, scales=scales, rule=rule))
+        self._senders, self._sent_in = tuple(senders), round
         self.base_version, self.base_fingerprint = target, target_fingerprint
         return norm
 
     def rebase(self) -> None:
         """After a resume: the replica as loaded is every worker's base, with nothing pending."""
         self.pending = None
+        self._senders, self._sent_in = (), -1
         self.history.clear()
         self.base_version = self.replica.version
         self.base_fingerprint = self._target_fingerprint = self.replica.fingerprint()

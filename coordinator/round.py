@@ -6,11 +6,14 @@ compute. A worker new to a running job gets the state *in the background* (``pre
 ``decisions.decide_first_push``): the rounds go on without it while the state travels (a snapshot: the
 replica moves on meanwhile), and it works from the first round after its push completes, catching up on
 the updates it missed by replay, so a joiner on a slow link, or one that stalls mid-push, holds no round.
-A worker whose version is not known (it failed or was cut off last round) gets an order as if it were in
-step; a BEHIND answer says which version it holds, and if the updates it missed are still in
+Every order is built from a ``RoundWork``, the round's plain values (batches, codec, local steps, scalars),
+with the pending update as ``OuterStrategy.update_for`` gives it to that worker (a sender's replay leaves
+out its own payload). A worker whose version is not known (it failed or was cut off last round) gets an
+order as if it were in step; a BEHIND answer says which version it holds, and if the updates it missed are still in
 the replay window (and smaller than the state) it *catches up by replay*, else it gets the state pushed
 (``decisions.decide_sync``). It never raises for a worker's failure: each worker ends the round with a
-``SlotOutcome``, a result or the error that spoiled its share.
+``SlotOutcome``, a result or the error that spoiled its share, and the slots' known versions are updated
+from what the round showed.
 """
 
 from __future__ import annotations
@@ -19,17 +22,19 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 
 import grpc
+import numpy as np
 import torch
 
-from gradwire.coordinator.client import WorkerClient, WorkerError
+from gradwire.compression import CodecConfig
 from gradwire.coordinator.decisions import Grace, Standing, decide_close, decide_first_push, decide_sync
 from gradwire.coordinator.outer import OuterStrategy
-from gradwire.protocol import BEHIND, OK, ModelState, ProtocolError, RoundResult, WorkOrder
+from gradwire.link import WorkerError, WorkerLink
+from gradwire.protocol import BEHIND, OK, LocalSteps, ModelState, ProtocolError, RoundResult, WorkOrder
 from gradwire.replica import Fingerprint, StateUpdate
 
 log = logging.getLogger("gradwire.coordinator")
@@ -40,7 +45,7 @@ class WorkerSlot:
     """A worker as the coordinator sees it. ``version`` is the replica version it is known to hold."""
 
     index: int
-    client: WorkerClient
+    client: WorkerLink
     version: int | None = None
     guess: int | None = None  # the version it held when it was last heard of (its version is unknown now)
     device: str = ""  # as its Describe said
@@ -72,10 +77,48 @@ class RoundOutcome:
     joining: tuple[int, ...] = ()  # slots receiving the state in the background, not in this round
 
 
-# (slot, base version, update or None, fingerprint of the base, missed updates before it) -> the order
-MakeOrder = Callable[[WorkerSlot, int, StateUpdate | None, Fingerprint, tuple[StateUpdate, ...]], WorkOrder]
-# slot -> the full state to push to it
-MakeState = Callable[[WorkerSlot], ModelState]
+@dataclasses.dataclass(frozen=True)
+class RoundWork:
+    """What one round asks of its workers, as plain values; ``order`` makes one worker's work order."""
+
+    round: int
+    codec: CodecConfig
+    batches: Mapping[int, np.ndarray]  # slot index -> its rows, (rows, T + 1)
+    next_batches: Mapping[int, np.ndarray] = dataclasses.field(default_factory=dict)  # --overlap's look-ahead
+    local_steps: LocalSteps | None = None  # None: gradient mode
+    feedback_beta: float = 0.999
+    micro_batch_size: int = 0
+    sync_tolerance: float = 1e-4
+    compute_before_update: bool = False  # --overlap
+    clip_grad_norm: float = 0.0  # gradient mode (local-SGD rounds clip in ``local_steps``)
+
+    def order(
+        self,
+        run_id: str,
+        slot: int,
+        base: int,
+        update: StateUpdate | None,
+        fingerprint: Fingerprint,
+        catch_up: tuple[StateUpdate, ...] = (),
+    ) -> WorkOrder:
+        """Worker ``slot``'s order, starting from version ``base`` (whose ``fingerprint`` it checks)."""
+        return WorkOrder(
+            run_id,
+            self.round,
+            base,
+            self.batches[slot],
+            self.codec,
+            fingerprint,
+            update,
+            feedback_beta=self.feedback_beta,
+            micro_batch_size=self.micro_batch_size,
+            sync_tolerance=self.sync_tolerance,
+            local_steps=self.local_steps,
+            catch_up=catch_up,
+            compute_before_update=self.compute_before_update,
+            next_batch=self.next_batches.get(slot),
+            clip_grad_norm=self.clip_grad_norm,
+        )
 
 
 @dataclasses.dataclass
@@ -94,17 +137,22 @@ class RoundPlan:
 
 
 class RoundDispatcher:
+    """Runs rounds for one run (``run_id``) of the model ``spec`` whose replica ``outer`` holds."""
+
     def __init__(
         self,
         outer: OuterStrategy,
         pool: ThreadPoolExecutor,
         *,
+        run_id: str,
+        spec: dict,
         timeout: float,
         state_bytes: int = 0,
         quorum: int = 0,
         grace: Grace | None = None,
     ) -> None:
         self.outer = outer
+        self.run_id, self.spec = run_id, spec
         self.pool = pool
         self.timeout = timeout
         self.state_bytes = state_bytes  # a catch-up must cost less than a push of this
@@ -117,7 +165,11 @@ class RoundDispatcher:
         """The slots receiving the state in the background now."""
         return sorted(i for i, f in self._joining.items() if not f.done())
 
-    def prepare(self, slots: Sequence[WorkerSlot], step: int, make_state: MakeState) -> RoundPlan:
+    def state_for(self, slot: WorkerSlot) -> ModelState:
+        """The full state for a push to ``slot``, with what a resumed run restores on that worker."""
+        return self.outer.model_state(self.run_id, self.spec, slot.feedback or {}, slot.inner_optimizer or {})
+
+    def prepare(self, slots: Sequence[WorkerSlot], step: int) -> RoundPlan:
         """Which of ``slots`` work this round: not those receiving the state in the background. Starts the
         background pushes ``decisions.decide_first_push`` asks for (workers new to a running job)."""
         landed = self._landed()
@@ -127,24 +179,23 @@ class RoundDispatcher:
         if how == "background":
             for slot in new:
                 log.info("step %d: worker %d gets the state in the background: %s", step, slot.index, why)
-                state = _snapshot(make_state(slot))  # now: apply_pending writes to the replica during the round
-                self._joining[slot.index] = self.pool.submit(self._push, slot, lambda _slot, state=state: state)
+                state = _snapshot(self.state_for(slot))  # now: apply_pending writes to the replica meanwhile
+                self._joining[slot.index] = self.pool.submit(self._push, slot, state)
             return RoundPlan([s for s in slots if s not in new], len(new), landed)
         return RoundPlan(slots, 0, landed)
 
-    def run(self, plan: RoundPlan, step: int, make_order: MakeOrder, make_state: MakeState) -> RoundOutcome:
-        """The round of ``plan``'s slots."""
+    def run(self, plan: RoundPlan, work: RoundWork) -> RoundOutcome:
+        """The round of ``plan``'s slots, each asked for its share of ``work``."""
+        step = work.round
         outer, slots = self.outer, plan.slots
         to_push = [s for s in slots if s.version is None and s.guess is None]  # never had the state: the run's start
         # Blocking pushes first, from a replica nothing is writing to; then the round and, alongside it,
         # our own copy of the pending update.
-        pushed = dict(zip((s.index for s in to_push), self.pool.map(lambda s: self._push(s, make_state), to_push)))
+        pushed = dict(zip((s.index for s in to_push), self.pool.map(self._push, to_push)))
         applied = threading.Event()
         cut_off = {slot.index: threading.Event() for slot in slots}  # set for a straggler: make no further call
         futures = [
-            self.pool.submit(
-                self._work, slot, step, pushed.get(slot.index), applied, make_order, make_state, cut_off[slot.index]
-            )
+            self.pool.submit(self._work, slot, work, pushed.get(slot.index), applied, cut_off[slot.index])
             for slot in slots
         ]
         try:
@@ -159,6 +210,7 @@ class RoundDispatcher:
             o.straggler = o.slot.index in cut and o.result is None
             if o.straggler:
                 o.error = f"cut off as a straggler ({o.error})"
+            _note_version(o, outer.target_version)
         pushes = len(to_push) + plan.started + sum(o.pushes for o in outcomes)
         return RoundOutcome(outcomes, pushes, sum(p.bytes_down for p in pushed.values()), tuple(self.joining))
 
@@ -201,18 +253,16 @@ class RoundDispatcher:
     def _work(
         self,
         slot: WorkerSlot,
-        step: int,
+        work: RoundWork,
         push: _Push | None,
         applied: threading.Event,
-        make_order: MakeOrder,
-        make_state: MakeState,
         cut_off: threading.Event,
     ) -> SlotOutcome:
         """Everything one worker does this round; runs on the dispatch pool. Never raises.
 
         Up to three orders: as the worker is believed to stand; after a BEHIND answer, from the version it
         says it holds (a catch-up, when the window allows); after a push."""
-        outer = self.outer
+        outer, step = self.outer, work.round
         outcome = SlotOutcome(slot, None)
         if push is not None and push.error:
             outcome.error = push.error
@@ -227,7 +277,7 @@ class RoundDispatcher:
                 if action == "push":
                     log.info("step %d: worker %d gets the state: %s", step, slot.index, why)
                     applied.wait()  # push the round's version, not one being written
-                    retry = self._push(slot, make_state)
+                    retry = self._push(slot)
                     if retry.error:
                         outcome.error = retry.error
                         return outcome
@@ -235,11 +285,11 @@ class RoundDispatcher:
                     outcome.bytes_down += retry.bytes_down
                     version = slot.version
                     continue
-                order = self._order(slot, action, version, applied, make_order)
+                order = self._order(slot, work, action, version, applied)
                 outcome.catch_ups += action == "catch-up"
-                result = slot.client.run_round(order, timeout=self.timeout)
-                outcome.bytes_down += slot.client.last_bytes_down
-                outcome.bytes_up += slot.client.last_bytes_up
+                result, traffic = slot.client.run_round(order, timeout=self.timeout)
+                outcome.bytes_down += traffic.down
+                outcome.bytes_up += traffic.up
                 if result.status == OK:
                     if result.round != step or result.version != target:
                         raise ProtocolError(
@@ -274,28 +324,41 @@ class RoundDispatcher:
         return total if not self.state_bytes or total < self.state_bytes else None
 
     def _order(
-        self, slot: WorkerSlot, action: str, version: int | None, applied: threading.Event, make_order: MakeOrder
+        self, slot: WorkerSlot, work: RoundWork, action: str, version: int | None, applied: threading.Event
     ) -> WorkOrder:
         outer = self.outer
         if action == "replay":
-            return make_order(slot, outer.base_version, outer.pending, outer.base_fingerprint, ())
+            update = outer.update_for(slot.index)
+            return work.order(self.run_id, slot.index, outer.base_version, update, outer.base_fingerprint)
         if action == "catch-up":
             assert version is not None
             fingerprint, missed = outer.catch_up(version)  # type: ignore[misc]
-            return make_order(slot, version, outer.pending, fingerprint, missed)
+            return work.order(self.run_id, slot.index, version, outer.update_for(slot.index), fingerprint, missed)
         applied.wait()  # at the round's version (pushed after the pending update was applied, or current)
-        return make_order(slot, outer.target_version, None, outer.target_fingerprint, ())
+        return work.order(self.run_id, slot.index, outer.target_version, None, outer.target_fingerprint)
 
-    def _push(self, slot: WorkerSlot, make_state: MakeState) -> _Push:
-        """Send the replica's full state (at its current version) to a worker. Never raises."""
+    def _push(self, slot: WorkerSlot, state: ModelState | None = None) -> _Push:
+        """Send ``state`` (default: the replica's full state at its current version) to a worker. Never raises."""
         try:
-            version, _ = slot.client.push_state(make_state(slot), timeout=self.timeout)
+            (version, _), traffic = slot.client.push_state(state or self.state_for(slot), timeout=self.timeout)
         except WorkerError as e:
             slot.version = None
             return _Push(error=str(e))
         slot.feedback = slot.inner_optimizer = None
         slot.version = version
-        return _Push(bytes_down=slot.client.last_bytes_down)
+        return _Push(bytes_down=traffic.down)
+
+
+def _note_version(outcome: SlotOutcome, target: int) -> None:
+    """What the round showed of the worker's version: the one its result was computed at; or, when it
+    failed, unknown - the next round asks, and it may catch up by replay rather than get a push. A
+    straggler most likely applied the round's update (``target``) before it was cut off."""
+    slot = outcome.slot
+    if outcome.result is not None:
+        slot.version = outcome.result.version
+        return
+    slot.guess = target if outcome.straggler else slot.version if slot.version is not None else slot.guess
+    slot.version = None
 
 
 def _snapshot(state: ModelState) -> ModelState:

@@ -36,7 +36,8 @@ def claim(output_dir: Path, checkpoint_dir: Path, *, resuming: bool, overwrite: 
         if not overwrite:
             raise ValueError(
                 f"--output-dir {output_dir} already holds a run (metrics.jsonl or checkpoints): "
-                f"continue it with --resume-from {checkpoint_dir}, replace it with --overwrite, or pick another --output-dir"
+                f"continue it with --resume-from {checkpoint_dir}, replace it with --overwrite, or pick another "
+                "--output-dir"
             )
         log.warning("--overwrite: removing the run in %s", output_dir)
         for name in RUN_FILES:

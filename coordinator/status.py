@@ -22,16 +22,20 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Collection, Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gradwire.security import bearer, token_matches
+
+if TYPE_CHECKING:
+    from gradwire.coordinator.round import RoundOutcome, WorkerSlot
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +73,45 @@ class WorkerEvent:
     bytes_up: int = 0
     bytes_down: int = 0
     error: str = ""
+
+
+def worker_events(
+    slots: Sequence[WorkerSlot], round_: RoundOutcome, kept: Collection[int], step: int
+) -> list[WorkerEvent]:
+    """What each of the run's workers did in a round, as the status page names it. Pure.
+
+    ``kept``: the slots whose contribution counted; ``step``: the round after this one (benching is
+    judged for it). A worker without an outcome sat the round out: benched, receiving the state in the
+    background, or waiting (it joined after the round began)."""
+    by_slot = {o.slot.index: o for o in round_.outcomes}
+    events = []
+    for slot in slots:
+        o = by_slot.get(slot.index)
+        if o is None:
+            state = (
+                "benched" if slot.standing.benched(step) else "resyncing" if slot.index in round_.joining else "waiting"
+            )
+        elif o.straggler:
+            state = "straggling"
+        elif slot.index in kept:
+            state = "resyncing" if o.pushes or o.catch_ups else "training"
+        else:
+            state = "failed"
+        seconds = o.result.timings.get("total", 0.0) if o is not None and o.result is not None else 0.0
+        events.append(
+            WorkerEvent(
+                slot.index,
+                slot.client.address,
+                state,
+                slot.device,
+                slot.ranks,
+                seconds,
+                o.bytes_up if o else 0,
+                o.bytes_down + o.first_push_bytes if o else 0,
+                o.error if o and state == "failed" else "",
+            )
+        )
+    return events
 
 
 class StatusBoard:

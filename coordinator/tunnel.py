@@ -252,7 +252,8 @@ class Tunnels:
         if hello.hello.protocol_version != PROTOCOL_VERSION:
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"this coordinator speaks protocol {PROTOCOL_VERSION}, the worker {hello.hello.protocol_version}: upgrade the older one",
+                f"this coordinator speaks protocol {PROTOCOL_VERSION}, the worker {hello.hello.protocol_version}: "
+                "upgrade the older one",
             )
         try:
             name = check_name(hello.hello.name)

@@ -152,9 +152,8 @@ def parse_args_with_config(
             if dests & typed:
                 typed |= dests
             elif len(dests & values.keys()) > 1:
-                raise ConfigFileError(
-                    f"{path}: keys {' and '.join(repr(values[d][0]) for d in sorted(dests & values.keys()))} exclude each other"
-                )
+                named = " and ".join(repr(values[d][0]) for d in sorted(dests & values.keys()))
+                raise ConfigFileError(f"{path}: keys {named} exclude each other")
     except ConfigFileError as e:
         command.error(str(e))
     for dest, (key, value) in values.items():
@@ -168,7 +167,8 @@ def add_security_flags(parser: argparse.ArgumentParser, *, side: str) -> None:
     """The token and TLS flags; ``side`` is "worker" (server files) or "coordinator" (client files)."""
     group = parser.add_argument_group(
         "security",
-        "A shared token keeps strangers out; TLS keeps the token and the traffic private. Prefer --token-file or $GRADWIRE_TOKEN to --token: a command line is visible to every user of the machine.",
+        "A shared token keeps strangers out; TLS keeps the token and the traffic private. Prefer --token-file or "
+        "$GRADWIRE_TOKEN to --token: a command line is visible to every user of the machine.",
     )
     group.add_argument("--token", help="the shared secret every call must carry (default: $GRADWIRE_TOKEN)")
     group.add_argument("--token-file", metavar="FILE", help="read the token from the first line of FILE")

@@ -26,7 +26,7 @@ from gradwire.replica import Fingerprint, StateUpdate
 from gradwire.v1 import worker_pb2 as pb
 
 # Bump when a message's meaning changes; both sides refuse to talk across versions.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_INNER_STEPS = 100_000  # H beyond this is a mistake, not a schedule (the field syncs every 30-500 steps)
 MAX_LEARNING_RATE = 1e6  # learning rates crossing the wire are finite, non-negative and below this
 MAX_CATCH_UP = 1024  # missed updates one order may carry (--replay-window is far smaller)
@@ -407,6 +407,7 @@ class WorkOrder:
     catch_up: tuple[StateUpdate, ...] = ()  # missed updates, oldest first, applied before ``update``
     compute_before_update: bool = False  # --overlap: the contribution is computed before ``update`` is applied
     next_batch: np.ndarray | None = None  # --overlap, gradient mode: the next round's likely batch (look-ahead)
+    clip_grad_norm: float = 0.0  # gradient mode: the gradient's global L2 norm is clipped to this; 0 = off
 
     @property
     def inner_steps(self) -> int:
@@ -452,6 +453,7 @@ def order_to_proto(o: WorkOrder) -> pb.WorkOrder:
         catch_up=[update_to_proto(u) for u in o.catch_up],
         compute_before_update=o.compute_before_update,
         next_batch=batch_to_proto(o.next_batch) if o.next_batch is not None else None,
+        clip_grad_norm=o.clip_grad_norm,
     )
 
 
@@ -472,6 +474,10 @@ def order_from_proto(m: pb.WorkOrder) -> WorkOrder:
         raise ProtocolError(f"feedback_beta must be in [0, 1], got {m.feedback_beta}")
     if not 0.0 <= m.sync_tolerance < 1.0:
         raise ProtocolError(f"sync_tolerance must be in [0, 1), got {m.sync_tolerance}")
+    if not (math.isfinite(m.clip_grad_norm) and m.clip_grad_norm >= 0):
+        raise ProtocolError(f"clip_grad_norm must be finite and >= 0, got {m.clip_grad_norm}")
+    if m.clip_grad_norm and m.HasField("local_steps"):
+        raise ProtocolError("a local-SGD order clips its inner steps (local_steps.clip_grad_norm), not clip_grad_norm")
     try:
         codec = codec_serde.settings_from_proto(m.codec)
     except PayloadError as e:
@@ -501,6 +507,7 @@ def order_from_proto(m: pb.WorkOrder) -> WorkOrder:
         tuple(update_from_proto(u) for u in m.catch_up),
         m.compute_before_update,
         next_batch,
+        m.clip_grad_norm,
     )
 
 
@@ -525,6 +532,7 @@ class RoundResult:
     version: int = 0
     timings: Mapping[str, float] = dataclasses.field(default_factory=dict)
     node_bytes: int = 0
+    grad_norm: float = 0.0  # gradient mode: the gradient's L2 norm before clipping (0 in local-SGD rounds)
 
 
 def result_to_proto(r: RoundResult) -> pb.RoundResult:
@@ -538,6 +546,7 @@ def result_to_proto(r: RoundResult) -> pb.RoundResult:
         version=r.version,
         timings=pb.Timings(**{f"{k}_seconds": v for k, v in r.timings.items()}),
         node_bytes=r.node_bytes,
+        grad_norm=r.grad_norm,
     )
 
 
@@ -548,8 +557,12 @@ def result_from_proto(m: pb.RoundResult) -> RoundResult:
     if status == OK and not m.HasField("gradient"):
         raise ProtocolError("an OK round result must carry a gradient")
     timings = {f.name.removesuffix("_seconds"): v for f, v in m.timings.ListFields()}
+    if not (math.isfinite(m.grad_norm) and m.grad_norm >= 0):
+        raise ProtocolError(f"grad_norm must be finite and >= 0, got {m.grad_norm}")
     gradient = codec_serde.gradient_from_proto(m.gradient) if m.HasField("gradient") else None
-    return RoundResult(status, m.round, m.reason, gradient, m.loss, m.tokens, m.version, timings, m.node_bytes)
+    return RoundResult(
+        status, m.round, m.reason, gradient, m.loss, m.tokens, m.version, timings, m.node_bytes, m.grad_norm
+    )
 
 
 @dataclasses.dataclass

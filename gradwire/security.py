@@ -144,11 +144,13 @@ class ServerSecurity:
         if self.token is None:
             out.append(
                 f"listening on {host} beyond loopback WITHOUT A TOKEN: anyone who reaches this port can make this "
-                f"worker compute and read or replace its runs. Set --token-file or ${TOKEN_ENV} (and TLS), or --host 127.0.0.1"
+                f"worker compute and read or replace its runs. Set --token-file or ${TOKEN_ENV} (and TLS), or --host "
+                "127.0.0.1"
             )
         elif not self.tls:
             out.append(
-                f"listening on {host} with a token but without TLS: the token crosses the network in the clear (--tls-cert/--tls-key)"
+                f"listening on {host} with a token but without TLS: the token crosses the network in the clear "
+                "(--tls-cert/--tls-key)"
             )
         return out
 

@@ -50,7 +50,8 @@ def check_name(name: str) -> str:
     """A tunnel's name: 1-128 printable characters without spaces; ``ValueError`` saying why if not."""
     if not _NAME.fullmatch(name):
         raise ValueError(
-            f"a tunnel's name must be 1-{MAX_NAME_CHARS} printable characters without spaces, got {name[:40]!r}{'...' if len(name) > 40 else ''}"
+            f"a tunnel's name must be 1-{MAX_NAME_CHARS} printable characters without spaces, got "
+            f"{name[:40]!r}{'...' if len(name) > 40 else ''}"
         )
     return name
 

@@ -94,19 +94,24 @@ def _seconds(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="worker",
-        description="A gradwire worker: holds model replicas for coordinators and answers their work orders with compressed gradients.",
-        epilog="Usage: worker serve --port PORT [--host HOST] [--device auto|cpu|cuda|cuda:INDEX] [--max-message-mb N] [--grace SECONDS]; see worker serve --help.",
+        description="A gradwire worker: holds model replicas for coordinators and answers their work orders with "
+        "compressed gradients.",
+        epilog="Usage: worker serve --port PORT [--host HOST] [--device auto|cpu|cuda|cuda:INDEX] "
+        "[--max-message-mb N] [--grace SECONDS]; see worker serve --help.",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     serve = commands.add_parser(
         "serve",
         help="serve the gradwire.v1.Worker gRPC service until SIGTERM/SIGINT",
-        description="Serve the gradwire.v1.Worker gRPC service (with grpc.health.v1) until SIGTERM or SIGINT, then stop gracefully.",
+        description="Serve the gradwire.v1.Worker gRPC service (with grpc.health.v1) until SIGTERM or SIGINT, "
+        "then stop gracefully.",
     )
     serve.add_argument(
         "--config",
         metavar="FILE.yaml",
-        help="read flag values from a YAML file (keys: port, host, device, max_message_mb, grace); flags typed here win",
+        help="read flag values from a YAML file: every flag of worker serve, its key the flag without dashes "
+        "(port: 50051, device: cuda, nproc_per_node: auto, join: coordinator:7000, token_file: /run/token); "
+        "flags typed here win",
     )
     serve.add_argument(
         "--port",
@@ -126,13 +131,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-message-mb",
         type=_message_mb,
         default=DEFAULT_MESSAGE_MB,
-        help=f"largest message accepted, in MiB, once its parts are joined: a model state, a work order with its update (default: {DEFAULT_MESSAGE_MB})",
+        help="largest message accepted, in MiB, once its parts are joined: a model state, a work order with its "
+        f"update (default: {DEFAULT_MESSAGE_MB})",
     )
     serve.add_argument(
         "--max-model-params",
         type=_positive,
         default=DEFAULT_MAX_MODEL_PARAMS,
-        help=f"largest model a coordinator may make this worker build, in parameters and buffers, checked before anything is allocated; requests are also bounded by a multiple of their run's model size (default: {DEFAULT_MAX_MODEL_PARAMS:,})",
+        help="largest model a coordinator may make this worker build, in parameters and buffers, checked before "
+        "anything is allocated; requests are also bounded by a multiple of their run's model size "
+        f"(default: {DEFAULT_MAX_MODEL_PARAMS:,})",
     )
     serve.add_argument(
         "--grace",
@@ -142,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     node = serve.add_argument_group(
         "multi-GPU nodes",
-        "One worker drives all of a box's GPUs: N ranks in one torch.distributed group (NCCL on CUDA, gloo on CPU); rank 0 serves gRPC. torchrun --nproc-per-node N -m gradwire.worker serve ... works the same.",
+        "One worker drives all of a box's GPUs: N ranks in one torch.distributed group (NCCL on CUDA, gloo on "
+        "CPU); rank 0 serves gRPC. torchrun --nproc-per-node N -m gradwire.worker serve ... works the same.",
     )
     node.add_argument(
         "--nproc-per-node",
@@ -154,13 +163,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--node-mode",
         choices=["ddp", "local-sgd"],
         default="ddp",
-        help="among the ranks: ddp (every backward all-reduces gradients) or local-sgd (independent inner steps, parameters averaged every --node-sync-steps and at the end of a round) (default: ddp)",
+        help="among the ranks: ddp (every backward all-reduces gradients) or local-sgd (independent inner steps, "
+        "parameters averaged every --node-sync-steps and at the end of a round) (default: ddp)",
     )
     node.add_argument(
         "--node-sync-steps",
         type=_count,
         default=0,
-        help="local-sgd: average the ranks' parameters every S inner steps (0: at the end of each round only) (default: 0)",
+        help="local-sgd: average the ranks' parameters every S inner steps (0: at the end of each round only) "
+        "(default: 0)",
     )
     node.add_argument(
         "--node-comm-hook",
@@ -188,22 +199,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     join = serve.add_argument_group(
         "joining a run",
-        "Instead of (or besides) being named in the coordinator's --workers, a worker can announce itself to a coordinator started with --listen PORT.",
+        "Instead of (or besides) being named in the coordinator's --workers, a worker can announce itself to a "
+        "coordinator started with --listen PORT.",
     )
     join.add_argument(
         "--join",
         metavar="HOST:PORT",
-        help="announce this worker to the coordinator at HOST:PORT (coordinator train --listen), every few seconds while it serves",
+        help="announce this worker to the coordinator at HOST:PORT (coordinator train --listen), every few "
+        "seconds while it serves",
     )
     join.add_argument(
         "--advertise",
         metavar="HOST:PORT",
-        help="the address the coordinator should call this worker at (default: --host, or this machine's name, and --port); with --tunnel, the worker's name in the run",
+        help="the address the coordinator should call this worker at (default: --host, or this machine's name, "
+        "and --port); with --tunnel, the worker's name in the run",
     )
     join.add_argument(
         "--tunnel",
         action="store_true",
-        help="for a worker the coordinator cannot dial (behind NAT, or a firewall that only lets connections out): with --join, hold a tunnel open to the coordinator and serve its calls through it; the coordinator never connects to this worker",
+        help="for a worker the coordinator cannot dial (behind NAT, or a firewall that only lets connections "
+        "out): with --join, hold a tunnel open to the coordinator and serve its calls through it; the coordinator "
+        "never connects to this worker",
     )
     join.add_argument(
         "--join-tls",
@@ -213,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument(
         "--join-tls-ca",
         metavar="PEM",
-        help="talk TLS to the --join coordinator, trusting the CA that signed its certificate (coordinator train --listen-tls-cert)",
+        help="talk TLS to the --join coordinator, trusting the CA that signed its certificate "
+        "(coordinator train --listen-tls-cert)",
     )
     add_security_flags(serve, side="worker")
     return parser

@@ -24,12 +24,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import math
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from gradwire.errors import Cancelled
 from gradwire.models import lm_loss
 from gradwire.protocol import ProtocolError, WorkOrder
 from gradwire.worker import hooks
@@ -42,15 +44,12 @@ PRECISIONS = ("fp32", "bf16")
 IsCancelled = Callable[[], bool]
 
 
-class Cancelled(Exception):
-    """The caller went away (cancelled call, deadline, shutdown): the round's work is abandoned."""
-
-
 @dataclasses.dataclass
 class Contribution:
     tensors: Mapping[str, torch.Tensor]  # by parameter name: a gradient or a pseudo-gradient
     loss: float  # mean over every row trained on
     tokens: int  # tokens trained on (every inner step's)
+    grad_norm: float = 0.0  # gradient mode: the gradient's global L2 norm before clipping
 
 
 @dataclasses.dataclass
@@ -178,7 +177,8 @@ def accumulate_gradient(
 def gradient_step(
     session: Session, order: WorkOrder, tokens: torch.Tensor, cancelled: IsCancelled, placement: Placement | None = None
 ) -> Contribution:
-    """Gradient mode: the batch's mean gradient at the replica's parameters."""
+    """Gradient mode: the batch's mean gradient at the replica's parameters, clipped to the order's
+    ``clip_grad_norm`` (on every rank of a node alike: after the all-reduce or the average)."""
     placement = placement or Placement()
     session.replica.model.train()
     model = placement.wrap(session, session.replica.model)
@@ -193,7 +193,9 @@ def gradient_step(
     grads = {n: p.grad for n, p in session.replica.params.items()}
     if placement.node is not None and not placement.ddp:
         placement.node.average(grads.values())  # local-sgd among the ranks: one step is one gradient average
-    return Contribution(grads, placement.mean(loss), tokens.shape[0] * (tokens.shape[1] - 1))
+    # clip_grad_norm_ (of the parameters' .grad) returns the norm before clipping; with max_norm inf it only measures.
+    norm = torch.nn.utils.clip_grad_norm_(list(session.replica.params.values()), order.clip_grad_norm or math.inf)
+    return Contribution(grads, placement.mean(loss), tokens.shape[0] * (tokens.shape[1] - 1), float(norm))
 
 
 def local_steps(

@@ -41,6 +41,7 @@ from google.protobuf.message import Message
 import gradwire
 from gradwire import protocol
 from gradwire.compression import CompressedGradient, DecodedGradient, NonFiniteInput
+from gradwire.errors import AccessDenied
 from gradwire.protocol import (
     BEHIND,
     NEEDS_STATE,
@@ -77,10 +78,6 @@ REQUEST_SLACK = 64 << 20
 
 class NodeFailure(RuntimeError):
     """A collective among the node's ranks failed (a rank died, hung past the timeout, or disagreed)."""
-
-
-class AccessDenied(PermissionError):
-    """The caller does not own the run it names (``gradwire.security.run_owner``)."""
 
 
 class WorkerEngine:
@@ -391,6 +388,7 @@ class WorkerEngine:
             replica.version,
             timings,
             self._bus_bytes() - bus_before,
+            contribution.grad_norm,
         )
 
     def _tokens(self, batch: np.ndarray) -> torch.Tensor:

@@ -65,7 +65,8 @@ def _timeout(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="python -m gradwire.worker.healthcheck",
-        description=f"Exit 0 if the worker at --address reports SERVING for {SERVICE_NAME} over grpc.health.v1, else 1.",
+        description=f"Exit 0 if the worker at --address reports SERVING for {SERVICE_NAME} over grpc.health.v1, "
+        "else 1.",
     )
     parser.add_argument(
         "--address", default=DEFAULT_ADDRESS, help=f"the worker's host:port (default: {DEFAULT_ADDRESS})"

@@ -12,7 +12,6 @@ runs the very same code. The launcher only supervises:
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -21,6 +20,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from gradwire.processes import die_with_parent
 from gradwire.transport import free_port
 
 log = logging.getLogger(__name__)
@@ -88,16 +88,6 @@ def launch(argv: Sequence[str], nproc: int, *, max_restarts: int = 3, grace: flo
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def die_with_parent() -> None:
-    """In a child, before it starts: a parent that is killed outright takes the child with it (Linux).
-    (A node's ranks under their launcher; ``--local`` workers under their coordinator.)"""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux: ranks outlive a killed launcher, as under any other supervisor
-        pass
 
 
 def _reap(procs: list[subprocess.Popen], seconds: float) -> None:

@@ -6,8 +6,9 @@ decides: it can be computed while round r's result travels and the coordinator a
 carries ``next_batch`` lets the worker do just that: once the round's result is out, it computes the
 gradient of ``next_batch`` at its replica's version and keeps it as a ``Lookahead``. The next order uses
 it only if it asks for exactly that computation (``serves``): same run, the next round, starting from
-that version with no catch-up, the same batch and micro-batching, gradient mode. Anything else discards
-it and the round computes afresh, so what a round returns never depends on whether the look-ahead ran.
+that version with no catch-up, the same batch, micro-batching and clipping, gradient mode. Anything else
+discards it and the round computes afresh, so what a round returns never depends on whether the look-ahead
+ran.
 
 Only the gradient is computed ahead, not its encoding: error feedback changes with every encode, and a
 discarded look-ahead must leave nothing behind. Local-SGD rounds are not looked ahead (their inner steps
@@ -45,6 +46,8 @@ class Lookahead:
             return False, f"computed ahead at version {made.base_version}, the order computes at {version}"
         if order.micro_batch_size != made.micro_batch_size:
             return False, "the order's micro-batching differs"
+        if order.clip_grad_norm != made.clip_grad_norm:
+            return False, "the order's gradient clipping differs"
         if order.batch.shape != made.batch.shape or not np.array_equal(order.batch, made.batch):
             return False, "the order's batch differs from the one announced"
         return True, "the order asks for the gradient computed ahead"

@@ -25,14 +25,13 @@ from typing import NoReturn
 import grpc
 
 from gradwire import protocol
-from gradwire.compression import NonFiniteInput
+from gradwire.errors import MAX_DETAILS, status_for
 from gradwire.protocol import PROTOCOL_VERSION
 from gradwire.security import caller
 from gradwire.transport import DEFAULT_MESSAGE_MB
 from gradwire.v1 import worker_pb2 as pb
 from gradwire.v1 import worker_pb2_grpc
-from gradwire.worker.compute import Cancelled
-from gradwire.worker.engine import AccessDenied, NodeFailure, WorkerEngine
+from gradwire.worker.engine import NodeFailure, WorkerEngine
 
 log = logging.getLogger(__name__)
 
@@ -119,23 +118,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.engine.on_node_failure()  # a node without a rank cannot serve: stop, so that it restarts
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{method}: {e}")
         _fail(context, method, e)
-
-
-MAX_DETAILS = 1000  # an error's text travels as call metadata: keep it well under grpc's limits
-
-
-def status_for(e: Exception) -> tuple[grpc.StatusCode, str] | None:
-    """The status a failed call ends with, and its text; ``None`` for a bug (INTERNAL). Pure."""
-    text = str(e) if len(str(e)) <= MAX_DETAILS else str(e)[:MAX_DETAILS] + "..."
-    if isinstance(e, Cancelled):
-        return grpc.StatusCode.CANCELLED, text
-    if isinstance(e, AccessDenied):
-        return grpc.StatusCode.PERMISSION_DENIED, text
-    if isinstance(e, ValueError):  # the request itself is wrong
-        return grpc.StatusCode.INVALID_ARGUMENT, text
-    if isinstance(e, NonFiniteInput):  # a sound request, but the run has diverged on this worker
-        return grpc.StatusCode.FAILED_PRECONDITION, text
-    return None
 
 
 _LOGGED_AS = {grpc.StatusCode.PERMISSION_DENIED: "refused", grpc.StatusCode.INVALID_ARGUMENT: "rejected"}

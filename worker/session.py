@@ -52,7 +52,8 @@ class Session:
                 elements = spec_elements(spec)
                 if elements > max_elements:
                     raise ValueError(
-                        f"the model has {elements:,} parameters and buffers, more than this worker's --max-model-params {max_elements:,}"
+                        f"the model has {elements:,} parameters and buffers, "
+                        f"more than this worker's --max-model-params {max_elements:,}"
                     )
             model = build_from_spec(spec)
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
@@ -105,7 +106,7 @@ class Session:
         if self._working is None:
             self._working = build_from_spec(self.spec).to(self.device)
         with torch.no_grad():
-            for (name, w), p in zip(self._working.named_parameters(), self.replica.params.values()):
+            for w, p in zip(self._working.parameters(), self.replica.params.values()):
                 w.copy_(p)
         self._working.train()
         return self._working

@@ -246,7 +246,8 @@ class StreamingTokenSource:
             rows_per_slot = seg[2]
             if step < 0 or not 0 <= slot < len(rows_per_slot):
                 raise ValueError(
-                    f"step must be >= 0 and slot in [0, {len(rows_per_slot)}) (the step's layout), got {step} and {slot}"
+                    f"step must be >= 0 and slot in [0, {len(rows_per_slot)}) (the step's layout), got {step} and "
+                    f"{slot}"
                 )
             if rows_per_slot[slot] != batch_size:
                 raise ValueError(

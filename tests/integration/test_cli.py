@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import subprocess
 import sys
 
@@ -10,6 +12,7 @@ import numpy as np
 import pytest
 
 from gradwire.coordinator.cli import build_parser, config_from_args
+from gradwire.coordinator.config import AUTO_FIELDS, RUN, SECTIONS, TrainConfig
 from gradwire.coordinator.metrics import METRIC_KEYS, read_metrics
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -199,3 +202,87 @@ def test_a_sequence_longer_than_the_model_is_a_flag_error(tmp_path):
 def test_bad_security_flags_name_the_flag(argv, message):
     proc = _run(*argv, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def _help(*command: str) -> str:
+    """``command --help`` as a user sees it, one line per flag (a wide terminal: no wrapping)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", *command, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**ENV, "COLUMNS": "10000"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def _groups(text: str) -> dict[str, str]:
+    """The blocks of a --help text by group title (``options``, then one per argument group)."""
+    blocks, title = {}, None
+    for line in text.splitlines():
+        if re.fullmatch(r"[a-z][\w &()-]*:", line):
+            title = line[:-1]
+            blocks[title] = ""
+        elif title is not None:
+            blocks[title] += line + "\n"
+    return blocks
+
+
+def test_train_help_shows_every_setting_under_its_section():
+    groups = _groups(_help("gradwire.coordinator", "train"))
+    assert list(SECTIONS) == [t for t in groups if t in SECTIONS]  # in order, each titled by its section
+    for title, about in SECTIONS.items():
+        assert about in groups[title]
+    # Each flag's entry: its line and the help that follows on the next, more indented, line.
+    entries = {
+        title: dict(re.findall(r"^  (--[a-z0-9-]+)(.*(?:\n {4,}.*)*)", block, re.M)) for title, block in groups.items()
+    }
+    flags = {title: set(found) for title, found in entries.items()}
+    for field in dataclasses.fields(TrainConfig):
+        section, flag = field.metadata["section"], "--" + field.name.replace("_", "-")
+        assert flag in flags[section], (flag, section)
+        entry = " ".join(entries[section][flag].split())
+        assert field.metadata["help"] in entry, flag  # the metadata's help, word for word
+        if field.name in AUTO_FIELDS:
+            assert entry.endswith("(default: auto)"), entry
+    # Nothing else in the sections but the --use-dct pair and the run's progress flags.
+    extra = {"--no-dct", "--no-progress", "--log-level"}
+    named = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(TrainConfig)}
+    assert set().union(*(flags[t] for t in SECTIONS)) == named | extra
+    assert {"--no-progress", "--log-level"} <= flags[RUN]
+
+
+def test_train_help_says_what_is_required():
+    text = " ".join(_help("gradwire.coordinator", "train").split())
+    assert (
+        "One of --workers, --workers-file, --listen or --local is required, on the command line or in the "
+        "--config file." in text
+    )
+    assert "--local-device {auto,cpu,cuda}" in text
+
+
+def test_worker_help_says_every_flag_is_a_config_key():
+    text = " ".join(_help("gradwire.worker", "serve").split())
+    assert "every flag of worker serve, its key the flag without dashes" in text
+    assert "keys: port, host, device, max_message_mb, grace" not in text
+
+
+def test_local_device_cuda_without_a_gpu_is_an_error_naming_the_flag(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    proc = _run(
+        "gradwire.coordinator",
+        "train",
+        "--local",
+        "1",
+        "--local-device",
+        "cuda",
+        "--output-dir",
+        str(tmp_path),
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "--local-device cuda: no CUDA device" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr

@@ -74,6 +74,7 @@ def test_a_two_gpu_nccl_node_computes_what_one_gpu_computes(tmp_path):
     with node(tmp_path, "--device", "cuda") as (address, _), WorkerClient(address, timeout=120) as client:
         assert client.describe().rank_devices == ("cuda:0", "cuda:1")
         client.push_state(state)
-        got = replica.codec(DENSE_CODEC).decompress(client.run_round(order).gradient)
+        result, _ = client.run_round(order)
+        got = replica.codec(DENSE_CODEC).decompress(result.gradient)
     for name in reference:
         torch.testing.assert_close(got[name], reference[name], atol=1e-4, rtol=1e-3)

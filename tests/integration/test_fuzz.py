@@ -42,7 +42,7 @@ def valid_messages(client: WorkerClient) -> tuple[ModelState, WorkOrder, Replica
     )
     client.push_state(state)
     batch = np.random.default_rng(0).integers(0, 8192, (2, 17)).astype(np.uint16)
-    first = client.run_round(WorkOrder(RUN, 0, 0, batch, CodecConfig(), replica.fingerprint()))
+    first, _ = client.run_round(WorkOrder(RUN, 0, 0, batch, CodecConfig(), replica.fingerprint()))
     update = StateUpdate(0.1, (first.gradient,), (float(first.tokens),))
     return state, WorkOrder(RUN, 1, 0, batch, CodecConfig(), replica.fingerprint(), update), replica
 
@@ -87,7 +87,8 @@ def test_the_worker_survives_fuzzing_and_serves_a_round_afterwards(tmp_path) -> 
         # Still a working worker: a fresh state and a plain round.
         client.push_state(state)
         batch = np.random.default_rng(9).integers(0, 8192, (2, 17)).astype(np.uint16)
-        assert client.run_round(WorkOrder(RUN, 5, 0, batch, CodecConfig(), replica.fingerprint())).status == OK
+        result, _ = client.run_round(WorkOrder(RUN, 5, 0, batch, CodecConfig(), replica.fingerprint()))
+        assert result.status == OK
         client.close()
     finally:
         proc.terminate()

@@ -10,11 +10,11 @@ import torch
 from gradwire.compression import CodecConfig, NonFiniteInput
 from gradwire.coordinator.client import WorkerError
 from gradwire.coordinator.config import TrainConfig
-from gradwire.coordinator.inprocess import in_process_clients
 from gradwire.coordinator.metrics import read_metrics
+from gradwire.errors import Cancelled
 from gradwire.protocol import ProtocolError, WorkOrder
 from gradwire.replica import Fingerprint
-from gradwire.worker.compute import Cancelled
+from gradwire.worker.inprocess import in_process_clients
 
 from .conftest import live_workers, run_trainer
 
@@ -35,7 +35,7 @@ def test_in_process_workers_train_exactly_as_served_ones(tmp_path):
 
 
 def test_in_process_failures_surface_as_the_served_statuses(monkeypatch):
-    """What the servicer would answer (worker.servicer.status_for), a bug as itself."""
+    """What the servicer would answer (gradwire.errors.status_for), a bug as itself."""
     client = in_process_clients(1)[0]
     for error, code in (
         (NonFiniteInput("w"), grpc.StatusCode.FAILED_PRECONDITION),

@@ -39,20 +39,23 @@ def test_a_workers_file_change_adds_and_removes_workers_between_rounds(tmp_path:
         listing.write_text(f"{a}\n{b}\n")
         members = WorkersFile(listing)
         members.poll()
-        connect = lambda address: WorkerClient(address, timeout=30)
+
+        def connect(address: str) -> WorkerClient:
+            return WorkerClient(address, timeout=30)
+
         config = TrainConfig(
             model="gpt-tiny", steps=9, batch_size=2, sequence_length=32, output_dir=str(tmp_path / "run")
         )
         trainer = Trainer(config, [connect(a), connect(b)], progress=False, members=members, connect=connect)
         rows: dict[int, list] = {}
-        step_batch = trainer.round_batch
+        step_batch = trainer.planner.batch  # every batch the run cuts
 
         def spy(step: int, position: int, ranks: int = 1):
             batch = step_batch(step, position, ranks)
             rows.setdefault(step, []).append(batch)
             return batch
 
-        trainer.round_batch = spy
+        trainer.planner.batch = spy
         try:
             trainer.connect()
             for _ in range(3):
@@ -90,7 +93,10 @@ def test_a_joiner_whose_state_push_stalls_holds_no_round(tmp_path: Path) -> None
         listing.write_text(f"{a}\n")
         members = WorkersFile(listing)
         members.poll()
-        connect = lambda address: WorkerClient(address, timeout=30)
+
+        def connect(address: str) -> WorkerClient:
+            return WorkerClient(address, timeout=30)
+
         config = TrainConfig(
             model="gpt-tiny", steps=20, batch_size=2, sequence_length=32, output_dir=str(tmp_path / "run")
         )
@@ -123,7 +129,9 @@ def test_streamed_data_follows_a_worker_that_joins_and_a_resume_keeps_the_layout
     data = tmp_path / "corpus.txt"
     data.write_text(corpus_path().read_text(encoding="utf-8")[:300_000], encoding="utf-8")
     listing = tmp_path / "workers.txt"
-    connect = lambda address: WorkerClient(address, timeout=30)
+
+    def connect(address: str) -> WorkerClient:
+        return WorkerClient(address, timeout=30)
 
     def trainer_for(out: str, clients: list[str], resume: str | None = None) -> tuple[Trainer, dict[int, list]]:
         members = WorkersFile(listing)
@@ -141,13 +149,13 @@ def test_streamed_data_follows_a_worker_that_joins_and_a_resume_keeps_the_layout
         )
         trainer = Trainer(config, [connect(c) for c in clients], progress=False, members=members, connect=connect)
         rows: dict[int, list] = {}
-        cut = trainer.round_batch
+        cut = trainer.planner.batch  # every batch the run cuts
 
         def spy(step: int, position: int, ranks: int = 1):
             rows.setdefault(step, []).append(cut(step, position, ranks))
             return rows[step][-1]
 
-        trainer.round_batch = spy
+        trainer.planner.batch = spy
         return trainer, rows
 
     with live_workers(2) as workers:

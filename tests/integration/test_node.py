@@ -126,18 +126,20 @@ def test_a_ddp_node_computes_what_one_worker_computes_on_the_whole_batch(tmp_pat
         info = client.describe()
         assert (info.ranks, info.node_mode, info.rank_devices) == (2, "ddp", ("cpu", "cpu"))
         client.push_state(st)
-        result = client.run_round(order)
+        result, _ = client.run_round(order)
         assert_close(contribution(replica, result), contribution(replica, reference))
         assert result.tokens == reference.tokens and abs(result.loss - reference.loss) < 1e-5
         assert result.node_bytes >= 4 * sum(p.numel() for p in replica.params.values())  # one fp32 all-reduce
         # Compressed: one payload for the node, the size a single worker's would be.
         single.push_state(st)
-        node_payload = client.run_round(compressed).gradient
+        node_result, _ = client.run_round(compressed)
+        node_payload = node_result.gradient
         assert node_payload.nbytes == single.run_round(compressed).gradient.nbytes
         # A batch that does not split over the ranks is the caller's mistake; the node carries on.
         with pytest.raises(Exception, match="split over"):
             client.run_round(WorkOrder("run", 2, 0, batch(3), DENSE_CODEC, replica.fingerprint()))
-        assert client.run_round(WorkOrder("run", 3, 0, batch(2), DENSE_CODEC, replica.fingerprint())).status == OK
+        after, _ = client.run_round(WorkOrder("run", 3, 0, batch(2), DENSE_CODEC, replica.fingerprint()))
+        assert after.status == OK
 
 
 def test_an_idle_node_outlives_its_timeout(tmp_path):
@@ -147,7 +149,8 @@ def test_an_idle_node_outlives_its_timeout(tmp_path):
     with node(tmp_path, timeout=2.0) as (address, proc), WorkerClient(address, timeout=TIMEOUT) as client:
         time.sleep(6.0)
         client.push_state(st)
-        assert client.run_round(WorkOrder("run", 0, 0, batch(2), DENSE_CODEC, replica.fingerprint())).status == OK
+        result, _ = client.run_round(WorkOrder("run", 0, 0, batch(2), DENSE_CODEC, replica.fingerprint()))
+        assert result.status == OK
         assert proc.poll() is None and client.describe().ranks == 2
 
 
@@ -167,7 +170,8 @@ def test_local_sgd_among_ranks_is_ddp_at_s1_and_model_averaging_at_s_h(tmp_path)
     }.items():
         with node(tmp_path, *flags) as (address, _), WorkerClient(address, timeout=TIMEOUT) as client:
             client.push_state(st)
-            results[mode] = contribution(replica, client.run_round(order))
+            result, _ = client.run_round(order)
+            results[mode] = contribution(replica, result)
     assert_close(results["s1"], results["ddp"])
     # S = H: each rank takes H SGD steps on its own rows; the node returns the average model's delta.
     models = []
@@ -201,7 +205,7 @@ def test_compressing_node_hooks_train_and_send_less_on_the_bus(tmp_path, hook):
             replica.fingerprint(),
             local_steps=LocalSteps(6, InnerOptimizerConfig(), (3e-3,) * 6),
         )
-        result = client.run_round(order)
+        result, _ = client.run_round(order)
     delta = contribution(replica, result)
     assert all(torch.isfinite(d).all() for d in delta.values()) and any(d.abs().max() > 0 for d in delta.values())
     # Six DDP steps; PowerSGD warms up with two plain all-reduces, the DCT hook sends ~8% of fp32 every step.

@@ -145,8 +145,8 @@ def test_streamed_data_announced_ahead_is_the_next_rounds_rows(tmp_path, caplog)
         )
         with live_workers(2) as workers:
             trainer = Trainer(config, [w.client() for w in workers], progress=False)
-            cut, rows = trainer.round_batch, {}
-            trainer.round_batch = lambda step, position, ranks=1: rows.setdefault(
+            cut, rows = trainer.planner.batch, {}  # every batch the run cuts, by (step, position)
+            trainer.planner.batch = lambda step, position, ranks=1: rows.setdefault(
                 (step, position), cut(step, position, ranks)
             )
             try:

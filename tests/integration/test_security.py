@@ -111,7 +111,8 @@ def test_without_the_token_every_call_is_refused_and_nothing_changes() -> None:
             intruder.close()
         assert list(worker.engine.sessions) == [RUN] and worker.engine.sessions[RUN] is session
         assert session.replica.fingerprint() == before and session.replica.version == 0
-        assert good.run_round(order(replica)).status == OK  # the owner is still served
+        result, _ = good.run_round(order(replica))
+        assert result.status == OK  # the owner is still served
 
 
 def test_health_answers_without_a_token() -> None:
@@ -154,8 +155,10 @@ def test_one_run_cannot_read_or_replace_another() -> None:
         assert worker.engine.sessions[RUN] is session and session.replica.fingerprint() == before
         other.push_state(state("run-b"))  # a run of its own is fine
         assert other.describe().replicas == {"run-b": 0} and owner.describe().replicas == {RUN: 0}
-        assert owner.run_round(order(replica)).status == OK
-        assert owner.fetch_worker_state(RUN).run_id == RUN
+        result, _ = owner.run_round(order(replica))
+        assert result.status == OK
+        fetched, _ = owner.fetch_worker_state(RUN)
+        assert fetched.run_id == RUN
         assert code_of(lambda: other.close_run(RUN)) == grpc.StatusCode.PERMISSION_DENIED
         assert owner.close_run(RUN) is True and owner.close_run(RUN) is False
         assert list(worker.engine.sessions) == ["run-b"]
@@ -166,7 +169,8 @@ def test_the_run_key_is_what_owns_a_run() -> None:
     with served(ServerSecurity()) as worker:  # no token at all: the run key still keeps runs apart
         worker.client(run_key=key).push_state(state())
         again = worker.client(run_key=key)  # a new channel, the same run (a coordinator reconnecting)
-        assert again.push_state(state(RUN, version=0))[0] == 0
+        (version, _), _ = again.push_state(state(RUN, version=0))
+        assert version == 0
         assert (
             code_of(lambda: worker.client(run_key=bytes(32)).push_state(state())) == grpc.StatusCode.PERMISSION_DENIED
         )
@@ -181,7 +185,8 @@ def test_tls_round_trip_and_plaintext_is_refused(ca: CertificateAuthority) -> No
         client = worker.client(token=TOKEN, tls_ca=str(ca.files.cert))
         assert client.security.tls
         client.push_state(state())
-        assert client.run_round(order(coordinator_replica())).status == OK
+        result, _ = client.run_round(order(coordinator_replica()))
+        assert result.status == OK
         plaintext = WorkerClient(worker.address, timeout=3, security=ClientSecurity(token=TOKEN))
         assert code_of(plaintext.describe) == grpc.StatusCode.UNAVAILABLE
 

@@ -70,9 +70,10 @@ def test_metrics_endpoint_is_prometheus_text_with_the_same_figures(run) -> None:
     status, content_type, body = get(base + "/metrics", TOKEN)
     assert status == 200 and content_type.startswith("text/plain")
     samples = [s for f in text_string_to_metric_families(body.decode()) for s in f.samples]
-    value = lambda name, **labels: next(
-        s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-    )  # noqa: E731
+
+    def value(name: str, **labels: str) -> float:
+        return next(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
     assert value("gradwire_step") == 6 and value("gradwire_loss") == pytest.approx(records[-1]["loss"])
     assert value("gradwire_tokens_total") == records[-1]["total_tokens"]
     assert value("gradwire_bytes_total", direction="up") == sum(r["bytes_up"] for r in records)

@@ -33,7 +33,10 @@ def test_a_stalled_worker_is_cut_off_after_the_grace_and_rejoins_without_a_push(
         min_workers=2,
         straggler_grace="0.3",
     )
-    honest = lambda: WorkerEngine("cpu")
+
+    def honest() -> WorkerEngine:
+        return WorkerEngine("cpu")
+
     with live_workers(3, [honest, honest, faulty("stall", factor=20.0, rounds=STALLED)]) as workers:
         trainer = train(config, workers)
         trainer.flush()

@@ -25,13 +25,13 @@ from gradwire.coordinator.join import JoinRegistry, serve_joins
 from gradwire.coordinator.metrics import read_metrics
 from gradwire.coordinator.trainer import Trainer
 from gradwire.coordinator.tunnel import Tunnels
+from gradwire.errors import Cancelled
 from gradwire.protocol import PROTOCOL_VERSION
 from gradwire.security import ClientSecurity, ServerSecurity
 from gradwire.transport import free_port
 from gradwire.tunnel import MAX_CALLS, TUNNEL_PREFIX, check_metadata, check_name
 from gradwire.v1 import coordinator_pb2 as pb
 from gradwire.v1 import coordinator_pb2_grpc
-from gradwire.worker.compute import Cancelled
 from gradwire.worker.engine import WorkerEngine
 from gradwire.worker.server import make_server
 from gradwire.worker.servicer import WorkerServicer
@@ -152,7 +152,8 @@ def test_a_worker_behind_a_tunnel_trains_like_a_direct_one(tmp_path: Path) -> No
         client.wait_ready(10)  # health, through the tunnel
         assert client.describe().protocol_version == PROTOCOL_VERSION
         through = run_trainer(config, [client])
-        assert client.last_bytes_up > 0 and client.last_bytes_down > 0
+        last = read_metrics(tmp_path / "tunnel")[-1]
+        assert last["bytes_up"] > 0 and last["bytes_down"] > 0  # the trainer's traffic, through the tunnel
         client.close()
     direct_engine = WorkerEngine("cpu")
     server, port, _ = make_server(WorkerServicer(direct_engine), host="127.0.0.1", port=0)

@@ -29,6 +29,7 @@ from gradwire import protocol
 from gradwire.compression import CodecConfig, GradientCodec
 from gradwire.coordinator import client as client_module
 from gradwire.coordinator.client import WorkerClient, WorkerError
+from gradwire.errors import Cancelled
 from gradwire.models import build_from_spec, model_spec
 from gradwire.models import lm_loss as real_lm_loss
 from gradwire.optim.inner import InnerOptimizerConfig
@@ -40,7 +41,6 @@ from gradwire.v1 import worker_pb2 as pb
 from gradwire.v1 import worker_pb2_grpc
 from gradwire.worker import cli
 from gradwire.worker import compute as compute_module
-from gradwire.worker.compute import Cancelled
 from gradwire.worker.engine import WorkerEngine
 from gradwire.worker.server import make_server
 from gradwire.worker.servicer import WorkerServicer
@@ -133,7 +133,7 @@ def codec_for(replica: Replica) -> GradientCodec:
 
 def assert_round_ok(worker: Worker, replica: Replica, round: int = 99) -> RoundResult:
     """A plain round at the replica's version succeeds: the server is still healthy."""
-    result = worker.client.run_round(make_order(replica, round, replica.version))
+    result, _ = worker.client.run_round(make_order(replica, round, replica.version))
     assert (result.status, result.version, result.reason) == (OK, replica.version, "")
     return result
 
@@ -168,35 +168,34 @@ def test_health_is_serving_after_start(worker: Worker) -> None:
 def test_describe(worker: Worker) -> None:
     info = worker.client.describe()
     assert (info.protocol_version, info.device, info.replicas) == (protocol.PROTOCOL_VERSION, "cpu", {})
-    assert worker.client.last_bytes_up > 0 and worker.client.last_bytes_down > 0
 
 
 def test_rounds_keep_the_replicas_in_step(worker: Worker, replica: Replica) -> None:
     client = worker.client
-    version, fp = client.push_state(state_of(replica))
+    (version, fp), pushed = client.push_state(state_of(replica))
     assert (version, fp) == (0, replica.fingerprint())
-    assert client.last_bytes_down > 4 * sum(replica.numels)  # the whole model went down
+    assert pushed.down > 4 * sum(replica.numels)  # the whole model went down
     assert client.describe().replicas == {RUN: 0}
 
-    first = client.run_round(make_order(replica, 0, 0))
+    first, traffic = client.run_round(make_order(replica, 0, 0))
     assert (first.status, first.round, first.version, first.tokens) == (OK, 0, 0, 32)
     assert abs(first.loss - math.log(8192)) < 0.5  # a fresh model is about uniform over the vocabulary
     assert set(first.timings) == {"update", "compute", "compress", "total"}
     codec_for(replica).decode(first.gradient)  # valid against the coordinator's own plan
-    assert client.last_bytes_down > 2 * 17 * 2 and client.last_bytes_up >= first.gradient.nbytes
+    assert traffic.down > 2 * 17 * 2 and traffic.up >= first.gradient.nbytes
 
     # The next order carries round 0's update and the fingerprint of the version it starts from; the
     # worker checks, replays the update and lands on the same replica as the coordinator's copy.
     update = StateUpdate(learning_rate=0.1, payloads=(first.gradient,), weights=(1.0,))
     base = replica.fingerprint()
     replica.apply(update)
-    second = client.run_round(make_order(replica, 1, 0, update, fingerprint=base))
+    second, _ = client.run_round(make_order(replica, 1, 0, update, fingerprint=base))
     assert (second.status, second.version) == (OK, 1), second.reason
     assert client.describe().replicas == {RUN: 1}
     with worker.engine._lock:
         assert worker.engine.sessions[RUN].replica.fingerprint() == replica.fingerprint()
 
-    state = client.fetch_worker_state(RUN)
+    state, _ = client.fetch_worker_state(RUN)
     assert (state.run_id, state.version) == (RUN, 1)
     assert state.feedback and all(b.isfinite().all() for b in state.feedback.values())
     assert state.inner_optimizer == {}  # no local-SGD round yet
@@ -204,16 +203,17 @@ def test_rounds_keep_the_replicas_in_step(worker: Worker, replica: Replica) -> N
 
 def test_needs_state_until_the_state_is_pushed_again(worker: Worker, replica: Replica) -> None:
     client = worker.client
-    missing = client.run_round(make_order(replica, 0, 0))
+    missing, _ = client.run_round(make_order(replica, 0, 0))
     assert missing.status == NEEDS_STATE and "no replica" in missing.reason
 
     client.push_state(state_of(replica))
     fp = replica.fingerprint()
     perturbed = dataclasses.replace(fp, sumsqs=(fp.sumsqs[0] * 1.01, *fp.sumsqs[1:]))
-    result = client.run_round(make_order(replica, 1, 0, fingerprint=perturbed))
+    result, _ = client.run_round(make_order(replica, 1, 0, fingerprint=perturbed))
     assert (result.status, result.gradient) == (NEEDS_STATE, None) and "fingerprint" in result.reason
     # A replica found out of sync stays untrusted, even for a correct order, until the next push.
-    assert client.run_round(make_order(replica, 2, 0)).status == NEEDS_STATE
+    again, _ = client.run_round(make_order(replica, 2, 0))
+    assert again.status == NEEDS_STATE
     client.push_state(state_of(replica))
     assert_round_ok(worker, replica)
 
@@ -222,7 +222,7 @@ def test_a_perturbed_worker_replica_needs_state(worker: Worker, replica: Replica
     worker.client.push_state(state_of(replica))
     with worker.engine._lock, torch.no_grad():  # an in-place write, as any change of a parameter is
         next(iter(worker.engine.sessions[RUN].replica.params.values()))[0, 0] += 1.0
-    result = worker.client.run_round(make_order(replica, 0, 0))
+    result, _ = worker.client.run_round(make_order(replica, 0, 0))
     assert result.status == NEEDS_STATE and "fingerprint" in result.reason
     worker.client.push_state(state_of(replica))
     assert_round_ok(worker, replica)
@@ -230,7 +230,7 @@ def test_a_perturbed_worker_replica_needs_state(worker: Worker, replica: Replica
 
 def test_an_order_for_another_version_is_behind_and_the_replica_stays_usable(worker: Worker, replica: Replica) -> None:
     worker.client.push_state(state_of(replica))
-    result = worker.client.run_round(make_order(replica, 0, 5))
+    result, _ = worker.client.run_round(make_order(replica, 0, 5))
     assert (result.status, result.version) == (BEHIND, 0) and "version" in result.reason
     assert_round_ok(worker, replica)  # not marked stale: a sound replica at another version may catch up
 
@@ -240,7 +240,7 @@ def test_catch_up_replays_missed_updates_before_the_rounds_update(worker: Worker
     worker.client.push_state(state_of(replica))
     coordinator = Replica(build_from_spec(SPEC, seed=0), RULE)
     updates, fingerprints = [], []
-    for r in range(3):  # three rounds' updates, made from the coordinator's own gradients
+    for _ in range(3):  # three rounds' updates, made from the coordinator's own gradients
         payload = codec_for(coordinator).compress(
             {n: torch.randn_like(p) * 1e-2 for n, p in coordinator.params.items()}
         )
@@ -250,7 +250,7 @@ def test_catch_up_replays_missed_updates_before_the_rounds_update(worker: Worker
     order = dataclasses.replace(
         make_order(replica, 7, 0, updates[2], fingerprint=fingerprints[0]), catch_up=tuple(updates[:2])
     )
-    result = worker.client.run_round(order)
+    result, _ = worker.client.run_round(order)
     assert (result.status, result.version) == (OK, 3)
     (session,) = worker.engine.sessions.values()
     for name, p in coordinator.params.items():
@@ -350,7 +350,8 @@ def test_an_update_whose_payload_has_wrong_shapes_is_invalid_and_changes_nothing
     worker: Worker, replica: Replica
 ) -> None:
     worker.client.push_state(state_of(replica))
-    gradient = worker.client.run_round(make_order(replica, 0, 0)).gradient
+    first, _ = worker.client.run_round(make_order(replica, 0, 0))
+    gradient = first.gradient
     t = gradient.tensors[0]
     bad = dataclasses.replace(
         gradient, tensors=(dataclasses.replace(t, shape=tuple(s + 1 for s in t.shape)), *gradient.tensors[1:])
@@ -377,7 +378,9 @@ def test_bad_pushes_are_invalid_and_the_server_carries_on(worker: Worker, replic
     ]
     for state, message in cases:
         parts = iter(protocol.to_parts(protocol.state_to_proto(state)))
-        assert_rpc_error(lambda: stub.PushState(parts, timeout=TIMEOUT), grpc.StatusCode.INVALID_ARGUMENT, message)
+        assert_rpc_error(
+            lambda parts=parts: stub.PushState(parts, timeout=TIMEOUT), grpc.StatusCode.INVALID_ARGUMENT, message
+        )
     assert_rpc_error(
         lambda: stub.PushState(iter([pb.Part(data=b"\xff")]), timeout=TIMEOUT),
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -509,7 +512,8 @@ def test_describe_refuses_another_protocol_version(worker: Worker, monkeypatch: 
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert (
         str(info.value)
-        == f"worker at {worker.address} speaks protocol {protocol.PROTOCOL_VERSION}, this coordinator speaks {protocol.PROTOCOL_VERSION + 1}: upgrade the older one"
+        == f"worker at {worker.address} speaks protocol {protocol.PROTOCOL_VERSION}, this coordinator speaks "
+        f"{protocol.PROTOCOL_VERSION + 1}: upgrade the older one"
     )
 
 

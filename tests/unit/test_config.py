@@ -1,11 +1,17 @@
-"""TrainConfig: each mode's defaults fill what was not given, explicit values win, bad values name the flag."""
+"""TrainConfig: each mode's defaults fill what was not given, explicit values win, bad values name the flag;
+every setting's help, section and choices live in its field's metadata, and a field is all a flag needs."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from pathlib import Path
+
 import pytest
 
+from gradwire.coordinator import cli as coordinator_cli
 from gradwire.coordinator.cli import load_train
-from gradwire.coordinator.config import TrainConfig, mode_defaults
+from gradwire.coordinator.config import AUTO_FIELDS, ROUND_POLICY, SECTIONS, TrainConfig, mode_defaults, setting
 
 
 def test_gradient_mode_keeps_demo_defaults() -> None:
@@ -84,6 +90,7 @@ def test_schedules_are_evaluated_per_round_and_per_inner_step() -> None:
         ({"inner_lr_schedule": "cosine", "inner_min_lr_ratio": 2.0}, "--inner-min-lr-ratio"),
         ({"values": "float"}, "--values"),
         ({"bins": 1}, "--bins"),
+        ({"log_every": -1.0}, "--log-every"),
     ],
 )
 def test_bad_values_name_the_flag(changes: dict, flag: str) -> None:
@@ -129,3 +136,67 @@ def test_the_command_line_reaches_the_mode_defaults() -> None:
         ]
     )
     assert (config.learning_rate, config.outer_optimizer, config.bins) == (1.0, "sgd", 4)
+
+
+@pytest.mark.parametrize("seconds", [-0.5, math.inf, math.nan])
+def test_log_every_must_be_a_finite_number_of_seconds(seconds: float) -> None:
+    with pytest.raises(ValueError, match="--log-every must be >= 0"):
+        TrainConfig(log_every=seconds)
+
+
+def test_log_every_defaults_to_thirty_seconds_and_zero_means_only_at_the_end() -> None:
+    assert TrainConfig().log_every == 30.0 and TrainConfig(log_every=0).log_every == 0
+    config, _ = load_train(["train", "--local", "1", "--log-every", "5"])
+    assert config.log_every == 5.0
+
+
+def test_every_setting_carries_its_help_section_and_choices_in_its_metadata() -> None:
+    fields = dataclasses.fields(TrainConfig)
+    for field in fields:
+        meta = field.metadata
+        assert isinstance(meta.get("help"), str) and meta["help"].strip(), field.name
+        assert meta.get("section") in SECTIONS, field.name
+        choices = meta.get("choices")
+        assert choices is None or (isinstance(choices, tuple) and all(isinstance(c, str) for c in choices))
+        if choices is not None and field.default is not None:
+            assert field.default in choices, field.name
+    # The fields are ordered by section, the sections in the order of SECTIONS (and so of --help).
+    order = [list(SECTIONS).index(f.metadata["section"]) for f in fields]
+    assert order == sorted(order)
+    assert set(AUTO_FIELDS) <= {f.name for f in fields if f.default is None}
+    # The CLI keeps no help or choices of its own.
+    assert not hasattr(coordinator_cli, "HELP") and not hasattr(coordinator_cli, "CHOICES")
+
+
+def test_settings_name_a_known_section() -> None:
+    with pytest.raises(ValueError, match="unknown settings section"):
+        setting(1, help="h", section="misc")
+
+
+def test_a_new_field_is_all_a_flag_needs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    @dataclasses.dataclass(kw_only=True)
+    class Extended(TrainConfig):
+        straggler_policy: str = setting(
+            "wait", help="what to do with stragglers", section=ROUND_POLICY, choices=("wait", "drop")
+        )
+        patience: float = setting(1.5, help="seconds of patience", section=ROUND_POLICY)
+
+    monkeypatch.setattr(coordinator_cli, "TrainConfig", Extended)
+    config, _ = load_train(["train", "--local", "1", "--straggler-policy", "drop", "--patience", "2"])
+    assert (config.straggler_policy, config.patience) == ("drop", 2.0)
+    path = tmp_path / "run.yaml"
+    path.write_text("local: 1\nstraggler_policy: drop\npatience: 3\n")
+    config, args = load_train(["train", "--config", str(path)])
+    assert (config.straggler_policy, config.patience) == ("drop", 3.0)
+    assert {"straggler_policy", "patience"} <= set(args.config_keys)
+    path.write_text("local: 1\nstraggler_policy: hurry\n")
+    with pytest.raises(SystemExit):
+        load_train(["train", "--config", str(path)])
+    assert "'straggler_policy': must be one of wait, drop" in capsys.readouterr().err
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per flag in --help
+    train = coordinator_cli.subcommand_parser(coordinator_cli.build_parser(), "train")
+    (group,) = [g for g in train._action_groups if g.title == ROUND_POLICY]
+    assert {"--straggler-policy", "--patience"} <= {o for a in group._group_actions for o in a.option_strings}
+    assert "seconds of patience (default: 1.5)" in train.format_help()

@@ -4,6 +4,7 @@ Nothing here trains or serves. Also ``coordinator report``'s dispatch."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 from pathlib import Path
@@ -13,11 +14,14 @@ import yaml
 
 from gradwire.coordinator import cli as coordinator_cli
 from gradwire.coordinator.cli import load_train
-from gradwire.coordinator.config import TrainConfig
+from gradwire.coordinator.config import AUTO_FIELDS, TrainConfig
 from gradwire.worker import cli as worker_cli
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SHIPPED = sorted(CONFIGS.glob("*.yaml"))
+FIELDS = dataclasses.fields(TrainConfig)
+WITH_CHOICES = [f.name for f in FIELDS if "choices" in f.metadata]
+NUMERIC = [f.name for f in FIELDS if type(TrainConfig().to_dict()[f.name]) in (int, float)]
 
 
 def write(tmp_path: Path, text: str, name: str = "run.yaml") -> str:
@@ -187,3 +191,66 @@ def test_report_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys:
     assert capsys.readouterr().out.split() == [str(tmp_path / "loss.png"), str(tmp_path / "step_time.png")]
     assert coordinator_cli.main(["report", str(tmp_path / "missing")]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_every_setting_is_a_yaml_key(tmp_path: Path) -> None:
+    # A run's recorded settings (a checkpoint's to_dict()) are themselves a valid --config file.
+    settings = TrainConfig().to_dict()
+    path = write(tmp_path, yaml.safe_dump({"local": 1, **settings}))
+    config, args = load_train(["train", "--config", path])
+    assert config == TrainConfig()
+    assert set(args.config_keys) == {f.name for f in FIELDS} | {"local"}
+    # Dashed spellings too; "auto" (or null) for the mode-dependent ones.
+    dashed = {name.replace("_", "-"): value for name, value in settings.items()}
+    dashed.update({name.replace("_", "-"): "auto" for name in AUTO_FIELDS})
+    config, _ = load_train(["train", "--config", write(tmp_path, yaml.safe_dump({"local": 1, **dashed}), "d.yaml")])
+    assert config == TrainConfig()
+
+
+def test_the_choices_are_those_of_the_settings() -> None:
+    assert set(WITH_CHOICES) == {
+        "outer_optimizer",
+        "inner_optimizer",
+        "lr_schedule",
+        "inner_lr_schedule",
+        "values",
+        "aggregate",
+        "replay_precision",
+    }
+
+
+@pytest.mark.parametrize("name", WITH_CHOICES)
+def test_every_setting_with_choices_refuses_others_naming_the_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    field = next(f for f in FIELDS if f.name == name)
+    err = fails(capsys, load_train, ["train", "--config", write(tmp_path, f"local: 1\n{name}: not-a-choice\n")])
+    assert f"key {name!r}: must be one of {', '.join(field.metadata['choices'])}" in err and "run.yaml" in err, err
+
+
+@pytest.mark.parametrize("name", NUMERIC)
+def test_every_numeric_setting_refuses_text_naming_the_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    err = fails(capsys, load_train, ["train", "--config", write(tmp_path, f"local: 1\n{name}: lots\n")])
+    assert f"key {name!r}: expected" in err and "run.yaml" in err, err
+
+
+def test_local_device_is_a_flag_and_a_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _, args = load_train(["train", "--local", "2"])
+    assert args.local_device == "auto"
+    _, args = load_train(["train", "--config", write(tmp_path, "local: 2\nlocal_device: cpu\n")])
+    assert args.local_device == "cpu"
+    err = fails(capsys, load_train, ["train", "--config", write(tmp_path, "local: 2\nlocal_device: tpu\n")])
+    assert "key 'local_device': must be one of auto, cpu, cuda" in err
+
+
+def test_every_worker_flag_is_a_key(tmp_path: Path) -> None:
+    text = "port: 0\nnproc_per_node: auto\nnode-mode: local-sgd\njoin: coordinator:7000\ntunnel: true\n"
+    args = worker_cli.parse_args(["serve", "--config", write(tmp_path, text, "worker.yaml")])
+    assert (args.nproc_per_node, args.node_mode, args.join, args.tunnel) == (
+        "auto",
+        "local-sgd",
+        "coordinator:7000",
+        True,
+    )

@@ -1,4 +1,4 @@
-"""Workers in this process: a ``WorkerClient`` stand-in that calls a ``WorkerEngine`` directly.
+"""Workers in this process: a ``gradwire.link.WorkerLink`` that calls a ``WorkerEngine`` directly.
 
 For simulations and benchmarks that want the service's exact logic without gRPC (``benchmarks.quality``
 trains several methods side by side this way): the coordinator's ``Trainer`` and the worker's engine run
@@ -15,24 +15,22 @@ from typing import TypeVar
 from google.protobuf.message import Message
 
 from gradwire import protocol
-from gradwire.coordinator.client import WorkerError
+from gradwire.errors import status_for
+from gradwire.link import Traffic, WorkerError
 from gradwire.protocol import ModelState, RoundResult, WorkerInfo, WorkerState, WorkOrder
 from gradwire.replica import Fingerprint
 from gradwire.v1 import worker_pb2 as pb
 from gradwire.worker.engine import WorkerEngine
-from gradwire.worker.servicer import status_for
 
 T = TypeVar("T")
 
 
 class InProcessClient:
-    """Quacks like ``coordinator.client.WorkerClient``; ``timeout`` arguments are accepted and ignored."""
+    """A ``WorkerLink`` to an engine in this process; ``timeout`` arguments are accepted and ignored."""
 
     def __init__(self, engine: WorkerEngine, address: str = "in-process") -> None:
         self.engine = engine
         self.address = address
-        self.last_bytes_down = 0  # coordinator -> worker
-        self.last_bytes_up = 0  # worker -> coordinator
         self._cancelled = threading.Event()
 
     def wait_ready(self, timeout: float | None = None) -> None:
@@ -41,13 +39,12 @@ class InProcessClient:
     def describe(self, timeout: float | None = None) -> WorkerInfo:
         return self.engine.info()
 
-    def push_state(self, state: ModelState, timeout: float | None = None) -> tuple[int, Fingerprint]:
+    def push_state(self, state: ModelState, timeout: float | None = None) -> tuple[tuple[int, Fingerprint], Traffic]:
         down = protocol.state_to_proto(state)
-        version, fingerprint = self.engine.push_state(protocol.state_from_proto(_wire(down, pb.ModelState)))
-        self.last_bytes_down, self.last_bytes_up = down.ByteSize(), 0
-        return version, fingerprint
+        answer = self.engine.push_state(protocol.state_from_proto(_wire(down, pb.ModelState)))
+        return answer, Traffic(down.ByteSize(), 0)
 
-    def run_round(self, order: WorkOrder, timeout: float | None = None) -> RoundResult:
+    def run_round(self, order: WorkOrder, timeout: float | None = None) -> tuple[RoundResult, Traffic]:
         down = protocol.order_to_proto(order)
         self._cancelled.clear()
         try:
@@ -60,13 +57,11 @@ class InProcessClient:
                 raise
             raise WorkerError(self.address, *status) from None
         up = protocol.result_to_proto(result)
-        self.last_bytes_down, self.last_bytes_up = down.ByteSize(), up.ByteSize()
-        return protocol.result_from_proto(_wire(up, pb.RoundResult))
+        return protocol.result_from_proto(_wire(up, pb.RoundResult)), Traffic(down.ByteSize(), up.ByteSize())
 
-    def fetch_worker_state(self, run_id: str, timeout: float | None = None) -> WorkerState:
+    def fetch_worker_state(self, run_id: str, timeout: float | None = None) -> tuple[WorkerState, Traffic]:
         up = protocol.worker_state_to_proto(self.engine.worker_state(run_id))
-        self.last_bytes_down, self.last_bytes_up = 0, up.ByteSize()
-        return protocol.worker_state_from_proto(_wire(up, pb.WorkerState))
+        return protocol.worker_state_from_proto(_wire(up, pb.WorkerState)), Traffic(0, up.ByteSize())
 
     def cancel(self) -> None:
         self._cancelled.set()

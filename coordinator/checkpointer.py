@@ -1,0 +1,141 @@
+"""What a run saves and restores: ``RunCheckpointer`` (``save``, ``maybe_save``, ``restore``).
+
+A checkpoint holds everything the run's trajectory depends on, so that a resumed run continues as if it
+had not stopped: the model and the outer optimizer (``OuterStrategy.checkpoint``), the torch RNG, the
+gather stage's memory of typical norms, where the data stream stood for every worker, and each worker's
+error feedback and inner optimizer state, fetched from the workers in parallel. The files themselves are
+written atomically by ``coordinator.checkpoint``.
+
+A worker's state is saved under its address (``worker_key``); on resume, a worker at a new address (fresh
+``--local`` workers) takes the state of the one that had its position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from gradwire.coordinator.checkpoint import keep_last, load_checkpoint, save_checkpoint
+from gradwire.coordinator.config import TrainConfig
+from gradwire.coordinator.data import TokenSource
+from gradwire.coordinator.gather import Gatherer
+from gradwire.coordinator.outer import OuterStrategy
+from gradwire.coordinator.round import WorkerSlot
+from gradwire.link import WorkerError
+
+log = logging.getLogger(__name__)
+
+Tensors = dict[str, torch.Tensor]
+
+
+def worker_key(slot: WorkerSlot) -> str:
+    """A worker's name in checkpoints: its address, as a tensor-group name (``w-127.0.0.1_50051``)."""
+    return "w-" + re.sub(r"[^A-Za-z0-9_.-]", "_", slot.client.address)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPosition:
+    """Where a run stands: the next round to train, and the tokens trained on so far."""
+
+    step: int = 0
+    total_tokens: int = 0
+
+
+class RunCheckpointer:
+    """Saves and restores one run's checkpoints in ``directory``."""
+
+    def __init__(
+        self,
+        directory: Path,
+        config: TrainConfig,
+        outer: OuterStrategy,
+        data: TokenSource,
+        gather: Gatherer,
+        pool: ThreadPoolExecutor,
+        run_id: str,
+    ) -> None:
+        self.directory = directory
+        self.config = config
+        self.outer, self.data, self.gather = outer, data, gather
+        self.pool = pool
+        self.run_id = run_id
+
+    def maybe_save(self, position: RunPosition, slots: Sequence[WorkerSlot]) -> Path | None:
+        """A checkpoint every ``--checkpoint-every`` steps, except at the last (the run's end saves that)."""
+        every = self.config.checkpoint_every
+        if every and position.step % every == 0 and position.step < self.config.steps:
+            return self.save(position, slots)
+        return None
+
+    def save(self, position: RunPosition, slots: Sequence[WorkerSlot]) -> Path:
+        self.outer.apply_pending()  # the checkpoint holds the model after the last round's update
+        tensors = {**self.outer.checkpoint(), "rng": {"torch": torch.get_rng_state()}}
+        if self.gather.norms:  # the clip's memory of typical norms: part of the trajectory too
+            tensors["robust"] = {"norms": torch.tensor(list(self.gather.norms), dtype=torch.float64)}
+        # The workers' error feedback and inner optimizer state are part of the trajectory: without them a
+        # resumed run would differ.
+        futures = {worker_key(slot): self.pool.submit(self._worker_state, slot) for slot in slots}
+        for key, future in futures.items():
+            feedback, inner = future.result()
+            if feedback is not None:
+                tensors[f"feedback-{key}"] = feedback
+            if inner:
+                tensors[f"inner-{key}"] = inner
+        meta = {
+            "config": self.config.to_dict(),
+            "version": self.outer.replica.version,
+            "total_tokens": position.total_tokens,
+            "data_step": position.step,
+            "workers": len(slots),
+            "worker_keys": list(futures),
+            "data_layouts": [[first, start, list(rows)] for first, start, rows in self.data.layouts],
+        }
+        path = save_checkpoint(self.directory, position.step, tensors, meta)
+        if self.config.keep_checkpoints:
+            keep_last(self.directory, self.config.keep_checkpoints)
+        return path
+
+    def restore(self, path: str | Path, slots: Sequence[WorkerSlot]) -> RunPosition:
+        """Load ``path`` into the outer strategy, the RNG, the gather stage, the data and ``slots`` (whose
+        state goes to their workers with the next push); the position to continue from."""
+        tensors, meta = load_checkpoint(path)
+        saved = meta["config"]
+        if saved["model"] != self.config.model:
+            raise ValueError(f"--resume-from holds a {saved['model']} run, not --model {self.config.model}")
+        self.outer.restore(tensors, meta["version"])
+        torch.set_rng_state(tensors["rng"]["torch"])
+        self.gather.norms.extend(tensors.get("robust", {}).get("norms", torch.zeros(0)).tolist())
+        if meta.get("data_layouts"):
+            self.data.restore_layouts(meta["data_layouts"])  # where the stream stood, worker by worker
+        saved_keys = meta.get("worker_keys", [])
+        for position, slot in enumerate(slots):
+            key = worker_key(slot)
+            if f"feedback-{key}" not in tensors and f"inner-{key}" not in tensors and position < len(saved_keys):
+                key = saved_keys[position]  # a worker at a new address takes the state of its position
+            slot.feedback = tensors.get(f"feedback-{key}", tensors.get(f"feedback-{slot.index}"))
+            slot.inner_optimizer = tensors.get(f"inner-{key}", tensors.get(f"inner-{slot.index}"))
+            slot.version = None
+        if meta.get("workers") != len(slots):
+            log.warning(
+                "resuming %d-worker checkpoint with %d workers: worker state restored by slot where it exists",
+                meta.get("workers"),
+                len(slots),
+            )
+        log.info("resumed from %s at step %d", path, int(meta["step"]))
+        return RunPosition(int(meta["step"]), int(meta.get("total_tokens", 0)))
+
+    def _worker_state(self, slot: WorkerSlot) -> tuple[Tensors | None, Tensors | None]:
+        if slot.version is None:  # not pushed since a resume: what the checkpoint gave is still current
+            return slot.feedback, slot.inner_optimizer
+        try:
+            state, _ = slot.client.fetch_worker_state(self.run_id, timeout=self.config.round_timeout)
+        except WorkerError as e:
+            log.warning("checkpoint: no error feedback or inner optimizer state from worker %d: %s", slot.index, e)
+            return None, None
+        return state.feedback, state.inner_optimizer

@@ -1,0 +1,143 @@
+"""A round's gather stage: validate -> clip -> judge -> aggregate.
+
+``Gatherer`` takes what the workers returned in one round (``round.RoundOutcome``) and the batches they
+were sent, and returns a plain ``Gathered``: the contributions kept, combined by ``--aggregate`` in the
+coefficient domain, and one ``Fate`` per worker saying what became of its contribution and why.
+
+1. validate: a result's token count must match the batch it was sent, and its payload must decode
+   against the codec's plan; either failing leaves it out.
+2. clip: each sender is scaled to at most ``--clip-factor`` x the median norm (of this round, or of the
+   senders kept in recent rounds if that is larger); one that would keep less than ``HARD_CLIP`` of
+   itself is no honest outlier and is left out.
+3. judge: each worker's standing moves on its verdict (``decisions.judge``): strikes, benching.
+4. aggregate: the kept payloads, weighted by their tokens, with their clip scales.
+
+The stage remembers the norms it kept (``norms``): checkpoints save them, as part of the trajectory.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import statistics
+from collections.abc import Mapping
+from typing import Literal
+
+import numpy as np
+
+from gradwire.compression import PayloadError, robust
+from gradwire.compression.codec import DecodedGradient, GradientCodec
+from gradwire.compression.robust import AggregationRule
+from gradwire.coordinator.decisions import HARD_CLIP, Verdict, judge
+from gradwire.coordinator.outer import Aggregate
+from gradwire.coordinator.round import RoundOutcome, SlotOutcome
+from gradwire.protocol import RoundResult
+
+FateKind = Literal["kept", "clipped", "left out", "failed"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fate:
+    """What became of one worker's contribution this round, and why."""
+
+    slot: int
+    address: str
+    kind: FateKind
+    reason: str
+    scale: float = 1.0  # the clip's scale of a kept contribution
+    benched: str = ""  # the judge's reason, when this round changed whether the worker is benched
+
+
+@dataclasses.dataclass(frozen=True)
+class Gathered:
+    """A round's usable contributions (in payload order), combined, and every worker's fate."""
+
+    outcomes: tuple[SlotOutcome, ...]
+    aggregator: Aggregate | None  # None: no contribution was usable
+    scales: tuple[float, ...]
+    fates: tuple[Fate, ...]
+
+    @property
+    def results(self) -> list[RoundResult]:
+        return [o.result for o in self.outcomes if o.result is not None]
+
+    @property
+    def senders(self) -> tuple[int, ...]:
+        return tuple(o.slot.index for o in self.outcomes)
+
+    def count(self, kind: FateKind) -> int:
+        return sum(f.kind == kind for f in self.fates)
+
+
+class Gatherer:
+    """The gather stage of one run, with its memory of typical norms."""
+
+    def __init__(
+        self, codec: GradientCodec, *, clip_factor: float, bench_after: int, bench_rounds: int, memory: int = 64
+    ) -> None:
+        self.codec = codec
+        self.clip_factor = clip_factor
+        self.bench_after, self.bench_rounds = bench_after, bench_rounds
+        self.norms: collections.deque[float] = collections.deque(maxlen=memory)  # kept senders' clipped norms
+
+    def __call__(
+        self, round_: RoundOutcome, step: int, batches: Mapping[int, np.ndarray], rule: AggregationRule
+    ) -> Gathered:
+        fates: dict[int, Fate] = {}
+        verdicts: dict[int, Verdict] = {}
+        good: list[SlotOutcome] = []
+        decoded: list[DecodedGradient] = []
+        for o in round_.outcomes:
+            index, address = o.slot.index, o.slot.client.address
+            if o.result is None:
+                fates[index] = Fate(index, address, "failed", o.error)
+                continue
+            reason = _invalid(o.result, batches[index], self.codec, decoded)
+            if reason:
+                fates[index] = Fate(index, address, "left out", reason)
+                verdicts[index] = "rejected"
+                continue
+            good.append(o)
+        norms = [robust.payload_norm(d) for d in decoded]
+        typical = statistics.median(self.norms) if self.norms else None  # of the senders kept in recent rounds
+        scales = robust.clip_scales(norms, self.clip_factor, typical)
+        kept = [i for i, scale in enumerate(scales) if scale >= HARD_CLIP]
+        self.norms.extend(norms[i] * scales[i] for i in kept)
+        for o, scale in zip(good, scales):
+            index, address = o.slot.index, o.slot.client.address
+            verdicts[index] = "ok" if scale >= HARD_CLIP else "rejected"
+            bound = f"--clip-factor {self.clip_factor:g} x the median norm"
+            if scale < HARD_CLIP:
+                fates[index] = Fate(index, address, "left out", f"sent {1 / scale:.3g} x the bound of {bound}", scale)
+            elif scale < 1:
+                fates[index] = Fate(index, address, "clipped", f"clipped to {scale:.3g} of its norm ({bound})", scale)
+            else:
+                fates[index] = Fate(index, address, "kept", "", scale)
+        for o in round_.outcomes:
+            if o.slot.index in verdicts:
+                before = o.slot.standing
+                o.slot.standing, why = judge(
+                    before, step, verdicts[o.slot.index], bench_after=self.bench_after, bench_rounds=self.bench_rounds
+                )
+                if o.slot.standing.until != before.until:
+                    fates[o.slot.index] = dataclasses.replace(fates[o.slot.index], benched=why)
+        outcomes = tuple(good[i] for i in kept)
+        kept_scales = tuple(scales[i] for i in kept)
+        aggregator = None
+        if outcomes:
+            weights = [float(o.result.tokens) for o in outcomes if o.result is not None]
+            aggregator = robust.aggregate(self.codec, [decoded[i] for i in kept], weights, kept_scales, rule)
+        order = [o.slot.index for o in round_.outcomes]
+        return Gathered(outcomes, aggregator, kept_scales, tuple(fates[i] for i in order))
+
+
+def _invalid(result: RoundResult, batch: np.ndarray, codec: GradientCodec, decoded: list[DecodedGradient]) -> str:
+    """Why ``result`` cannot be used ("" if it can; its payload, decoded, then joins ``decoded``)."""
+    expected = batch.shape[0] * (batch.shape[1] - 1)
+    if result.tokens != expected:
+        return f"reports {result.tokens} tokens for a batch of {expected}"
+    try:
+        decoded.append(codec.decode(result.gradient))  # validate before anything is combined
+    except PayloadError as e:
+        return f"sent a bad payload: {e}"
+    return ""

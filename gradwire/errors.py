@@ -1,0 +1,36 @@
+"""What a failed call ends with: the service's errors and the one mapping from an error to a gRPC status.
+
+Both sides use it: the worker's servicer answers with ``status_for``, and the in-process link
+(``worker.inprocess``) raises the same ``WorkerError`` the gRPC client would, so the round loop sees one
+kind of failure whichever link carried the call.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from gradwire.compression import NonFiniteInput
+
+MAX_DETAILS = 1000  # an error's text travels as call metadata: keep it well under grpc's limits
+
+
+class Cancelled(Exception):
+    """The caller went away (cancelled call, deadline, shutdown): the round's work is abandoned."""
+
+
+class AccessDenied(PermissionError):
+    """The caller does not own the run it names (``gradwire.security.run_owner``)."""
+
+
+def status_for(e: Exception) -> tuple[grpc.StatusCode, str] | None:
+    """The status a failed call ends with, and its text; ``None`` for a bug (INTERNAL). Pure."""
+    text = str(e) if len(str(e)) <= MAX_DETAILS else str(e)[:MAX_DETAILS] + "..."
+    if isinstance(e, Cancelled):
+        return grpc.StatusCode.CANCELLED, text
+    if isinstance(e, AccessDenied):
+        return grpc.StatusCode.PERMISSION_DENIED, text
+    if isinstance(e, ValueError):  # the request itself is wrong
+        return grpc.StatusCode.INVALID_ARGUMENT, text
+    if isinstance(e, NonFiniteInput):  # a sound request, but the run has diverged on this worker
+        return grpc.StatusCode.FAILED_PRECONDITION, text
+    return None
