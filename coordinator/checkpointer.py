@@ -114,10 +114,13 @@ class RunCheckpointer:
         if meta.get("data_layouts"):
             self.data.restore_layouts(meta["data_layouts"])  # where the stream stood, worker by worker
         saved_keys = meta.get("worker_keys", [])
+        present = {worker_key(slot) for slot in slots}
         for position, slot in enumerate(slots):
             key = worker_key(slot)
-            if f"feedback-{key}" not in tensors and f"inner-{key}" not in tensors and position < len(saved_keys):
-                key = saved_keys[position]  # a worker at a new address takes the state of its position
+            # A worker at a new address takes the state of the one that had its position, if that one is
+            # not in the run any more; a known worker whose state was not saved starts without any.
+            if key not in saved_keys and position < len(saved_keys) and saved_keys[position] not in present:
+                key = saved_keys[position]
             slot.feedback = tensors.get(f"feedback-{key}", tensors.get(f"feedback-{slot.index}"))
             slot.inner_optimizer = tensors.get(f"inner-{key}", tensors.get(f"inner-{slot.index}"))
             slot.version = None

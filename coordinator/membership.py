@@ -148,21 +148,16 @@ class Roster:
         return slots
 
     def update(self, step: int) -> None:
-        """Apply a change of the source: drop the workers it no longer names, add the new ones (each after
-        a short readiness check; one that is not ready yet is tried again next round)."""
+        """Apply a change of the source: add the workers it names anew (each after a short readiness
+        check; one that is not ready yet is tried again next round), then drop those it no longer names
+        (never the last one)."""
         if self.source is None:
             return
         wanted = self.source.poll()
         if wanted is None:
             return
         joining, leaving = diff_members([s.client.address for s in self.slots], wanted)
-        for slot in [s for s in self.slots if s.client.address in leaving]:
-            if len(self.slots) == 1:
-                log.warning("step %d: the run's last worker (%s) left its list; keeping it", step, slot.client.address)
-                break
-            self.slots.remove(slot)
-            slot.client.close()
-            log.info("step %d: worker %d (%s) left the run", step, slot.index, slot.client.address)
+        # Joiners first: a list that replaces the last worker drops it once its replacement is in.
         for address in joining:
             assert self._connect is not None
             link = self._connect(address)
@@ -185,6 +180,13 @@ class Roster:
                 info.device,
                 info.ranks,
             )
+        for slot in [s for s in self.slots if s.client.address in leaving]:
+            if len(self.slots) == 1:
+                log.warning("step %d: the run's last worker (%s) left its list; keeping it", step, slot.client.address)
+                break
+            self.slots.remove(slot)
+            slot.client.close()
+            log.info("step %d: worker %d (%s) left the run", step, slot.index, slot.client.address)
 
     def close_sessions(self, run_id: str, timeout: float) -> None:
         """Ask every worker to drop ``run_id``'s session (best effort: a worker that is gone has none)."""

@@ -22,7 +22,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
@@ -76,13 +76,18 @@ class WorkerEvent:
 
 
 def worker_events(
-    slots: Sequence[WorkerSlot], round_: RoundOutcome, kept: Collection[int], step: int
+    slots: Sequence[WorkerSlot],
+    round_: RoundOutcome,
+    kept: Collection[int],
+    step: int,
+    reasons: Mapping[int, str] | None = None,
 ) -> list[WorkerEvent]:
     """What each of the run's workers did in a round, as the status page names it. Pure.
 
-    ``kept``: the slots whose contribution counted; ``step``: the round after this one (benching is
-    judged for it). A worker without an outcome sat the round out: benched, receiving the state in the
-    background, or waiting (it joined after the round began)."""
+    ``kept``: the slots whose contribution counted; ``reasons``: why the others' did not, where their
+    call itself did not fail (the gather stage left them out); ``step``: the round after this one
+    (benching is judged for it). A worker without an outcome sat the round out: benched, receiving the
+    state in the background, or waiting (it joined after the round began)."""
     by_slot = {o.slot.index: o for o in round_.outcomes}
     events = []
     for slot in slots:
@@ -108,7 +113,7 @@ def worker_events(
                 seconds,
                 o.bytes_up if o else 0,
                 o.bytes_down + o.first_push_bytes if o else 0,
-                o.error if o and state == "failed" else "",
+                (o.error or (reasons or {}).get(slot.index, "")) if o and state == "failed" else "",
             )
         )
     return events

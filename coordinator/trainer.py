@@ -260,7 +260,8 @@ class Trainer:
     def _report(self, round_: RoundOutcome, record: dict | None, gathered: Gathered) -> None:
         """Tell the status board (``--status-port``) what the round did, worker by worker."""
         if self.status is not None:
-            self.status.update(record, worker_events(self.slots, round_, set(gathered.senders), self.step))
+            reasons = {f.slot: f.reason for f in gathered.fates}
+            self.status.update(record, worker_events(self.slots, round_, set(gathered.senders), self.step, reasons))
 
     # ------------------------------------------------------------------------------------------ the model
 
