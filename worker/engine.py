@@ -60,7 +60,7 @@ from gradwire.v1 import worker_pb2 as pb
 from gradwire.worker import lookahead
 from gradwire.worker.check import ReplicaView, Verdict, check_order
 from gradwire.worker.compute import Placement, gradient_step, strategy_for
-from gradwire.worker.node import Command, NodeGroup
+from gradwire.worker.node import Command, NodeGroup, merge_rank_states, rank_state
 from gradwire.worker.session import Session, host_tensors
 
 log = logging.getLogger(__name__)
@@ -204,9 +204,13 @@ class WorkerEngine:
         the size of the owner's model here, or of ``max_model_params`` if it has no run here yet."""
         mine = [sum(s.replica.numels) for s in list(self.sessions.values()) if same_owner(s.owner, owner)]
         elements = max(mine) if mine else self.max_model_params
-        return 4 * elements * (STATE_COPIES if kind == "state" else ORDER_COPIES) + REQUEST_SLACK
+        # A node's state push may carry every rank's inner optimizer state (two moments each).
+        copies = STATE_COPIES + 2 * (self.placement.ranks - 1) if kind == "state" else ORDER_COPIES
+        return 4 * elements * copies + REQUEST_SLACK
 
     def _push_state(self, state: ModelState, owner: bytes = b"") -> tuple[int, Fingerprint]:
+        if self.node is not None:  # each rank restores its own inner optimizer state (node.rank_state)
+            state = dataclasses.replace(state, inner_optimizer=rank_state(state.inner_optimizer, self.node.rank))
         session = Session(
             state, self.device, owner, self.max_model_params
         )  # built and validated before it replaces anything
@@ -233,18 +237,34 @@ class WorkerEngine:
             return True
 
     def worker_state(self, run_id: str, owner: bytes = b"") -> WorkerState:
+        """What a checkpoint keeps of ``run_id`` here: the error feedback (rank 0 encodes a node's payload)
+        and the inner optimizer state - every rank's, on a node whose ranks step apart (local-sgd)."""
+        return self._compute.submit(self._worker_state, run_id, owner).result()
+
+    def _worker_state(self, run_id: str, owner: bytes) -> WorkerState:
         with self._lock:
             session = self.sessions.get(run_id)
             if session is None:
                 raise ProtocolError(f"no replica for run {run_id!r}")
             if not same_owner(session.owner, owner):
                 raise AccessDenied(f"run {run_id!r} belongs to another coordinator")
-            return WorkerState(
-                run_id,
-                session.replica.version,
-                host_tensors(session.feedback.state_dict()),
-                host_tensors(session.inner_state()),
-            )
+            inner = host_tensors(session.inner_state())
+            if self.node is not None and self.placement.mode == "local-sgd":
+                with _NodeErrors():
+                    self.node.send(Command.FETCH_STATE, run_id.encode())
+                    parts = self.node.gather_bytes(b"")
+                self._last_command = time.monotonic()
+                others = [protocol.worker_state_from_proto(protocol.parse(pb.WorkerState, p)) for p in parts[1:]]
+                inner = merge_rank_states([inner, *(o.inner_optimizer for o in others)])
+            return WorkerState(run_id, session.replica.version, host_tensors(session.feedback.state_dict()), inner)
+
+    def _hand_over_state(self, run_id: str) -> None:
+        """Ranks > 0, on FETCH_STATE: hand rank 0 this rank's inner optimizer state of ``run_id``."""
+        assert self.node is not None
+        session = self.sessions.get(run_id)
+        inner = host_tensors(session.inner_state()) if session is not None else {}
+        state = WorkerState(run_id, session.replica.version if session is not None else 0, {}, inner)
+        self.node.gather_bytes(protocol.worker_state_to_proto(state).SerializeToString())
 
     def run_round(
         self, order: WorkOrder, cancelled: Callable[[], bool] = lambda: False, owner: bytes = b""
@@ -297,6 +317,8 @@ class WorkerEngine:
             try:
                 if command == Command.PUSH_STATE:
                     self._push_state(protocol.state_from_proto(protocol.parse(pb.ModelState, data)))
+                elif command == Command.FETCH_STATE:
+                    self._hand_over_state(data.decode())
                 else:
                     self._locked_round(protocol.order_from_proto(protocol.parse(pb.WorkOrder, data)), lambda: False)
             except ValueError as e:

@@ -33,6 +33,7 @@ class Command(enum.IntEnum):
     RUN_ROUND = 2  # a WorkOrder
     STOP = 3  # no payload: leave the loop, the node is shutting down
     HEARTBEAT = 4  # no payload: rank 0 is alive and idle (keeps the bounded command channel busy)
+    FETCH_STATE = 5  # a run id: every rank hands rank 0 its own inner optimizer state (``gather_bytes``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +146,51 @@ class NodeGroup:
             t.data.div_(self.world_size)
             self.bytes_sent += t.numel() * t.element_size()
 
+    def gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data``, in rank order, on rank 0 (``[]`` elsewhere): bytes the engine serialized
+        as protobuf, never pickles. On the command channel, so it needs no device memory."""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.empty(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size, group=self._commands)
+        longest = max(1, *(int(n.item()) for n in sizes))  # gloo gathers no empty tensors
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        if data:
+            padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)] if self.info.leader else None
+        dist.gather(padded, parts, dst=0, group=self._commands)
+        if parts is None:
+            return []
+        return [part[: int(n.item())].numpy().tobytes() for part, n in zip(parts, sizes)]
+
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# A node whose ranks step apart (local-sgd) has an inner optimizer state per rank: rank 0's keeps its own
+# names, rank r's travels (and is checkpointed) as "rank{r}.<name>".
+RANK_PREFIX = "rank{}."
+
+
+def merge_rank_states(states: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One named-tensor dict holding every rank's state (``states[r]`` is rank r's)."""
+    merged = dict(states[0]) if states else {}
+    for rank, state in enumerate(states[1:], 1):
+        merged.update({RANK_PREFIX.format(rank) + name: t for name, t in state.items()})
+    return merged
+
+
+def rank_state(merged: Mapping[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s part of ``merge_rank_states``' dict: its own if saved, else rank 0's (a state saved
+    by a single worker, a DDP node, or a node of fewer ranks)."""
+    own = {n: t for n, t in merged.items() if not _rank_of(n)}
+    if rank == 0:
+        return own
+    prefix = RANK_PREFIX.format(rank)
+    mine = {n.removeprefix(prefix): t for n, t in merged.items() if n.startswith(prefix)}
+    return mine or own
+
+
+def _rank_of(name: str) -> int:
+    head, dot, _ = name.partition(".")
+    return int(head[4:]) if dot and head.startswith("rank") and head[4:].isdigit() else 0

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from gradwire.compression import CodecConfig
+from gradwire.coordinator.checkpoint import load_checkpoint
 from gradwire.coordinator.client import WorkerClient
 from gradwire.coordinator.config import DENSE_CODEC, TrainConfig
 from gradwire.coordinator.metrics import read_metrics
@@ -237,6 +238,43 @@ def test_a_coordinator_trains_with_two_nodes_one_under_torchrun(tmp_path):
     assert records[-1]["total_tokens"] == 6 * 2 * 2 * (2 * 2) * 32  # rounds x H x nodes x (ranks x batch) x T
     assert records[-1]["loss"] < records[0]["loss"]
     assert all(r["node_bus_bytes"] > 0 for r in records)
+
+
+@pytest.mark.slow
+def test_a_local_sgd_node_resumes_every_ranks_inner_state(tmp_path):
+    """Ranks that step apart have an inner optimizer state each: a checkpoint keeps every rank's, and a
+    fresh node resumed from it trains on exactly as the node that never stopped (4 rounds = 2 + resume 2)."""
+    flags = ("--node-mode", "local-sgd")
+
+    def config(name: str, steps: int, **changes: object) -> TrainConfig:
+        return TrainConfig(
+            model="gpt-tiny",
+            steps=steps,
+            batch_size=2,
+            sequence_length=32,
+            inner_steps=2,
+            inner_learning_rate=3e-3,
+            checkpoint_every=0,
+            output_dir=str(tmp_path / name),
+            round_timeout=TIMEOUT,
+            **changes,
+        )
+
+    with node(tmp_path, *flags) as (address, _):
+        straight = run_trainer(config("straight", 4), [WorkerClient(address, timeout=TIMEOUT)])
+    with node(tmp_path, *flags) as (address, _):
+        first = run_trainer(config("resumed", 2), [WorkerClient(address, timeout=TIMEOUT)])
+    assert first.last_checkpoint is not None
+    saved = load_checkpoint(first.last_checkpoint)[0]
+    (inner,) = [group for name, group in saved.items() if name.startswith("inner-")]
+    own = {n for n in inner if not n.startswith("rank1.")}
+    assert own and {n.removeprefix("rank1.") for n in inner if n.startswith("rank1.")} == own  # both ranks'
+    with node(tmp_path, *flags) as (address, _):  # new processes: nothing of the first node's state survives
+        resumed = run_trainer(
+            config("resumed", 4, resume_from=str(first.last_checkpoint)), [WorkerClient(address, timeout=TIMEOUT)]
+        )
+    for (name, p), (_, q) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.equal(p, q), name
 
 
 def _rank_pid(launcher: subprocess.Popen, rank: int) -> int:

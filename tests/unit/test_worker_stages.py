@@ -21,7 +21,7 @@ from gradwire.protocol import LocalSteps, ModelState, ProtocolError, WorkOrder
 from gradwire.replica import Replica
 from gradwire.worker.check import ReplicaView, check_order
 from gradwire.worker.compute import Placement, gradient_step, local_steps, strategy_for
-from gradwire.worker.node import RankInfo, rank_from_env
+from gradwire.worker.node import RankInfo, merge_rank_states, rank_from_env, rank_state
 from gradwire.worker.session import Session
 
 SPEC = model_spec("gpt-tiny")
@@ -162,3 +162,15 @@ def test_rank_environment_follows_torchrun() -> None:
     ):
         with pytest.raises(ValueError, match="RANK|WORLD_SIZE"):
             rank_from_env(bad)
+
+
+def test_every_ranks_inner_state_travels_under_its_own_names() -> None:
+    states = [{"w/exp_avg": torch.zeros(2)}, {"w/exp_avg": torch.ones(2)}, {"w/exp_avg": torch.full((2,), 2.0)}]
+    merged = merge_rank_states(states)
+    assert set(merged) == {"w/exp_avg", "rank1.w/exp_avg", "rank2.w/exp_avg"}
+    for rank, state in enumerate(states):
+        assert torch.equal(rank_state(merged, rank)["w/exp_avg"], state["w/exp_avg"])
+    # Saved by a single worker, a DDP node or a smaller node: a rank without its own starts from rank 0's.
+    assert torch.equal(rank_state(merged, 5)["w/exp_avg"], states[0]["w/exp_avg"])
+    assert rank_state({"w/exp_avg": torch.ones(1)}, 1).keys() == {"w/exp_avg"}
+    assert merge_rank_states([]) == {}
