@@ -1,0 +1,200 @@
+"""Do the CUDA paths compute what the CPU paths compute? One command a GPU user can run.
+
+    python -m benchmarks.gpu --json                       # gpt-tiny, every check once (~1 min on a GPU)
+    python -m benchmarks.gpu --model gpt-10m --json       # a larger model
+
+Each check runs once on ``--device`` (default cuda:0) against the CPU and reports what it found:
+
+  codec     a worker on the GPU compresses a real gradient; the payload decoded on the CPU against the
+            same payload decoded on the GPU (max abs difference), and against the CPU worker's gradient
+            (cosine): the codec's plan and bytes are device-independent
+  autocast  bf16 autocast gradients against float32 ones on the GPU (cosine, relative L2 error)
+  muon      torch's Muon step (Newton-Schulz in bfloat16) against gradwire's float32 iteration, same state
+  drift     a CPU replica and a GPU replica replay the same ``--updates`` sign-SGD updates: the largest
+            parameter difference at the end, with float32 replays and with float64 ones (which round
+            once and should agree bit for bit)
+  node      with two GPUs, a 2-rank NCCL node (``worker serve --nproc-per-node 2``) against one GPU on the
+            whole batch (max abs difference of the gradient); skipped with one GPU
+
+Sharded (FSDP) and pipelined nodes are not in gradwire yet, so there is no memory-per-rank row. Without
+CUDA it says so and exits 0. Every check is a function of the two devices it compares, so the tests run
+them CPU against CPU. One JSON object on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import torch
+
+from gradwire.compression import CodecConfig, ErrorFeedback
+from gradwire.compression.robust import AggregationRule
+from gradwire.coordinator.config import DENSE_CODEC
+from gradwire.models import build_from_spec, lm_loss, model_names, model_spec
+from gradwire.optim.muon import Muon, orthogonalize
+from gradwire.optim.outer import UpdateRule
+from gradwire.protocol import OK, ModelState, WorkOrder
+from gradwire.replica import Replica, StateUpdate
+from gradwire.worker.engine import WorkerEngine
+
+
+def _state(spec: dict) -> tuple[Replica, ModelState]:
+    replica = Replica(build_from_spec(spec, seed=0), UpdateRule(optimizer="sgd"))
+    params = {n: p.detach().clone() for n, p in replica.params.items()}
+    return replica, ModelState("gpu-check", 0, json.dumps(spec), params, replica.rule.to_json())
+
+
+def _batch(spec: dict, rows: int = 4, columns: int = 65, seed: int = 0) -> np.ndarray:
+    vocab = spec["config"].get("vocab_size", 8192)
+    return np.random.default_rng(seed).integers(0, vocab, (rows, columns)).astype(np.uint16)
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0))
+
+
+def _flat(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().float().cpu().flatten() for t in tensors.values()])
+
+
+def check_codec(spec: dict, device: str) -> dict[str, Any]:
+    """A worker on ``device`` and one on the CPU compute and compress the same round."""
+    replica, state = _state(spec)
+    order = WorkOrder("gpu-check", 0, 0, _batch(spec), CodecConfig(), replica.fingerprint())
+    payloads = {}
+    for where in ("cpu", device):
+        engine = WorkerEngine(where)
+        engine.push_state(state)
+        result = engine.run_round(order)
+        assert result.status == OK, result.reason
+        payloads[where] = result.gradient
+    on_cpu = replica.codec(CodecConfig()).decompress(payloads[device])
+    on_device = Replica(build_from_spec(spec, seed=0).to(device), replica.rule).codec(CodecConfig())
+    decoded_there = on_device.decompress(payloads[device])
+    reference = replica.codec(CodecConfig()).decompress(payloads["cpu"])
+    return {
+        "payload_bytes": payloads[device].nbytes,
+        "decode_cpu_vs_device_max_abs": float((_flat(on_cpu) - _flat(decoded_there)).abs().max()),
+        "device_vs_cpu_worker_cosine": _cosine(_flat(on_cpu), _flat(reference)),
+    }
+
+
+def check_autocast(spec: dict, device: str) -> dict[str, Any]:
+    """bf16 autocast gradients against float32 ones, both on ``device``."""
+    tokens = torch.from_numpy(_batch(spec).astype(np.int64)).to(device)
+    grads = {}
+    for precision in ("fp32", "bf16"):
+        model = build_from_spec(spec, seed=0).to(device)
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = lm_loss(model, tokens)
+        loss.backward()
+        grads[precision] = _flat({n: p.grad for n, p in model.named_parameters()})
+    error = float(torch.linalg.vector_norm(grads["bf16"] - grads["fp32"]) / torch.linalg.vector_norm(grads["fp32"]))
+    return {"cosine": _cosine(grads["bf16"], grads["fp32"]), "relative_l2_error": error}
+
+
+def check_muon(device: str, shape: tuple[int, int] = (256, 768)) -> dict[str, Any]:
+    """One Muon step with Newton-Schulz in bfloat16 (torch's) against the float32 iteration, same state."""
+    gen = torch.Generator().manual_seed(0)
+    start, grad = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    steps = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        p = torch.nn.Parameter(start.clone().to(device))
+        p.grad = grad.clone().to(device)
+        optimizer = Muon([p], lr=0.02, weight_decay=0.0)
+        if dtype == torch.float32:  # the float32 path, whatever the device multiplies natively
+            update = orthogonalize(grad.to(device), optimizer.defaults["ns_coefficients"], 5, 1e-7, torch.float32)
+            steps[dtype] = update.float().cpu()
+            continue
+        optimizer.step()
+        steps[dtype] = (start.to(device) - p.detach()).float().cpu()
+    a, b = steps[torch.bfloat16], steps[torch.float32]
+    return {"cosine": _cosine(a, b), "shape": list(shape)}
+
+
+def check_drift(spec: dict, device_a: str, device_b: str, updates: int, exact: bool) -> dict[str, Any]:
+    """Two replicas, on ``device_a`` and ``device_b``, replay the same ``updates`` sign-SGD updates."""
+    rule = UpdateRule(optimizer="signsgd")
+    replicas = [Replica(build_from_spec(spec, seed=0).to(d), rule) for d in (device_a, device_b)]
+    sender = Replica(build_from_spec(spec, seed=0), rule)  # where the payloads come from, on the CPU
+    codec = sender.codec(CodecConfig())
+    feedback = [ErrorFeedback(beta=0.999) for _ in range(2)]
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(updates):
+        payloads = tuple(
+            codec.compress({n: torch.randn(p.shape, generator=gen) for n, p in sender.params.items()}, f)
+            for f in feedback
+        )
+        update = StateUpdate(1e-3, payloads, (1.0, 1.0), rule=AggregationRule(mode="mean", exact=exact))
+        for replica in replicas:
+            replica.apply(update)
+    a, b = (_flat(r.params) for r in replicas)
+    return {"updates": updates, "max_abs_difference": float((a - b).abs().max()), "equal": bool(torch.equal(a, b))}
+
+
+def check_node(spec: dict) -> dict[str, Any]:
+    """A 2-rank NCCL node against one GPU on the whole batch (needs two GPUs)."""
+    from benchmarks.node import worker  # the same launcher as the node benchmark
+
+    replica, state = _state(spec)
+    order = WorkOrder("gpu-check", 0, 0, _batch(spec), DENSE_CODEC, replica.fingerprint())
+    single = WorkerEngine("cuda:0")
+    single.push_state(state)
+    reference = replica.codec(DENSE_CODEC).decompress(single.run_round(order).gradient)
+    with worker(2, "cuda", "none", 4) as client:
+        client.push_state(state)
+        result, _ = client.run_round(order)
+    got = replica.codec(DENSE_CODEC).decompress(result.gradient)
+    return {"max_abs_difference": float((_flat(got) - _flat(reference)).abs().max())}
+
+
+def run(model: str, device: str, updates: int) -> dict[str, Any]:
+    spec = model_spec(model)
+    out: dict[str, Any] = {"model": model, "device": device, "torch": torch.__version__}
+    if torch.device(device).type == "cuda":
+        out["device_name"] = torch.cuda.get_device_name(torch.device(device))
+    checks = {
+        "codec": lambda: check_codec(spec, device),
+        "autocast": lambda: check_autocast(spec, device),
+        "muon": lambda: check_muon(device),
+        "drift_float32": lambda: check_drift(spec, "cpu", device, updates, exact=False),
+        "drift_float64": lambda: check_drift(spec, "cpu", device, updates, exact=True),
+    }
+    if torch.cuda.device_count() >= 2:
+        checks["node"] = lambda: check_node(spec)
+    else:
+        out["node"] = {"skipped": "needs two GPUs"}
+    for name, check in checks.items():
+        t0 = time.perf_counter()
+        try:
+            out[name] = {**check(), "seconds": round(time.perf_counter() - t0, 2)}
+        except Exception as e:  # noqa: BLE001 - a failed check is a finding, reported with the others
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="gpt-tiny", choices=model_names())
+    parser.add_argument("--device", default="cuda:0", help="the CUDA device to check (default: cuda:0)")
+    parser.add_argument("--updates", type=int, default=100, help="replayed updates of the drift check")
+    parser.add_argument("--json", action="store_true", help="print only the JSON object")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(json.dumps({"cuda": False, "reason": "no CUDA device: nothing to check"}))
+        return 0
+    result = {"cuda": True, **run(args.model, args.device, args.updates)}
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

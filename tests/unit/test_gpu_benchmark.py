@@ -1,0 +1,69 @@
+"""benchmarks.gpu: every check runs here CPU against CPU (what a GPU run compares across devices), and
+without CUDA the command says so and exits 0."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import gpu
+from gradwire.models import model_spec
+
+SPEC = model_spec("gpt-tiny")
+
+
+def test_the_codec_check_decodes_one_payload_alike_and_matches_the_cpu_worker() -> None:
+    out = gpu.check_codec(SPEC, "cpu")
+    assert out["payload_bytes"] > 0
+    assert out["decode_cpu_vs_device_max_abs"] == 0.0
+    assert out["device_vs_cpu_worker_cosine"] == pytest.approx(1.0, abs=1e-9)
+
+
+def test_the_autocast_check_compares_bf16_with_float32_gradients() -> None:
+    out = gpu.check_autocast(SPEC, "cpu")
+    assert 0.99 < out["cosine"] <= 1.0 + 1e-12 and 0.0 < out["relative_l2_error"] < 0.1  # bf16 is not exact
+
+
+def test_the_muon_check_compares_a_step_with_the_float32_iteration() -> None:
+    out = gpu.check_muon("cpu", shape=(32, 48))
+    assert out["cosine"] > 0.999 and out["shape"] == [32, 48]
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_replicas_on_one_device_kind_replay_without_drift(exact: bool) -> None:
+    out = gpu.check_drift(SPEC, "cpu", "cpu", updates=3, exact=exact)
+    assert out == {"updates": 3, "max_abs_difference": 0.0, "equal": True}
+
+
+def test_drift_is_measured_not_assumed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A replica that steps differently must show up: the check reads the parameters, it does not trust them.
+    real = gpu.Replica.apply
+    calls = {"n": 0}
+
+    def apply(self, update, *args, **kwargs):
+        calls["n"] += 1
+        out = real(self, update, *args, **kwargs)
+        if calls["n"] % 2 == 0:  # the second replica of each update
+            next(iter(self.params.values())).data.add_(1e-3)
+        return out
+
+    monkeypatch.setattr(gpu.Replica, "apply", apply)
+    out = gpu.check_drift(SPEC, "cpu", "cpu", updates=2, exact=True)
+    assert not out["equal"] and out["max_abs_difference"] == pytest.approx(2e-3, rel=1e-3)
+
+
+def test_without_cuda_it_says_so_and_exits_0(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu.main(["--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"cuda": False, "reason": "no CUDA device: nothing to check"}
+
+
+def test_a_run_reports_every_check_and_a_failed_check_as_a_finding(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu, "check_muon", lambda device: 1 / 0)
+    out = gpu.run("gpt-tiny", "cpu", updates=2)
+    assert out["node"] == {"skipped": "needs two GPUs"} or "max_abs_difference" in out["node"]
+    assert out["muon"] == {"error": "ZeroDivisionError: division by zero"}
+    assert out["drift_float64"]["equal"] and out["codec"]["decode_cpu_vs_device_max_abs"] == 0.0
+    assert all("seconds" in out[k] for k in ("codec", "autocast", "drift_float32", "drift_float64"))
