@@ -123,6 +123,28 @@ def after_failed_round(
     )
 
 
+@dataclasses.dataclass
+class FailedRounds:
+    """The run's current streak of failed rounds, fed to ``after_failed_round`` (the loop's only state
+    for it): ``failed`` after a round with no usable worker, ``succeeded`` after one that counted."""
+
+    max_rounds: int
+    max_seconds: float
+    in_a_row: int = 0
+    since: float = 0.0  # when the streak began (time.monotonic())
+
+    def failed(self, now: float) -> tuple[RetryAction, float, str]:
+        self.in_a_row += 1
+        if self.in_a_row == 1:
+            self.since = now
+        return after_failed_round(
+            self.in_a_row, now - self.since, max_rounds=self.max_rounds, max_seconds=self.max_seconds
+        )
+
+    def succeeded(self) -> None:
+        self.in_a_row = 0
+
+
 # ------------------------------------------------------------------------------------------- stragglers
 
 

@@ -27,7 +27,7 @@ import torch
 from gradwire.compression.robust import AggregationRule
 from gradwire.coordinator.checkpointer import RunCheckpointer, RunPosition
 from gradwire.coordinator.config import TrainConfig
-from gradwire.coordinator.decisions import after_failed_round, replay_precision
+from gradwire.coordinator.decisions import FailedRounds, replay_precision
 from gradwire.coordinator.export import export_model
 from gradwire.coordinator.gather import Gathered, Gatherer
 from gradwire.coordinator.inputs import load_inputs
@@ -145,25 +145,18 @@ class Trainer:
         shown = progress(cfg.steps, self.step, enabled=self.progress, every=cfg.log_every)
         recorder = RunRecorder(self.output_dir, shown, make_tracker(cfg))  # a tracker with --wandb-project
         records: list[dict] = []
-        failed_in_a_row, failing_since, exit_code = 0, 0.0, 1
+        failures, exit_code = FailedRounds(cfg.max_failed_rounds, cfg.max_failed_seconds), 1
         try:
             while self.step < cfg.steps and not self._stop.is_set():
                 record = self.train_step()
                 if record is None:
-                    failed_in_a_row += 1
-                    failing_since = failing_since if failed_in_a_row > 1 else time.monotonic()
-                    action, delay, reason = after_failed_round(
-                        failed_in_a_row,
-                        time.monotonic() - failing_since,
-                        max_rounds=cfg.max_failed_rounds,
-                        max_seconds=cfg.max_failed_seconds,
-                    )
+                    action, delay, reason = failures.failed(time.monotonic())
                     if action == "give-up":
                         raise RuntimeError(f"{reason}; see the log for each worker's error")
                     log.warning("step %d: %s", self.step, reason)
                     self._stop.wait(delay)
                     continue
-                failed_in_a_row = 0
+                failures.succeeded()
                 if cfg.eval_every and self.step % cfg.eval_every == 0:
                     record["eval_loss"] = self.evaluate()
                 recorder.append(record)

@@ -323,6 +323,8 @@ def test_frames_for_calls_that_do_not_exist_are_ignored() -> None:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             replies = stub.Tunnel(iter(frames.get, None), timeout=10, metadata=[("authorization", f"Bearer {TOKEN}")])
             wait_for(lambda: tunnels.get("noisy") is not None, what="the tunnel")
+            # the link is published a moment before the registry holds its name (Tunnels.on_open)
+            wait_for(lambda: registry.live() != [], what="the tunnel's member")
             assert registry.live() == [TUNNEL_PREFIX + "noisy"]
             # a call now: the worker never answers, so it ends at its deadline, not with a stale frame
             with pytest.raises(grpc.RpcError) as e:

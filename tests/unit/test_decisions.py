@@ -71,3 +71,17 @@ def test_first_pushes_block_only_when_nobody_else_can_work() -> None:
     assert how == "block" and "no other" in why  # the run's start: nothing to do but wait for the state
     how, why = decide_first_push(1, 3)
     assert how == "background" and "3 other" in why  # a joiner: the others train meanwhile
+
+
+def test_a_streak_of_failed_rounds_backs_off_gives_up_and_ends_with_a_good_round() -> None:
+    from gradwire.coordinator.decisions import FailedRounds
+
+    streak = FailedRounds(max_rounds=3, max_seconds=10.0)
+    assert [streak.failed(t)[:2] for t in (100.0, 101.0)] == [("retry", 0.5), ("retry", 1.0)]
+    action, _, reason = streak.failed(105.0)  # 3 in a row, but over 5 s only
+    assert action == "retry" and "3 round(s) in a row, 5.0 s" in reason
+    action, delay, reason = streak.failed(110.0)  # 4 in a row over 10 s (the streak began at 100)
+    assert (action, delay) == ("give-up", 0.0) and "--max-failed-seconds 10" in reason
+    streak.succeeded()
+    assert streak.failed(500.0)[:2] == ("retry", 0.5)  # a new streak, timed from its own start
+    assert streak.since == 500.0
