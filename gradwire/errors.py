@@ -22,6 +22,11 @@ class AccessDenied(PermissionError):
     """The caller does not own the run it names (``gradwire.security.run_owner``)."""
 
 
+class TooLarge(ValueError):
+    """A sound request this worker cannot hold: the run's state would not fit its memory (the message
+    names the sizes). A ``ValueError``, so that every rank refuses it alike, but not the caller's mistake."""
+
+
 def status_for(e: Exception) -> tuple[grpc.StatusCode, str] | None:
     """The status a failed call ends with, and its text; ``None`` for a bug (INTERNAL). Pure."""
     text = str(e) if len(str(e)) <= MAX_DETAILS else str(e)[:MAX_DETAILS] + "..."
@@ -29,6 +34,8 @@ def status_for(e: Exception) -> tuple[grpc.StatusCode, str] | None:
         return grpc.StatusCode.CANCELLED, text
     if isinstance(e, AccessDenied):
         return grpc.StatusCode.PERMISSION_DENIED, text
+    if isinstance(e, TooLarge):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, text
     if isinstance(e, ValueError):  # the request itself is wrong
         return grpc.StatusCode.INVALID_ARGUMENT, text
     if isinstance(e, NonFiniteInput):  # a sound request, but the run has diverged on this worker

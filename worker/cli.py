@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -135,6 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
         f"update (default: {DEFAULT_MESSAGE_MB})",
     )
     serve.add_argument(
+        "--rank-memory-gb",
+        type=_gigabytes,
+        default=None,
+        metavar="GB",
+        help="memory a run's state may use on each device (each rank's, on a node): a model whose state would "
+        "take more than 80%% of it is refused with the sizes, at its state push or its first local-SGD round, "
+        "instead of running out of memory (default: a CUDA device's memory; no limit on the CPU)",
+    )
+    serve.add_argument(
         "--max-model-params",
         type=_positive,
         default=DEFAULT_MAX_MODEL_PARAMS,
@@ -251,6 +261,16 @@ def join_security(args: argparse.Namespace, token: str | None) -> ClientSecurity
     return ClientSecurity(token=token, tls=args.join_tls, tls_ca=args.join_tls_ca)
 
 
+def _gigabytes(text: str) -> float:
+    try:
+        gb = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of GB, got {text!r}") from None
+    if not (math.isfinite(gb) and gb > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number of GB, got {text!r}")
+    return gb
+
+
 def _positive(text: str) -> int:
     try:
         n = int(float(text)) if "e" in text.lower() else int(text)
@@ -342,6 +362,7 @@ def run_rank(args: argparse.Namespace, rank: RankInfo | None) -> int:
     from gradwire.worker.engine import NodeFailure, WorkerEngine
     from gradwire.worker.node import NodeGroup
     from gradwire.worker.server import serve
+    from gradwire.worker.sizing import GB
 
     keep_freed_memory()  # a long-lived daemon: reuse its model-sized buffers instead of re-faulting them
     device = args.device
@@ -350,7 +371,8 @@ def run_rank(args: argparse.Namespace, rank: RankInfo | None) -> int:
         torch.cuda.set_device(device)
     node = NodeGroup(rank, torch.device(device), timeout=args.node_timeout) if rank is not None else None
     placement = Placement(node, args.node_mode, args.node_sync_steps, args.node_comm_hook, args.precision)
-    engine = WorkerEngine(device, placement=placement, max_model_params=args.max_model_params)
+    memory = round(args.rank_memory_gb * GB) if args.rank_memory_gb is not None else None
+    engine = WorkerEngine(device, placement=placement, max_model_params=args.max_model_params, rank_memory=memory)
     try:
         if node is not None and not node.info.leader:
             log.info("rank %d of %d on %s: following rank 0", rank.rank, rank.world_size, device)

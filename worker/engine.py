@@ -62,6 +62,7 @@ from gradwire.worker.check import ReplicaView, Verdict, check_order
 from gradwire.worker.compute import Placement, gradient_step, strategy_for
 from gradwire.worker.node import Command, NodeGroup, merge_rank_states, rank_state
 from gradwire.worker.session import Session, host_tensors
+from gradwire.worker.sizing import device_memory
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -89,8 +90,12 @@ class WorkerEngine:
         max_sessions: int = 2,
         placement: Placement | None = None,
         max_model_params: int = DEFAULT_MAX_MODEL_PARAMS,
+        rank_memory: int | None = None,
     ) -> None:
+        """``rank_memory``: the bytes a run's state may use on this worker's device (each rank's, on a
+        node; ``worker.sizing``); default: a CUDA device's memory, no limit on the CPU."""
         self.device = torch.device(device)
+        self.rank_memory = rank_memory if rank_memory is not None else device_memory(self.device)
         self.max_sessions = max_sessions
         self.max_model_params = max_model_params
         self.placement = placement or Placement()
@@ -211,9 +216,8 @@ class WorkerEngine:
     def _push_state(self, state: ModelState, owner: bytes = b"") -> tuple[int, Fingerprint]:
         if self.node is not None:  # each rank restores its own inner optimizer state (node.rank_state)
             state = dataclasses.replace(state, inner_optimizer=rank_state(state.inner_optimizer, self.node.rank))
-        session = Session(
-            state, self.device, owner, self.max_model_params
-        )  # built and validated before it replaces anything
+        # Built and validated (sized against the limits first) before it replaces anything.
+        session = Session(state, self.device, owner, self.max_model_params, self.rank_memory)
         with self._lock:
             previous = self.sessions.pop(state.run_id, None)
             if previous is not None:

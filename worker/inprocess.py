@@ -41,26 +41,19 @@ class InProcessClient:
 
     def push_state(self, state: ModelState, timeout: float | None = None) -> tuple[tuple[int, Fingerprint], Traffic]:
         down = protocol.state_to_proto(state)
-        answer = self.engine.push_state(protocol.state_from_proto(_wire(down, pb.ModelState)))
+        answer = self._served(lambda: self.engine.push_state(protocol.state_from_proto(_wire(down, pb.ModelState))))
         return answer, Traffic(down.ByteSize(), 0)
 
     def run_round(self, order: WorkOrder, timeout: float | None = None) -> tuple[RoundResult, Traffic]:
         down = protocol.order_to_proto(order)
         self._cancelled.clear()
-        try:
-            result = self.engine.run_round(
-                protocol.order_from_proto(_wire(down, pb.WorkOrder)), cancelled=self._cancelled.is_set
-            )
-        except Exception as e:
-            status = status_for(e)  # as the servicer answers it; a bug (None) surfaces here as itself
-            if status is None:
-                raise
-            raise WorkerError(self.address, *status) from None
+        order = protocol.order_from_proto(_wire(down, pb.WorkOrder))
+        result = self._served(lambda: self.engine.run_round(order, cancelled=self._cancelled.is_set))
         up = protocol.result_to_proto(result)
         return protocol.result_from_proto(_wire(up, pb.RoundResult)), Traffic(down.ByteSize(), up.ByteSize())
 
     def fetch_worker_state(self, run_id: str, timeout: float | None = None) -> tuple[WorkerState, Traffic]:
-        up = protocol.worker_state_to_proto(self.engine.worker_state(run_id))
+        up = protocol.worker_state_to_proto(self._served(lambda: self.engine.worker_state(run_id)))
         return protocol.worker_state_from_proto(_wire(up, pb.WorkerState)), Traffic(0, up.ByteSize())
 
     def cancel(self) -> None:
@@ -71,6 +64,16 @@ class InProcessClient:
 
     def close(self) -> None:
         return None
+
+    def _served(self, call: Callable[[], T]) -> T:
+        """``call()``, failing as the servicer would answer it; a bug (no status) surfaces as itself."""
+        try:
+            return call()
+        except Exception as e:
+            status = status_for(e)
+            if status is None:
+                raise
+            raise WorkerError(self.address, *status) from None
 
 
 def _wire(message: Message, cls: type[Message]) -> Message:

@@ -23,11 +23,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from gradwire.compression import CompressedGradient, DecodedGradient, ErrorFeedback
+from gradwire.errors import TooLarge
 from gradwire.models import build_from_spec, spec_elements
 from gradwire.optim.inner import InnerOptimizer, InnerOptimizerConfig
 from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import ModelState, ProtocolError
 from gradwire.replica import Fingerprint, Replica
+from gradwire.worker.sizing import fits
 
 if TYPE_CHECKING:
     from gradwire.worker.lookahead import Lookahead
@@ -39,23 +41,33 @@ class Session:
     """One coordinator run's replica, error feedback and local-SGD state on this worker."""
 
     def __init__(
-        self, state: ModelState, device: torch.device, owner: bytes = b"", max_elements: int | None = None
+        self,
+        state: ModelState,
+        device: torch.device,
+        owner: bytes = b"",
+        max_elements: int | None = None,
+        memory: int | None = None,
     ) -> None:
         """Build the run's replica from ``state``. The spec is sized first (on the meta device): a model of
-        more than ``max_elements`` parameters and buffers is refused before anything is allocated."""
+        more than ``max_elements`` parameters and buffers, or whose state would not fit ``memory`` bytes
+        (``worker.sizing``), is refused before anything is allocated."""
         try:
             spec = json.loads(state.model_json)
             if not isinstance(spec, dict):
                 raise ValueError(f"model_json must be a JSON object, got {type(spec).__name__}")
             rule = UpdateRule.from_json(state.update_rule_json)
+            elements = spec_elements(spec) if max_elements is not None or memory is not None else 0
             if max_elements is not None:
-                elements = spec_elements(spec)
                 if elements > max_elements:
                     raise ValueError(
                         f"the model has {elements:,} parameters and buffers, "
                         f"more than this worker's --max-model-params {max_elements:,}"
                     )
+            self._memory = (elements, memory, bool(rule.momentum))
+            self._check_memory(local_sgd=False)
             model = build_from_spec(spec)
+        except TooLarge:
+            raise
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
             raise ProtocolError(f"model state: {e}") from None
         self.run_id = state.run_id
@@ -101,9 +113,17 @@ class Session:
         self._inner = self._inner_config = None
         self._inner_restore = {}
 
+    def _check_memory(self, *, local_sgd: bool) -> None:
+        elements, memory, momentum = self._memory
+        ok, why = fits(elements, memory, momentum=momentum, local_sgd=local_sgd)
+        if not ok:
+            raise TooLarge(f"{why} (worker serve --rank-memory-gb): a smaller model, or more memory per rank")
+
     def working_model(self) -> torch.nn.Module:
-        """The model local steps train: a copy of the replica at its current version."""
+        """The model local steps train: a copy of the replica at its current version. Refused
+        (``TooLarge``) where a local-SGD round's state would not fit the rank's memory."""
         if self._working is None:
+            self._check_memory(local_sgd=True)
             self._working = build_from_spec(self.spec).to(self.device)
         with torch.no_grad():
             for w, p in zip(self._working.parameters(), self.replica.params.values()):

@@ -1,0 +1,56 @@
+"""What a run's state takes on one rank, and whether a model fits there (``worker serve --rank-memory-gb``).
+
+A worker (or each rank of a DDP or local-SGD node) holds, per parameter, in float32: the replica, the
+outer momentum where the update rule has one, the gradients and the error feedback; local-SGD rounds add
+a working copy and the inner optimizer's state (AdamW: two moments). That is 16 to 28 bytes a parameter,
+before activations. ``fits`` is the pure check: a model whose state would take more than ``HEADROOM`` of
+the rank's memory is refused with the sizes, at the state push (gradient-mode state) or at its first
+local-SGD round (the rest), instead of running out of memory mid-round.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GB = 1 << 30
+HEADROOM = 0.8  # the state may take this share of a rank's memory; activations and the codec need the rest
+
+# (what, bytes per parameter), held in every round, and added by local-SGD rounds
+GRADIENT_STATE = (("replica", 4), ("gradients", 4), ("error feedback", 4))
+MOMENTUM = ("outer momentum", 4)
+LOCAL_STATE = (("working copy", 4), ("inner optimizer", 8))
+
+
+def state_bytes(elements: int, *, momentum: bool, local_sgd: bool) -> dict[str, int]:
+    """The bytes of each part of a run's state on one rank, for a model of ``elements`` parameters."""
+    parts = [*GRADIENT_STATE, *([MOMENTUM] if momentum else []), *(LOCAL_STATE if local_sgd else ())]
+    return {what: elements * per for what, per in parts}
+
+
+def fits(elements: int, budget: int | None, *, momentum: bool, local_sgd: bool) -> tuple[bool, str]:
+    """Whether the state of a model of ``elements`` parameters fits a rank of ``budget`` bytes (``None``:
+    no limit), and the sizes either way."""
+    parts = state_bytes(elements, momentum=momentum, local_sgd=local_sgd)
+    total = sum(parts.values())
+    detail = ", ".join(f"{what} {size_text(size)}" for what, size in parts.items())
+    if budget is None:
+        return True, f"{size_text(total)} of state ({detail}); no memory limit"
+    if total > HEADROOM * budget:
+        return False, (
+            f"a model of {elements:,} parameters needs {size_text(total)} of "
+            f"{'local-SGD' if local_sgd else 'gradient-mode'} state per rank ({detail}), more than "
+            f"{HEADROOM:.0%} of the rank's {size_text(budget)}"
+        )
+    return True, f"{size_text(total)} of state ({detail}) within {HEADROOM:.0%} of {size_text(budget)}"
+
+
+def size_text(n: int) -> str:
+    """Bytes as GB, or MB below one GB."""
+    return f"{n / GB:.2f} GB" if n >= GB else f"{n / (1 << 20):.1f} MB"
+
+
+def device_memory(device: torch.device) -> int | None:
+    """A CUDA device's memory in bytes; ``None`` elsewhere (a CPU's memory is the machine's to manage)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory
