@@ -13,13 +13,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gradwire.models import build_from_spec, lm_loss, model_spec
+from gradwire.optim.inner import InnerOptimizer, InnerOptimizerConfig
 from gradwire.worker import fsdp
 
 SPEC = model_spec("gpt-tiny")
 
 
-def _batch() -> torch.Tensor:
-    return torch.from_numpy(np.random.default_rng(0).integers(0, 8192, (8, 17)).astype(np.int64))
+def _batch(seed: int = 0) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(seed).integers(0, 8192, (8, 17)).astype(np.int64))
 
 
 def _rank(rank: int, world: int, store: str, out: str) -> None:
@@ -42,6 +43,55 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
         torch.save(result, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
+
+
+def _local_rank(rank: int, world: int, store: str, out: str) -> None:
+    """H AdamW inner steps on a sharded working copy (gradwire's inner optimizer over the shards)."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        working = fsdp.shard(build_from_spec(SPEC, seed=0))
+        optimizer = InnerOptimizer(working, InnerOptimizerConfig(name="adamw", weight_decay=0.1))
+        for h in range(STEPS):
+            rows = _batch(h)[rank * 8 // world : (rank + 1) * 8 // world]
+            lm_loss(working, rows).backward()
+            optimizer.step(1e-3)
+            working.zero_grad()
+        torch.save({"params": dict(fsdp.gathered(working)), "state_bytes": _state_bytes(optimizer)}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _state_bytes(optimizer: InnerOptimizer) -> int:
+    return sum(
+        (t.to_local() if hasattr(t, "to_local") else t).numel() * t.element_size()
+        for o in optimizer._optimizers
+        for state in o.state.values()
+        for t in state.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    )
+
+
+STEPS = 3
+
+
+@pytest.mark.slow
+def test_inner_steps_on_a_sharded_working_copy_are_the_whole_batch_steps(tmp_path: Path):
+    world, out = 2, str(tmp_path / "rank")
+    mp.start_processes(_local_rank, args=(world, str(tmp_path / "store"), out), nprocs=world, start_method="spawn")
+    model = build_from_spec(SPEC, seed=0)
+    optimizer = InnerOptimizer(model, InnerOptimizerConfig(name="adamw", weight_decay=0.1))
+    for h in range(STEPS):
+        lm_loss(model, _batch(h)).backward()
+        optimizer.step(1e-3)
+        model.zero_grad()
+    whole_state = _state_bytes(optimizer)
+    for rank in range(world):
+        got = torch.load(f"{out}.{rank}")
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(got["params"][name], p.detach(), rtol=1e-4, atol=1e-5)
+        assert got["state_bytes"] <= whole_state / world * 1.05  # each rank: its shard's two moments
 
 
 @pytest.mark.slow
