@@ -188,8 +188,8 @@ class Replica:
         if update.delta is not None:
             delta = self.codec(update.delta.settings).decompress(update.delta)
             _check_step(delta, 1.0)
-            for name, p in self.params.items():
-                p.add_(delta[name].to(p.device, p.dtype))
+            for name, t in zip(self.params, self._step_tensors()):
+                t.add_(self._share(name, delta[name]).to(t.device, t.dtype))
             self.version += 1
             return delta
         if update.own is not None:
@@ -209,14 +209,22 @@ class Replica:
             aggregate = robust.aggregate(codec, senders, weights, update.scales, update.rule).result()
         _check_step(aggregate, update.learning_rate)
         outer_step(
-            list(self.params.values()),
-            [aggregate[n] for n in self.params],
+            self._step_tensors(),
+            [self._share(n, aggregate[n]) for n in self.params],
             self.rule,
             update.learning_rate,
             self.momentum,
         )
         self.version += 1
         return aggregate
+
+    def _step_tensors(self) -> list[torch.Tensor]:
+        """The tensors an update writes into: the parameters (a sharded replica: its shards)."""
+        return list(self.params.values())
+
+    def _share(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """The part of a full update tensor that ``_step_tensors`` holds of parameter ``name``: all of it."""
+        return full
 
     def fingerprint(self) -> Fingerprint:
         """The parameters' fingerprint; kept until a parameter changes in place (torch counts every in-place

@@ -171,10 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     node.add_argument(
         "--node-mode",
-        choices=["ddp", "local-sgd"],
+        choices=["ddp", "local-sgd", "fsdp"],
         default="ddp",
-        help="among the ranks: ddp (every backward all-reduces gradients) or local-sgd (independent inner steps, "
-        "parameters averaged every --node-sync-steps and at the end of a round) (default: ddp)",
+        help="among the ranks: ddp (every backward all-reduces gradients), local-sgd (independent inner steps, "
+        "parameters averaged every --node-sync-steps and at the end of a round) or fsdp (parameters, gradients, "
+        "the replica, the working copy and the inner optimizer's state sharded over the ranks with FSDP2; "
+        "each rank encodes the tensors it owns) (default: ddp)",
     )
     node.add_argument(
         "--node-sync-steps",

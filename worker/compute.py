@@ -38,7 +38,7 @@ from gradwire.worker import hooks
 from gradwire.worker.node import NodeGroup
 from gradwire.worker.session import Session
 
-NODE_MODES = ("ddp", "local-sgd")
+NODE_MODES = ("ddp", "local-sgd", "fsdp")
 PRECISIONS = ("fp32", "bf16")
 
 IsCancelled = Callable[[], bool]
@@ -57,7 +57,7 @@ class Placement:
     """Where a round's compute runs: one device (``node`` None) or every rank of a node."""
 
     node: NodeGroup | None = None
-    mode: str = "ddp"  # among a node's ranks: "ddp" or "local-sgd"
+    mode: str = "ddp"  # among a node's ranks: "ddp", "local-sgd" or "fsdp" (parameters sharded: worker.fsdp)
     sync_steps: int = 0  # local-sgd: average parameters every S inner steps (0: at the end of the round only)
     comm_hook: str = "none"  # ddp: see worker.hooks
     precision: str = "fp32"  # "bf16": autocast forward/backward; weights, replica and codec stay float32
@@ -81,6 +81,17 @@ class Placement:
     def ddp(self) -> bool:
         return self.node is not None and self.mode == "ddp"
 
+    @property
+    def sharded(self) -> bool:
+        """A node whose ranks each hold a shard of the model (FSDP2): they compute as one data-parallel
+        model, and each encodes the tensors it owns (``compression.shard``)."""
+        return self.node is not None and self.mode == "fsdp"
+
+    @property
+    def apart(self) -> bool:
+        """A node whose ranks step apart between parameter averages (local-sgd)."""
+        return self.node is not None and self.mode == "local-sgd"
+
     def check_rows(self, order: WorkOrder) -> None:
         """Every inner step's rows must split evenly over the ranks (the coordinator sends ranks x batch)."""
         rows = order.batch.shape[0] // order.inner_steps
@@ -99,7 +110,7 @@ class Placement:
     def wrap(self, session: Session, model: torch.nn.Module) -> torch.nn.Module:
         """The module to run forward/backward through: DDP over the node in ``ddp`` mode (built once per
         session and model, on every rank at the same round), else the model itself."""
-        if not self.ddp:
+        if not self.ddp:  # a sharded model is its own data-parallel wrapper
             return model
         wrapped = session.wrappers.get(id(model))
         if wrapped is None:
@@ -191,7 +202,7 @@ def gradient_step(
         placement.precision,
     )
     grads = {n: p.grad for n, p in session.replica.params.items()}
-    if placement.node is not None and not placement.ddp:
+    if placement.apart:
         placement.node.average(grads.values())  # local-sgd among the ranks: one step is one gradient average
     # clip_grad_norm_ (of the parameters' .grad) returns the norm before clipping; with max_norm inf it only measures.
     norm = torch.nn.utils.clip_grad_norm_(list(session.replica.params.values()), order.clip_grad_norm or math.inf)
@@ -221,7 +232,7 @@ def local_steps(
             torch.nn.utils.clip_grad_norm_(working.parameters(), plan.clip_grad_norm)
         optimizer.step(lr)
         optimizer.zero_grad()
-        if placement.node is not None and not placement.ddp:
+        if placement.apart:
             drifted = True
             if placement.sync_steps and (h + 1) % placement.sync_steps == 0:
                 placement.node.average(working.parameters())

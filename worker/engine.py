@@ -37,10 +37,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from google.protobuf.message import Message
+from torch.distributed.tensor import DTensor
 
 import gradwire
 from gradwire import protocol
-from gradwire.compression import CompressedGradient, DecodedGradient, NonFiniteInput
+from gradwire.compression import CompressedGradient, DecodedGradient, NonFiniteInput, serde, shard
 from gradwire.errors import AccessDenied
 from gradwire.protocol import (
     BEHIND,
@@ -59,7 +60,7 @@ from gradwire.security import same_owner
 from gradwire.v1 import worker_pb2 as pb
 from gradwire.worker import lookahead
 from gradwire.worker.check import ReplicaView, Verdict, check_order
-from gradwire.worker.compute import Placement, gradient_step, strategy_for
+from gradwire.worker.compute import Contribution, Placement, gradient_step, strategy_for
 from gradwire.worker.node import Command, NodeGroup, merge_rank_states, rank_state
 from gradwire.worker.session import Session, host_tensors
 from gradwire.worker.sizing import device_memory
@@ -217,7 +218,8 @@ class WorkerEngine:
         if self.node is not None:  # each rank restores its own inner optimizer state (node.rank_state)
             state = dataclasses.replace(state, inner_optimizer=rank_state(state.inner_optimizer, self.node.rank))
         # Built and validated (sized against the limits first) before it replaces anything.
-        session = Session(state, self.device, owner, self.max_model_params, self.rank_memory)
+        shards = self.placement.ranks if self.placement.sharded else 1
+        session = Session(state, self.device, owner, self.max_model_params, self.rank_memory, shards)
         with self._lock:
             previous = self.sessions.pop(state.run_id, None)
             if previous is not None:
@@ -252,6 +254,9 @@ class WorkerEngine:
                 raise ProtocolError(f"no replica for run {run_id!r}")
             if not same_owner(session.owner, owner):
                 raise AccessDenied(f"run {run_id!r} belongs to another coordinator")
+            if self.placement.sharded:
+                log.warning("run %r: a sharded node does not checkpoint its error feedback and inner state yet", run_id)
+                return WorkerState(run_id, session.replica.version, {}, {})
             inner = host_tensors(session.inner_state())
             if self.node is not None and self.placement.mode == "local-sgd":
                 with _NodeErrors():
@@ -380,20 +385,23 @@ class WorkerEngine:
             replica.apply(update, known=known)
         t_compute = time.perf_counter()  # the encode starts
         update_seconds = (t_update - t0) + (t_compute - t_computed)
-        if self.node is not None and not self.node.info.leader:  # rank 0 encodes the node's payload
-            return RoundResult(OK, order.round, "", None, contribution.loss, contribution.tokens, replica.version)
-        # 4. encode: error feedback and the codec.
+        # 4. encode: error feedback and the codec, on rank 0 of a node (a sharded node: on every rank, each
+        # its own tensors; rank 0 assembles the payload).
         session.feedback.beta = order.feedback_beta
-        try:
-            payload = replica.codec(order.codec).compress(contribution.tensors, session.feedback)
-        except NonFiniteInput:
-            session.diverged()  # the NaN is in the error feedback (and inner state) now: drop them
-            raise
+        if self.placement.sharded:
+            payload = self._encode_shards(session, order, contribution)
+        elif self.node is None or self.node.info.leader:
+            payload = self._encode(session, order, contribution)
+        else:
+            payload = None
+        if payload is None:  # a rank > 0: rank 0 answers for the node
+            return RoundResult(OK, order.round, "", None, contribution.loss, contribution.tokens, replica.version)
         session.last_sent = (order.round, payload)  # the coordinator leaves it out of the replay it sends back
         t_done = time.perf_counter()
         # The next round's check needs this replica's fingerprint: take it while the result travels and the
         # coordinator aggregates, not when the next order has arrived.
-        session.fingerprint_ahead = self._ahead.submit(replica.fingerprint)
+        if not self.placement.sharded:  # a sharded replica's fingerprint is a collective: taken in the check
+            session.fingerprint_ahead = self._ahead.submit(replica.fingerprint)
         # Its replay sums this payload too: decode it now, while the CPU would wait (1/N of the replay's decoding).
         session.sent_decoded = self._ahead.submit(replica.codec(order.codec).decode, payload)
         if self.node is None and (expected := lookahead.preview(order, replica.version)) is not None:
@@ -416,6 +424,42 @@ class WorkerEngine:
             self._bus_bytes() - bus_before,
             contribution.grad_norm,
         )
+
+    def _encode(self, session: Session, order: WorkOrder, contribution: Contribution) -> CompressedGradient:
+        try:
+            return session.replica.codec(order.codec).compress(contribution.tensors, session.feedback)
+        except NonFiniteInput:
+            session.diverged()  # the NaN is in the error feedback (and inner state) now: drop them
+            raise
+
+    def _encode_shards(
+        self, session: Session, order: WorkOrder, contribution: Contribution
+    ) -> CompressedGradient | None:
+        """Every rank of a sharded node compresses the tensors it owns with its own error feedback
+        (``compression.shard``); rank 0 assembles the payload a single device would send (``None`` elsewhere)."""
+        assert self.node is not None
+        codec = session.replica.codec(order.codec)
+        mine = set(shard.owners(codec.plan, self.node.world_size)[self.node.rank])
+        whole = {}
+        for name, t in contribution.tensors.items():  # every rank gathers every tensor, in the same order
+            full = t.full_tensor() if isinstance(t, DTensor) else t
+            if name in mine:
+                whole[name] = full
+        try:
+            part, ok = session.shard_codec(order.codec, mine).compress(whole, session.feedback), True
+        except NonFiniteInput:
+            part, ok = None, False
+        with _NodeErrors():
+            ok = self.node.all_true(ok)
+            parts = self.node.gather_bytes(serde.gradient_to_bytes(part) if ok and part is not None else b"")
+        if not ok:
+            session.diverged()
+            if self.node.info.leader:
+                raise NonFiniteInput("a tensor of this node's gradient")
+            return None
+        if not self.node.info.leader:
+            return None
+        return shard.assemble(codec.plan, [serde.gradient_from_bytes(p) for p in parts])
 
     def _tokens(self, batch: np.ndarray) -> torch.Tensor:
         tokens = torch.from_numpy(batch.astype("int64"))  # (rows, T + 1)

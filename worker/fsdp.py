@@ -6,17 +6,22 @@ transformer blocks, an HF model's layers) and then the model itself, so that eac
 rows of every parameter (FSDP2 cuts dim 0) and gathers a block's parameters just for its forward and
 backward. The model does not know it is sharded. ``load`` writes full tensors into the ranks' shards,
 ``gathered`` reads them back one tensor at a time (for the codec, which never sees more than one full
-tensor on a rank), and ``local_bytes`` is what a rank holds.
+tensor on a rank), and ``local_bytes`` is what a rank holds. ``ShardedReplica`` is a replica of the
+ranks' shards: it replays updates on its rows and fingerprints the whole model with one collective.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from gradwire.optim.outer import UpdateRule
+from gradwire.replica import Fingerprint, Replica
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
@@ -54,7 +59,8 @@ def load(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
     """Write full tensors (every rank passes the same) into each rank's shard of the parameters."""
     for name, p in _sharded(model):
         full = tensors[name].to(p.device_mesh.device_type, p.dtype)
-        p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements).to_local())
+        # src_data_rank None: every rank cuts its rows from its own copy, no communication
+        p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
 
 
 def gathered(model: nn.Module, what: str = "param") -> Iterator[tuple[str, torch.Tensor]]:
@@ -76,3 +82,70 @@ def local_bytes(model: nn.Module, what: str = "param") -> int:
             local = t.to_local()
             total += local.numel() * local.element_size()
     return total
+
+
+class ShardedReplica(Replica):
+    """A replica whose parameters (and outer momentum) are the rank's FSDP2 shards of an already ``shard``ed
+    model. The same interface as ``Replica``: an update is decoded in full (every rank alike), then each rank
+    steps its own rows; the fingerprint is the whole replica's, summed over the ranks. Every rank must make
+    the same calls in the same order: ``fingerprint`` and ``load_state`` are collectives or follow them."""
+
+    def __init__(self, model: nn.Module, rule: UpdateRule, version: int = 0) -> None:
+        super().__init__(model, rule, version)
+        self._sharded = dict(_sharded(model))  # checks that every parameter is sharded
+
+    def _step_tensors(self) -> list[torch.Tensor]:
+        return [p.to_local() for p in self._sharded.values()]  # the shards themselves: steps write into them
+
+    def _share(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        return _rows(full, self._sharded[name])
+
+    @torch.no_grad()
+    def fingerprint(self) -> Fingerprint:
+        """The whole replica's fingerprint (as ``replica.fingerprint`` of the full tensors), a collective:
+        per-tensor sums and sums of squares of the shards, and each sampled value from the rank that has it."""
+        sums, sumsqs, samples = [], [], []
+        for p, positions in zip(self._sharded.values(), self._positions):
+            local = p.to_local().reshape(-1)
+            sums.append(local.sum(dtype=torch.float64))
+            sumsqs.append(torch.linalg.vector_norm(local, dtype=torch.float64).square())
+            first = _first_row(p) * (p.numel() // p.shape[0] if p.dim() and p.shape[0] else 1)
+            mine = (positions >= first) & (positions < first + local.numel())
+            values = torch.zeros(len(positions), dtype=torch.float64, device=local.device)
+            values[mine.to(local.device)] = local[(positions[mine] - first).to(local.device)].double()
+            samples.append(values)
+        stats = torch.cat([torch.stack(sums), torch.stack(sumsqs), *samples])
+        dist.all_reduce(stats)  # one collective for the whole fingerprint
+        n = len(sums)
+        return Fingerprint(
+            tuple(stats[:n].tolist()), tuple(stats[n : 2 * n].tolist()), tuple(stats[2 * n :].float().tolist())
+        )
+
+    def load_state(
+        self, parameters: Mapping[str, torch.Tensor], momentum: Sequence[torch.Tensor] = (), version: int = 0
+    ) -> None:
+        """Overwrite this rank's shards with its rows of a full state (every rank passes the same)."""
+        unknown = sorted(set(parameters) - set(self.params))
+        missing = sorted(set(self.params) - set(parameters))
+        if unknown or missing:
+            raise ValueError(f"state has parameters the model does not ({unknown[:5]}) or misses some ({missing[:5]})")
+        for name, p in self._sharded.items():
+            if tuple(parameters[name].shape) != tuple(p.shape):
+                raise ValueError(f"parameter {name!r}: shape {tuple(parameters[name].shape)} != {tuple(p.shape)}")
+        load(self.model, parameters)
+        self.momentum = [_rows(m, p) for m, p in zip(momentum, self._sharded.values())]
+        self.version = version
+
+
+def _first_row(p: DTensor) -> int:
+    """The first row of the full tensor that this rank's shard holds (FSDP2 cuts dim 0 like torch.chunk)."""
+    rows = p.shape[0] if p.dim() else 1
+    world, rank = p.device_mesh.size(), p.device_mesh.get_local_rank()
+    per = -(-rows // world)  # ceil
+    return min(rank * per, rows)
+
+
+def _rows(full: torch.Tensor, p: DTensor) -> torch.Tensor:
+    """This rank's rows of a full tensor shaped like ``p``."""
+    first, local = _first_row(p), p.to_local()
+    return full.to(local.device, local.dtype).reshape(p.shape)[first : first + local.shape[0]].clone()

@@ -16,19 +16,21 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import torch
 
-from gradwire.compression import CompressedGradient, DecodedGradient, ErrorFeedback
+from gradwire.compression import CodecConfig, CompressedGradient, DecodedGradient, ErrorFeedback, GradientCodec, shard
 from gradwire.errors import TooLarge
 from gradwire.models import build_from_spec, spec_elements
 from gradwire.optim.inner import InnerOptimizer, InnerOptimizerConfig
 from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import ModelState, ProtocolError
 from gradwire.replica import Fingerprint, Replica
+from gradwire.worker import fsdp
+from gradwire.worker.fsdp import ShardedReplica
 from gradwire.worker.sizing import fits
 
 if TYPE_CHECKING:
@@ -47,10 +49,12 @@ class Session:
         owner: bytes = b"",
         max_elements: int | None = None,
         memory: int | None = None,
+        shards: int = 1,
     ) -> None:
         """Build the run's replica from ``state``. The spec is sized first (on the meta device): a model of
         more than ``max_elements`` parameters and buffers, or whose state would not fit ``memory`` bytes
-        (``worker.sizing``), is refused before anything is allocated."""
+        (``worker.sizing``), is refused before anything is allocated. ``shards`` > 1: a rank of a sharded
+        node (``worker.fsdp``), which holds that share of the replica, working copy and inner state."""
         try:
             spec = json.loads(state.model_json)
             if not isinstance(spec, dict):
@@ -63,7 +67,7 @@ class Session:
                         f"the model has {elements:,} parameters and buffers, "
                         f"more than this worker's --max-model-params {max_elements:,}"
                     )
-            self._memory = (elements, memory, bool(rule.momentum))
+            self._memory = (-(-elements // shards), memory, bool(rule.momentum))
             self._check_memory(local_sgd=False)
             model = build_from_spec(spec)
         except TooLarge:
@@ -74,7 +78,10 @@ class Session:
         self.owner = owner  # who may use this run: gradwire.security.run_owner of its first push
         self.spec = spec
         self.device = device
-        self.replica = Replica(model.to(device), rule)
+        self.shards = shards
+        self.replica = (
+            ShardedReplica(fsdp.shard(model.to(device)), rule) if shards > 1 else Replica(model.to(device), rule)
+        )
         momentum = [state.optimizer_state[k] for k in sorted(state.optimizer_state, key=_numeric_suffix)]
         try:
             self.replica.load_state(state.parameters, momentum, state.version)
@@ -94,6 +101,15 @@ class Session:
         self._inner_config: InnerOptimizerConfig | None = None
         self._inner_restore: dict[str, torch.Tensor] = dict(state.inner_optimizer)
         self.wrappers: dict[int, torch.nn.Module] = {}  # a node's DDP wrappers of this session's models
+        self._shard_codecs: dict[CodecConfig, GradientCodec] = {}  # a sharded node: this rank's own tensors' codec
+
+    def shard_codec(self, config: CodecConfig, names: Collection[str]) -> GradientCodec:
+        """A sharded node: the codec of the tensors this rank encodes (``compression.shard``), cached."""
+        if config not in self._shard_codecs:
+            shapes = {n: tuple(p.shape) for n, p in self.replica.params.items()}  # the whole tensors' shapes
+            owned = [n for n in shapes if n in names]
+            self._shard_codecs[config] = GradientCodec(shard.subset(shapes, owned), config, device=self.device)
+        return self._shard_codecs[config]
 
     def carry_over(self, previous: Session, *, feedback: bool, inner: bool) -> None:
         """A resync push of a run this worker already serves keeps what the push does not replace."""
@@ -125,9 +141,11 @@ class Session:
         if self._working is None:
             self._check_memory(local_sgd=True)
             self._working = build_from_spec(self.spec).to(self.device)
+            if self.shards > 1:
+                fsdp.shard(self._working)  # sharded as the replica is: the same rows on this rank
         with torch.no_grad():
             for w, p in zip(self._working.parameters(), self.replica.params.values()):
-                w.copy_(p)
+                (w.to_local() if self.shards > 1 else w).copy_(p.to_local() if self.shards > 1 else p)
         self._working.train()
         return self._working
 
