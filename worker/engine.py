@@ -61,7 +61,14 @@ from gradwire.v1 import worker_pb2 as pb
 from gradwire.worker import lookahead
 from gradwire.worker.check import ReplicaView, Verdict, check_order
 from gradwire.worker.compute import Contribution, Placement, gradient_step, strategy_for
-from gradwire.worker.node import Command, NodeGroup, merge_rank_states, rank_state
+from gradwire.worker.node import (
+    Command,
+    NodeGroup,
+    merge_rank_states,
+    merge_shard_states,
+    rank_state,
+    shard_state,
+)
 from gradwire.worker.session import Session, host_tensors
 from gradwire.worker.sizing import device_memory
 
@@ -215,7 +222,14 @@ class WorkerEngine:
         return 4 * elements * copies + REQUEST_SLACK
 
     def _push_state(self, state: ModelState, owner: bytes = b"") -> tuple[int, Fingerprint]:
-        if self.node is not None:  # each rank restores its own inner optimizer state (node.rank_state)
+        if self.placement.sharded:  # each rank restores its own shards, saved by a node this wide
+            world, rank = self.node.world_size, self.node.rank
+            state = dataclasses.replace(
+                state,
+                feedback=shard_state(state.feedback, world, rank),
+                inner_optimizer=shard_state(state.inner_optimizer, world, rank),
+            )
+        elif self.node is not None:  # each rank restores its own inner optimizer state (node.rank_state)
             state = dataclasses.replace(state, inner_optimizer=rank_state(state.inner_optimizer, self.node.rank))
         # Built and validated (sized against the limits first) before it replaces anything.
         shards = self.placement.ranks if self.placement.sharded else 1
@@ -254,25 +268,30 @@ class WorkerEngine:
                 raise ProtocolError(f"no replica for run {run_id!r}")
             if not same_owner(session.owner, owner):
                 raise AccessDenied(f"run {run_id!r} belongs to another coordinator")
-            if self.placement.sharded:
-                log.warning("run %r: a sharded node does not checkpoint its error feedback and inner state yet", run_id)
-                return WorkerState(run_id, session.replica.version, {}, {})
-            inner = host_tensors(session.inner_state())
-            if self.node is not None and self.placement.mode == "local-sgd":
+            feedback, inner = host_tensors(session.feedback.state_dict()), host_tensors(session.inner_state())
+            if self.node is not None and (self.placement.apart or self.placement.sharded):
                 with _NodeErrors():
                     self.node.send(Command.FETCH_STATE, run_id.encode())
                     parts = self.node.gather_bytes(b"")
                 self._last_command = time.monotonic()
                 others = [protocol.worker_state_from_proto(protocol.parse(pb.WorkerState, p)) for p in parts[1:]]
-                inner = merge_rank_states([inner, *(o.inner_optimizer for o in others)])
-            return WorkerState(run_id, session.replica.version, host_tensors(session.feedback.state_dict()), inner)
+                if self.placement.sharded:  # each rank's feedback (of its tensors) and inner state (of its rows)
+                    world = self.node.world_size
+                    feedback = merge_shard_states([feedback, *(o.feedback for o in others)], world)
+                    inner = merge_shard_states([inner, *(o.inner_optimizer for o in others)], world)
+                else:  # local-sgd: rank 0 encodes (its feedback is the node's); each rank steps its own way
+                    inner = merge_rank_states([inner, *(o.inner_optimizer for o in others)])
+            return WorkerState(run_id, session.replica.version, feedback, inner)
 
     def _hand_over_state(self, run_id: str) -> None:
-        """Ranks > 0, on FETCH_STATE: hand rank 0 this rank's inner optimizer state of ``run_id``."""
+        """Ranks > 0, on FETCH_STATE: hand rank 0 this rank's error feedback and inner state of ``run_id``."""
         assert self.node is not None
         session = self.sessions.get(run_id)
-        inner = host_tensors(session.inner_state()) if session is not None else {}
-        state = WorkerState(run_id, session.replica.version if session is not None else 0, {}, inner)
+        if session is None:
+            state = WorkerState(run_id, 0, {}, {})
+        else:
+            feedback, inner = host_tensors(session.feedback.state_dict()), host_tensors(session.inner_state())
+            state = WorkerState(run_id, session.replica.version, feedback, inner)
         self.node.gather_bytes(protocol.worker_state_to_proto(state).SerializeToString())
 
     def run_round(

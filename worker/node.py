@@ -18,6 +18,7 @@ import datetime
 import enum
 import logging
 import os
+import re
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -183,7 +184,7 @@ def merge_rank_states(states: list[Mapping[str, torch.Tensor]]) -> dict[str, tor
 def rank_state(merged: Mapping[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s part of ``merge_rank_states``' dict: its own if saved, else rank 0's (a state saved
     by a single worker, a DDP node, or a node of fewer ranks)."""
-    own = {n: t for n, t in merged.items() if not _rank_of(n)}
+    own = {n: t for n, t in merged.items() if not _rank_of(n) and not _SHARD_KEY.match(n)}
     if rank == 0:
         return own
     prefix = RANK_PREFIX.format(rank)
@@ -191,6 +192,24 @@ def rank_state(merged: Mapping[str, torch.Tensor], rank: int) -> dict[str, torch
     return mine or own
 
 
+_SHARD_KEY = re.compile(r"fsdp\d+\.\d+\.")
+
+
 def _rank_of(name: str) -> int:
     head, dot, _ = name.partition(".")
     return int(head[4:]) if dot and head.startswith("rank") and head[4:].isdigit() else 0
+
+
+# A sharded node's ranks each keep the error feedback of their own tensors and the inner state of their own
+# rows: every rank's travels (and is checkpointed) as "fsdp{world}.{rank}.<name>", and only a node of the
+# same width takes it back (another width cuts other rows: its ranks start afresh).
+SHARD_PREFIX = "fsdp{}.{}."
+
+
+def merge_shard_states(states: list[Mapping[str, torch.Tensor]], world: int) -> dict[str, torch.Tensor]:
+    return {SHARD_PREFIX.format(world, rank) + n: t for rank, state in enumerate(states) for n, t in state.items()}
+
+
+def shard_state(merged: Mapping[str, torch.Tensor], world: int, rank: int) -> dict[str, torch.Tensor]:
+    prefix = SHARD_PREFIX.format(world, rank)
+    return {n.removeprefix(prefix): t for n, t in merged.items() if n.startswith(prefix)}

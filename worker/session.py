@@ -21,6 +21,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from gradwire.compression import CodecConfig, CompressedGradient, DecodedGradient, ErrorFeedback, GradientCodec, shard
 from gradwire.errors import TooLarge
@@ -164,7 +165,7 @@ class Session:
         self._inner, self._inner_config = InnerOptimizer(working, config), config
         if self._inner_restore:
             try:
-                self._inner.load_state_tensors(self._inner_restore)
+                self._inner.load_state_tensors(_as_shards(self._inner_restore, working))
             except ValueError as e:
                 log.warning(
                     "run %r: saved inner optimizer state does not fit %s (%s); starting afresh",
@@ -176,9 +177,10 @@ class Session:
         return self._inner
 
     def inner_state(self) -> dict[str, torch.Tensor]:
-        """The inner optimizer's state as named tensors (what is waiting to be loaded, before the first round)."""
+        """The inner optimizer's state as named tensors (what is waiting to be loaded, before the first round);
+        a rank of a sharded node: its rows."""
         if self._inner is not None:
-            return self._inner.state_tensors()
+            return {k: v.to_local() if isinstance(v, DTensor) else v for k, v in self._inner.state_tensors().items()}
         return dict(self._inner_restore)
 
 
@@ -191,6 +193,21 @@ def _vocab_size(model: torch.nn.Module) -> int | None:
 
 def _numeric_suffix(key: str) -> int:
     return int(key.rsplit(".", 1)[-1])
+
+
+def _as_shards(state: Mapping[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Saved inner state (``"<parameter>/<key>"``) with each tensor of a sharded parameter's rows made a
+    shard of that parameter again; everything else as it is."""
+    params = dict(model.named_parameters())
+    out = {}
+    for key, t in state.items():
+        p = params.get(key.rpartition("/")[0])
+        if isinstance(p, DTensor) and t.dim() and tuple(t.shape) == tuple(p.to_local().shape):
+            t = DTensor.from_local(
+                t.to(p.to_local().device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+            )
+        out[key] = t
+    return out
 
 
 def host_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

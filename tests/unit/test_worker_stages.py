@@ -21,7 +21,14 @@ from gradwire.protocol import LocalSteps, ModelState, ProtocolError, WorkOrder
 from gradwire.replica import Replica
 from gradwire.worker.check import ReplicaView, check_order
 from gradwire.worker.compute import Placement, gradient_step, local_steps, strategy_for
-from gradwire.worker.node import RankInfo, merge_rank_states, rank_from_env, rank_state
+from gradwire.worker.node import (
+    RankInfo,
+    merge_rank_states,
+    merge_shard_states,
+    rank_from_env,
+    rank_state,
+    shard_state,
+)
 from gradwire.worker.session import Session
 
 SPEC = model_spec("gpt-tiny")
@@ -174,3 +181,12 @@ def test_every_ranks_inner_state_travels_under_its_own_names() -> None:
     assert torch.equal(rank_state(merged, 5)["w/exp_avg"], states[0]["w/exp_avg"])
     assert rank_state({"w/exp_avg": torch.ones(1)}, 1).keys() == {"w/exp_avg"}
     assert merge_rank_states([]) == {}
+
+
+def test_a_sharded_nodes_states_come_back_only_to_a_node_as_wide() -> None:
+    states = [{"group0": torch.zeros(2)}, {"group0": torch.ones(3)}]
+    merged = merge_shard_states(states, 2)
+    assert set(merged) == {"fsdp2.0.group0", "fsdp2.1.group0"}
+    assert torch.equal(shard_state(merged, 2, 1)["group0"], torch.ones(3))
+    assert shard_state(merged, 4, 1) == {}  # another width cuts other rows: start afresh
+    assert rank_state(merged, 0) == {}  # not for a single worker or a DDP node either
