@@ -171,12 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     node.add_argument(
         "--node-mode",
-        choices=["ddp", "local-sgd", "fsdp"],
-        default="ddp",
+        choices=["auto", "ddp", "local-sgd", "fsdp"],
+        default="auto",
         help="among the ranks: ddp (every backward all-reduces gradients), local-sgd (independent inner steps, "
-        "parameters averaged every --node-sync-steps and at the end of a round) or fsdp (parameters, gradients, "
+        "parameters averaged every --node-sync-steps and at the end of a round), fsdp (parameters, gradients, "
         "the replica, the working copy and the inner optimizer's state sharded over the ranks with FSDP2; "
-        "each rank encodes the tensors it owns) (default: ddp)",
+        "each rank encodes the tensors it owns), or auto: for each run, ddp when the whole model's state fits "
+        "80%% of a rank's memory (--rank-memory-gb), else fsdp; the choice and why are logged, and Describe "
+        "reports it (default: auto)",
     )
     node.add_argument(
         "--node-sync-steps",

@@ -11,7 +11,7 @@ Two strategies, picked by the work order (``strategy_for``):
 
 Either one hands the engine a ``Contribution``; error feedback and encoding come after, the same for both.
 
-Where the work runs is a ``Placement``: one device, or the ranks of a node (``worker.node``). On a node
+Where the work runs is a ``Placement`` (``worker.placement``): one device, or the ranks of a node. On a node
 each rank takes its share of every inner step's rows; in ``ddp`` mode the model is wrapped in
 DistributedDataParallel, so every backward all-reduces the gradients over the fast bus (through the
 node's communication hook) and every rank holds the node's mean gradient; in ``local-sgd`` mode the ranks
@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Protocol
 
 import torch
@@ -33,15 +32,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradwire.errors import Cancelled
 from gradwire.models import lm_loss
-from gradwire.protocol import ProtocolError, WorkOrder
-from gradwire.worker import hooks
-from gradwire.worker.node import NodeGroup
+from gradwire.protocol import WorkOrder
+from gradwire.worker.placement import NODE_MODES, PRECISIONS, IsCancelled, Placement, model_device
 from gradwire.worker.session import Session
 
-NODE_MODES = ("ddp", "local-sgd", "fsdp")
-PRECISIONS = ("fp32", "bf16")
-
-IsCancelled = Callable[[], bool]
+__all__ = ["NODE_MODES", "PRECISIONS", "Contribution", "Placement", "gradient_step", "local_steps", "model_device"]
 
 
 @dataclasses.dataclass
@@ -50,96 +45,6 @@ class Contribution:
     loss: float  # mean over every row trained on
     tokens: int  # tokens trained on (every inner step's)
     grad_norm: float = 0.0  # gradient mode: the gradient's global L2 norm before clipping
-
-
-@dataclasses.dataclass
-class Placement:
-    """Where a round's compute runs: one device (``node`` None) or every rank of a node."""
-
-    node: NodeGroup | None = None
-    mode: str = "ddp"  # among a node's ranks: "ddp", "local-sgd" or "fsdp" (parameters sharded: worker.fsdp)
-    sync_steps: int = 0  # local-sgd: average parameters every S inner steps (0: at the end of the round only)
-    comm_hook: str = "none"  # ddp: see worker.hooks
-    precision: str = "fp32"  # "bf16": autocast forward/backward; weights, replica and codec stay float32
-    bus: hooks.HookStats = dataclasses.field(default_factory=hooks.HookStats)
-
-    def __post_init__(self) -> None:
-        if self.mode not in NODE_MODES:
-            raise ValueError(f"--node-mode must be one of {', '.join(NODE_MODES)}, got {self.mode!r}")
-        if self.sync_steps < 0:
-            raise ValueError(f"--node-sync-steps must be >= 0, got {self.sync_steps}")
-        if self.comm_hook not in hooks.COMM_HOOKS:
-            raise ValueError(f"--node-comm-hook must be one of {', '.join(hooks.COMM_HOOKS)}, got {self.comm_hook!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-
-    @property
-    def ranks(self) -> int:
-        return self.node.world_size if self.node is not None else 1
-
-    @property
-    def ddp(self) -> bool:
-        return self.node is not None and self.mode == "ddp"
-
-    @property
-    def sharded(self) -> bool:
-        """A node whose ranks each hold a shard of the model (FSDP2): they compute as one data-parallel
-        model, and each encodes the tensors it owns (``compression.shard``)."""
-        return self.node is not None and self.mode == "fsdp"
-
-    @property
-    def apart(self) -> bool:
-        """A node whose ranks step apart between parameter averages (local-sgd)."""
-        return self.node is not None and self.mode == "local-sgd"
-
-    def check_rows(self, order: WorkOrder) -> None:
-        """Every inner step's rows must split evenly over the ranks (the coordinator sends ranks x batch)."""
-        rows = order.batch.shape[0] // order.inner_steps
-        if rows % self.ranks:
-            raise ProtocolError(
-                f"token batch of {rows} rows per step does not split over this node's {self.ranks} ranks"
-            )
-
-    def share(self, rows: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of one step's batch: consecutive equal slices, rank 0 first."""
-        if self.node is None:
-            return rows
-        n = rows.shape[0] // self.ranks
-        return rows[self.node.rank * n : (self.node.rank + 1) * n]
-
-    def wrap(self, session: Session, model: torch.nn.Module) -> torch.nn.Module:
-        """The module to run forward/backward through: DDP over the node in ``ddp`` mode (built once per
-        session and model, on every rank at the same round), else the model itself."""
-        if not self.ddp:  # a sharded model is its own data-parallel wrapper
-            return model
-        wrapped = session.wrappers.get(id(model))
-        if wrapped is None:
-            device_ids = [model_device(model)] if model_device(model).type == "cuda" else None
-            # Rotary tables and the like are buffers every rank computes alike: nothing to sync per forward.
-            buckets = hooks.ddp_options(self.comm_hook, self.node.backend, model)
-            wrapped = DistributedDataParallel(model, device_ids=device_ids, **_NO_BUFFER_SYNC, **buckets)
-            hooks.register(wrapped, self.comm_hook, self.bus)
-            session.wrappers[id(model)] = wrapped
-        return wrapped
-
-    def mean(self, value: float) -> float:
-        return self.node.mean(value) if self.node is not None else value
-
-    def cancellable(self, cancelled: IsCancelled) -> IsCancelled:
-        # A rank cannot leave a collective alone: a node finishes the round it started.
-        return cancelled if self.node is None else (lambda: False)
-
-
-# DDP renamed the setting (torch 2.10+); the old name still works there, with a warning.
-_NO_BUFFER_SYNC = (
-    {"forward_sync_buffers": False}
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-    else {"broadcast_buffers": False}
-)
-
-
-def model_device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
 
 
 class ComputeStrategy(Protocol):

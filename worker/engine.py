@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
 import threading
 import time
@@ -42,7 +43,9 @@ from torch.distributed.tensor import DTensor
 import gradwire
 from gradwire import protocol
 from gradwire.compression import CompressedGradient, DecodedGradient, NonFiniteInput, serde, shard
-from gradwire.errors import AccessDenied
+from gradwire.errors import AccessDenied, TooLarge
+from gradwire.models import spec_elements
+from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import (
     BEHIND,
     NEEDS_STATE,
@@ -70,7 +73,7 @@ from gradwire.worker.node import (
     shard_state,
 )
 from gradwire.worker.session import Session, host_tensors
-from gradwire.worker.sizing import device_memory
+from gradwire.worker.sizing import choose_node_mode, device_memory
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -151,8 +154,14 @@ class WorkerEngine:
             },
             ranks,
             devices,
-            self.placement.mode if self.node is not None else "",
+            self._node_mode() if self.node is not None else "",
         )
+
+    def _node_mode(self) -> str:
+        """The node's mode: as started, or with --node-mode auto the one picked for the newest run."""
+        if self.placement.mode != "auto" or not self.sessions:
+            return self.placement.mode
+        return next(reversed(self.sessions.values())).placement.mode
 
     def push_state(self, state: ModelState, owner: bytes = b"") -> tuple[int, Fingerprint]:
         """Start or replace the replica of ``state.run_id``; the run then belongs to ``owner``.
@@ -221,8 +230,26 @@ class WorkerEngine:
         copies = STATE_COPIES + 2 * (self.placement.ranks - 1) if kind == "state" else ORDER_COPIES
         return 4 * elements * copies + REQUEST_SLACK
 
+    def _placement_for(self, state: ModelState) -> Placement:
+        """How this node computes ``state``'s run: as started, or by the model's size with --node-mode auto
+        (every rank decides alike, from the same state)."""
+        if self.placement.mode != "auto" or self.node is None:
+            return self.placement
+        try:
+            elements = spec_elements(json.loads(state.model_json))
+            momentum = bool(UpdateRule.from_json(state.update_rule_json).momentum)
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
+            raise ProtocolError(f"model state: {e}") from None
+        mode, why = choose_node_mode(elements, self.placement.ranks, self.rank_memory, momentum=momentum)
+        if mode is None:
+            raise TooLarge(f"{why} (worker serve --rank-memory-gb, --nproc-per-node)")
+        if self.node.info.leader:
+            log.info("run %r: --node-mode auto picks %s: %s", state.run_id, mode, why)
+        return dataclasses.replace(self.placement, mode=mode)
+
     def _push_state(self, state: ModelState, owner: bytes = b"") -> tuple[int, Fingerprint]:
-        if self.placement.sharded:  # each rank restores its own shards, saved by a node this wide
+        placement = self._placement_for(state)
+        if placement.sharded:  # each rank restores its own shards, saved by a node this wide
             world, rank = self.node.world_size, self.node.rank
             state = dataclasses.replace(
                 state,
@@ -232,8 +259,7 @@ class WorkerEngine:
         elif self.node is not None:  # each rank restores its own inner optimizer state (node.rank_state)
             state = dataclasses.replace(state, inner_optimizer=rank_state(state.inner_optimizer, self.node.rank))
         # Built and validated (sized against the limits first) before it replaces anything.
-        shards = self.placement.ranks if self.placement.sharded else 1
-        session = Session(state, self.device, owner, self.max_model_params, self.rank_memory, shards)
+        session = Session(state, self.device, owner, self.max_model_params, self.rank_memory, placement)
         with self._lock:
             previous = self.sessions.pop(state.run_id, None)
             if previous is not None:
@@ -269,13 +295,13 @@ class WorkerEngine:
             if not same_owner(session.owner, owner):
                 raise AccessDenied(f"run {run_id!r} belongs to another coordinator")
             feedback, inner = host_tensors(session.feedback.state_dict()), host_tensors(session.inner_state())
-            if self.node is not None and (self.placement.apart or self.placement.sharded):
+            if self.node is not None and (session.placement.apart or session.placement.sharded):
                 with _NodeErrors():
                     self.node.send(Command.FETCH_STATE, run_id.encode())
                     parts = self.node.gather_bytes(b"")
                 self._last_command = time.monotonic()
                 others = [protocol.worker_state_from_proto(protocol.parse(pb.WorkerState, p)) for p in parts[1:]]
-                if self.placement.sharded:  # each rank's feedback (of its tensors) and inner state (of its rows)
+                if session.placement.sharded:  # each rank's feedback (of its tensors) and inner state (of its rows)
                     world = self.node.world_size
                     feedback = merge_shard_states([feedback, *(o.feedback for o in others)], world)
                     inner = merge_shard_states([inner, *(o.inner_optimizer for o in others)], world)
@@ -397,7 +423,7 @@ class WorkerEngine:
         else:
             if ahead is not None:
                 log.info("run %r round %d: the gradient computed ahead is dropped: %s", order.run_id, order.round, why)
-            contribution = strategy_for(order)(session, order, self._tokens(order.batch), cancelled, self.placement)
+            contribution = strategy_for(order)(session, order, self._tokens(order.batch), cancelled, session.placement)
             compute_seconds = time.perf_counter() - t_update
         t_computed = time.perf_counter()
         for update in updates[before:]:
@@ -407,7 +433,7 @@ class WorkerEngine:
         # 4. encode: error feedback and the codec, on rank 0 of a node (a sharded node: on every rank, each
         # its own tensors; rank 0 assembles the payload).
         session.feedback.beta = order.feedback_beta
-        if self.placement.sharded:
+        if session.placement.sharded:
             payload = self._encode_shards(session, order, contribution)
         elif self.node is None or self.node.info.leader:
             payload = self._encode(session, order, contribution)
@@ -419,7 +445,7 @@ class WorkerEngine:
         t_done = time.perf_counter()
         # The next round's check needs this replica's fingerprint: take it while the result travels and the
         # coordinator aggregates, not when the next order has arrived.
-        if not self.placement.sharded:  # a sharded replica's fingerprint is a collective: taken in the check
+        if not session.placement.sharded:  # a sharded replica's fingerprint is a collective: taken in the check
             session.fingerprint_ahead = self._ahead.submit(replica.fingerprint)
         # Its replay sums this payload too: decode it now, while the CPU would wait (1/N of the replay's decoding).
         session.sent_decoded = self._ahead.submit(replica.codec(order.codec).decode, payload)

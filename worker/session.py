@@ -32,6 +32,7 @@ from gradwire.protocol import ModelState, ProtocolError
 from gradwire.replica import Fingerprint, Replica
 from gradwire.worker import fsdp
 from gradwire.worker.fsdp import ShardedReplica
+from gradwire.worker.placement import Placement
 from gradwire.worker.sizing import fits
 
 if TYPE_CHECKING:
@@ -50,12 +51,15 @@ class Session:
         owner: bytes = b"",
         max_elements: int | None = None,
         memory: int | None = None,
-        shards: int = 1,
+        placement: Placement | None = None,
     ) -> None:
         """Build the run's replica from ``state``. The spec is sized first (on the meta device): a model of
         more than ``max_elements`` parameters and buffers, or whose state would not fit ``memory`` bytes
-        (``worker.sizing``), is refused before anything is allocated. ``shards`` > 1: a rank of a sharded
-        node (``worker.fsdp``), which holds that share of the replica, working copy and inner state."""
+        (``worker.sizing``), is refused before anything is allocated. ``placement``: how the run computes
+        here; on a sharded node (``worker.fsdp``) this rank holds its share of the replica, working copy and
+        inner state."""
+        self.placement = placement or Placement()
+        shards = self.placement.ranks if self.placement.sharded else 1
         try:
             spec = json.loads(state.model_json)
             if not isinstance(spec, dict):

@@ -54,3 +54,27 @@ def device_memory(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     return torch.cuda.get_device_properties(device).total_memory
+
+
+def choose_node_mode(elements: int, ranks: int, budget: int | None, *, momentum: bool) -> tuple[str | None, str]:
+    """``--node-mode auto``: DDP when a whole model's local-SGD state fits a rank (the fastest: no
+    parameter gathers), else FSDP when a 1/ranks share of it does, else ``None`` (refuse). Pure; says why."""
+    whole = sum(state_bytes(elements, momentum=momentum, local_sgd=True).values())
+    if budget is None:
+        return "ddp", f"no memory limit on this device: every rank holds the whole model ({size_text(whole)})"
+    room = HEADROOM * budget
+    if whole <= room:
+        return (
+            "ddp",
+            f"the whole model's state ({size_text(whole)}) fits {HEADROOM:.0%} of a rank's {size_text(budget)}",
+        )
+    share = -(-whole // ranks)
+    if share <= room:
+        return "fsdp", (
+            f"the whole model's state ({size_text(whole)}) does not fit {HEADROOM:.0%} of a rank's "
+            f"{size_text(budget)}; a 1/{ranks} share ({size_text(share)}) does: sharded"
+        )
+    return None, (
+        f"a model of {elements:,} parameters needs {size_text(whole)} of state, {size_text(share)} a rank even "
+        f"sharded over {ranks} ranks: more than {HEADROOM:.0%} of a rank's {size_text(budget)}"
+    )

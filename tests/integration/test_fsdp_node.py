@@ -3,16 +3,21 @@ rounds computed as a DDP node computes them, replays on the shards, and a coordi
 
 from __future__ import annotations
 
+import json
+
+import grpc
 import pytest
 import torch
 
 from gradwire.compression import CodecConfig
 from gradwire.coordinator.checkpoint import load_checkpoint
-from gradwire.coordinator.client import WorkerClient
+from gradwire.coordinator.client import WorkerClient, WorkerError
 from gradwire.coordinator.config import DENSE_CODEC, TrainConfig
 from gradwire.coordinator.metrics import read_metrics
+from gradwire.models import spec_elements
 from gradwire.protocol import OK, WorkOrder
 from gradwire.replica import StateUpdate
+from gradwire.worker.sizing import GB, HEADROOM, state_bytes
 
 from .conftest import run_trainer
 from .test_node import TIMEOUT, _local, assert_close, batch, contribution, node, state
@@ -119,3 +124,24 @@ def test_a_sharded_node_resumes_every_ranks_feedback_and_inner_state(tmp_path):
         )
     for (name, p), (_, q) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
         assert torch.equal(p, q), name
+
+
+@pytest.mark.slow
+def test_auto_shards_a_model_that_does_not_fit_a_rank_whole_and_refuses_one_that_never_fits(tmp_path):
+    replica, st = state()
+    elements = spec_elements(json.loads(st.model_json))
+    whole = sum(state_bytes(elements, momentum=False, local_sgd=True).values())
+    between = whole / 2 / HEADROOM * 1.1 / GB  # a half share fits, the whole does not
+    order = WorkOrder("run", 0, 0, batch(8), DENSE_CODEC, replica.fingerprint(), local_steps=_local(2, lr=0.05))
+    with node(tmp_path, "--rank-memory-gb", f"{between:.9f}") as (address, _):
+        with WorkerClient(address, timeout=TIMEOUT) as client:
+            assert client.describe().node_mode == "auto"  # nothing pushed yet
+            client.push_state(st)
+            assert client.describe().node_mode == "fsdp"
+            result, _ = client.run_round(order)
+            assert result.status == OK
+    with node(tmp_path, "--rank-memory-gb", f"{between / 4:.9f}") as (address, _):
+        with WorkerClient(address, timeout=TIMEOUT) as client, pytest.raises(WorkerError) as e:
+            client.push_state(st)
+    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"{elements:,} parameters" in e.value.details and "even sharded over 2 ranks" in e.value.details

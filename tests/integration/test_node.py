@@ -123,7 +123,7 @@ def test_a_ddp_node_computes_what_one_worker_computes_on_the_whole_batch(tmp_pat
     single.push_state(st)
     reference = single.run_round(order)
     compressed = WorkOrder("run", 1, 0, batch(4, seed=1), CodecConfig(), replica.fingerprint())
-    with node(tmp_path) as (address, _), WorkerClient(address, timeout=TIMEOUT) as client:
+    with node(tmp_path, "--node-mode", "ddp") as (address, _), WorkerClient(address, timeout=TIMEOUT) as client:
         info = client.describe()
         assert (info.ranks, info.node_mode, info.rank_devices) == (2, "ddp", ("cpu", "cpu"))
         client.push_state(st)

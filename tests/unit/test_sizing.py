@@ -92,3 +92,16 @@ def test_the_flag_takes_positive_gigabytes(capsys: pytest.CaptureFixture) -> Non
         with pytest.raises(SystemExit):
             parse_args(["serve", "--port", "1", "--rank-memory-gb", bad])
         assert "--rank-memory-gb" in capsys.readouterr().err
+
+
+def test_auto_picks_ddp_when_the_whole_model_fits_else_fsdp_else_refuses() -> None:
+    from gradwire.worker.sizing import choose_node_mode
+
+    whole = 24 * 10**6  # a 1M-parameter model's local-SGD state, without outer momentum
+    assert choose_node_mode(10**6, 2, None, momentum=False)[0] == "ddp"  # no limit known (a CPU)
+    assert choose_node_mode(10**6, 2, int(whole / HEADROOM) + 1, momentum=False)[0] == "ddp"
+    mode, why = choose_node_mode(10**6, 2, int(whole / HEADROOM) - 1, momentum=False)
+    assert mode == "fsdp" and "a 1/2 share (11.4 MB) does" in why
+    mode, why = choose_node_mode(10**6, 2, int(whole / 2 / HEADROOM) - 1, momentum=False)
+    assert mode is None and "1,000,000 parameters" in why and "11.4 MB a rank even sharded over 2 ranks" in why
+    assert choose_node_mode(10**6, 4, int(whole / 2 / HEADROOM) - 1, momentum=False)[0] == "fsdp"  # more ranks

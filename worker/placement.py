@@ -1,0 +1,120 @@
+"""Where a round's compute runs: one device, or the ranks of a node (``worker.node``), and how they share it.
+
+``Placement`` says the node's mode (``ddp``, ``local-sgd``, ``fsdp``, or ``auto``: picked per run by the
+model's size, ``worker.sizing.choose_node_mode``), how a step's rows split over the ranks, and wraps a model
+for the mode (DDP with the node's communication hook; a sharded model is its own data-parallel wrapper).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from gradwire.protocol import ProtocolError, WorkOrder
+from gradwire.worker import hooks
+from gradwire.worker.node import NodeGroup
+
+if TYPE_CHECKING:
+    from gradwire.worker.session import Session
+
+NODE_MODES = ("ddp", "local-sgd", "fsdp")
+PRECISIONS = ("fp32", "bf16")
+
+IsCancelled = Callable[[], bool]
+
+
+@dataclasses.dataclass
+class Placement:
+    """Where a round's compute runs: one device (``node`` None) or every rank of a node."""
+
+    node: NodeGroup | None = None
+    # among a node's ranks: "ddp", "local-sgd" or "fsdp" (parameters sharded: worker.fsdp); "auto" picks ddp
+    # or fsdp for each run by its model's size (worker.sizing.choose_node_mode)
+    mode: str = "ddp"
+    sync_steps: int = 0  # local-sgd: average parameters every S inner steps (0: at the end of the round only)
+    comm_hook: str = "none"  # ddp: see worker.hooks
+    precision: str = "fp32"  # "bf16": autocast forward/backward; weights, replica and codec stay float32
+    bus: hooks.HookStats = dataclasses.field(default_factory=hooks.HookStats)
+
+    def __post_init__(self) -> None:
+        if self.mode not in (*NODE_MODES, "auto"):
+            raise ValueError(f"--node-mode must be auto or one of {', '.join(NODE_MODES)}, got {self.mode!r}")
+        if self.sync_steps < 0:
+            raise ValueError(f"--node-sync-steps must be >= 0, got {self.sync_steps}")
+        if self.comm_hook not in hooks.COMM_HOOKS:
+            raise ValueError(f"--node-comm-hook must be one of {', '.join(hooks.COMM_HOOKS)}, got {self.comm_hook!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+
+    @property
+    def ranks(self) -> int:
+        return self.node.world_size if self.node is not None else 1
+
+    @property
+    def ddp(self) -> bool:
+        return self.node is not None and self.mode == "ddp"
+
+    @property
+    def sharded(self) -> bool:
+        """A node whose ranks each hold a shard of the model (FSDP2): they compute as one data-parallel
+        model, and each encodes the tensors it owns (``compression.shard``)."""
+        return self.node is not None and self.mode == "fsdp"
+
+    @property
+    def apart(self) -> bool:
+        """A node whose ranks step apart between parameter averages (local-sgd)."""
+        return self.node is not None and self.mode == "local-sgd"
+
+    def check_rows(self, order: WorkOrder) -> None:
+        """Every inner step's rows must split evenly over the ranks (the coordinator sends ranks x batch)."""
+        rows = order.batch.shape[0] // order.inner_steps
+        if rows % self.ranks:
+            raise ProtocolError(
+                f"token batch of {rows} rows per step does not split over this node's {self.ranks} ranks"
+            )
+
+    def share(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of one step's batch: consecutive equal slices, rank 0 first."""
+        if self.node is None:
+            return rows
+        n = rows.shape[0] // self.ranks
+        return rows[self.node.rank * n : (self.node.rank + 1) * n]
+
+    def wrap(self, session: Session, model: torch.nn.Module) -> torch.nn.Module:
+        """The module to run forward/backward through: DDP over the node in ``ddp`` mode (built once per
+        session and model, on every rank at the same round), else the model itself."""
+        if not self.ddp:  # a sharded model is its own data-parallel wrapper
+            return model
+        wrapped = session.wrappers.get(id(model))
+        if wrapped is None:
+            device_ids = [model_device(model)] if model_device(model).type == "cuda" else None
+            # Rotary tables and the like are buffers every rank computes alike: nothing to sync per forward.
+            buckets = hooks.ddp_options(self.comm_hook, self.node.backend, model)
+            wrapped = DistributedDataParallel(model, device_ids=device_ids, **_NO_BUFFER_SYNC, **buckets)
+            hooks.register(wrapped, self.comm_hook, self.bus)
+            session.wrappers[id(model)] = wrapped
+        return wrapped
+
+    def mean(self, value: float) -> float:
+        return self.node.mean(value) if self.node is not None else value
+
+    def cancellable(self, cancelled: IsCancelled) -> IsCancelled:
+        # A rank cannot leave a collective alone: a node finishes the round it started.
+        return cancelled if self.node is None else (lambda: False)
+
+
+# DDP renamed the setting (torch 2.10+); the old name still works there, with a warning.
+_NO_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    else {"broadcast_buffers": False}
+)
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
