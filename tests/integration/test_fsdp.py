@@ -3,8 +3,6 @@ and each rank holds only its share of the parameters and gradients."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 from pathlib import Path
 
@@ -14,12 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gradwire.compression import CodecConfig
+from benchmarks.shard import Job, measure
 from gradwire.models import build_from_spec, lm_loss, model_spec
 from gradwire.optim.inner import InnerOptimizer, InnerOptimizerConfig
-from gradwire.optim.outer import UpdateRule
-from gradwire.protocol import OK, LocalSteps, ModelState, WorkOrder
-from gradwire.replica import Replica
 from gradwire.worker import fsdp
 
 SPEC = model_spec("gpt-tiny")
@@ -126,63 +121,14 @@ def test_blocks_are_the_outermost_lists_children() -> None:
     assert fsdp.blocks(torch.nn.Sequential(nested)) == [nested[0]]
 
 
-def _session_bytes(session) -> dict[str, int]:
-    """What a run's session holds on this rank, by part (local shards only)."""
-
-    def size(tensors) -> int:
-        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
-        return sum(t.numel() * t.element_size() for t in local)
-
-    return {
-        "replica": size(session.replica.params.values()) + size(session.replica.momentum),
-        "working": size(session.working_model().parameters()),
-        "inner": size(session.inner_state().values()),
-        "feedback": size(session.feedback.state_dict().values()),
-    }
-
-
-def _engine_rank(rank: int, world: int, store: str, out: str, mode: str) -> None:
-    """One rank of a node (rank 0 drives it, as the servicer would): a state push and a local-SGD round."""
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        from gradwire.worker.compute import Placement
-        from gradwire.worker.engine import WorkerEngine
-        from gradwire.worker.node import NodeGroup, RankInfo
-
-        node = NodeGroup(RankInfo(rank, world, rank), torch.device("cpu"), timeout=60)
-        engine = WorkerEngine("cpu", placement=Placement(node, mode))
-        if rank:
-            engine.follow()
-        else:
-            replica, state = _state()
-            engine.push_state(state)
-            steps = LocalSteps(2, InnerOptimizerConfig(name="adamw"), (1e-3, 1e-3))
-            order = WorkOrder("run", 0, 0, _batch().numpy().astype(np.uint16), CodecConfig(), replica.fingerprint())
-            assert engine.run_round(dataclasses.replace(order, local_steps=steps)).status == OK
-            engine.stop_node()
-        torch.save(_session_bytes(engine.sessions["run"]), f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
-
-
-def _state() -> tuple[Replica, ModelState]:
-    replica = Replica(build_from_spec(SPEC, seed=0), UpdateRule(optimizer="sgd", momentum=0.9))
-    params = {n: p.detach().clone() for n, p in replica.params.items()}
-    return replica, ModelState("run", 0, json.dumps(SPEC), params, replica.rule.to_json())
-
-
 @pytest.mark.slow
 def test_each_rank_of_a_sharded_node_holds_its_share_of_a_runs_state(tmp_path: Path):
     """Replica (and outer momentum), working copy, inner AdamW moments and error feedback after a local-SGD
     round: each rank of a 2-rank sharded node holds half of what a rank of a DDP node holds, plus padding."""
     held = {}
     for mode in ("ddp", "fsdp"):
-        out = str(tmp_path / mode)
-        store = str(tmp_path / f"store-{mode}")
-        mp.start_processes(_engine_rank, args=(2, store, out, mode), nprocs=2, start_method="spawn")
-        held[mode] = [torch.load(f"{out}.{rank}") for rank in range(2)]
+        job = Job("gpt-tiny", mode, 2, 1, 2, 4, 16, "cpu", str(tmp_path / f"store-{mode}"), str(tmp_path / mode))
+        held[mode] = measure(job)["state_bytes_by_part"]  # the benchmark's own measurement (benchmarks.shard)
     ddp = held["ddp"][0]
     assert ddp["feedback"] > 0 and ddp["inner"] > 0  # the DDP node's rank 0 holds all of it
     params = build_from_spec(SPEC, seed=0).parameters()
