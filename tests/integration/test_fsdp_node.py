@@ -23,7 +23,7 @@ from .conftest import run_trainer
 from .test_node import TIMEOUT, _local, assert_close, batch, contribution, node, state
 
 
-def _rounds(tmp_path, *flags: str, local: bool) -> list[dict[str, torch.Tensor]]:
+def _rounds(tmp_path, *flags: str, local: bool, ranks: int = 2) -> list[dict[str, torch.Tensor]]:
     """Two exact rounds of one node, the second replaying the first's payload (so it checks the replay on
     the shards and the sharded replica's fingerprint), then a compressed one."""
     replica, st = state()
@@ -31,7 +31,7 @@ def _rounds(tmp_path, *flags: str, local: bool) -> list[dict[str, torch.Tensor]]
     steps = _local(2, lr=0.05) if local else None
     rows = 8 if local else 4
     out = []
-    with node(tmp_path, *flags) as (address, _), WorkerClient(address, timeout=TIMEOUT) as client:
+    with node(tmp_path, *flags, ranks=ranks) as (address, _), WorkerClient(address, timeout=TIMEOUT) as client:
         client.push_state(st)
         first, _ = client.run_round(
             WorkOrder("run", 0, 0, batch(rows), codec, replica.fingerprint(), local_steps=steps)
@@ -55,10 +55,12 @@ def _rounds(tmp_path, *flags: str, local: bool) -> list[dict[str, torch.Tensor]]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("local", [False, True], ids=["gradient", "local-sgd"])
-def test_a_sharded_node_computes_what_a_ddp_node_computes(tmp_path, local: bool):
-    ddp = _rounds(tmp_path, local=local)
-    fsdp = _rounds(tmp_path, "--node-mode", "fsdp", local=local)
+@pytest.mark.parametrize(
+    ("local", "ranks"), [(False, 2), (True, 2), (True, 4)], ids=["gradient", "local-sgd", "local-sgd-4-ranks"]
+)
+def test_a_sharded_node_computes_what_a_ddp_node_computes(tmp_path, local: bool, ranks: int):
+    ddp = _rounds(tmp_path, "--node-mode", "ddp", local=local, ranks=ranks)
+    fsdp = _rounds(tmp_path, "--node-mode", "fsdp", local=local, ranks=ranks)
     for a, b in zip(fsdp[:2], ddp[:2]):
         assert_close(a, b, atol=1e-4)
     # Compressed: each rank encoded its own tensors; the payload decodes to what the DDP node's does (a
