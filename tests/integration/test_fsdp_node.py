@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from gradwire.compression import CodecConfig
-from gradwire.coordinator.checkpoint import load_checkpoint
 from gradwire.coordinator.client import WorkerClient, WorkerError
-from gradwire.coordinator.config import DENSE_CODEC, TrainConfig
+from gradwire.coordinator.config import DENSE_CODEC
 from gradwire.coordinator.metrics import read_metrics
 from gradwire.models import spec_elements
 from gradwire.protocol import OK, WorkOrder
@@ -20,7 +19,17 @@ from gradwire.replica import StateUpdate
 from gradwire.worker.sizing import GB, HEADROOM, state_bytes
 
 from .conftest import run_trainer
-from .test_node import TIMEOUT, _local, assert_close, batch, contribution, node, state
+from .test_node import (
+    TIMEOUT,
+    _local,
+    assert_close,
+    batch,
+    contribution,
+    node,
+    node_config,
+    resume_against_straight,
+    state,
+)
 
 
 def _rounds(tmp_path, *flags: str, local: bool, ranks: int = 2) -> list[dict[str, torch.Tensor]]:
@@ -75,18 +84,7 @@ def test_a_coordinator_trains_with_a_sharded_node(tmp_path):
     with node(tmp_path, "--node-mode", "fsdp") as (address, _):
         client = WorkerClient(address, timeout=TIMEOUT)
         assert client.describe().node_mode == "fsdp"
-        config = TrainConfig(
-            model="gpt-tiny",
-            steps=6,
-            batch_size=2,
-            sequence_length=32,
-            inner_steps=2,
-            inner_learning_rate=3e-3,
-            output_dir=str(tmp_path / "run"),
-            round_timeout=TIMEOUT,
-            checkpoint_every=0,
-        )
-        run_trainer(config, [client])
+        run_trainer(node_config(tmp_path / "run", 6, checkpoint_every=0), [client])
     records = read_metrics(tmp_path / "run")
     assert all(r["ranks"] == 2 and r["successful_workers"] == 1 and r["pushes"] == 0 for r in records[1:])
     assert records[-1]["loss"] < records[0]["loss"]
@@ -96,36 +94,10 @@ def test_a_coordinator_trains_with_a_sharded_node(tmp_path):
 def test_a_sharded_node_resumes_every_ranks_feedback_and_inner_state(tmp_path):
     """Each rank's error feedback (of its tensors) and inner AdamW state (of its rows) is checkpointed and
     restored: a fresh sharded node resumed after 2 rounds ends bit for bit where 4 straight rounds end."""
-    flags = ("--node-mode", "fsdp")
-
-    def config(name: str, steps: int, **changes: object) -> TrainConfig:
-        return TrainConfig(
-            model="gpt-tiny",
-            steps=steps,
-            batch_size=2,
-            sequence_length=32,
-            inner_steps=2,
-            inner_learning_rate=3e-3,
-            checkpoint_every=0,
-            output_dir=str(tmp_path / name),
-            round_timeout=TIMEOUT,
-            **changes,
-        )
-
-    with node(tmp_path, *flags) as (address, _):
-        straight = run_trainer(config("straight", 4), [WorkerClient(address, timeout=TIMEOUT)])
-    with node(tmp_path, *flags) as (address, _):
-        first = run_trainer(config("resumed", 2), [WorkerClient(address, timeout=TIMEOUT)])
-    saved = load_checkpoint(first.last_checkpoint)[0]
+    saved = resume_against_straight(tmp_path, "--node-mode", "fsdp")
     for kind in ("feedback", "inner"):
         (group,) = [g for name, g in saved.items() if name.startswith(f"{kind}-")]
         assert {n.split(".", 2)[1] for n in group} == {"0", "1"} and all(n.startswith("fsdp2.") for n in group)
-    with node(tmp_path, *flags) as (address, _):
-        resumed = run_trainer(
-            config("resumed", 4, resume_from=str(first.last_checkpoint)), [WorkerClient(address, timeout=TIMEOUT)]
-        )
-    for (name, p), (_, q) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
-        assert torch.equal(p, q), name
 
 
 @pytest.mark.slow

@@ -220,18 +220,15 @@ def test_compressing_node_hooks_train_and_send_less_on_the_bus(tmp_path, hook):
         assert float(lm_loss(trained, rows)) < float(lm_loss(before, rows))  # the node's steps lowered the loss
 
 
+def node_config(out: Path, steps: int, **changes: object) -> TrainConfig:
+    """A short local-SGD run of gpt-tiny against nodes (H 2, 2 rows a rank, 32 tokens), into ``out``."""
+    settings = dict(model="gpt-tiny", batch_size=2, sequence_length=32, inner_steps=2, inner_learning_rate=3e-3)
+    return TrainConfig(**{**settings, **changes}, steps=steps, output_dir=str(out), round_timeout=TIMEOUT)
+
+
 def test_a_coordinator_trains_with_two_nodes_one_under_torchrun(tmp_path):
     with node(tmp_path) as (a, _), node(tmp_path, torchrun=True) as (b, _):
-        config = TrainConfig(
-            model="gpt-tiny",
-            steps=6,
-            batch_size=2,
-            sequence_length=32,
-            inner_steps=2,
-            inner_learning_rate=3e-3,
-            output_dir=str(tmp_path / "run"),
-            round_timeout=TIMEOUT,
-        )
+        config = node_config(tmp_path / "run", 6)
         run_trainer(config, [WorkerClient(a, timeout=TIMEOUT), WorkerClient(b, timeout=TIMEOUT)])
     records = read_metrics(tmp_path / "run")
     assert all(r["ranks"] == 4 and r["successful_workers"] == 2 for r in records)
@@ -240,41 +237,36 @@ def test_a_coordinator_trains_with_two_nodes_one_under_torchrun(tmp_path):
     assert all(r["node_bus_bytes"] > 0 for r in records)
 
 
-@pytest.mark.slow
-def test_a_local_sgd_node_resumes_every_ranks_inner_state(tmp_path):
-    """Ranks that step apart have an inner optimizer state each: a checkpoint keeps every rank's, and a
-    fresh node resumed from it trains on exactly as the node that never stopped (4 rounds = 2 + resume 2)."""
-    flags = ("--node-mode", "local-sgd")
+def resume_against_straight(tmp_path: Path, *flags: str) -> dict[str, dict[str, torch.Tensor]]:
+    """A node of ``flags`` trains 4 local-SGD rounds straight; a fresh one trains 2, and a third, fresh again
+    (new processes: nothing of the second's state survives), resumes from that checkpoint to 4. Asserts
+    that both end bit for bit alike; returns the checkpoint's tensor groups."""
 
     def config(name: str, steps: int, **changes: object) -> TrainConfig:
-        return TrainConfig(
-            model="gpt-tiny",
-            steps=steps,
-            batch_size=2,
-            sequence_length=32,
-            inner_steps=2,
-            inner_learning_rate=3e-3,
-            checkpoint_every=0,
-            output_dir=str(tmp_path / name),
-            round_timeout=TIMEOUT,
-            **changes,
-        )
+        return node_config(tmp_path / name, steps, checkpoint_every=0, **changes)
 
     with node(tmp_path, *flags) as (address, _):
         straight = run_trainer(config("straight", 4), [WorkerClient(address, timeout=TIMEOUT)])
     with node(tmp_path, *flags) as (address, _):
         first = run_trainer(config("resumed", 2), [WorkerClient(address, timeout=TIMEOUT)])
     assert first.last_checkpoint is not None
-    saved = load_checkpoint(first.last_checkpoint)[0]
-    (inner,) = [group for name, group in saved.items() if name.startswith("inner-")]
-    own = {n for n in inner if not n.startswith("rank1.")}
-    assert own and {n.removeprefix("rank1.") for n in inner if n.startswith("rank1.")} == own  # both ranks'
-    with node(tmp_path, *flags) as (address, _):  # new processes: nothing of the first node's state survives
+    with node(tmp_path, *flags) as (address, _):
         resumed = run_trainer(
             config("resumed", 4, resume_from=str(first.last_checkpoint)), [WorkerClient(address, timeout=TIMEOUT)]
         )
     for (name, p), (_, q) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
         assert torch.equal(p, q), name
+    return load_checkpoint(first.last_checkpoint)[0]
+
+
+@pytest.mark.slow
+def test_a_local_sgd_node_resumes_every_ranks_inner_state(tmp_path):
+    """Ranks that step apart have an inner optimizer state each: a checkpoint keeps every rank's, and a
+    fresh node resumed from it trains on exactly as the node that never stopped (4 rounds = 2 + resume 2)."""
+    saved = resume_against_straight(tmp_path, "--node-mode", "local-sgd")
+    (inner,) = [group for name, group in saved.items() if name.startswith("inner-")]
+    own = {n for n in inner if not n.startswith("rank1.")}
+    assert own and {n.removeprefix("rank1.") for n in inner if n.startswith("rank1.")} == own  # both ranks'
 
 
 def _rank_pid(launcher: subprocess.Popen, rank: int) -> int:
