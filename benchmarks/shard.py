@@ -116,14 +116,15 @@ def rank_main(rank: int, job: Job) -> None:
         session = engine.sessions["bench"]
         elements = sum(session.replica.numels)
         parts = held(session)
-        torch.save(
-            {
-                "parts": parts,
-                "elements": elements,
-                "peak_above_baseline": _peak_bytes(device) - baseline,
-                "seconds": seconds,
-            },
-            f"{job.out}.{rank}",
+        Path(f"{job.out}.{rank}").write_text(
+            json.dumps(
+                {
+                    "parts": parts,
+                    "elements": elements,
+                    "peak_above_baseline": _peak_bytes(device) - baseline,
+                    "seconds": seconds,
+                }
+            )
         )
     finally:
         dist.destroy_process_group()
@@ -131,7 +132,7 @@ def rank_main(rank: int, job: Job) -> None:
 
 def measure(job: Job) -> dict[str, Any]:
     mp.start_processes(rank_main, args=(job,), nprocs=job.ranks, start_method="spawn")
-    ranks = [torch.load(f"{job.out}.{r}") for r in range(job.ranks)]
+    ranks = [json.loads(Path(f"{job.out}.{r}").read_text()) for r in range(job.ranks)]
     elements = ranks[0]["elements"]
     state = [sum(r["parts"].values()) for r in ranks]
     return {

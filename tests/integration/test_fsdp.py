@@ -3,6 +3,7 @@ and each rank holds only its share of the parameters and gradients."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -11,6 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from benchmarks.shard import Job, measure
 from gradwire.models import build_from_spec, lm_loss, model_spec
@@ -35,13 +38,12 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
         fsdp.load(model, dict(reference.named_parameters()))
         rows = _batch()[rank * 8 // world : (rank + 1) * 8 // world]
         lm_loss(model, rows).backward()
-        result = {
-            "params": dict(fsdp.gathered(model)),
-            "grads": dict(fsdp.gathered(model, "grad")),
-            "param_bytes": fsdp.local_bytes(model),
-            "grad_bytes": fsdp.local_bytes(model, "grad"),
+        tensors = {
+            **{f"params/{n}": t for n, t in fsdp.gathered(model)},
+            **{f"grads/{n}": t for n, t in fsdp.gathered(model, "grad")},
         }
-        torch.save(result, f"{out}.{rank}")
+        counts = {"param_bytes": fsdp.local_bytes(model), "grad_bytes": fsdp.local_bytes(model, "grad")}
+        _save(f"{out}.{rank}", tensors, counts)
     finally:
         dist.destroy_process_group()
 
@@ -59,19 +61,32 @@ def _local_rank(rank: int, world: int, store: str, out: str) -> None:
             lm_loss(working, rows).backward()
             optimizer.step(1e-3)
             working.zero_grad()
-        torch.save({"params": dict(fsdp.gathered(working)), "state_bytes": _state_bytes(optimizer)}, f"{out}.{rank}")
+        params = {f"params/{n}": t for n, t in fsdp.gathered(working)}
+        _save(f"{out}.{rank}", params, {"state_bytes": _state_bytes(optimizer)})
     finally:
         dist.destroy_process_group()
 
 
 def _state_bytes(optimizer: InnerOptimizer) -> int:
-    return sum(
-        (t.to_local() if hasattr(t, "to_local") else t).numel() * t.element_size()
-        for o in optimizer._optimizers
-        for state in o.state.values()
-        for t in state.values()
-        if torch.is_tensor(t) and t.dim() > 0
-    )
+    """The bytes of the moments this rank holds (its shards; ``step`` counters aside)."""
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in optimizer.state_tensors().values()]
+    return sum(t.numel() * t.element_size() for t in local if t.dim() > 0)
+
+
+def _save(path: str, tensors: dict[str, torch.Tensor], counts: dict[str, int]) -> None:
+    """A rank's findings for the test process: tensors in safetensors, counts in its metadata (no pickles)."""
+    save_file({k: t.contiguous() for k, t in tensors.items()}, path, metadata={"counts": json.dumps(counts)})
+
+
+def _load(path: str) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, int]]:
+    """What ``_save`` wrote: tensors grouped by their prefix ("params", "grads"), and the counts."""
+    grouped: dict[str, dict[str, torch.Tensor]] = {}
+    with safe_open(path, "pt") as f:
+        for key in f.keys():
+            group, _, name = key.partition("/")
+            grouped.setdefault(group, {})[name] = f.get_tensor(key)
+        counts = json.loads(f.metadata()["counts"])
+    return grouped, counts
 
 
 STEPS = 3
@@ -89,10 +104,10 @@ def test_inner_steps_on_a_sharded_working_copy_are_the_whole_batch_steps(tmp_pat
         model.zero_grad()
     whole_state = _state_bytes(optimizer)
     for rank in range(world):
-        got = torch.load(f"{out}.{rank}")
+        got, counts = _load(f"{out}.{rank}")
         for name, p in model.named_parameters():
             torch.testing.assert_close(got["params"][name], p.detach(), rtol=1e-4, atol=1e-5)
-        assert got["state_bytes"] <= whole_state / world * 1.05  # each rank: its shard's two moments
+        assert counts["state_bytes"] <= whole_state / world * 1.05  # each rank: its shard's two moments
 
 
 @pytest.mark.slow
@@ -105,13 +120,14 @@ def test_a_sharded_gpt_computes_the_whole_batch_gradient_on_a_share_of_the_memor
     full = {n: p for n, p in reference.named_parameters()}
     full_bytes = sum(p.numel() * p.element_size() for p in full.values())
     for rank in range(world):
-        got = torch.load(f"{out}.{rank}")
+        got, counts = _load(f"{out}.{rank}")
         for name, p in full.items():
             assert torch.equal(got["params"][name], p.detach()), name
             torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-4, atol=1e-6)
         # Dim-0 shards, padded to equal rows: a rank holds its 1/N plus at most a row of every tensor.
         slack = sum(p.element_size() * (p.numel() // p.shape[0]) for p in full.values())
-        assert got["param_bytes"] <= full_bytes / world + slack and got["grad_bytes"] <= full_bytes / world + slack
+        limit = full_bytes / world + slack
+        assert counts["param_bytes"] <= limit and counts["grad_bytes"] <= limit
 
 
 def test_blocks_are_the_outermost_lists_children() -> None:
