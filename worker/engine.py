@@ -256,8 +256,11 @@ class WorkerEngine:
                 feedback=shard_state(state.feedback, world, rank),
                 inner_optimizer=shard_state(state.inner_optimizer, world, rank),
             )
-        elif self.node is not None:  # each rank restores its own inner optimizer state (node.rank_state)
-            state = dataclasses.replace(state, inner_optimizer=rank_state(state.inner_optimizer, self.node.rank))
+        elif self.node is not None:
+            # Ranks that step apart (local-sgd) restore their own inner state (node.rank_state); DDP ranks step
+            # alike, so they all take rank 0's, whatever node saved it.
+            rank = self.node.rank if placement.apart else 0
+            state = dataclasses.replace(state, inner_optimizer=rank_state(state.inner_optimizer, rank))
         # Built and validated (sized against the limits first) before it replaces anything.
         session = Session(state, self.device, owner, self.max_model_params, self.rank_memory, placement)
         with self._lock:
@@ -486,7 +489,9 @@ class WorkerEngine:
         codec = session.replica.codec(order.codec)
         mine = set(shard.owners(codec.plan, self.node.world_size)[self.node.rank])
         whole = {}
-        for name, t in contribution.tensors.items():  # every rank gathers every tensor, in the same order
+        # Every rank gathers every tensor, in the same order (an all-gather: more bus traffic than gathering
+        # each tensor to its owner only would take, but one full tensor at a time).
+        for name, t in contribution.tensors.items():
             full = t.full_tensor() if isinstance(t, DTensor) else t
             if name in mine:
                 whole[name] = full
