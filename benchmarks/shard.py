@@ -1,6 +1,7 @@
-"""How much of a run's state does each rank of a sharded node hold, and what does sharding cost a round?
+"""How much of a run's state does each rank of a sharded or pipelined node hold, and what does splitting
+the model cost a round?
 
-    python -m benchmarks.shard --json                               # gpt-80m, 2 ranks, ddp vs fsdp
+    python -m benchmarks.shard --json                               # gpt-80m, 2 ranks: ddp, fsdp, pipeline
     python -m benchmarks.shard --model gpt-tiny --rounds 1 --json   # a quick look
 
 For each ``--modes`` node mode it starts ``--ranks`` processes joined by gloo (NCCL with ``--device cuda``),
@@ -40,6 +41,7 @@ from gradwire.optim.inner import InnerOptimizerConfig
 from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import OK, LocalSteps, ModelState, WorkOrder
 from gradwire.replica import Replica
+from gradwire.worker.placement import NODE_MODES
 
 
 def held(session: Any) -> dict[str, int]:
@@ -182,7 +184,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.shard", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gpt-80m", choices=model_names())
-    parser.add_argument("--modes", default="ddp,fsdp", help="node modes, comma-separated (ddp first: the base)")
+    parser.add_argument(
+        "--modes", default="ddp,fsdp,pipeline", help="node modes, comma-separated (ddp first: the base)"
+    )
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--inner-steps", type=int, default=2)
@@ -191,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--json", action="store_true", help="print the JSON object on one line")
     args = parser.parse_args(argv)
-    unknown = set(args.modes.split(",")) - {"ddp", "local-sgd", "fsdp"}
+    unknown = set(args.modes.split(",")) - set(NODE_MODES)
     if unknown:
         parser.error(f"--modes: unknown node mode(s) {', '.join(sorted(unknown))}")
     result = run(args)

@@ -171,12 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     node.add_argument(
         "--node-mode",
-        choices=["auto", "ddp", "local-sgd", "fsdp"],
+        choices=["auto", "ddp", "local-sgd", "fsdp", "pipeline"],
         default="auto",
         help="among the ranks: ddp (every backward all-reduces gradients), local-sgd (independent inner steps, "
         "parameters averaged every --node-sync-steps and at the end of a round), fsdp (parameters, gradients, "
         "the replica, the working copy and the inner optimizer's state sharded over the ranks with FSDP2; "
-        "each rank encodes the tensors it owns), or auto: for each run, ddp when the whole model's state fits "
+        "each rank encodes the tensors it owns), pipeline (rank r holds stage r of the model, its blocks and "
+        "their state, and runs every row through the stages in --pipeline-microbatches; built-in GPTs and "
+        "Llama-family HF models), or auto: for each run, ddp when the whole model's state fits "
         "80%% of a rank's memory (--rank-memory-gb), else fsdp; the choice and why are logged, and Describe "
         "reports it (default: auto)",
     )
@@ -186,6 +188,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="local-sgd: average the ranks' parameters every S inner steps (0: at the end of each round only) "
         "(default: 0)",
+    )
+    node.add_argument(
+        "--pipeline-microbatches",
+        type=_count,
+        default=0,
+        help="pipeline: micro-batches each step's rows split into; more keep the stages busier (0: one per rank) "
+        "(default: 0)",
+    )
+    node.add_argument(
+        "--pipeline-schedule",
+        choices=["1f1b", "gpipe"],
+        default="1f1b",
+        help="pipeline: torch.distributed.pipelining's schedule; 1f1b holds fewer micro-batches' activations "
+        "(default: 1f1b)",
     )
     node.add_argument(
         "--node-comm-hook",
@@ -374,7 +390,15 @@ def run_rank(args: argparse.Namespace, rank: RankInfo | None) -> int:
         device = f"cuda:{rank.local_rank}"  # one GPU per rank
         torch.cuda.set_device(device)
     node = NodeGroup(rank, torch.device(device), timeout=args.node_timeout) if rank is not None else None
-    placement = Placement(node, args.node_mode, args.node_sync_steps, args.node_comm_hook, args.precision)
+    placement = Placement(
+        node,
+        args.node_mode,
+        args.node_sync_steps,
+        args.node_comm_hook,
+        args.precision,
+        microbatches=args.pipeline_microbatches,
+        schedule=args.pipeline_schedule,
+    )
     memory = round(args.rank_memory_gb * GB) if args.rank_memory_gb is not None else None
     engine = WorkerEngine(device, placement=placement, max_model_params=args.max_model_params, rank_memory=memory)
     try:

@@ -16,7 +16,10 @@ each rank takes its share of every inner step's rows; in ``ddp`` mode the model 
 DistributedDataParallel, so every backward all-reduces the gradients over the fast bus (through the
 node's communication hook) and every rank holds the node's mean gradient; in ``local-sgd`` mode the ranks
 step independently and average their parameters every ``sync_steps`` inner steps and at the end of the
-round. Either way every rank ends the round with the same contribution, and rank 0 encodes it.
+round. Either way every rank ends the round with the same contribution, and rank 0 encodes it. In
+``fsdp`` mode each rank holds rows of every tensor (``worker.fsdp``), in ``pipeline`` mode a stage of the
+model that every row passes through (``worker.pipeline``): each rank's contribution is its part, and
+each encodes the tensors it owns.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from gradwire.errors import Cancelled
 from gradwire.models import lm_loss
 from gradwire.protocol import WorkOrder
+from gradwire.worker.pipeline import PipelineRunner
 from gradwire.worker.placement import NODE_MODES, PRECISIONS, IsCancelled, Placement, model_device
 from gradwire.worker.session import Session
 
@@ -66,6 +70,10 @@ def accumulate_gradient(
     Every parameter ends with a gradient (zeros where the loss does not reach), so the codec sees them all.
     A DDP-wrapped model all-reduces once, on the last micro-batch (``no_sync`` before it).
     """
+    if isinstance(model, PipelineRunner):  # the pipeline's own micro-batches, through its stages
+        if cancelled():
+            raise Cancelled(f"{what} cancelled")
+        return model.loss_and_backward(tokens, precision)
     rows = tokens.shape[0]
     step = micro_batch_size or rows
     for p in model.parameters():
@@ -109,8 +117,8 @@ def gradient_step(
     grads = {n: p.grad for n, p in session.replica.params.items()}
     if placement.apart:
         placement.node.average(grads.values())  # local-sgd among the ranks: one step is one gradient average
-    # clip_grad_norm_ (of the parameters' .grad) returns the norm before clipping; with max_norm inf it only measures.
-    norm = torch.nn.utils.clip_grad_norm_(list(session.replica.params.values()), order.clip_grad_norm or math.inf)
+    # The norm before clipping; with max_norm inf it only measures.
+    norm = placement.clip_grad_norm(session, session.replica.params, order.clip_grad_norm or math.inf)
     return Contribution(grads, placement.mean(loss), tokens.shape[0] * (tokens.shape[1] - 1), float(norm))
 
 
@@ -134,7 +142,7 @@ def local_steps(
             model, batch, order.micro_batch_size, cancelled, f"round {order.round}, inner step {h}", placement.precision
         )
         if plan.clip_grad_norm:
-            torch.nn.utils.clip_grad_norm_(working.parameters(), plan.clip_grad_norm)
+            placement.clip_grad_norm(session, dict(working.named_parameters()), plan.clip_grad_norm)
         optimizer.step(lr)
         optimizer.zero_grad()
         if placement.apart:

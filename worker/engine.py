@@ -24,6 +24,7 @@ the server answers UNAVAILABLE before the node is torn down and restarted.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import logging
@@ -61,7 +62,7 @@ from gradwire.protocol import (
 from gradwire.replica import Fingerprint
 from gradwire.security import same_owner
 from gradwire.v1 import worker_pb2 as pb
-from gradwire.worker import lookahead
+from gradwire.worker import bus, lookahead
 from gradwire.worker.check import ReplicaView, Verdict, check_order
 from gradwire.worker.compute import Contribution, Placement, gradient_step, strategy_for
 from gradwire.worker.node import (
@@ -249,12 +250,12 @@ class WorkerEngine:
 
     def _push_state(self, state: ModelState, owner: bytes = b"") -> tuple[int, Fingerprint]:
         placement = self._placement_for(state)
-        if placement.sharded:  # each rank restores its own shards, saved by a node this wide
-            world, rank = self.node.world_size, self.node.rank
+        if placement.split:  # each rank restores its own part, saved by a node this wide in this mode
+            world, rank, mode = self.node.world_size, self.node.rank, placement.mode
             state = dataclasses.replace(
                 state,
-                feedback=shard_state(state.feedback, world, rank),
-                inner_optimizer=shard_state(state.inner_optimizer, world, rank),
+                feedback=shard_state(state.feedback, world, rank, mode),
+                inner_optimizer=shard_state(state.inner_optimizer, world, rank, mode),
             )
         elif self.node is not None:
             # Ranks that step apart (local-sgd) restore their own inner state (node.rank_state); DDP ranks step
@@ -298,16 +299,16 @@ class WorkerEngine:
             if not same_owner(session.owner, owner):
                 raise AccessDenied(f"run {run_id!r} belongs to another coordinator")
             feedback, inner = host_tensors(session.feedback.state_dict()), host_tensors(session.inner_state())
-            if self.node is not None and (session.placement.apart or session.placement.sharded):
+            if self.node is not None and (session.placement.apart or session.placement.split):
                 with _NodeErrors():
                     self.node.send(Command.FETCH_STATE, run_id.encode())
                     parts = self.node.gather_bytes(b"")
                 self._last_command = time.monotonic()
                 others = [protocol.worker_state_from_proto(protocol.parse(pb.WorkerState, p)) for p in parts[1:]]
-                if session.placement.sharded:  # each rank's feedback (of its tensors) and inner state (of its rows)
-                    world = self.node.world_size
-                    feedback = merge_shard_states([feedback, *(o.feedback for o in others)], world)
-                    inner = merge_shard_states([inner, *(o.inner_optimizer for o in others)], world)
+                if session.placement.split:  # each rank's feedback (of its tensors) and inner state (of its part)
+                    world, mode = self.node.world_size, session.placement.mode
+                    feedback = merge_shard_states([feedback, *(o.feedback for o in others)], world, mode)
+                    inner = merge_shard_states([inner, *(o.inner_optimizer for o in others)], world, mode)
                 else:  # local-sgd: rank 0 encodes (its feedback is the node's); each rank steps its own way
                     inner = merge_rank_states([inner, *(o.inner_optimizer for o in others)])
             return WorkerState(run_id, session.replica.version, feedback, inner)
@@ -421,34 +422,44 @@ class WorkerEngine:
         use, why = ahead.serves(order, replica.version) if ahead is not None else (False, "")
         if ahead is not None:
             self.lookaheads["used" if use else "dropped"] += 1
-        if use:
-            contribution, compute_seconds = ahead.contribution, ahead.seconds
-        else:
-            if ahead is not None:
-                log.info("run %r round %d: the gradient computed ahead is dropped: %s", order.run_id, order.round, why)
-            contribution = strategy_for(order)(session, order, self._tokens(order.batch), cancelled, session.placement)
-            compute_seconds = time.perf_counter() - t_update
-        t_computed = time.perf_counter()
-        for update in updates[before:]:
-            replica.apply(update, known=known)
-        t_compute = time.perf_counter()  # the encode starts
-        update_seconds = (t_update - t0) + (t_compute - t_computed)
-        # 4. encode: error feedback and the codec, on rank 0 of a node (a sharded node: on every rank, each
-        # its own tensors; rank 0 assembles the payload).
-        session.feedback.beta = order.feedback_beta
-        if session.placement.sharded:
-            payload = self._encode_shards(session, order, contribution)
-        elif self.node is None or self.node.info.leader:
-            payload = self._encode(session, order, contribution)
-        else:
-            payload = None
+        # A split node's collectives are torch's own (FSDP2's gathers, a pipeline's sends): counted as issued.
+        counting = bus.CollectiveBytes() if session.placement.split else contextlib.nullcontext()
+        with counting:
+            if use:
+                contribution, compute_seconds = ahead.contribution, ahead.seconds
+            else:
+                if ahead is not None:
+                    log.info(
+                        "run %r round %d: the gradient computed ahead is dropped: %s", order.run_id, order.round, why
+                    )
+                contribution = strategy_for(order)(
+                    session, order, self._tokens(order.batch), cancelled, session.placement
+                )
+                compute_seconds = time.perf_counter() - t_update
+            t_computed = time.perf_counter()
+            for update in updates[before:]:
+                replica.apply(update, known=known)
+            t_compute = time.perf_counter()  # the encode starts
+            update_seconds = (t_update - t0) + (t_compute - t_computed)
+            # 4. encode: error feedback and the codec, on rank 0 of a node (a sharded node: on every rank, each
+            # its own tensors; rank 0 assembles the payload).
+            session.feedback.beta = order.feedback_beta
+            if session.placement.split:
+                payload = self._encode_shards(session, order, contribution)
+            elif self.node is None or self.node.info.leader:
+                payload = self._encode(session, order, contribution)
+            else:
+                payload = None
+        if isinstance(counting, bus.CollectiveBytes):
+            session.placement.bus.bytes += counting.bytes
+            session.placement.bus.calls += counting.calls
         if payload is None:  # a rank > 0: rank 0 answers for the node
             return RoundResult(OK, order.round, "", None, contribution.loss, contribution.tokens, replica.version)
         session.last_sent = (order.round, payload)  # the coordinator leaves it out of the replay it sends back
         t_done = time.perf_counter()
         # The next round's check needs this replica's fingerprint: take it while the result travels and the
         # coordinator aggregates, not when the next order has arrived.
-        if not session.placement.sharded:  # a sharded replica's fingerprint is a collective: taken in the check
+        if not session.placement.split:  # a split replica's fingerprint is a collective: taken in the check
             session.fingerprint_ahead = self._ahead.submit(replica.fingerprint)
         # Its replay sums this payload too: decode it now, while the CPU would wait (1/N of the replay's decoding).
         session.sent_decoded = self._ahead.submit(replica.codec(order.codec).decode, payload)
@@ -483,18 +494,21 @@ class WorkerEngine:
     def _encode_shards(
         self, session: Session, order: WorkOrder, contribution: Contribution
     ) -> CompressedGradient | None:
-        """Every rank of a sharded node compresses the tensors it owns with its own error feedback
+        """Every rank of a split node compresses the tensors it owns with its own error feedback
         (``compression.shard``); rank 0 assembles the payload a single device would send (``None`` elsewhere)."""
         assert self.node is not None
         codec = session.replica.codec(order.codec)
-        mine = set(shard.owners(codec.plan, self.node.world_size)[self.node.rank])
-        whole = {}
-        # Every rank gathers every tensor, in the same order (an all-gather: more bus traffic than gathering
-        # each tensor to its owner only would take, but one full tensor at a time).
-        for name, t in contribution.tensors.items():
-            full = t.full_tensor() if isinstance(t, DTensor) else t
-            if name in mine:
-                whole[name] = full
+        mine = session.owned(order.codec)
+        if session.placement.sharded:
+            # Every rank gathers every tensor, in the same order (an all-gather: more bus traffic than gathering
+            # each tensor to its owner only would take, but one full tensor at a time).
+            whole = {}
+            for name, t in contribution.tensors.items():
+                full = t.full_tensor() if isinstance(t, DTensor) else t
+                if name in mine:
+                    whole[name] = full
+        else:  # a pipeline stage holds its tensors whole
+            whole = {name: contribution.tensors[name] for name in mine}
         try:
             part, ok = session.shard_codec(order.codec, mine).compress(whole, session.feedback), True
         except NonFiniteInput:

@@ -192,7 +192,7 @@ def rank_state(merged: Mapping[str, torch.Tensor], rank: int) -> dict[str, torch
     return mine or own
 
 
-_SHARD_KEY = re.compile(r"fsdp\d+\.\d+\.")
+_SHARD_KEY = re.compile(r"(fsdp|pipeline)\d+\.\d+\.")
 
 
 def _rank_of(name: str) -> int:
@@ -200,16 +200,23 @@ def _rank_of(name: str) -> int:
     return int(head[4:]) if dot and head.startswith("rank") and head[4:].isdigit() else 0
 
 
-# A sharded node's ranks each keep the error feedback of their own tensors and the inner state of their own
-# rows: every rank's travels (and is checkpointed) as "fsdp{world}.{rank}.<name>", and only a node of the
-# same width takes it back (another width cuts other rows: its ranks start afresh).
-SHARD_PREFIX = "fsdp{}.{}."
+# A split node's ranks each keep the error feedback of their own tensors and the inner state of their own
+# part (a sharded node: rows of every tensor; a pipelined one: its stage's tensors): every rank's travels
+# (and is checkpointed) as "<mode><world>.<rank>.<name>", and only a node of the same mode and width takes
+# it back (another cuts the model elsewhere: its ranks start afresh).
+SHARD_PREFIX = "{}{}.{}."
 
 
-def merge_shard_states(states: list[Mapping[str, torch.Tensor]], world: int) -> dict[str, torch.Tensor]:
-    return {SHARD_PREFIX.format(world, rank) + n: t for rank, state in enumerate(states) for n, t in state.items()}
+def merge_shard_states(
+    states: list[Mapping[str, torch.Tensor]], world: int, mode: str = "fsdp"
+) -> dict[str, torch.Tensor]:
+    return {
+        SHARD_PREFIX.format(mode, world, rank) + n: t for rank, state in enumerate(states) for n, t in state.items()
+    }
 
 
-def shard_state(merged: Mapping[str, torch.Tensor], world: int, rank: int) -> dict[str, torch.Tensor]:
-    prefix = SHARD_PREFIX.format(world, rank)
+def shard_state(
+    merged: Mapping[str, torch.Tensor], world: int, rank: int, mode: str = "fsdp"
+) -> dict[str, torch.Tensor]:
+    prefix = SHARD_PREFIX.format(mode, world, rank)
     return {n.removeprefix(prefix): t for n, t in merged.items() if n.startswith(prefix)}

@@ -1,28 +1,29 @@
 """Where a round's compute runs: one device, or the ranks of a node (``worker.node``), and how they share it.
 
-``Placement`` says the node's mode (``ddp``, ``local-sgd``, ``fsdp``, or ``auto``: picked per run by the
-model's size, ``worker.sizing.choose_node_mode``), how a step's rows split over the ranks, and wraps a model
-for the mode (DDP with the node's communication hook; a sharded model is its own data-parallel wrapper).
+``Placement`` says the node's mode (``ddp``, ``local-sgd``, ``fsdp``, ``pipeline``, or ``auto``: picked per
+run by the model's size, ``worker.sizing.choose_node_mode``), how a step's rows split over the ranks, and
+wraps a model for the mode (DDP with the node's communication hook; a pipeline stage in its schedule,
+``worker.pipeline``; a sharded model is its own data-parallel wrapper).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from gradwire.protocol import ProtocolError, WorkOrder
-from gradwire.worker import hooks
+from gradwire.worker import hooks, pipeline
 from gradwire.worker.node import NodeGroup
 
 if TYPE_CHECKING:
     from gradwire.worker.session import Session
 
-NODE_MODES = ("ddp", "local-sgd", "fsdp")
+NODE_MODES = ("ddp", "local-sgd", "fsdp", "pipeline")
 PRECISIONS = ("fp32", "bf16")
 
 IsCancelled = Callable[[], bool]
@@ -34,12 +35,15 @@ class Placement:
 
     node: NodeGroup | None = None
     # among a node's ranks: "ddp", "local-sgd" or "fsdp" (parameters sharded: worker.fsdp); "auto" picks ddp
-    # or fsdp for each run by its model's size (worker.sizing.choose_node_mode)
+    # or fsdp for each run by its model's size (worker.sizing.choose_node_mode); "pipeline": one stage of the
+    # model per rank (worker.pipeline)
     mode: str = "ddp"
     sync_steps: int = 0  # local-sgd: average parameters every S inner steps (0: at the end of the round only)
     comm_hook: str = "none"  # ddp: see worker.hooks
     precision: str = "fp32"  # "bf16": autocast forward/backward; weights, replica and codec stay float32
     bus: hooks.HookStats = dataclasses.field(default_factory=hooks.HookStats)
+    microbatches: int = 0  # pipeline: micro-batches a step's rows split into (0: one per rank)
+    schedule: str = "1f1b"  # pipeline: one of worker.pipeline.SCHEDULES
 
     def __post_init__(self) -> None:
         if self.mode not in (*NODE_MODES, "auto"):
@@ -50,6 +54,11 @@ class Placement:
             raise ValueError(f"--node-comm-hook must be one of {', '.join(hooks.COMM_HOOKS)}, got {self.comm_hook!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.microbatches < 0:
+            raise ValueError(f"--pipeline-microbatches must be >= 0, got {self.microbatches}")
+        if self.schedule not in pipeline.SCHEDULES:
+            choices = ", ".join(pipeline.SCHEDULES)
+            raise ValueError(f"--pipeline-schedule must be one of {choices}, got {self.schedule!r}")
 
     @property
     def ranks(self) -> int:
@@ -66,6 +75,22 @@ class Placement:
         return self.node is not None and self.mode == "fsdp"
 
     @property
+    def pipelined(self) -> bool:
+        """A node whose ranks each hold a stage of the model (``worker.pipeline``): every rank sees every
+        row, and each encodes its stage's tensors."""
+        return self.node is not None and self.mode == "pipeline"
+
+    @property
+    def split(self) -> bool:
+        """A node whose ranks each hold part of the model (sharded or pipelined): each encodes its own
+        tensors with its own error feedback, and checkpoints its own part."""
+        return self.sharded or self.pipelined
+
+    @property
+    def pipeline_microbatches(self) -> int:
+        return self.microbatches or self.ranks
+
+    @property
     def apart(self) -> bool:
         """A node whose ranks step apart between parameter averages (local-sgd)."""
         return self.node is not None and self.mode == "local-sgd"
@@ -73,25 +98,40 @@ class Placement:
     def check_rows(self, order: WorkOrder) -> None:
         """Every inner step's rows must split evenly over the ranks (the coordinator sends ranks x batch)."""
         rows = order.batch.shape[0] // order.inner_steps
+        if self.pipelined:
+            if rows % self.pipeline_microbatches:
+                raise ProtocolError(
+                    f"token batch of {rows} rows per step does not split into this node's "
+                    f"{self.pipeline_microbatches} pipeline micro-batches"
+                )
+            return
         if rows % self.ranks:
             raise ProtocolError(
                 f"token batch of {rows} rows per step does not split over this node's {self.ranks} ranks"
             )
 
     def share(self, rows: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of one step's batch: consecutive equal slices, rank 0 first."""
-        if self.node is None:
+        """This rank's rows of one step's batch: consecutive equal slices, rank 0 first (a pipeline's stages
+        each see all of them)."""
+        if self.node is None or self.pipelined:
             return rows
         n = rows.shape[0] // self.ranks
         return rows[self.node.rank * n : (self.node.rank + 1) * n]
 
     def wrap(self, session: Session, model: torch.nn.Module) -> torch.nn.Module:
-        """The module to run forward/backward through: DDP over the node in ``ddp`` mode (built once per
-        session and model, on every rank at the same round), else the model itself."""
-        if not self.ddp:  # a sharded model is its own data-parallel wrapper
+        """The module to run forward/backward through: DDP over the node in ``ddp`` mode, the stage's
+        ``pipeline.PipelineRunner`` in ``pipeline`` mode (each built once per session and model, on every
+        rank at the same round), else the model itself."""
+        if not (self.ddp or self.pipelined):  # a sharded model is its own data-parallel wrapper
             return model
         wrapped = session.wrappers.get(id(model))
-        if wrapped is None:
+        if wrapped is None and self.pipelined:
+            stage = session.stage
+            wrapped = pipeline.PipelineRunner(
+                model, stage, self.pipeline_microbatches, self.schedule, session.tied_group
+            )
+            session.wrappers[id(model)] = wrapped
+        elif wrapped is None:
             device_ids = [model_device(model)] if model_device(model).type == "cuda" else None
             # Rotary tables and the like are buffers every rank computes alike: nothing to sync per forward.
             buckets = hooks.ddp_options(self.comm_hook, self.node.backend, model)
@@ -99,6 +139,13 @@ class Placement:
             hooks.register(wrapped, self.comm_hook, self.bus)
             session.wrappers[id(model)] = wrapped
         return wrapped
+
+    def clip_grad_norm(self, session: Session, params: Mapping[str, torch.Tensor], max_norm: float) -> float:
+        """Clip the gradients of ``params`` (the model's, or on a pipelined node the stage's) to a global
+        norm of ``max_norm`` (``inf``: only measure); the norm before clipping."""
+        if self.pipelined:
+            return pipeline.clip_grad_norm_(params, session.replica.owned, max_norm)
+        return float(torch.nn.utils.clip_grad_norm_(list(params.values()), max_norm))
 
     def mean(self, value: float) -> float:
         return self.node.mean(value) if self.node is not None else value

@@ -30,8 +30,9 @@ from gradwire.optim.inner import InnerOptimizer, InnerOptimizerConfig
 from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import ModelState, ProtocolError
 from gradwire.replica import Fingerprint, Replica
-from gradwire.worker import fsdp
+from gradwire.worker import fsdp, pipeline
 from gradwire.worker.fsdp import ShardedReplica
+from gradwire.worker.pipeline import StageReplica
 from gradwire.worker.placement import Placement
 from gradwire.worker.sizing import fits
 
@@ -57,9 +58,10 @@ class Session:
         more than ``max_elements`` parameters and buffers, or whose state would not fit ``memory`` bytes
         (``worker.sizing``), is refused before anything is allocated. ``placement``: how the run computes
         here; on a sharded node (``worker.fsdp``) this rank holds its share of the replica, working copy and
-        inner state."""
+        inner state, on a pipelined one (``worker.pipeline``) its stage's."""
         self.placement = placement or Placement()
-        shards = self.placement.ranks if self.placement.sharded else 1
+        shards = self.placement.ranks if self.placement.split else 1
+        self.stage: pipeline.Stage | None = None  # a pipelined node: this rank's stage
         try:
             spec = json.loads(state.model_json)
             if not isinstance(spec, dict):
@@ -74,7 +76,14 @@ class Session:
                     )
             self._memory = (-(-elements // shards), memory, bool(rule.momentum))
             self._check_memory(local_sgd=False)
-            model = build_from_spec(spec)
+            if self.placement.pipelined:  # whole on the meta device, then only this rank's stage allocated
+                with torch.device("meta"):
+                    whole = build_from_spec(spec)
+                shapes = {n: tuple(p.shape) for n, p in whole.named_parameters()}
+                self.stage = pipeline.plan_stage(whole, self.placement.node.rank, self.placement.ranks)
+                model = pipeline.stage_model(whole, self.stage)
+            else:
+                model = build_from_spec(spec)
         except TooLarge:
             raise
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
@@ -83,10 +92,13 @@ class Session:
         self.owner = owner  # who may use this run: gradwire.security.run_owner of its first push
         self.spec = spec
         self.device = device
-        self.shards = shards
-        self.replica = (
-            ShardedReplica(fsdp.shard(model.to(device)), rule) if shards > 1 else Replica(model.to(device), rule)
-        )
+        if self.stage is not None:
+            model = pipeline.materialize(model, self.stage, device)
+            self.replica: Replica = StageReplica(model, rule, shapes, pipeline.owned_names(model, self.stage))
+        elif shards > 1:
+            self.replica = ShardedReplica(fsdp.shard(model.to(device)), rule)
+        else:
+            self.replica = Replica(model.to(device), rule)
         momentum = [state.optimizer_state[k] for k in sorted(state.optimizer_state, key=_numeric_suffix)]
         try:
             self.replica.load_state(state.parameters, momentum, state.version)
@@ -106,12 +118,21 @@ class Session:
         self._inner_config: InnerOptimizerConfig | None = None
         self._inner_restore: dict[str, torch.Tensor] = dict(state.inner_optimizer)
         self.wrappers: dict[int, torch.nn.Module] = {}  # a node's DDP wrappers of this session's models
-        self._shard_codecs: dict[CodecConfig, GradientCodec] = {}  # a sharded node: this rank's own tensors' codec
+        self._shard_codecs: dict[CodecConfig, GradientCodec] = {}  # a split node: this rank's own tensors' codec
+        # a pipelined node: the group of the ranks that hold a tied embedding (every rank creates it alike)
+        self.tied_group = pipeline.tied_group(self.stage.count) if self.stage is not None else None
+
+    def owned(self, config: CodecConfig) -> tuple[str, ...]:
+        """A split node: the tensors this rank encodes, in payload order (a sharded node: its share of the
+        whole model's, ``compression.shard.owners``; a pipelined node: its stage's)."""
+        if isinstance(self.replica, StageReplica):
+            return self.replica.owned
+        return shard.owners(self.replica.codec(config).plan, self.placement.ranks)[self.placement.node.rank]
 
     def shard_codec(self, config: CodecConfig, names: Collection[str]) -> GradientCodec:
-        """A sharded node: the codec of the tensors this rank encodes (``compression.shard``), cached."""
+        """A split node: the codec of the tensors this rank encodes (``compression.shard``), cached."""
         if config not in self._shard_codecs:
-            shapes = {n: tuple(p.shape) for n, p in self.replica.params.items()}  # the whole tensors' shapes
+            shapes = {t.name: tuple(t.shape) for t in self.replica.codec(config).plan.tensors}  # whole tensors
             owned = [n for n in shapes if n in names]
             self._shard_codecs[config] = GradientCodec(shard.subset(shapes, owned), config, device=self.device)
         return self._shard_codecs[config]
@@ -145,12 +166,18 @@ class Session:
         (``TooLarge``) where a local-SGD round's state would not fit the rank's memory."""
         if self._working is None:
             self._check_memory(local_sgd=True)
-            self._working = build_from_spec(self.spec).to(self.device)
-            if self.shards > 1:
-                fsdp.shard(self._working)  # sharded as the replica is: the same rows on this rank
+            if self.stage is not None:  # this rank's stage only, as the replica
+                with torch.device("meta"):
+                    whole = build_from_spec(self.spec)
+                self._working = pipeline.materialize(pipeline.stage_model(whole, self.stage), self.stage, self.device)
+            else:
+                self._working = build_from_spec(self.spec).to(self.device)
+                if self.placement.sharded:
+                    fsdp.shard(self._working)  # sharded as the replica is: the same rows on this rank
+        sharded = self.placement.sharded
         with torch.no_grad():
             for w, p in zip(self._working.parameters(), self.replica.params.values()):
-                (w.to_local() if self.shards > 1 else w).copy_(p.to_local() if self.shards > 1 else p)
+                (w.to_local() if sharded else w).copy_(p.to_local() if sharded else p)
         self._working.train()
         return self._working
 

@@ -9,13 +9,11 @@ import grpc
 import pytest
 import torch
 
-from gradwire.compression import CodecConfig
 from gradwire.coordinator.client import WorkerClient, WorkerError
 from gradwire.coordinator.config import DENSE_CODEC
 from gradwire.coordinator.metrics import read_metrics
 from gradwire.models import spec_elements
 from gradwire.protocol import OK, WorkOrder
-from gradwire.replica import StateUpdate
 from gradwire.worker.sizing import GB, HEADROOM, state_bytes
 
 from .conftest import run_trainer
@@ -24,43 +22,12 @@ from .test_node import (
     _local,
     assert_close,
     batch,
-    contribution,
     node,
     node_config,
+    node_rounds,
     resume_against_straight,
     state,
 )
-
-
-def _rounds(tmp_path, *flags: str, local: bool, ranks: int = 2) -> list[dict[str, torch.Tensor]]:
-    """Two exact rounds of one node, the second replaying the first's payload (so it checks the replay on
-    the shards and the sharded replica's fingerprint), then a compressed one."""
-    replica, st = state()
-    codec = DENSE_CODEC
-    steps = _local(2, lr=0.05) if local else None
-    rows = 8 if local else 4
-    out = []
-    with node(tmp_path, *flags, ranks=ranks) as (address, _), WorkerClient(address, timeout=TIMEOUT) as client:
-        client.push_state(st)
-        first, _ = client.run_round(
-            WorkOrder("run", 0, 0, batch(rows), codec, replica.fingerprint(), local_steps=steps)
-        )
-        assert first.status == OK, first.reason
-        out.append(contribution(replica, first))
-        update = StateUpdate(1.0, (first.gradient,), (1.0,))
-        before = replica.fingerprint()
-        replica.apply(update)  # the coordinator's copy, stepped with the rule of ``state``
-        second, _ = client.run_round(
-            WorkOrder("run", 1, 0, batch(rows, seed=1), codec, before, update, local_steps=steps)
-        )
-        assert second.status == OK and second.version == 1, second.reason  # the shards' fingerprint agreed
-        out.append(contribution(replica, second))
-        third, _ = client.run_round(
-            WorkOrder("run", 2, 1, batch(rows, seed=2), CodecConfig(), replica.fingerprint(), local_steps=steps)
-        )
-        assert third.status == OK, third.reason
-        out.append(replica.codec(CodecConfig()).decompress(third.gradient))
-    return out
 
 
 @pytest.mark.slow
@@ -68,8 +35,8 @@ def _rounds(tmp_path, *flags: str, local: bool, ranks: int = 2) -> list[dict[str
     ("local", "ranks"), [(False, 2), (True, 2), (True, 4)], ids=["gradient", "local-sgd", "local-sgd-4-ranks"]
 )
 def test_a_sharded_node_computes_what_a_ddp_node_computes(tmp_path, local: bool, ranks: int):
-    ddp = _rounds(tmp_path, "--node-mode", "ddp", local=local, ranks=ranks)
-    fsdp = _rounds(tmp_path, "--node-mode", "fsdp", local=local, ranks=ranks)
+    ddp = node_rounds(tmp_path, "--node-mode", "ddp", local=local, ranks=ranks)
+    fsdp = node_rounds(tmp_path, "--node-mode", "fsdp", local=local, ranks=ranks)
     for a, b in zip(fsdp[:2], ddp[:2]):
         assert_close(a, b, atol=1e-4)
     # Compressed: each rank encoded its own tensors; the payload decodes to what the DDP node's does (a
@@ -81,13 +48,25 @@ def test_a_sharded_node_computes_what_a_ddp_node_computes(tmp_path, local: bool,
 
 @pytest.mark.slow
 def test_a_coordinator_trains_with_a_sharded_node(tmp_path):
-    with node(tmp_path, "--node-mode", "fsdp") as (address, _):
+    """An auto node that shards this run's model: the coordinator learns the mode it picked at the push
+    (what the status page shows), and trains."""
+    with node(tmp_path, "--rank-memory-gb", f"{_between():.9f}") as (address, _):
         client = WorkerClient(address, timeout=TIMEOUT)
-        assert client.describe().node_mode == "fsdp"
-        run_trainer(node_config(tmp_path / "run", 6, checkpoint_every=0), [client])
+        assert client.describe().node_mode == "auto"
+        trainer = run_trainer(node_config(tmp_path / "run", 6, checkpoint_every=0), [client])
+    assert trainer.roster.slots[0].node_mode == "fsdp"
     records = read_metrics(tmp_path / "run")
     assert all(r["ranks"] == 2 and r["successful_workers"] == 1 and r["pushes"] == 0 for r in records[1:])
     assert records[-1]["loss"] < records[0]["loss"]
+    assert all(r["node_bus_bytes"] > 0 for r in records)  # torch's own collectives, counted (worker.bus)
+
+
+def _between() -> float:
+    """A rank memory in GB that a half share of gpt-tiny's local-SGD state fits (with outer momentum or
+    without) and the whole does not."""
+    elements = spec_elements(json.loads(state()[1].model_json))
+    whole = sum(state_bytes(elements, momentum=False, local_sgd=True).values())  # 28 B/param, 32 with momentum
+    return whole * 0.6 / HEADROOM / GB
 
 
 @pytest.mark.slow
@@ -104,8 +83,7 @@ def test_a_sharded_node_resumes_every_ranks_feedback_and_inner_state(tmp_path):
 def test_auto_shards_a_model_that_does_not_fit_a_rank_whole_and_refuses_one_that_never_fits(tmp_path):
     replica, st = state()
     elements = spec_elements(json.loads(st.model_json))
-    whole = sum(state_bytes(elements, momentum=False, local_sgd=True).values())
-    between = whole / 2 / HEADROOM * 1.1 / GB  # a half share fits, the whole does not
+    between = _between()
     order = WorkOrder("run", 0, 0, batch(8), DENSE_CODEC, replica.fingerprint(), local_steps=_local(2, lr=0.05))
     with node(tmp_path, "--rank-memory-gb", f"{between:.9f}") as (address, _):
         with WorkerClient(address, timeout=TIMEOUT) as client:

@@ -30,7 +30,7 @@ from gradwire.models import build_from_spec, lm_loss, model_spec
 from gradwire.optim.inner import InnerOptimizerConfig
 from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import OK, LocalSteps, ModelState, RoundResult, WorkOrder
-from gradwire.replica import Replica
+from gradwire.replica import Replica, StateUpdate
 from gradwire.transport import free_port
 from gradwire.worker.engine import WorkerEngine
 
@@ -114,6 +114,45 @@ def contribution(replica: Replica, result: RoundResult) -> dict[str, torch.Tenso
 def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 1e-5) -> None:
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0, msg=name)
+
+
+def node_rounds(
+    tmp_path: Path,
+    *flags: str,
+    local: bool,
+    ranks: int = 2,
+    start: tuple[Replica, ModelState] | None = None,
+    clip: float = 0.0,
+) -> list[dict[str, torch.Tensor]]:
+    """Three rounds of a node of ``flags``: two exact ones, the second replaying the first's payload (so it
+    checks the replay on the node's replica and its fingerprint), then a compressed one. Returns each
+    round's decoded contribution. ``start``: the coordinator's replica and the state pushed (``state()``)."""
+    replica, st = start or state()
+    steps = _local(2, lr=0.05) if local else None
+    rows = 8 if local else 4
+    codec = DENSE_CODEC
+    out = []
+    with node(tmp_path, *flags, ranks=ranks) as (address, _), WorkerClient(address, timeout=TIMEOUT) as client:
+        client.push_state(st)
+        first, _ = client.run_round(
+            WorkOrder("run", 0, 0, batch(rows), codec, replica.fingerprint(), local_steps=steps, clip_grad_norm=clip)
+        )
+        assert first.status == OK, first.reason
+        out.append(contribution(replica, first))
+        update = StateUpdate(1.0, (first.gradient,), (1.0,))
+        before = replica.fingerprint()
+        replica.apply(update)  # the coordinator's copy, stepped with the rule of ``state``
+        second, _ = client.run_round(
+            WorkOrder("run", 1, 0, batch(rows, seed=1), codec, before, update, local_steps=steps)
+        )
+        assert second.status == OK and second.version == 1, second.reason  # the node's fingerprint agreed
+        out.append(contribution(replica, second))
+        third, _ = client.run_round(
+            WorkOrder("run", 2, 1, batch(rows, seed=2), CodecConfig(), replica.fingerprint(), local_steps=steps)
+        )
+        assert third.status == OK, third.reason
+        out.append(replica.codec(CodecConfig()).decompress(third.gradient))
+    return out
 
 
 def test_a_ddp_node_computes_what_one_worker_computes_on_the_whole_batch(tmp_path):
