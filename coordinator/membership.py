@@ -123,7 +123,7 @@ class Roster:
         for slot in self.slots:
             slot.client.wait_ready(self.connect_timeout)
             info = slot.client.describe()
-            slot.ranks, slot.device = info.ranks, info.device
+            slot.ranks, slot.device, slot.node_mode = info.ranks, info.device, info.node_mode
             node = (
                 f", a node of {info.ranks} ranks ({info.node_mode}: {', '.join(info.rank_devices)})"
                 if info.ranks > 1
@@ -169,16 +169,17 @@ class Roster:
                 link.close()
                 self.source.forget()
                 continue
-            slot = WorkerSlot(self._next_index, link, ranks=info.ranks, device=info.device)
+            slot = WorkerSlot(self._next_index, link, ranks=info.ranks, device=info.device, node_mode=info.node_mode)
             self._next_index += 1
             self.slots.append(slot)
             log.info(
-                "step %d: worker %d (%s) joins the run (%s, %d rank(s))",
+                "step %d: worker %d (%s) joins the run (%s, %d rank(s)%s)",
                 step,
                 slot.index,
                 address,
                 info.device,
                 info.ranks,
+                f", {info.node_mode}" if info.node_mode else "",
             )
         for slot in [s for s in self.slots if s.client.address in leaving]:
             if len(self.slots) == 1:

@@ -50,6 +50,7 @@ class WorkerSlot:
     guess: int | None = None  # the version it held when it was last heard of (its version is unknown now)
     device: str = ""  # as its Describe said
     ranks: int = 1  # a node of several GPUs trains ranks x batch_size rows per step and counts as that many
+    node_mode: str = ""  # how a node's ranks split the work, as its Describe said; "" for a single device
     # What to restore on the worker with the next push (a resumed run): error feedback, inner optimizer.
     feedback: dict[str, torch.Tensor] | None = None
     inner_optimizer: dict[str, torch.Tensor] | None = None
@@ -346,6 +347,11 @@ class RoundDispatcher:
             return _Push(error=str(e))
         slot.feedback = slot.inner_optimizer = None
         slot.version = version
+        if slot.node_mode == "auto":  # the node picked its mode for this run's model: ask which, for the status
+            try:
+                slot.node_mode = slot.client.describe().node_mode
+            except WorkerError:
+                pass  # only the status page's; the next push asks again
         return _Push(bytes_down=traffic.down)
 
 

@@ -52,6 +52,7 @@ class WorkerRow:
     state: str = "waiting"
     device: str = ""
     ranks: int = 1
+    node_mode: str = ""  # ddp, local-sgd, fsdp, pipeline (auto: the one picked at the push); "" for one device
     last_round_seconds: float = 0.0
     rounds_done: int = 0
     rounds_failed: int = 0
@@ -69,6 +70,7 @@ class WorkerEvent:
     state: str
     device: str = ""
     ranks: int = 1
+    node_mode: str = ""
     seconds: float = 0.0
     bytes_up: int = 0
     bytes_down: int = 0
@@ -110,6 +112,7 @@ def worker_events(
                 state,
                 slot.device,
                 slot.ranks,
+                slot.node_mode,
                 seconds,
                 o.bytes_up if o else 0,
                 o.bytes_down + o.first_push_bytes if o else 0,
@@ -173,7 +176,8 @@ class StatusBoard:
                 self._round(record)
             for e in events:
                 row = self.workers.get(e.id) or WorkerRow(e.id, e.address)
-                row.state, row.device, row.ranks = e.state, e.device or row.device, e.ranks
+                row.state, row.device = e.state, e.device or row.device
+                row.ranks, row.node_mode = e.ranks, e.node_mode
                 row.last_round_seconds = e.seconds or row.last_round_seconds
                 row.bytes_up += e.bytes_up
                 row.bytes_down += e.bytes_down

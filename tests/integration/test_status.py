@@ -60,6 +60,7 @@ def test_api_status_matches_metrics_jsonl(run) -> None:
     rows = snap["workers"]
     assert [r["id"] for r in rows] == [0, 1] and all(r["state"] in ("training", "resyncing") for r in rows)
     assert all(r["rounds_done"] == 6 and r["rounds_failed"] == 0 and r["device"] == "cpu" for r in rows)
+    assert all((r["ranks"], r["node_mode"]) == (1, "") for r in rows)  # single-device workers: no node mode
     assert sum(r["bytes_down"] for r in rows) == sum(rec["bytes_down"] for rec in records)  # state pushes included
     assert sum(r["bytes_up"] for r in rows) == sum(rec["bytes_up"] for rec in records)
     assert snap["run"]["run_id"] == trainer.run_id
@@ -111,3 +112,11 @@ def test_a_dead_worker_turns_failed() -> None:
     assert rows[1]["state"] == "failed" and rows[1]["rounds_failed"] == 1 and rows[1]["last_error"] == "UNAVAILABLE"
     board.update(None, [WorkerEvent(0, "a:1", "failed")])  # b left the run
     assert [r["id"] for r in board.snapshot()["workers"]] == [0]
+
+
+def test_a_nodes_ranks_and_mode_reach_the_snapshot() -> None:
+    from gradwire.coordinator.status import WorkerEvent
+
+    board = StatusBoard(run={})
+    board.update(None, [WorkerEvent(0, "a:1", "training", "cuda:0", 2, "fsdp"), WorkerEvent(1, "b:2", "training")])
+    assert [(r["ranks"], r["node_mode"]) for r in board.snapshot()["workers"]] == [(2, "fsdp"), (1, "")]

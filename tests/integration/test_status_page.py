@@ -1,5 +1,6 @@
 """The status page in a real headless Chromium (Debian's package; .ci/run installs it): the worker rows
-and a drawn loss curve appear, a screenshot is taken, and a worker that dies turns its row to failed."""
+and a drawn loss curve appear, a screenshot is taken, a worker that dies turns its row to failed, and a
+node's row shows its ranks and mode."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gradwire.coordinator.config import TrainConfig
-from gradwire.coordinator.status import StatusBoard, StatusServer
+from gradwire.coordinator.status import StatusBoard, StatusServer, WorkerEvent
 from gradwire.coordinator.trainer import Trainer
 
 from .conftest import live_workers
@@ -75,3 +76,15 @@ def test_the_page_shows_workers_and_the_loss_curve_and_a_dead_worker_fails(tmp_p
         finally:
             trainer.close()
             server.close()
+
+
+def test_a_nodes_row_shows_its_ranks_and_mode() -> None:
+    board = StatusBoard(run={"run_id": "r", "model": "gpt-tiny"})
+    board.update(None, [WorkerEvent(0, "a:1", "training", "cuda:0", 2, "fsdp"), WorkerEvent(1, "b:2", "training")])
+    server = StatusServer(board, port=0)
+    try:
+        dom = browse(f"http://127.0.0.1:{server.port}/")
+    finally:
+        server.close()
+    cells = {w: re.findall(r"<td>([^<]*)</td>", row) for w, row in re.findall(r'data-worker="(\d+)">(.*?)</tr>', dom)}
+    assert cells["0"][4] == "2 ranks, fsdp" and cells["1"][4] == "1", dom[-3000:]

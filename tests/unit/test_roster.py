@@ -17,9 +17,11 @@ from gradwire.protocol import WorkerInfo
 class FakeLink:
     """A worker link that records what the roster asked of it; ``fail`` makes a call raise ``WorkerError``."""
 
-    def __init__(self, address: str, *, device: str = "cpu", ranks: int = 1, fail: Sequence[str] = ()) -> None:
+    def __init__(
+        self, address: str, *, device: str = "cpu", ranks: int = 1, node_mode: str = "", fail: Sequence[str] = ()
+    ) -> None:
         self.address = address
-        self.info = WorkerInfo(4, "0.1.0", "2.9.0", device, device_name="test device", ranks=ranks)
+        self.info = WorkerInfo(4, "0.1.0", "2.9.0", device, device_name="test device", ranks=ranks, node_mode=node_mode)
         self.fail = set(fail)
         self.calls: list[tuple[str, object]] = []
         self.closed = False
@@ -90,24 +92,24 @@ def test_the_slots_are_the_links_in_order() -> None:
     assert addresses(roster) == [(0, "a:1"), (1, "b:1")]
 
 
-def test_describe_all_takes_each_workers_ranks_and_device() -> None:
-    links = [FakeLink("a:1", device="cuda:0", ranks=4), FakeLink("b:1")]
+def test_describe_all_takes_each_workers_ranks_device_and_node_mode() -> None:
+    links = [FakeLink("a:1", device="cuda:0", ranks=4, node_mode="fsdp"), FakeLink("b:1")]
     roster = Roster(links, connect_timeout=7.0)
     roster.describe_all()
-    assert [(s.ranks, s.device) for s in roster.slots] == [(4, "cuda:0"), (1, "cpu")]
+    assert [(s.ranks, s.device, s.node_mode) for s in roster.slots] == [(4, "cuda:0", "fsdp"), (1, "cpu", "")]
     assert links[0].calls == [("wait_ready", 7.0), ("describe", None)]
 
 
 def test_joiners_get_fresh_slots_and_leavers_are_dropped_and_closed() -> None:
     source = FakeSource(["a:1", "b:1", "c:1"], None, ["a:1", "c:1"], ["a:1", "c:1", "d:1"])
-    connect = Connector(**{"c:1": FakeLink("c:1", device="cuda:1", ranks=2)})
+    connect = Connector(**{"c:1": FakeLink("c:1", device="cuda:1", ranks=2, node_mode="ddp")})
     a, b = FakeLink("a:1"), FakeLink("b:1")
     roster = Roster([a, b], source=source, connect=connect, connect_timeout=60.0)
 
     roster.update(0)
     assert addresses(roster) == [(0, "a:1"), (1, "b:1"), (2, "c:1")]
     joined = roster.slots[2]
-    assert (joined.ranks, joined.device, joined.version) == (2, "cuda:1", None)  # never had the state
+    assert (joined.ranks, joined.device, joined.node_mode, joined.version) == (2, "cuda:1", "ddp", None)  # no state yet
     assert connect.links["c:1"].calls == [("wait_ready", 5.0), ("describe", None)]  # a short readiness check
 
     roster.update(1)  # no change

@@ -25,11 +25,11 @@ def result(total: float | None = 1.5) -> RoundResult:
 
 
 def test_a_kept_worker_is_training_with_its_bytes_and_seconds() -> None:
-    s = slot(0, device="cuda:0", ranks=2)
+    s = slot(0, device="cuda:0", ranks=2, node_mode="fsdp")
     o = SlotOutcome(s, result(2.25), bytes_up=100, bytes_down=700, first_push_bytes=5000)
     (event,) = worker_events([s], RoundOutcome([o], pushes=1, push_bytes=5000), {0}, 4)
     # bytes_down counts the state push before the round, which SlotOutcome.bytes_down does not.
-    assert event == WorkerEvent(0, "w0:50051", "training", "cuda:0", 2, 2.25, 100, 5700, "")
+    assert event == WorkerEvent(0, "w0:50051", "training", "cuda:0", 2, "fsdp", 2.25, 100, 5700, "")
 
 
 def test_a_kept_worker_that_was_pushed_or_caught_up_is_resyncing() -> None:
@@ -78,6 +78,7 @@ def test_a_worker_without_an_outcome_is_benched_joining_or_waiting() -> None:
         (4, "resyncing"),  # its benching is over at step 5; it is getting the state
     ]
     assert all((e.seconds, e.bytes_up, e.bytes_down, e.error) == (0.0, 0, 0, "") for e in events[1:])
+    assert all((e.ranks, e.node_mode) == (1, "") for e in events)  # single devices: no mode
     assert {e.state for e in events} <= set(WORKER_STATES)
 
 
