@@ -9,12 +9,13 @@ senders. With one or two senders the sum is still sparse, and the inverse is tak
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Iterator
 
 import torch
 
 from gradwire.compression.codec import CompressedGradient, DecodedGradient, GradientCodec, Normalize
 from gradwire.compression.dct import dct_basis, idct_chunks
-from gradwire.compression.plan import ModelPlan
+from gradwire.compression.plan import ChunkGroup, ModelPlan
 
 
 class Aggregator:
@@ -119,8 +120,13 @@ class Aggregator:
 
     def result(self) -> dict[str, torch.Tensor]:
         """The normalised aggregate as dense float32 tensors, by name in plan order."""
+        return in_plan_order(self.codec, self.parts())
+
+    def parts(self) -> Iterator[dict[str, torch.Tensor]]:
+        """``result()`` a chunk group at a time (then the dense tensors): a caller that keeps only some of
+        each (a rank's shard) never holds the whole aggregate."""
         self._check_nonempty()
-        codec, out = self.codec, {}
+        codec = self.codec
         for gi, group in enumerate(codec.plan.groups):
             if self._sums is None and self._held:
                 stack = self._sparse_inverse(gi)
@@ -131,12 +137,10 @@ class Aggregator:
                 stack = self._coefficients(gi).view(group.num_chunks, *group.chunk_shape)
                 if codec.config.use_dct:
                     stack = idct_chunks(stack)
-            stack = stack.float()  # float64 sums round once, here
-            for t, off in zip(group.members, group.offsets):
-                out[t.name] = codec._unchunk(stack[off : off + t.num_chunks], t)
-        for t, acc in zip(codec.plan.dense, self._dense):
-            out[t.name] = (acc / self.total_weight).float().view(t.shape)
-        return {t.name: out[t.name] for t in codec.plan.tensors}
+            yield unchunk_group(codec, group, stack.float())  # float64 sums round once, here
+        if codec.plan.dense:
+            dense = zip(codec.plan.dense, self._dense)
+            yield {t.name: (acc / self.total_weight).float().view(t.shape) for t, acc in dense}
 
     def _sparse_inverse(self, gi: int) -> torch.Tensor:
         """Inverse DCT of the held senders' coefficients, straight from (index, value) pairs."""
@@ -161,6 +165,17 @@ class Aggregator:
     def _check_nonempty(self) -> None:
         if self.total_weight <= 0:
             raise ValueError("nothing to aggregate: no payload with positive weight was added")
+
+
+def unchunk_group(codec: GradientCodec, group: ChunkGroup, stack: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A chunk group's member tensors, by name, from the group's (num_chunks, *chunk_shape) stack."""
+    return {t.name: codec._unchunk(stack[off : off + t.num_chunks], t) for t, off in zip(group.members, group.offsets)}
+
+
+def in_plan_order(codec: GradientCodec, parts: Iterable[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One dict of every tensor of ``parts``, in the plan's order (the payload's)."""
+    out = {name: t for part in parts for name, t in part.items()}
+    return {t.name: out[t.name] for t in codec.plan.tensors}
 
 
 def _max_sparse_senders(plan: ModelPlan) -> int:

@@ -23,11 +23,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
-from gradwire.compression.aggregate import Aggregator
+from gradwire.compression.aggregate import Aggregator, in_plan_order, unchunk_group
 from gradwire.compression.codec import CompressedGradient, DecodedGradient, GradientCodec
 from gradwire.compression.dct import idct_chunks
 
@@ -144,14 +144,15 @@ class CoordinateAggregate:
         return float(torch.linalg.vector_norm(torch.stack(parts).double())) if parts else 0.0
 
     def result(self) -> dict[str, torch.Tensor]:
-        codec, out = self.codec, {}
+        return in_plan_order(self.codec, self.parts())
+
+    def parts(self) -> Iterator[dict[str, torch.Tensor]]:
+        """``result()`` a chunk group at a time, then the dense tensors (``Aggregator.parts``)."""
+        codec = self.codec
         for g, coefficients in zip(codec.plan.groups, self._groups):
             stack = coefficients.view(g.num_chunks, *g.chunk_shape)
             if codec.config.use_dct:
                 stack = idct_chunks(stack)
-            stack = stack.float()
-            for t, off in zip(g.members, g.offsets):
-                out[t.name] = codec._unchunk(stack[off : off + t.num_chunks], t)
-        for t, values in zip(codec.plan.dense, self._dense):
-            out[t.name] = values.float().view(t.shape)
-        return {t.name: out[t.name] for t in codec.plan.tensors}
+            yield unchunk_group(codec, g, stack.float())
+        if codec.plan.dense:
+            yield {t.name: values.float().view(t.shape) for t, values in zip(codec.plan.dense, self._dense)}

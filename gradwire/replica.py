@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -176,7 +176,8 @@ class Replica:
         aggregator: Aggregator | robust.CoordinateAggregate | None = None,
         known: tuple[CompressedGradient, DecodedGradient] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Apply ``update``; return what was applied (the aggregate gradient, or the delta).
+        """Apply ``update``; return what was applied (the aggregate gradient, or the delta; a replica that
+        holds part of the model: its part).
 
         Every payload is validated before any parameter changes, so a bad update leaves the replica as
         it was (``PayloadError``). A caller that has already summed the update's payloads (the
@@ -184,14 +185,18 @@ class Replica:
         one that has decoded a payload already (a worker, its own, while it waited) passes it as ``known``
         (the payload object and its ``GradientCodec.decode``): where the update carries that very object, the
         decoded form is summed. Decoding is deterministic, so the result is the same bits either way.
+
+        The aggregate is decoded a chunk group at a time (``Aggregator.parts``) and only this replica's
+        share of each is kept (``_share``): a rank that holds a shard or a stage never holds it whole.
         """
         if update.delta is not None:
-            delta = self.codec(update.delta.settings).decompress(update.delta)
-            _check_step(delta, 1.0)
+            delta = self.codec(update.delta.settings).aggregator()
+            delta.add(update.delta)
+            shares = self._shares(delta.parts(), 1.0)
             for name, t in zip(self.params, self._step_tensors()):
-                t.add_(self._share(name, delta[name]).to(t.device, t.dtype))
+                t.add_(shares[name].to(t.device, t.dtype))
             self.version += 1
-            return delta
+            return shares
         if update.own is not None:
             raise ValueError(
                 "this replay leaves out the receiver's own payload: put it back first (StateUpdate.with_own)"
@@ -200,30 +205,33 @@ class Replica:
             raise ValueError("a replay update needs at least one payload")
         if not self.rule.replayable:
             raise ValueError(f"update rule {self.rule.optimizer} expects deltas, got a replay")
-        if aggregator is not None:
-            aggregate = aggregator.result()
-        else:
+        if aggregator is None:
             codec = self.codec(update.payloads[0].settings)
             weights = update.weights or (1.0,) * len(update.payloads)
             senders = [known[1] if known is not None and p is known[0] else p for p in update.payloads]
-            aggregate = robust.aggregate(codec, senders, weights, update.scales, update.rule).result()
-        _check_step(aggregate, update.learning_rate)
-        outer_step(
-            self._step_tensors(),
-            [self._share(n, aggregate[n]) for n in self.params],
-            self.rule,
-            update.learning_rate,
-            self.momentum,
-        )
+            aggregator = robust.aggregate(codec, senders, weights, update.scales, update.rule)
+        shares = self._shares(aggregator.parts(), update.learning_rate)
+        steps = [shares[n] for n in self.params]
+        outer_step(self._step_tensors(), steps, self.rule, update.learning_rate, self.momentum)
         self.version += 1
-        return aggregate
+        return shares
+
+    def _shares(self, parts: Iterable[Mapping[str, torch.Tensor]], lr: float) -> dict[str, torch.Tensor]:
+        """This replica's share of every parameter's update, from the update's parts; ``ValueError`` (before
+        anything moved) if any value of the whole update is not finite or too large (``_check_step``)."""
+        shares = {}
+        for part in parts:
+            _check_step(part, lr)
+            shares.update({name: self._share(name, t) for name, t in part.items() if name in self.params})
+        return shares
 
     def _step_tensors(self) -> list[torch.Tensor]:
         """The tensors an update writes into: the parameters (a sharded replica: its shards)."""
         return list(self.params.values())
 
     def _share(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """The part of a full update tensor that ``_step_tensors`` holds of parameter ``name``: all of it."""
+        """The part of a full update tensor that ``_step_tensors`` holds of parameter ``name``: all of it
+        (a replica of a stage holds only some parameters, whole: ``params`` says which)."""
         return full
 
     def fingerprint(self) -> Fingerprint:
