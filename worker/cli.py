@@ -24,7 +24,8 @@ from gradwire.transport import DEFAULT_MESSAGE_MB, check_message_mb
 DEFAULT_MAX_MODEL_PARAMS = 2_000_000_000  # = worker.engine's (not imported: --help must not load torch)
 
 if TYPE_CHECKING:
-    from gradwire.worker.node import RankInfo
+    from gradwire.worker.node import NodeGroup, RankInfo
+    from gradwire.worker.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +182,16 @@ def build_parser() -> argparse.ArgumentParser:
         "Llama-family HF models), or auto: for each run, ddp when the whole model's state fits "
         "80%% of a rank's memory (--rank-memory-gb), else fsdp; the choice and why are logged, and Describe "
         "reports it (default: auto)",
+    )
+    node.add_argument(
+        "--node-shard",
+        choices=["optimizer", "gradients", "full"],
+        default="full",
+        help="fsdp (or auto, where it picks fsdp): what the ranks shard. full (ZeRO-3): parameters, gradients "
+        "and inner optimizer state, a block's parameters gathered for its forward and again for its backward; "
+        "gradients (ZeRO-2): the same, but a block's parameters stay gathered from its forward to its backward "
+        "(more memory, fewer all-gathers); optimizer (ZeRO-1): only the inner optimizer's state, the ranks "
+        "otherwise computing as ddp does (torch's ZeroRedundancyOptimizer) (default: full)",
     )
     node.add_argument(
         "--node-sync-steps",
@@ -360,6 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         rank = rank_from_env()
+        placement_of(args, None)  # settings that clash (--node-shard without fsdp) fail before any rank starts
     except ValueError as e:
         print(f"worker serve: error: {e}", file=sys.stderr)
         return 2
@@ -373,12 +385,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_rank(args, rank)
 
 
+def placement_of(args: argparse.Namespace, node: NodeGroup | None) -> Placement:
+    """How this worker's ranks share a round, from the flags (a ValueError naming the flag if they clash)."""
+    from gradwire.worker.placement import Placement
+
+    return Placement(
+        node,
+        args.node_mode,
+        args.node_sync_steps,
+        args.node_comm_hook,
+        args.precision,
+        microbatches=args.pipeline_microbatches,
+        schedule=args.pipeline_schedule,
+        shard=args.node_shard,
+    )
+
+
 def run_rank(args: argparse.Namespace, rank: RankInfo | None) -> int:
     """One worker process: a single-device worker, or one rank of a node (rank 0 serves gRPC)."""
     import torch
 
     from gradwire.memory import keep_freed_memory
-    from gradwire.worker.compute import Placement
     from gradwire.worker.engine import NodeFailure, WorkerEngine
     from gradwire.worker.node import NodeGroup
     from gradwire.worker.server import serve
@@ -390,15 +417,7 @@ def run_rank(args: argparse.Namespace, rank: RankInfo | None) -> int:
         device = f"cuda:{rank.local_rank}"  # one GPU per rank
         torch.cuda.set_device(device)
     node = NodeGroup(rank, torch.device(device), timeout=args.node_timeout) if rank is not None else None
-    placement = Placement(
-        node,
-        args.node_mode,
-        args.node_sync_steps,
-        args.node_comm_hook,
-        args.precision,
-        microbatches=args.pipeline_microbatches,
-        schedule=args.pipeline_schedule,
-    )
+    placement = placement_of(args, node)
     memory = round(args.rank_memory_gb * GB) if args.rank_memory_gb is not None else None
     engine = WorkerEngine(device, placement=placement, max_model_params=args.max_model_params, rank_memory=memory)
     try:

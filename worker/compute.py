@@ -143,7 +143,7 @@ def local_steps(
         )
         if plan.clip_grad_norm:
             placement.clip_grad_norm(session, dict(working.named_parameters()), plan.clip_grad_norm)
-        optimizer.step(lr)
+        placement.step(optimizer, lr)
         optimizer.zero_grad()
         if placement.apart:
             drifted = True

@@ -246,7 +246,7 @@ class WorkerEngine:
             raise TooLarge(f"{why} (worker serve --rank-memory-gb, --nproc-per-node)")
         if self.node.info.leader:
             log.info("run %r: --node-mode auto picks %s: %s", state.run_id, mode, why)
-        return dataclasses.replace(self.placement, mode=mode)
+        return dataclasses.replace(self.placement, mode=mode, shard=self.placement.shard if mode == "fsdp" else "full")
 
     def _push_state(self, state: ModelState, owner: bytes = b"") -> tuple[int, Fingerprint]:
         placement = self._placement_for(state)
@@ -259,7 +259,8 @@ class WorkerEngine:
             )
         elif self.node is not None:
             # Ranks that step apart (local-sgd) restore their own inner state (node.rank_state); DDP ranks step
-            # alike, so they all take rank 0's, whatever node saved it.
+            # alike, so they all take the node's whole state (rank 0's, and what other ranks saved of parameters
+            # it lacks: a ZeRO-1 node's partitions), each ZeRO-1 rank keeping its own partition of it.
             rank = self.node.rank if placement.apart else 0
             state = dataclasses.replace(state, inner_optimizer=rank_state(state.inner_optimizer, rank))
         # Built and validated (sized against the limits first) before it replaces anything.
@@ -299,7 +300,7 @@ class WorkerEngine:
             if not same_owner(session.owner, owner):
                 raise AccessDenied(f"run {run_id!r} belongs to another coordinator")
             feedback, inner = host_tensors(session.feedback.state_dict()), host_tensors(session.inner_state())
-            if self.node is not None and (session.placement.apart or session.placement.split):
+            if self.node is not None and (session.placement.own_inner_state or session.placement.split):
                 with _NodeErrors():
                     self.node.send(Command.FETCH_STATE, run_id.encode())
                     parts = self.node.gather_bytes(b"")

@@ -12,6 +12,8 @@ ranks' shards: it replays updates on its rows and fingerprints the whole model w
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
@@ -37,14 +39,55 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     return found
 
 
-def shard(model: nn.Module, *, reshard_after_forward: bool = True) -> nn.Module:
+def shard(model: nn.Module, *, device: torch.device | None = None, reshard_after_forward: bool = True) -> nn.Module:
     """``model`` with its parameters sharded over the default process group (in place; returned for
     convenience). ``reshard_after_forward`` False keeps a block's gathered parameters until its backward
-    (ZeRO-2-like: more memory, fewer all-gathers)."""
+    (ZeRO-2-like: more memory, fewer all-gathers). A model built with ``parameters_on_meta`` gets its
+    shards allocated on ``device`` here, values undefined (``load`` fills them): no rank ever allocates a
+    whole parameter."""
     for block in blocks(model):
         fully_shard(block, reshard_after_forward=reshard_after_forward)
     fully_shard(model, reshard_after_forward=reshard_after_forward)
+    if any(p.is_meta for p in model.parameters()):
+        if device is None:
+            raise ValueError("a model with parameters on the meta device needs a device to allocate its shards on")
+        # FSDP2 takes the new local shards for its own (its module's _apply resets them); buffers keep their values
+        model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
     return model
+
+
+_REGISTER = nn.Module.register_parameter
+_meta = threading.local()  # which threads are inside ``parameters_on_meta``
+_patch_lock = threading.Lock()
+_patched = 0
+
+
+def _register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    if getattr(_meta, "inside", False) and isinstance(param, nn.Parameter) and not param.is_meta:
+        param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+    _REGISTER(module, name, param)
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Within this block (on this thread), a module's parameters move to the meta device as they are
+    registered, its buffers stay real (what a model derives from its config: RoPE tables): a model is built
+    one parameter's memory at a time, never whole, and ``shard`` allocates only a rank's shards. Ties made
+    by assigning one parameter to two modules stay ties."""
+    global _patched
+    with _patch_lock:
+        if not _patched:
+            nn.Module.register_parameter = _register_on_meta
+        _patched += 1
+    _meta.inside = True
+    try:
+        yield
+    finally:
+        _meta.inside = False
+        with _patch_lock:
+            _patched -= 1
+            if not _patched:
+                nn.Module.register_parameter = _REGISTER
 
 
 def _sharded(model: nn.Module) -> Iterator[tuple[str, DTensor]]:

@@ -168,8 +168,8 @@ class NodeGroup:
             dist.destroy_process_group()
 
 
-# A node whose ranks step apart (local-sgd) has an inner optimizer state per rank: rank 0's keeps its own
-# names, rank r's travels (and is checkpointed) as "rank{r}.<name>".
+# A node whose ranks step apart (local-sgd), or each keep their partition's (ZeRO-1), has an inner optimizer
+# state per rank: rank 0's keeps its own names, rank r's travels (and is checkpointed) as "rank{r}.<name>".
 RANK_PREFIX = "rank{}."
 
 
@@ -182,14 +182,23 @@ def merge_rank_states(states: list[Mapping[str, torch.Tensor]]) -> dict[str, tor
 
 
 def rank_state(merged: Mapping[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
-    """Rank ``rank``'s part of ``merge_rank_states``' dict: its own if saved, else rank 0's (a state saved
-    by a single worker, a DDP node, or a node of fewer ranks)."""
-    own = {n: t for n, t in merged.items() if not _rank_of(n) and not _SHARD_KEY.match(n)}
-    if rank == 0:
-        return own
-    prefix = RANK_PREFIX.format(rank)
-    mine = {n.removeprefix(prefix): t for n, t in merged.items() if n.startswith(prefix)}
-    return mine or own
+    """Rank ``rank``'s part of ``merge_rank_states``' dict: its own where saved; each parameter it has none
+    for, from the lowest rank that saved one (a state saved by a single worker, a DDP node or a node of
+    fewer ranks: rank 0's; by a ZeRO-1 node, whose ranks each saved their own partition: the whole state)."""
+    by_rank: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in merged.items():
+        if not _SHARD_KEY.match(name):
+            r = _rank_of(name)
+            by_rank.setdefault(r, {})[name.removeprefix(RANK_PREFIX.format(r)) if r else name] = t
+    out: dict[str, torch.Tensor] = {}
+    for r in (rank, *sorted(by_rank)):
+        held = {_parameter(n) for n in out}  # a parameter's keys all come from one rank
+        out.update({n: t for n, t in by_rank.get(r, {}).items() if _parameter(n) not in held})
+    return out
+
+
+def _parameter(name: str) -> str:
+    return name.rpartition("/")[0]  # "<parameter name>/<state key>"
 
 
 _SHARD_KEY = re.compile(r"(fsdp|pipeline)\d+\.\d+\.")

@@ -1,9 +1,10 @@
 """Where a round's compute runs: one device, or the ranks of a node (``worker.node``), and how they share it.
 
 ``Placement`` says the node's mode (``ddp``, ``local-sgd``, ``fsdp``, ``pipeline``, or ``auto``: picked per
-run by the model's size, ``worker.sizing.choose_node_mode``), how a step's rows split over the ranks, and
-wraps a model for the mode (DDP with the node's communication hook; a pipeline stage in its schedule,
-``worker.pipeline``; a sharded model is its own data-parallel wrapper).
+run by the model's size, ``worker.sizing.choose_node_mode``), what an ``fsdp`` node shards (``shard``: ZeRO
+stage 1, 2 or 3), how a step's rows split over the ranks, and wraps a model for the mode (DDP with the
+node's communication hook; a pipeline stage in its schedule, ``worker.pipeline``; a sharded model is its
+own data-parallel wrapper).
 """
 
 from __future__ import annotations
@@ -17,13 +18,16 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from gradwire.protocol import ProtocolError, WorkOrder
-from gradwire.worker import hooks, pipeline
+from gradwire.worker import bus, hooks, pipeline
 from gradwire.worker.node import NodeGroup
 
 if TYPE_CHECKING:
+    from gradwire.optim.inner import InnerOptimizer
     from gradwire.worker.session import Session
 
 NODE_MODES = ("ddp", "local-sgd", "fsdp", "pipeline")
+# fsdp: what the ranks shard (ZeRO stages 1, 2 and 3), see Placement.shard
+NODE_SHARDS = ("optimizer", "gradients", "full")
 PRECISIONS = ("fp32", "bf16")
 
 IsCancelled = Callable[[], bool]
@@ -34,7 +38,7 @@ class Placement:
     """Where a round's compute runs: one device (``node`` None) or every rank of a node."""
 
     node: NodeGroup | None = None
-    # among a node's ranks: "ddp", "local-sgd" or "fsdp" (parameters sharded: worker.fsdp); "auto" picks ddp
+    # among a node's ranks: "ddp", "local-sgd" or "fsdp" (state sharded as `shard` says); "auto" picks ddp
     # or fsdp for each run by its model's size (worker.sizing.choose_node_mode); "pipeline": one stage of the
     # model per rank (worker.pipeline)
     mode: str = "ddp"
@@ -44,10 +48,22 @@ class Placement:
     bus: hooks.HookStats = dataclasses.field(default_factory=hooks.HookStats)
     microbatches: int = 0  # pipeline: micro-batches a step's rows split into (0: one per rank)
     schedule: str = "1f1b"  # pipeline: one of worker.pipeline.SCHEDULES
+    # fsdp (and auto, where it picks fsdp): what the ranks shard, one of NODE_SHARDS. "full" (ZeRO-3): the
+    # parameters, gradients and inner optimizer state (FSDP2, regathering a block's parameters for its
+    # backward); "gradients" (ZeRO-2): the same, but a block's parameters stay gathered from its forward
+    # to its backward; "optimizer" (ZeRO-1): only the inner optimizer's state, the ranks otherwise computing
+    # as a ddp node does (torch's ZeroRedundancyOptimizer)
+    shard: str = "full"
 
     def __post_init__(self) -> None:
         if self.mode not in (*NODE_MODES, "auto"):
             raise ValueError(f"--node-mode must be auto or one of {', '.join(NODE_MODES)}, got {self.mode!r}")
+        if self.shard not in NODE_SHARDS:
+            raise ValueError(f"--node-shard must be one of {', '.join(NODE_SHARDS)}, got {self.shard!r}")
+        if self.shard != "full" and self.mode not in ("fsdp", "auto"):
+            raise ValueError(
+                f"--node-shard {self.shard} applies to --node-mode fsdp (or auto, where it picks fsdp), not {self.mode}"
+            )
         if self.sync_steps < 0:
             raise ValueError(f"--node-sync-steps must be >= 0, got {self.sync_steps}")
         if self.comm_hook not in hooks.COMM_HOOKS:
@@ -66,13 +82,34 @@ class Placement:
 
     @property
     def ddp(self) -> bool:
-        return self.node is not None and self.mode == "ddp"
+        """A node whose ranks each hold the whole model and compute through DDP (``ddp`` mode, and ``fsdp``
+        mode's ZeRO-1, which shards only the inner optimizer's state)."""
+        return self.node is not None and (self.mode == "ddp" or self.partitioned_optimizer)
 
     @property
     def sharded(self) -> bool:
-        """A node whose ranks each hold a shard of the model (FSDP2): they compute as one data-parallel
-        model, and each encodes the tensors it owns (``compression.shard``)."""
-        return self.node is not None and self.mode == "fsdp"
+        """A node whose ranks each hold a shard of the model (FSDP2; ZeRO-2 or 3): they compute as one
+        data-parallel model, and each encodes the tensors it owns (``compression.shard``)."""
+        return self.node is not None and self.mode == "fsdp" and self.shard != "optimizer"
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """A sharded node: whether FSDP2 frees a block's gathered parameters after its forward and gathers
+        them again for its backward (ZeRO-3), or keeps them until then (ZeRO-2)."""
+        return self.shard != "gradients"
+
+    @property
+    def partitioned_optimizer(self) -> bool:
+        """ZeRO-1: a node whose ranks compute as a DDP node does, but each keeps the inner optimizer state of
+        its own partition of the parameters (``optim.inner.InnerOptimizer``'s ``partitioned``)."""
+        return self.node is not None and self.mode == "fsdp" and self.shard == "optimizer"
+
+    @property
+    def own_inner_state(self) -> bool:
+        """A node whose ranks each hold an inner optimizer state of their own, which every checkpoint keeps
+        under their rank (``node.merge_rank_states``): local-sgd ranks step apart, ZeRO-1 ranks each hold
+        their partition's. (A split node's ranks hold theirs too, kept by shard: ``node.merge_shard_states``.)"""
+        return self.apart or self.partitioned_optimizer
 
     @property
     def pipelined(self) -> bool:
@@ -146,6 +183,17 @@ class Placement:
         if self.pipelined:
             return pipeline.clip_grad_norm_(params, session.replica.owned, max_norm)
         return float(torch.nn.utils.clip_grad_norm_(list(params.values()), max_norm))
+
+    def step(self, optimizer: InnerOptimizer, lr: float) -> None:
+        """One inner optimizer step. ZeRO-1: each rank steps its partition and broadcasts it to the others
+        (inside torch's ``ZeroRedundancyOptimizer``): counted as the bus bytes it issues (``worker.bus``)."""
+        if not self.partitioned_optimizer:
+            optimizer.step(lr)
+            return
+        with bus.CollectiveBytes() as issued:
+            optimizer.step(lr)
+        self.bus.bytes += issued.bytes
+        self.bus.calls += issued.calls
 
     def mean(self, value: float) -> float:
         return self.node.mean(value) if self.node is not None else value

@@ -82,6 +82,9 @@ class Session:
                 shapes = {n: tuple(p.shape) for n, p in whole.named_parameters()}
                 self.stage = pipeline.plan_stage(whole, self.placement.node.rank, self.placement.ranks)
                 model = pipeline.stage_model(whole, self.stage)
+            elif self.placement.sharded:  # built a parameter at a time; only this rank's shards allocated
+                with fsdp.parameters_on_meta():
+                    model = build_from_spec(spec)
             else:
                 model = build_from_spec(spec)
         except TooLarge:
@@ -96,7 +99,9 @@ class Session:
             model = pipeline.materialize(model, self.stage, device)
             self.replica: Replica = StageReplica(model, rule, shapes, pipeline.owned_names(model, self.stage))
         elif shards > 1:
-            self.replica = ShardedReplica(fsdp.shard(model.to(device)), rule)
+            self.replica = ShardedReplica(
+                fsdp.shard(model, device=device, reshard_after_forward=self.placement.reshard_after_forward), rule
+            )
         else:
             self.replica = Replica(model.to(device), rule)
         momentum = [state.optimizer_state[k] for k in sorted(state.optimizer_state, key=_numeric_suffix)]
@@ -170,10 +175,15 @@ class Session:
                 with torch.device("meta"):
                     whole = build_from_spec(self.spec)
                 self._working = pipeline.materialize(pipeline.stage_model(whole, self.stage), self.stage, self.device)
+            elif self.placement.sharded:  # sharded as the replica is: the same rows on this rank
+                with fsdp.parameters_on_meta():
+                    self._working = fsdp.shard(
+                        build_from_spec(self.spec),
+                        device=self.device,
+                        reshard_after_forward=self.placement.reshard_after_forward,
+                    )
             else:
                 self._working = build_from_spec(self.spec).to(self.device)
-                if self.placement.sharded:
-                    fsdp.shard(self._working)  # sharded as the replica is: the same rows on this rank
         sharded = self.placement.sharded
         with torch.no_grad():
             for w, p in zip(self._working.parameters(), self.replica.params.values()):
@@ -193,7 +203,8 @@ class Session:
                 config,
             )
         working = self._working if self._working is not None else self.working_model()
-        self._inner, self._inner_config = InnerOptimizer(working, config), config
+        partitioned = self.placement.partitioned_optimizer  # ZeRO-1: this rank keeps its partition's state
+        self._inner, self._inner_config = InnerOptimizer(working, config, partitioned=partitioned), config
         if self._inner_restore:
             try:
                 self._inner.load_state_tensors(_as_shards(self._inner_restore, working))

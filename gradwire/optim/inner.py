@@ -5,7 +5,8 @@
 (momentum, then Newton-Schulz orthogonalization; ``optim.muon`` runs it in float32 on CPUs that would
 emulate bfloat16) on the hidden 2-D weight matrices and AdamW on everything
 else (embeddings, the output head, norms, biases). ``muon_parameters`` is the one rule deciding which is
-which.
+which. On a node's ranks that compute alike it may be partitioned (ZeRO-1, torch's
+``ZeroRedundancyOptimizer``): each rank keeps and steps the state of its own share of the parameters.
 
 A worker keeps this state for a training run across rounds, and it must cross the network and go into
 safetensors checkpoints, so it leaves and enters only as named tensors, never pickles:
@@ -149,23 +150,41 @@ class InnerOptimizer:
 
     The learning rate is given at every ``step`` (the worker's schedule owns it); every other setting comes
     from the config. ``state_tensors`` / ``load_state_tensors`` carry the full state as named tensors.
+
+    ``partitioned`` (ZeRO-1; every rank of the default process group builds one alike, over the same
+    parameters, and steps it alike): each torch optimizer is wrapped in torch's ``ZeroRedundancyOptimizer``,
+    so a rank keeps the state of its partition of the parameters only (whole tensors, balanced by size),
+    steps those and broadcasts them to the other ranks. ``state_tensors`` is then this rank's partition,
+    and ``load_state_tensors`` keeps the entries of its partition of whatever it is given (one rank's, or
+    the whole state).
     """
 
-    def __init__(self, model: nn.Module, config: InnerOptimizerConfig) -> None:
+    def __init__(self, model: nn.Module, config: InnerOptimizerConfig, *, partitioned: bool = False) -> None:
         self.config = config
+        self.partitioned = partitioned
         # named_parameters() lists a tied tensor once, so each parameter has exactly one name.
         self._params: dict[str, nn.Parameter] = dict(model.named_parameters())
         c = config
         # lr=0 until the first step(lr) sets it: nothing may step with a learning rate nobody chose.
         if c.name == "adamw":
-            adamw = torch.optim.AdamW(
-                self._params.values(), lr=0.0, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay
+            adamw = self._build(
+                torch.optim.AdamW,
+                list(self._params.values()),
+                lr=0.0,
+                betas=c.betas,
+                eps=c.eps,
+                weight_decay=c.weight_decay,
             )
             self._optimizers: list[torch.optim.Optimizer] = [adamw]
             self._expected = {name: _ADAMW_KEYS for name in self._params}
         elif c.name == "sgd":
-            sgd = torch.optim.SGD(
-                self._params.values(), lr=0.0, momentum=c.momentum, nesterov=c.nesterov, weight_decay=c.weight_decay
+            sgd = self._build(
+                torch.optim.SGD,
+                list(self._params.values()),
+                lr=0.0,
+                momentum=c.momentum,
+                nesterov=c.nesterov,
+                weight_decay=c.weight_decay,
             )
             self._optimizers = [sgd]
             # Plain SGD (momentum 0) keeps no state at all.
@@ -178,7 +197,8 @@ class InnerOptimizer:
                 # "match_rms_adamw" scales each matrix's orthogonalized update to the RMS an AdamW update
                 # has (0.2 * sqrt(max(A, B))), so one learning rate and one schedule suit both groups.
                 self._optimizers.append(
-                    Muon(
+                    self._build(
+                        Muon,
                         [p for n, p in self._params.items() if n in hidden],
                         lr=0.0,
                         weight_decay=c.weight_decay,
@@ -191,12 +211,26 @@ class InnerOptimizer:
             rest = [p for n, p in self._params.items() if n not in hidden]
             if rest:
                 self._optimizers.append(
-                    torch.optim.AdamW(rest, lr=0.0, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
+                    self._build(torch.optim.AdamW, rest, lr=0.0, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
                 )
             self._expected = {name: _MOMENTUM_KEYS if name in hidden else _ADAMW_KEYS for name in self._params}
+        # The optimizers that hold state (a ZeroRedundancyOptimizer's local one), and which holds each
+        # parameter's: every parameter, or under ZeRO-1 those of this rank's partition.
+        self._holders = [opt.optim if partitioned else opt for opt in self._optimizers]
         self._owner: dict[int, torch.optim.Optimizer] = {
-            id(p): opt for opt in self._optimizers for group in opt.param_groups for p in group["params"]
+            id(p): opt for opt in self._holders for group in opt.param_groups for p in group["params"]
         }
+
+    def _build(
+        self, kind: type[torch.optim.Optimizer], params: list[nn.Parameter], **settings: Any
+    ) -> torch.optim.Optimizer:
+        if self.partitioned:
+            # Imported here: its functional optimizers are TorchScript-compiled at import (~0.25 s), which
+            # only a ZeRO-1 node needs.
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            return ZeroRedundancyOptimizer(params, optimizer_class=kind, **settings)
+        return kind(params, **settings)
 
     def step(self, lr: float) -> None:
         """One update of every parameter that has a gradient, at learning rate ``lr``."""
@@ -216,11 +250,13 @@ class InnerOptimizer:
         """Every state tensor as a CPU copy, named ``"<parameter name>/<state key>"``.
 
         Copies, so the caller may serialize them while training goes on; on the CPU, because they are
-        bound for the network or a safetensors file. Ordered by parameter, then key.
+        bound for the network or a safetensors file. Ordered by parameter, then key. ``partitioned``: this
+        rank's partition only (read from its local optimizer: no collective).
         """
         out: dict[str, torch.Tensor] = {}
         for name, p in self._params.items():
-            state = self._owner[id(p)].state.get(p, {})
+            holder = self._owner.get(id(p))
+            state = holder.state.get(p, {}) if holder is not None else {}
             for key in sorted(state):
                 value = state[key]
                 if not isinstance(value, torch.Tensor):
@@ -237,6 +273,7 @@ class InnerOptimizer:
         wrong shape or dtype, or a non-finite value. Parameters absent from ``state`` end up with no state,
         as if they had never had a gradient. Tensors are copied (never shared with the caller) onto the
         parameter's device and dtype, following torch's own policy for ``step`` (kept on the CPU).
+        ``partitioned``: everything is checked, and the entries of this rank's partition are kept.
         """
         staged: dict[str, dict[str, torch.Tensor]] = {}
         for full_key, value in state.items():
@@ -257,13 +294,13 @@ class InnerOptimizer:
             if missing:
                 raise ValueError(f"optimizer state for {name!r} lacks {[f'{name}/{k}' for k in missing]}")
 
-        for opt in self._optimizers:
+        for opt in self._holders:
             params = [p for group in opt.param_groups for p in group["params"]]
             index = {id(p): i for i, p in enumerate(params)}
             packed = {
                 index[id(p)]: {key: _copy_for(p, key, value) for key, value in staged[name].items()}
                 for name, p in self._params.items()
-                if name in staged and self._owner[id(p)] is opt
+                if name in staged and self._owner.get(id(p)) is opt
             }
             # Through torch's loader (with the optimizer's own param groups) so its invariants and hooks
             # hold; it drops every parameter's old state, hence "replace".

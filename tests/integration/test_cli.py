@@ -204,6 +204,13 @@ def test_bad_security_flags_name_the_flag(argv, message):
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
+def test_a_zero_stage_outside_fsdp_is_refused_before_any_rank_starts():
+    flags = ["--nproc-per-node", "2", "--node-mode", "local-sgd", "--node-shard", "optimizer"]
+    proc = _run("gradwire.worker", "serve", "--port", "0", *flags, timeout=60)
+    message = "--node-shard optimizer applies to --node-mode fsdp (or auto, where it picks fsdp), not local-sgd"
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
 def _help(*command: str) -> str:
     """``command --help`` as a user sees it, one line per flag (a wide terminal: no wrapping)."""
     proc = subprocess.run(

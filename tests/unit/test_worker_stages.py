@@ -152,11 +152,40 @@ def test_bf16_autocast_computes_nearly_the_fp32_gradient(session: Session) -> No
         ({"sync_steps": -1}, "--node-sync-steps"),
         ({"comm_hook": "zip"}, "--node-comm-hook"),
         ({"precision": "fp8"}, "--precision"),
+        ({"mode": "fsdp", "shard": "params"}, "--node-shard"),
+        ({"shard": "optimizer"}, "--node-shard optimizer applies to --node-mode fsdp .* not ddp"),
+        ({"mode": "local-sgd", "shard": "gradients"}, "--node-shard gradients applies to --node-mode fsdp"),
+        ({"mode": "pipeline", "shard": "optimizer"}, "not pipeline"),
     ],
 )
 def test_placement_settings_name_their_flag(changes: dict, flag: str) -> None:
     with pytest.raises(ValueError, match=flag):
         Placement(**changes)
+
+
+class _Node:  # what Placement's properties ask of a node: that there is one
+    world_size = 2
+
+
+@pytest.mark.parametrize(
+    ("mode", "shard", "ddp", "sharded", "reshard", "partitioned", "own"),
+    [
+        ("fsdp", "full", False, True, True, False, False),  # ZeRO-3
+        ("fsdp", "gradients", False, True, False, False, False),  # ZeRO-2: gathered from forward to backward
+        ("fsdp", "optimizer", True, False, True, True, True),  # ZeRO-1: DDP's compute, its own inner state
+        ("ddp", "full", True, False, True, False, False),
+        ("local-sgd", "full", False, False, True, False, True),
+    ],
+)
+def test_what_a_node_shards_at_each_zero_stage(
+    mode: str, shard: str, ddp: bool, sharded: bool, reshard: bool, partitioned: bool, own: bool
+) -> None:
+    p = Placement(_Node(), mode, shard=shard)  # type: ignore[arg-type]
+    assert (p.ddp, p.sharded, p.split, p.reshard_after_forward) == (ddp, sharded, sharded, reshard)
+    assert (p.partitioned_optimizer, p.own_inner_state) == (partitioned, own)
+    # auto takes any stage (it applies where auto picks fsdp); one device has nothing to shard
+    assert Placement(mode="auto", shard=shard).shard == shard
+    assert not Placement(mode="fsdp", shard=shard).partitioned_optimizer
 
 
 def test_rank_environment_follows_torchrun() -> None:
@@ -181,6 +210,21 @@ def test_every_ranks_inner_state_travels_under_its_own_names() -> None:
     assert torch.equal(rank_state(merged, 5)["w/exp_avg"], states[0]["w/exp_avg"])
     assert rank_state({"w/exp_avg": torch.ones(1)}, 1).keys() == {"w/exp_avg"}
     assert merge_rank_states([]) == {}
+
+
+def test_a_zero1_nodes_partitions_come_back_whole_to_any_rank() -> None:
+    """ZeRO-1 ranks each save their partition's state: every rank (of any width, or a DDP node) gets the
+    whole state back and keeps its partition; a rank's own entries win, a parameter's keys stay together."""
+    one = {"a/exp_avg": torch.zeros(2), "a/step": torch.tensor(3.0)}
+    two = {"b/exp_avg": torch.ones(2), "b/step": torch.tensor(3.0)}
+    merged = merge_rank_states([one, two])
+    for rank in range(4):
+        assert rank_state(merged, rank).keys() == {*one, *two}
+    assert torch.equal(rank_state(merged, 1)["b/exp_avg"], two["b/exp_avg"])
+    # rank 1 saved its own state of "a" too (local-sgd): its own wins, whole, over rank 0's
+    mine = {"a/exp_avg": torch.full((2,), 7.0), "a/step": torch.tensor(5.0), **two}
+    got = rank_state(merge_rank_states([one, mine]), 1)
+    assert torch.equal(got["a/exp_avg"], mine["a/exp_avg"]) and got["a/step"].item() == 5.0
 
 
 def test_a_sharded_nodes_states_come_back_only_to_a_node_as_wide() -> None:

@@ -1,0 +1,117 @@
+"""An fsdp node's ZeRO stages (``worker serve --node-mode fsdp --node-shard optimizer|gradients``, real
+processes, gloo on CPU): each computes what a DDP node computes, a ZeRO-1 node resumes every rank's
+partition of the inner state, and each of its ranks holds about half of a DDP rank's inner state."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.shard import Job, measure
+from gradwire.coordinator.client import WorkerClient
+from gradwire.coordinator.config import DENSE_CODEC
+from gradwire.models import build_from_spec
+from gradwire.optim.inner import InnerOptimizerConfig
+from gradwire.protocol import LocalSteps, ModelState, WorkOrder
+from gradwire.replica import StateUpdate
+
+from .test_node import (
+    SPEC,
+    TIMEOUT,
+    assert_close,
+    batch,
+    contribution,
+    node,
+    node_rounds,
+    resume_against_straight,
+    state,
+)
+
+pytestmark = pytest.mark.slow
+
+ZERO = {stage: ("--node-mode", "fsdp", "--node-shard", stage) for stage in ("optimizer", "gradients")}
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, list[dict[str, torch.Tensor]]]:
+    """A DDP node's rounds (``node_rounds``), in gradient mode (False) and local-SGD rounds (True)."""
+    return {
+        local: node_rounds(tmp_path_factory.mktemp(f"ddp-{local}"), "--node-mode", "ddp", local=local)
+        for local in (False, True)
+    }
+
+
+@pytest.mark.parametrize(
+    ("shard", "local"),
+    [("gradients", False), ("gradients", True), ("optimizer", True)],
+    ids=["zero2-gradient", "zero2-local-sgd", "zero1-local-sgd"],
+)
+def test_a_zero_stage_computes_what_a_ddp_node_computes(tmp_path, ddp, shard: str, local: bool):
+    got = node_rounds(tmp_path, *ZERO[shard], local=local)
+    for a, b in zip(got[:2], ddp[local][:2]):
+        assert_close(a, b, atol=1e-4)
+    # Compressed: a coefficient on the edge of a top-k may tip the other way under float noise.
+    for name, g in ddp[local][2].items():
+        cos = torch.nn.functional.cosine_similarity(got[2][name].flatten(), g.flatten(), dim=0)
+        assert cos > 0.99 or g.abs().max() < 1e-7, name
+
+
+def _stateful_rounds(tmp_path: Path, *flags: str) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """Two exact local-SGD rounds of AdamW and of Muon (one run each, on one node): the second round steps
+    on from the inner state the first left, on every rank's partition of it."""
+    out = {}
+    with node(tmp_path, *flags) as (address, _), WorkerClient(address, timeout=TIMEOUT) as client:
+        for config in (InnerOptimizerConfig(name="adamw"), InnerOptimizerConfig(name="muon", momentum=0.95)):
+            replica, st = state()
+            client.push_state(ModelState(config.name, 0, st.model_json, st.parameters, st.update_rule_json))
+            steps = LocalSteps(2, config, (0.01, 0.01))
+            order = WorkOrder(config.name, 0, 0, batch(8), DENSE_CODEC, replica.fingerprint(), local_steps=steps)
+            first, _ = client.run_round(order)
+            before = replica.fingerprint()
+            update = StateUpdate(1.0, (first.gradient,), (1.0,))
+            replica.apply(update)
+            second, _ = client.run_round(
+                WorkOrder(config.name, 1, 0, batch(8, seed=1), DENSE_CODEC, before, update, local_steps=steps)
+            )
+            out[config.name] = [contribution(replica, first), contribution(replica, second)]
+    return out
+
+
+def test_a_zero1_nodes_adamw_and_muon_step_as_a_ddp_nodes(tmp_path):
+    """ZeroRedundancyOptimizer wraps AdamW, and Muon's two optimizers, each partitioned over the ranks."""
+    zero = _stateful_rounds(tmp_path, *ZERO["optimizer"])
+    ddp = _stateful_rounds(tmp_path, "--node-mode", "ddp")
+    for name in ("adamw", "muon"):
+        for a, b in zip(zero[name], ddp[name]):
+            assert_close(a, b, atol=1e-4)
+
+
+def test_a_zero1_node_resumes_every_ranks_partition_of_the_inner_state(tmp_path):
+    """Each rank saves the inner AdamW state of its own partition of the parameters: the checkpoint holds
+    both ranks', together every parameter's, and a fresh node resumed from it trains on bit for bit."""
+    saved = resume_against_straight(tmp_path, *ZERO["optimizer"])
+    (inner,) = [g for name, g in saved.items() if name.startswith("inner-")]
+    mine = {n.rpartition("/")[0] for n in inner if not n.startswith("rank1.")}
+    theirs = {n.removeprefix("rank1.").rpartition("/")[0] for n in inner if n.startswith("rank1.")}
+    assert mine and theirs and not mine & theirs  # two partitions
+    assert mine | theirs == {n for n, _ in build_from_spec(SPEC).named_parameters()}
+    (feedback,) = [g for name, g in saved.items() if name.startswith("feedback-")]
+    assert not any(n.startswith("rank1.") for n in feedback)  # rank 0 encodes the node's payload, as DDP's
+
+
+def test_each_zero1_rank_holds_half_the_inner_state_and_zero2_half_of_everything(tmp_path):
+    """gpt-5m (no tensor is near half of it, so ZeRO-1's whole-tensor partitions balance), 2 ranks, after a
+    local-SGD round: ZeRO-1 splits only the inner state, ZeRO-2 the replica and working copy too."""
+    held = {}
+    for mode, shard in (("ddp", "full"), ("fsdp", "optimizer"), ("fsdp", "gradients")):
+        job = Job("gpt-5m", mode, 2, 1, 1, 1, 16, "cpu", str(tmp_path / f"store-{shard}"), str(tmp_path / shard), shard)
+        held[shard] = measure(job)["state_bytes_by_part"]  # the benchmark's own measurement (benchmarks.shard)
+    ddp, zero1, zero2 = held["full"][0], held["optimizer"], held["gradients"]
+    assert sum(rank["inner"] for rank in zero1) == ddp["inner"]  # two partitions of one state
+    for rank in zero1:
+        assert 0.4 * ddp["inner"] < rank["inner"] < 0.6 * ddp["inner"], (rank, ddp)
+        assert (rank["replica"], rank["working"]) == (ddp["replica"], ddp["working"])  # whole on each rank
+    for part in ("replica", "working", "inner"):
+        assert all(0.45 * ddp[part] < rank[part] < 0.55 * ddp[part] for rank in zero2), part
