@@ -13,12 +13,13 @@ Each check runs once on ``--device`` (default cuda:0) against the CPU and report
   drift     a CPU replica and a GPU replica replay the same ``--updates`` sign-SGD updates: the largest
             parameter difference at the end, with float32 replays and with float64 ones (which round
             once and should agree bit for bit)
-  node      with two GPUs, a 2-rank NCCL node (``worker serve --nproc-per-node 2``) against one GPU on the
-            whole batch (max abs difference of the gradient); skipped with one GPU
+  node      with two GPUs, a 2-rank NCCL node (``worker serve --nproc-per-node 2``) in each mode (ddp,
+            fsdp, pipeline) against one GPU on the whole batch (max abs difference of the gradient)
+  memory    with two GPUs, what each rank of a ddp, fsdp and pipeline node holds of a local-SGD run's
+            state and its peak allocation (``benchmarks.shard`` on CUDA)
 
-Sharded (FSDP) and pipelined nodes are not in gradwire yet, so there is no memory-per-rank row. Without
-CUDA it says so and exits 0. Every check is a function of the two devices it compares, so the tests run
-them CPU against CPU. One JSON object on stdout.
+The two-GPU checks are skipped with one GPU. Without CUDA it says so and exits 0. Every check is a
+function of the devices it compares, so the tests run them CPU against CPU. One JSON object on stdout.
 """
 
 from __future__ import annotations
@@ -140,20 +141,34 @@ def check_drift(spec: dict, device_a: str, device_b: str, updates: int, exact: b
     return {"updates": updates, "max_abs_difference": float((a - b).abs().max()), "equal": bool(torch.equal(a, b))}
 
 
-def check_node(spec: dict) -> dict[str, Any]:
-    """A 2-rank NCCL node against one GPU on the whole batch (needs two GPUs)."""
+def check_node(spec: dict, device: str = "cuda") -> dict[str, Any]:
+    """A 2-rank NCCL node in each mode against one GPU on the whole batch (needs two GPUs)."""
     from benchmarks.node import worker  # the same launcher as the node benchmark
 
     replica, state = _state(spec)
     order = WorkOrder("gpu-check", 0, 0, _batch(spec), DENSE_CODEC, replica.fingerprint())
-    single = WorkerEngine("cuda:0")
+    single = WorkerEngine(f"{device}:0")
     single.push_state(state)
     reference = replica.codec(DENSE_CODEC).decompress(single.run_round(order).gradient)
-    with worker(2, "cuda", "none", 4) as client:
-        client.push_state(state)
-        result, _ = client.run_round(order)
-    got = replica.codec(DENSE_CODEC).decompress(result.gradient)
-    return {"max_abs_difference": float((_flat(got) - _flat(reference)).abs().max())}
+    out = {}
+    for mode in ("ddp", "fsdp", "pipeline"):
+        with worker(2, device, None, 4, mode) as (client, _):
+            client.push_state(state)
+            result, _ = client.run_round(order)
+        got = replica.codec(DENSE_CODEC).decompress(result.gradient)
+        out[f"{mode}_max_abs_difference"] = float((_flat(got) - _flat(reference)).abs().max())
+    return out
+
+
+def check_memory(model: str, device: str = "cuda") -> dict[str, Any]:
+    """What each rank of a 2-GPU node holds of a local-SGD run's state and its peak allocation, per node
+    mode, beside DDP's (``benchmarks.shard``; needs two GPUs)."""
+    from benchmarks import shard
+
+    args = shard.main_args(["--model", model, "--device", device, "--rounds", "1"])
+    modes = shard.run(args)["modes"]
+    keys = ("state_bytes_per_parameter_per_rank", "state_vs_ddp", "peak_vs_ddp", "round_time_vs_ddp")
+    return {mode: {k: m.get(k) for k in keys} for mode, m in modes.items()}
 
 
 def run(model: str, device: str, updates: int) -> dict[str, Any]:
@@ -170,8 +185,9 @@ def run(model: str, device: str, updates: int) -> dict[str, Any]:
     }
     if torch.cuda.device_count() >= 2:
         checks["node"] = lambda: check_node(spec)
+        checks["memory"] = lambda: check_memory(model)
     else:
-        out["node"] = {"skipped": "needs two GPUs"}
+        out["node"] = out["memory"] = {"skipped": "needs two GPUs"}
     for name, check in checks.items():
         t0 = time.perf_counter()
         try:

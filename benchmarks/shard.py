@@ -3,11 +3,13 @@ the model cost a round?
 
     python -m benchmarks.shard --json                               # gpt-80m, 2 ranks: ddp, fsdp, pipeline
     python -m benchmarks.shard --model gpt-tiny --rounds 1 --json   # a quick look
+    python -m benchmarks.shard --modes ddp,fsdp --node-shard optimizer,gradients,full --json  # ZeRO-1, 2, 3
 
-For each ``--modes`` node mode it starts ``--ranks`` processes joined by gloo (NCCL with ``--device cuda``),
-each running the worker's engine as a node rank (rank 0 drives it, as the gRPC servicer would), pushes a
-model's state once and runs ``--rounds`` local-SGD rounds of ``--inner-steps`` AdamW steps on the same
-rows. Per rank it reports what the run's state holds, by part (replica and outer momentum, working copy,
+For each ``--modes`` node mode (``fsdp`` once per ``--node-shard`` stage: ``full`` reported as ``fsdp``, the
+others as ``fsdp:optimizer``, ``fsdp:gradients``) it starts ``--ranks`` processes joined by gloo (NCCL with
+``--device cuda``), each running the worker's engine as a node rank (rank 0 drives it, as the gRPC servicer
+would), pushes a model's state once and runs ``--rounds`` local-SGD rounds of ``--inner-steps`` AdamW steps
+on the same rows. Per rank it reports what the run's state holds, by part (replica and outer momentum, working copy,
 inner optimizer, error feedback; local shards only), its bytes per parameter, the process's peak resident
 memory above what it held before the node started (rank 0 builds the pushed state, the coordinator's
 side, before that; on CUDA: the device's peak allocation), and the median round time. The ratios compare
@@ -41,7 +43,7 @@ from gradwire.optim.inner import InnerOptimizerConfig
 from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import OK, LocalSteps, ModelState, WorkOrder
 from gradwire.replica import Replica
-from gradwire.worker.placement import NODE_MODES
+from gradwire.worker.placement import NODE_MODES, NODE_SHARDS
 
 
 def held(session: Any) -> dict[str, int]:
@@ -77,6 +79,7 @@ class Job:
     device: str
     store: str
     out: str
+    shard: str = "full"  # fsdp: the ZeRO stage (worker serve --node-shard)
 
 
 def rank_main(rank: int, job: Job) -> None:
@@ -98,7 +101,7 @@ def rank_main(rank: int, job: Job) -> None:
             fingerprint = replica.fingerprint()
         baseline = _peak_bytes(device)
         node = NodeGroup(RankInfo(rank, job.ranks, rank), device, timeout=3600)
-        engine = WorkerEngine(device, placement=Placement(node, job.mode))
+        engine = WorkerEngine(device, placement=Placement(node, job.mode, shard=job.shard))
         seconds: list[float] = []
         if rank:
             engine.follow()
@@ -155,7 +158,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "modes": {},
     }
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in args.modes.split(","):
+        for mode, shard in _runs(args.modes, args.node_shard):
+            name = mode if shard == "full" else f"{mode}:{shard}"
             job = Job(
                 args.model,
                 mode,
@@ -165,10 +169,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 args.rows,
                 args.seq_len,
                 args.device,
-                str(Path(tmp) / f"store-{mode}"),
-                str(Path(tmp) / mode),
+                str(Path(tmp) / f"store-{mode}-{shard}"),
+                str(Path(tmp) / f"{mode}-{shard}"),
+                shard,
             )
-            out["modes"][mode] = measure(job)
+            out["modes"][name] = measure(job)
     if "ddp" in out["modes"]:
         base = out["modes"]["ddp"]
         for m in out["modes"].values():
@@ -181,11 +186,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def _runs(modes: str, shards: str) -> list[tuple[str, str]]:
+    """(mode, ZeRO stage) of each node measured: an fsdp node once per stage, the other modes once."""
+    return [(m, s) for m in modes.split(",") for s in (shards.split(",") if m == "fsdp" else ["full"])]
+
+
+def main_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The benchmark's settings from a command line (``main``'s)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.shard", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gpt-80m", choices=model_names())
     parser.add_argument(
         "--modes", default="ddp,fsdp,pipeline", help="node modes, comma-separated (ddp first: the base)"
+    )
+    parser.add_argument(
+        "--node-shard",
+        default="full",
+        help="fsdp: ZeRO stages to measure, comma-separated, of optimizer (1), gradients (2), full (3)",
     )
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
@@ -198,6 +214,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.modes.split(",")) - set(NODE_MODES)
     if unknown:
         parser.error(f"--modes: unknown node mode(s) {', '.join(sorted(unknown))}")
+    unknown = set(args.node_shard.split(",")) - set(NODE_SHARDS)
+    if unknown:
+        parser.error(f"--node-shard: unknown stage(s) {', '.join(sorted(unknown))}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = main_args(argv)
     result = run(args)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0

@@ -67,3 +67,17 @@ def test_a_run_reports_every_check_and_a_failed_check_as_a_finding(monkeypatch: 
     assert out["muon"] == {"error": "ZeroDivisionError: division by zero"}
     assert out["drift_float64"]["equal"] and out["codec"]["decode_cpu_vs_device_max_abs"] == 0.0
     assert all("seconds" in out[k] for k in ("codec", "autocast", "drift_float32", "drift_float64"))
+
+
+@pytest.mark.slow
+def test_the_node_check_compares_every_node_mode_with_one_device() -> None:
+    out = gpu.check_node(SPEC, "cpu")
+    assert set(out) == {f"{m}_max_abs_difference" for m in ("ddp", "fsdp", "pipeline")}
+    assert all(0.0 <= d < 1e-4 for d in out.values()), out
+
+
+@pytest.mark.slow
+def test_the_memory_check_reports_each_modes_state_beside_ddps() -> None:
+    out = gpu.check_memory("gpt-tiny", "cpu")
+    assert set(out) == {"ddp", "fsdp", "pipeline"} and out["ddp"]["state_vs_ddp"] == 1.0
+    assert all(0.5 < out[m]["state_vs_ddp"] < 1.0 for m in ("fsdp", "pipeline"))
