@@ -62,7 +62,7 @@ from gradwire.protocol import (
 from gradwire.replica import Fingerprint
 from gradwire.security import same_owner
 from gradwire.v1 import worker_pb2 as pb
-from gradwire.worker import bus, lookahead
+from gradwire.worker import bus, fsdp, lookahead
 from gradwire.worker.check import ReplicaView, Verdict, check_order
 from gradwire.worker.compute import Contribution, Placement, gradient_step, strategy_for
 from gradwire.worker.node import (
@@ -159,10 +159,12 @@ class WorkerEngine:
         )
 
     def _node_mode(self) -> str:
-        """The node's mode: as started, or with --node-mode auto the one picked for the newest run."""
-        if self.placement.mode != "auto" or not self.sessions:
-            return self.placement.mode
-        return next(reversed(self.sessions.values())).placement.mode
+        """The node's mode: as started, or with --node-mode auto the one picked for the newest run; an fsdp
+        node's ZeRO stage after a colon where it is not the default (``fsdp:optimizer``)."""
+        placement = self.placement
+        if placement.mode == "auto" and self.sessions:
+            placement = next(reversed(self.sessions.values())).placement
+        return f"fsdp:{placement.shard}" if placement.mode == "fsdp" and placement.shard != "full" else placement.mode
 
     def push_state(self, state: ModelState, owner: bytes = b"") -> tuple[int, Fingerprint]:
         """Start or replace the replica of ``state.run_id``; the run then belongs to ``owner``.
@@ -447,10 +449,8 @@ class WorkerEngine:
             session.feedback.beta = order.feedback_beta
             if session.placement.split:
                 payload = self._encode_shards(session, order, contribution)
-            elif self.node is None or self.node.info.leader:
-                payload = self._encode(session, order, contribution)
             else:
-                payload = None
+                payload = self._encode(session, order, contribution)
         if isinstance(counting, bus.CollectiveBytes):
             session.placement.bus.bytes += counting.bytes
             session.placement.bus.calls += counting.calls
@@ -485,12 +485,26 @@ class WorkerEngine:
             contribution.grad_norm,
         )
 
-    def _encode(self, session: Session, order: WorkOrder, contribution: Contribution) -> CompressedGradient:
-        try:
-            return session.replica.codec(order.codec).compress(contribution.tensors, session.feedback)
-        except NonFiniteInput:
+    def _encode(self, session: Session, order: WorkOrder, contribution: Contribution) -> CompressedGradient | None:
+        """Rank 0 (or a single device) compresses the contribution (``None`` on other ranks). A NaN or
+        infinity found there resets the error feedback and inner state that took it in, on every rank of
+        the node alike (they all trained the same way into it)."""
+        payload, failure = None, None
+        if self.node is None or self.node.info.leader:
+            try:
+                payload = session.replica.codec(order.codec).compress(contribution.tensors, session.feedback)
+            except NonFiniteInput as e:
+                failure = e
+        if self.node is not None:
+            with _NodeErrors():
+                diverged = not self.node.all_true(failure is None)
+        else:
+            diverged = failure is not None
+        if diverged:
             session.diverged()  # the NaN is in the error feedback (and inner state) now: drop them
-            raise
+            if failure is not None:
+                raise failure
+        return payload
 
     def _encode_shards(
         self, session: Session, order: WorkOrder, contribution: Contribution
@@ -501,11 +515,12 @@ class WorkerEngine:
         codec = session.replica.codec(order.codec)
         mine = session.owned(order.codec)
         if session.placement.sharded:
-            # Every rank gathers every tensor, in the same order (an all-gather: more bus traffic than gathering
-            # each tensor to its owner only would take, but one full tensor at a time).
+            # Each tensor is gathered to the rank that encodes it, one at a time, every rank in the same order.
+            owners = shard.owners(codec.plan, self.node.world_size)
+            owner = {name: rank for rank, names in enumerate(owners) for name in names}
             whole = {}
             for name, t in contribution.tensors.items():
-                full = t.full_tensor() if isinstance(t, DTensor) else t
+                full = fsdp.gather_to(t, owner[name]) if isinstance(t, DTensor) else t
                 if name in mine:
                     whole[name] = full
         else:  # a pipeline stage holds its tensors whole

@@ -17,13 +17,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import torch
 
 from gradwire.compression import CodecConfig
 from gradwire.coordinator.checkpoint import load_checkpoint
-from gradwire.coordinator.client import WorkerClient
+from gradwire.coordinator.client import WorkerClient, WorkerError
 from gradwire.coordinator.config import DENSE_CODEC, TrainConfig
 from gradwire.coordinator.metrics import read_metrics
 from gradwire.models import build_from_spec, lm_loss, model_spec
@@ -296,6 +297,30 @@ def resume_against_straight(tmp_path: Path, *flags: str) -> dict[str, dict[str, 
     for (name, p), (_, q) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
         assert torch.equal(p, q), name
     return load_checkpoint(first.last_checkpoint)[0]
+
+
+@pytest.mark.slow
+def test_a_node_that_diverges_forgets_the_inner_state_on_every_rank(tmp_path):
+    """A local-SGD round whose learning rate blows the model up fails FAILED_PRECONDITION, and every rank -
+    not only rank 0, which encodes - drops the inner state that took in the NaN: the next round computes
+    what a fresh node computes."""
+    replica, st = state()
+    sgd = InnerOptimizerConfig(name="sgd", momentum=0.9)  # its momentum buffers would keep the NaN
+
+    def order(lr: float) -> WorkOrder:
+        steps = LocalSteps(3, sgd, (lr,) * 3)
+        return WorkOrder("run", 0, 0, batch(12), DENSE_CODEC, replica.fingerprint(), local_steps=steps)
+
+    with node(tmp_path, "--node-mode", "local-sgd") as (address, _), WorkerClient(address, timeout=TIMEOUT) as client:
+        client.push_state(st)
+        with pytest.raises(WorkerError) as info:
+            client.run_round(order(1e6))
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION and "diverged" in info.value.details
+        after, _ = client.run_round(order(0.05))
+    with node(tmp_path, "--node-mode", "local-sgd") as (address, _), WorkerClient(address, timeout=TIMEOUT) as client:
+        client.push_state(st)
+        fresh, _ = client.run_round(order(0.05))
+    assert_close(contribution(replica, after), contribution(replica, fresh), atol=0)
 
 
 @pytest.mark.slow
