@@ -4,8 +4,8 @@ DDP's traffic is counted by its communication hook (``worker.hooks``) and local-
 FSDP2's all-gathers and reduce-scatters and a pipeline's activation sends are issued inside torch, out of
 reach of either. ``CollectiveBytes`` is a dispatch mode that sees every c10d operation the thread that
 entered it issues (its backward too) and counts the bytes of each by the same rule as the hooks: the size
-of the collective's full tensor (an all-gather's output, a reduce-scatter's input, an all-reduce's tensor,
-a sent tensor).
+of the collective's full tensor (an all-gather's output, a reduce-scatter's input, an all-reduce's tensor),
+or of what this rank sends (a send, its part of a gather).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ _FULL: dict[Any, int | str] = {
     _c10d.allreduce_: 0,
     _c10d.broadcast_: 0,
     _c10d.send: 0,
+    _c10d.gather_: 1,  # what this rank sends (the rows it holds); the receiver counts its own part too
     _functional.all_gather_into_tensor: "out",
     _functional.reduce_scatter_tensor: 0,
     _functional.all_reduce: 0,

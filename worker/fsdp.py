@@ -116,6 +116,21 @@ def gathered(model: nn.Module, what: str = "param") -> Iterator[tuple[str, torch
         yield name, t.full_tensor()
 
 
+@torch.no_grad()
+def gather_to(t: DTensor, rank: int) -> torch.Tensor | None:
+    """The full tensor of a (dim-0 sharded) ``t`` on rank ``rank`` only, ``None`` elsewhere: a gather, in
+    which every rank sends its rows once (an all-gather would send them to every rank). A collective."""
+    local = t.to_local()
+    world, me = t.device_mesh.size(), t.device_mesh.get_local_rank()
+    rows = t.shape[0]
+    per = -(-rows // world)  # FSDP2 cuts dim 0 like torch.chunk: equal chunks of ceil(rows / N), the last short
+    padded = local.new_zeros((per, *t.shape[1:]))
+    padded[: local.shape[0]] = local
+    chunks = [torch.empty_like(padded) for _ in range(world)] if me == rank else None
+    dist.gather(padded, chunks, dst=rank, group=t.device_mesh.get_group())
+    return torch.cat(chunks)[:rows] if chunks is not None else None
+
+
 def local_bytes(model: nn.Module, what: str = "param") -> int:
     """The bytes of this rank's shards of the parameters (or of their gradients)."""
     total = 0
