@@ -141,7 +141,9 @@ def check_drift(spec: dict, device_a: str, device_b: str, updates: int, exact: b
     return {"updates": updates, "max_abs_difference": float((a - b).abs().max()), "equal": bool(torch.equal(a, b))}
 
 
-def check_node(spec: dict, device: str = "cuda") -> dict[str, Any]:
+def check_node(
+    spec: dict, device: str = "cuda", modes: tuple[str, ...] = ("ddp", "fsdp", "pipeline")
+) -> dict[str, Any]:
     """A 2-rank NCCL node in each mode against one GPU on the whole batch (needs two GPUs)."""
     from benchmarks.node import worker  # the same launcher as the node benchmark
 
@@ -151,7 +153,7 @@ def check_node(spec: dict, device: str = "cuda") -> dict[str, Any]:
     single.push_state(state)
     reference = replica.codec(DENSE_CODEC).decompress(single.run_round(order).gradient)
     out = {}
-    for mode in ("ddp", "fsdp", "pipeline"):
+    for mode in modes:
         with worker(2, device, None, 4, mode) as (client, _):
             client.push_state(state)
             result, _ = client.run_round(order)
@@ -160,12 +162,12 @@ def check_node(spec: dict, device: str = "cuda") -> dict[str, Any]:
     return out
 
 
-def check_memory(model: str, device: str = "cuda") -> dict[str, Any]:
+def check_memory(model: str, device: str = "cuda", modes: str = "ddp,fsdp,pipeline") -> dict[str, Any]:
     """What each rank of a 2-GPU node holds of a local-SGD run's state and its peak allocation, per node
     mode, beside DDP's (``benchmarks.shard``; needs two GPUs)."""
     from benchmarks import shard
 
-    args = shard.main_args(["--model", model, "--device", device, "--rounds", "1"])
+    args = shard.main_args(["--model", model, "--device", device, "--rounds", "1", "--modes", modes])
     modes = shard.run(args)["modes"]
     keys = ("state_bytes_per_parameter_per_rank", "state_vs_ddp", "peak_vs_ddp", "round_time_vs_ddp")
     return {mode: {k: m.get(k) for k in keys} for mode, m in modes.items()}

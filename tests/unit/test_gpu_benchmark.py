@@ -70,14 +70,13 @@ def test_a_run_reports_every_check_and_a_failed_check_as_a_finding(monkeypatch: 
 
 
 @pytest.mark.slow
-def test_the_node_check_compares_every_node_mode_with_one_device() -> None:
-    out = gpu.check_node(SPEC, "cpu")
-    assert set(out) == {f"{m}_max_abs_difference" for m in ("ddp", "fsdp", "pipeline")}
-    assert all(0.0 <= d < 1e-4 for d in out.values()), out
+def test_the_node_check_compares_a_node_with_one_device() -> None:
+    out = gpu.check_node(SPEC, "cpu", modes=("pipeline",))  # every mode's node is checked so in tests/integration
+    assert set(out) == {"pipeline_max_abs_difference"} and 0.0 <= out["pipeline_max_abs_difference"] < 1e-4
 
 
 @pytest.mark.slow
 def test_the_memory_check_reports_each_modes_state_beside_ddps() -> None:
-    out = gpu.check_memory("gpt-tiny", "cpu")
-    assert set(out) == {"ddp", "fsdp", "pipeline"} and out["ddp"]["state_vs_ddp"] == 1.0
-    assert all(0.5 < out[m]["state_vs_ddp"] < 1.0 for m in ("fsdp", "pipeline"))
+    out = gpu.check_memory("gpt-tiny", "cpu", modes="ddp,pipeline")
+    assert set(out) == {"ddp", "pipeline"} and out["ddp"]["state_vs_ddp"] == 1.0
+    assert 0.5 < out["pipeline"]["state_vs_ddp"] < 1.0
