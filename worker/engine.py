@@ -243,7 +243,9 @@ class WorkerEngine:
             momentum = bool(UpdateRule.from_json(state.update_rule_json).momentum)
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
             raise ProtocolError(f"model state: {e}") from None
-        mode, why = choose_node_mode(elements, self.placement.ranks, self.rank_memory, momentum=momentum)
+        mode, why = choose_node_mode(
+            elements, self.placement.ranks, self.rank_memory, momentum=momentum, shard=self.placement.shard
+        )
         if mode is None:
             raise TooLarge(f"{why} (worker serve --rank-memory-gb, --nproc-per-node)")
         if self.node.info.leader:

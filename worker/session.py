@@ -74,7 +74,9 @@ class Session:
                         f"the model has {elements:,} parameters and buffers, "
                         f"more than this worker's --max-model-params {max_elements:,}"
                     )
-            self._memory = (-(-elements // shards), memory, bool(rule.momentum))
+            # (this rank's share of the parameters, its memory, outer momentum, ranks the inner state is split over)
+            inner_shards = self.placement.ranks if self.placement.partitioned_optimizer else 1
+            self._memory = (-(-elements // shards), memory, bool(rule.momentum), inner_shards)
             self._check_memory(local_sgd=False)
             if self.placement.pipelined:  # whole on the meta device, then only this rank's stage allocated
                 with torch.device("meta"):
@@ -161,8 +163,8 @@ class Session:
         self._inner_restore = {}
 
     def _check_memory(self, *, local_sgd: bool) -> None:
-        elements, memory, momentum = self._memory
-        ok, why = fits(elements, memory, momentum=momentum, local_sgd=local_sgd)
+        elements, memory, momentum, inner_shards = self._memory
+        ok, why = fits(elements, memory, momentum=momentum, local_sgd=local_sgd, inner_shards=inner_shards)
         if not ok:
             raise TooLarge(f"{why} (worker serve --rank-memory-gb): a smaller model, or more memory per rank")
 

@@ -21,16 +21,22 @@ MOMENTUM = ("outer momentum", 4)
 LOCAL_STATE = (("working copy", 4), ("inner optimizer", 8))
 
 
-def state_bytes(elements: int, *, momentum: bool, local_sgd: bool) -> dict[str, int]:
-    """The bytes of each part of a run's state on one rank, for a model of ``elements`` parameters."""
+def state_bytes(elements: int, *, momentum: bool, local_sgd: bool, inner_shards: int = 1) -> dict[str, int]:
+    """The bytes of each part of a run's state on one rank, for a model of ``elements`` parameters; the
+    inner optimizer's split over ``inner_shards`` ranks (ZeRO-1: ``--node-shard optimizer``)."""
     parts = [*GRADIENT_STATE, *([MOMENTUM] if momentum else []), *(LOCAL_STATE if local_sgd else ())]
-    return {what: elements * per for what, per in parts}
+    out = {what: elements * per for what, per in parts}
+    if "inner optimizer" in out:
+        out["inner optimizer"] = -(-out["inner optimizer"] // inner_shards)
+    return out
 
 
-def fits(elements: int, budget: int | None, *, momentum: bool, local_sgd: bool) -> tuple[bool, str]:
+def fits(
+    elements: int, budget: int | None, *, momentum: bool, local_sgd: bool, inner_shards: int = 1
+) -> tuple[bool, str]:
     """Whether the state of a model of ``elements`` parameters fits a rank of ``budget`` bytes (``None``:
     no limit), and the sizes either way."""
-    parts = state_bytes(elements, momentum=momentum, local_sgd=local_sgd)
+    parts = state_bytes(elements, momentum=momentum, local_sgd=local_sgd, inner_shards=inner_shards)
     total = sum(parts.values())
     detail = ", ".join(f"{what} {size_text(size)}" for what, size in parts.items())
     if budget is None:
@@ -56,9 +62,13 @@ def device_memory(device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).total_memory
 
 
-def choose_node_mode(elements: int, ranks: int, budget: int | None, *, momentum: bool) -> tuple[str | None, str]:
+def choose_node_mode(
+    elements: int, ranks: int, budget: int | None, *, momentum: bool, shard: str = "full"
+) -> tuple[str | None, str]:
     """``--node-mode auto``: DDP when a whole model's local-SGD state fits a rank (the fastest: no
-    parameter gathers), else FSDP when a 1/ranks share of it does, else ``None`` (refuse). Pure; says why."""
+    parameter gathers), else FSDP when a rank's share of it does (1/ranks of it, or with ``shard``
+    "optimizer", ZeRO-1, the whole model with 1/ranks of the inner state), else ``None`` (refuse). Pure;
+    says why."""
     whole = sum(state_bytes(elements, momentum=momentum, local_sgd=True).values())
     if budget is None:
         return "ddp", f"no memory limit on this device: every rank holds the whole model ({size_text(whole)})"
@@ -68,11 +78,15 @@ def choose_node_mode(elements: int, ranks: int, budget: int | None, *, momentum:
             "ddp",
             f"the whole model's state ({size_text(whole)}) fits {HEADROOM:.0%} of a rank's {size_text(budget)}",
         )
-    share = -(-whole // ranks)
+    if shard == "optimizer":
+        share = sum(state_bytes(elements, momentum=momentum, local_sgd=True, inner_shards=ranks).values())
+    else:
+        share = -(-whole // ranks)
+    what = f"its inner state split over {ranks} ranks (ZeRO-1)" if shard == "optimizer" else f"a 1/{ranks} share"
     if share <= room:
         return "fsdp", (
             f"the whole model's state ({size_text(whole)}) does not fit {HEADROOM:.0%} of a rank's "
-            f"{size_text(budget)}; a 1/{ranks} share ({size_text(share)}) does: sharded"
+            f"{size_text(budget)}; with {what} ({size_text(share)}) it does: sharded"
         )
     return None, (
         f"a model of {elements:,} parameters needs {size_text(whole)} of state, {size_text(share)} a rank even "
