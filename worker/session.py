@@ -194,17 +194,11 @@ class Session:
         return self._working
 
     def inner_optimizer(self, config: InnerOptimizerConfig) -> InnerOptimizer:
-        """The run's inner optimizer over the working model; a change of settings starts it afresh. Muon
-        is refused on a sharded node: its Newton-Schulz step needs each matrix whole, and FSDP2 cuts them
-        by rows (ZeRO-1 and pipeline stages keep them whole)."""
+        """The run's inner optimizer over the working model; a change of settings starts it afresh. (On a
+        sharded node Muon's Newton-Schulz runs on the DTensor shards, whose matrix products are the whole
+        matrices': torch gathers what each needs.)"""
         if self._inner is not None and self._inner_config == config:
             return self._inner
-        if config.name == "muon" and self.placement.sharded:
-            raise ProtocolError(
-                "--inner-optimizer muon orthogonalizes whole matrices, and this node shards them by rows "
-                "(worker serve --node-mode fsdp, --node-shard gradients or full): run it with --node-shard "
-                "optimizer (ZeRO-1), --node-mode pipeline or ddp, or another inner optimizer"
-            )
         if self._inner is not None:
             log.info(
                 "run %r: inner optimizer settings changed (%s -> %s); its state starts afresh",

@@ -3,7 +3,6 @@ rounds computed as a DDP node computes them, replays on the shards, and a coordi
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import grpc
@@ -14,8 +13,7 @@ from gradwire.coordinator.client import WorkerClient, WorkerError
 from gradwire.coordinator.config import DENSE_CODEC
 from gradwire.coordinator.metrics import read_metrics
 from gradwire.models import spec_elements
-from gradwire.optim.inner import InnerOptimizerConfig
-from gradwire.protocol import OK, LocalSteps, WorkOrder
+from gradwire.protocol import OK, WorkOrder
 from gradwire.worker.sizing import GB, HEADROOM, state_bytes
 
 from .conftest import run_trainer
@@ -99,17 +97,3 @@ def test_auto_shards_a_model_that_does_not_fit_a_rank_whole_and_refuses_one_that
             client.push_state(st)
     assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert f"{elements:,} parameters" in e.value.details and "even sharded over 2 ranks" in e.value.details
-
-
-@pytest.mark.slow
-def test_a_sharded_node_refuses_muon_whose_step_needs_whole_matrices(tmp_path):
-    replica, st = state()
-    steps = LocalSteps(2, InnerOptimizerConfig(name="muon", momentum=0.95), (0.01, 0.01))
-    order = WorkOrder("run", 0, 0, batch(8), DENSE_CODEC, replica.fingerprint(), local_steps=steps)
-    with node(tmp_path, "--node-mode", "fsdp") as (address, _), WorkerClient(address, timeout=TIMEOUT) as client:
-        client.push_state(st)
-        with pytest.raises(WorkerError) as e:
-            client.run_round(order)
-        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "--node-shard optimizer" in e.value.details
-        result, _ = client.run_round(dataclasses.replace(order, local_steps=_local(2, lr=0.05)))  # AdamW serves
-        assert result.status == OK
