@@ -75,21 +75,23 @@ def _stateful_rounds(tmp_path: Path, *flags: str) -> dict:
     return out
 
 
-def test_zero1_and_zero3_nodes_step_adamw_and_muon_as_a_ddp_node(tmp_path):
+def test_zero_and_pipeline_nodes_step_adamw_and_muon_as_a_ddp_node(tmp_path):
     """ZeroRedundancyOptimizer wraps AdamW, and Muon's two optimizers, each partitioned over the ranks: the
     same steps as DDP's. ZeRO-3's Muon orthogonalizes DTensor shards (torch gathers what each product
-    needs): the same steps up to the float noise Newton-Schulz magnifies (two pipelines that differ only
-    in their micro-batches differ as much), so only directions are compared there."""
+    needs) and a pipeline's each stage's whole matrices: the same steps up to the float noise Newton-Schulz
+    magnifies (two pipelines that differ only in their micro-batches differ as much), so only directions
+    are compared there."""
     zero = _stateful_rounds(tmp_path, *ZERO["optimizer"])
     ddp = _stateful_rounds(tmp_path, "--node-mode", "ddp")
     full = _stateful_rounds(tmp_path, "--node-mode", "fsdp")
+    pipe = _stateful_rounds(tmp_path, "--node-mode", "pipeline")
     assert (zero["describe"], ddp["describe"]) == ("fsdp:optimizer", "ddp")  # Describe names the ZeRO stage
     for name in ("adamw", "muon"):
         for a, b in zip(zero[name], ddp[name]):
             assert_close(a, b, atol=1e-4)
-    for a, b in zip(full["adamw"], ddp["adamw"]):
+    for a, b in zip(full["adamw"] + pipe["adamw"], ddp["adamw"] * 2):
         assert_close(a, b, atol=1e-4)
-    for a, b in zip(full["muon"], ddp["muon"]):
+    for a, b in zip(full["muon"] + pipe["muon"], ddp["muon"] * 2):
         whole = torch.nn.functional.cosine_similarity(
             torch.cat([a[n].flatten() for n in b]), torch.cat([t.flatten() for t in b.values()]), dim=0
         )
