@@ -20,8 +20,9 @@ before the node stops: the whole process, Python and torch included, so small mo
 and per model parameter, and whether the first round's payload - the bytes that cross the slow link - is
 the DDP node's (``payload_identical``: the serialized payloads are equal; ``payload_max_abs_diff``: the
 largest difference of their decoded tensors). The ratios and comparisons need ``ddp`` among the modes.
-``node_bytes`` counts what the worker counts: DDP's comm-hook traffic and local-SGD's parameter averages,
-not FSDP's own all-gathers and reduce-scatters, so an ``fsdp`` row reads 0 there whatever its bus carried.
+``node_bytes`` counts what the worker counts: DDP's comm-hook traffic, local-SGD's parameter averages, and
+the collectives torch issues for a split node (FSDP2's all-gathers and reduce-scatters, a pipeline's
+sends, the gather of each gradient to its encoder: ``worker.bus``), on rank 0.
 """
 
 from __future__ import annotations
