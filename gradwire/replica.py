@@ -82,6 +82,26 @@ class Fingerprint:
     sumsqs: tuple[float, ...]
     samples: tuple[float, ...]
 
+    @classmethod
+    def from_stats(cls, stats: torch.Tensor, tensors: int) -> Fingerprint:
+        """From one flat float64 tensor: ``tensors`` sums, as many sums of squares, then the samples (what a
+        replica split over ranks sums over them in one collective)."""
+        n = tensors
+        return cls(tuple(stats[:n].tolist()), tuple(stats[n : 2 * n].tolist()), tuple(stats[2 * n :].float().tolist()))
+
+
+def check_state(shapes: Mapping[str, Sequence[int]], parameters: Mapping[str, torch.Tensor]) -> None:
+    """``ValueError`` unless ``parameters`` holds exactly the tensors of ``shapes`` (names to shapes), each of
+    its shape: what a replica checks before a state overwrites anything."""
+    unknown = sorted(set(parameters) - set(shapes))
+    if unknown:
+        raise ValueError(f"state has parameters the model does not: {unknown[:5]}")
+    for name, shape in shapes.items():
+        if name not in parameters:
+            raise ValueError(f"state is missing parameter {name!r}")
+        if tuple(parameters[name].shape) != tuple(shape):
+            raise ValueError(f"parameter {name!r}: shape {tuple(parameters[name].shape)} != {tuple(shape)}")
+
 
 def sample_positions(
     named_shapes: Sequence[tuple[str, Sequence[int]]], per_tensor: int = SAMPLES_PER_TENSOR
@@ -254,17 +274,10 @@ class Replica:
         self, parameters: Mapping[str, torch.Tensor], momentum: Sequence[torch.Tensor] = (), version: int = 0
     ) -> None:
         """Overwrite the parameters (and sgd momentum) with a full state, e.g. on a push."""
-        unknown = sorted(set(parameters) - set(self.params))
-        if unknown:
-            raise ValueError(f"state has parameters the model does not: {unknown[:5]}")
+        check_state({n: p.shape for n, p in self.params.items()}, parameters)
         with torch.no_grad():
             for name, p in self.params.items():
-                if name not in parameters:
-                    raise ValueError(f"state is missing parameter {name!r}")
-                src = parameters[name]
-                if tuple(src.shape) != tuple(p.shape):
-                    raise ValueError(f"parameter {name!r}: shape {tuple(src.shape)} != {tuple(p.shape)}")
-                p.copy_(src)
+                p.copy_(parameters[name])
         self.momentum = [m.detach().clone().to(next(iter(self.params.values())).device) for m in momentum]
         self.version = version
 

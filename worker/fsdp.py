@@ -23,7 +23,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from gradwire.optim.outer import UpdateRule
-from gradwire.replica import Fingerprint, Replica
+from gradwire.replica import Fingerprint, Replica, check_state
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
@@ -174,22 +174,13 @@ class ShardedReplica(Replica):
             samples.append(values)
         stats = torch.cat([torch.stack(sums), torch.stack(sumsqs), *samples])
         dist.all_reduce(stats)  # one collective for the whole fingerprint
-        n = len(sums)
-        return Fingerprint(
-            tuple(stats[:n].tolist()), tuple(stats[n : 2 * n].tolist()), tuple(stats[2 * n :].float().tolist())
-        )
+        return Fingerprint.from_stats(stats, len(sums))
 
     def load_state(
         self, parameters: Mapping[str, torch.Tensor], momentum: Sequence[torch.Tensor] = (), version: int = 0
     ) -> None:
         """Overwrite this rank's shards with its rows of a full state (every rank passes the same)."""
-        unknown = sorted(set(parameters) - set(self.params))
-        missing = sorted(set(self.params) - set(parameters))
-        if unknown or missing:
-            raise ValueError(f"state has parameters the model does not ({unknown[:5]}) or misses some ({missing[:5]})")
-        for name, p in self._sharded.items():
-            if tuple(parameters[name].shape) != tuple(p.shape):
-                raise ValueError(f"parameter {name!r}: shape {tuple(parameters[name].shape)} != {tuple(p.shape)}")
+        check_state({n: p.shape for n, p in self._sharded.items()}, parameters)  # the whole tensors' shapes
         load(self.model, parameters)
         self.momentum = [_rows(m, p) for m, p in zip(momentum, self._sharded.values())]
         self.version = version

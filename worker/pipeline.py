@@ -21,6 +21,7 @@ stage's tensors (a tied one: the first stage), and fingerprints the whole model 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -34,7 +35,7 @@ from gradwire.compression import CodecConfig, GradientCodec
 from gradwire.models import GPT
 from gradwire.models.gpt import rope_tables
 from gradwire.optim.outer import UpdateRule
-from gradwire.replica import Fingerprint, Replica, sample_positions
+from gradwire.replica import Fingerprint, Replica, check_state, sample_positions
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -267,8 +268,10 @@ class PipelineRunner:
         return float(total.item())
 
 
+@functools.cache
 def tied_group(stages: int) -> dist.ProcessGroup | None:
-    """The group of the first and the last stage (a tied embedding's two holders); every rank calls this."""
+    """The group of the first and the last stage (a tied embedding's two holders); every rank calls this
+    alike. Made once per process: every run's sessions share it."""
     if stages <= 2:
         return None  # the whole node
     return dist.new_group([0, stages - 1])
@@ -331,21 +334,13 @@ class StageReplica(Replica):
                 stats[offset : offset + len(positions)] = flat[positions.to(flat.device)].float().double().cpu()
             offset += len(positions)
         dist.all_reduce(stats)  # one collective for the whole fingerprint
-        return Fingerprint(
-            tuple(stats[:n].tolist()), tuple(stats[n : 2 * n].tolist()), tuple(stats[2 * n :].float().tolist())
-        )
+        return Fingerprint.from_stats(stats, n)
 
     def load_state(
         self, parameters: Mapping[str, torch.Tensor], momentum: Sequence[torch.Tensor] = (), version: int = 0
     ) -> None:
         """Overwrite the stage's tensors (and their momentum) with theirs of a whole state."""
-        unknown = sorted(set(parameters) - set(self.shapes))
-        missing = sorted(set(self.shapes) - set(parameters))
-        if unknown or missing:
-            raise ValueError(f"state has parameters the model does not ({unknown[:5]}) or misses some ({missing[:5]})")
-        for name, shape in self.shapes.items():
-            if tuple(parameters[name].shape) != shape:
-                raise ValueError(f"parameter {name!r}: shape {tuple(parameters[name].shape)} != {shape}")
+        check_state(self.shapes, parameters)
         if momentum and len(momentum) != len(self.shapes):
             raise ValueError(f"{len(momentum)} momentum tensors for {len(self.shapes)} parameters")
         with torch.no_grad():
