@@ -78,40 +78,31 @@ class Session:
             inner_shards = self.placement.ranks if self.placement.partitioned_optimizer else 1
             self._memory = (-(-elements // shards), memory, bool(rule.momentum), inner_shards)
             self._check_memory(local_sgd=False)
-            if self.placement.pipelined:  # whole on the meta device, then only this rank's stage allocated
+            self.spec, self.device = spec, device
+            if self.placement.pipelined:  # planned on the whole model, on the meta device
                 with torch.device("meta"):
                     whole = build_from_spec(spec)
-                shapes = {n: tuple(p.shape) for n, p in whole.named_parameters()}
                 self.stage = pipeline.plan_stage(whole, self.placement.node.rank, self.placement.ranks)
-                model = pipeline.stage_model(whole, self.stage)
-            elif self.placement.sharded:  # built a parameter at a time; only this rank's shards allocated
-                with fsdp.parameters_on_meta():
-                    model = build_from_spec(spec)
-            else:
-                model = build_from_spec(spec)
+            model = self._build()
         except TooLarge:
             raise
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
             raise ProtocolError(f"model state: {e}") from None
         self.run_id = state.run_id
         self.owner = owner  # who may use this run: gradwire.security.run_owner of its first push
-        self.spec = spec
-        self.device = device
         if self.stage is not None:
-            model = pipeline.materialize(model, self.stage, device)
+            shapes = {n: tuple(p.shape) for n, p in whole.named_parameters()}
             self.replica: Replica = StageReplica(model, rule, shapes, pipeline.owned_names(model, self.stage))
-        elif shards > 1:
-            self.replica = ShardedReplica(
-                fsdp.shard(model, device=device, reshard_after_forward=self.placement.reshard_after_forward), rule
-            )
+        elif self.placement.sharded:
+            self.replica = ShardedReplica(model, rule)
         else:
-            self.replica = Replica(model.to(device), rule)
+            self.replica = Replica(model, rule)
         momentum = [state.optimizer_state[k] for k in sorted(state.optimizer_state, key=_numeric_suffix)]
         try:
             self.replica.load_state(state.parameters, momentum, state.version)
         except ValueError as e:
             raise ProtocolError(f"model state: {e}") from None
-        self.vocab_size = _vocab_size(model)
+        self.vocab_size = _vocab_size(whole if self.stage is not None else model)  # a stage may lack the embedding
         self.feedback = ErrorFeedback()
         self.last_sent: tuple[int, CompressedGradient] | None = None  # (round, payload) of the last result
         self.fingerprint_ahead: Future[Fingerprint] | None = None  # the replica's, being taken after a round
@@ -128,6 +119,19 @@ class Session:
         self._shard_codecs: dict[CodecConfig, GradientCodec] = {}  # a split node: this rank's own tensors' codec
         # a pipelined node: the group of the ranks that hold a tied embedding (every rank creates it alike)
         self.tied_group = pipeline.tied_group(self.stage.count) if self.stage is not None else None
+
+    def _build(self) -> torch.nn.Module:
+        """This rank's part of the run's model on its device, values undefined where only a part is allocated:
+        its pipeline stage, its FSDP2 shards (built a parameter at a time), or the whole model."""
+        if self.stage is not None:
+            with torch.device("meta"):
+                whole = build_from_spec(self.spec)
+            return pipeline.materialize(pipeline.stage_model(whole, self.stage), self.stage, self.device)
+        if self.placement.sharded:
+            with fsdp.parameters_on_meta():
+                model = build_from_spec(self.spec)
+            return fsdp.shard(model, device=self.device, reshard_after_forward=self.placement.reshard_after_forward)
+        return build_from_spec(self.spec).to(self.device)
 
     def owned(self, config: CodecConfig) -> tuple[str, ...]:
         """A split node: the tensors this rank encodes, in payload order (a sharded node: its share of the
@@ -173,19 +177,7 @@ class Session:
         (``TooLarge``) where a local-SGD round's state would not fit the rank's memory."""
         if self._working is None:
             self._check_memory(local_sgd=True)
-            if self.stage is not None:  # this rank's stage only, as the replica
-                with torch.device("meta"):
-                    whole = build_from_spec(self.spec)
-                self._working = pipeline.materialize(pipeline.stage_model(whole, self.stage), self.stage, self.device)
-            elif self.placement.sharded:  # sharded as the replica is: the same rows on this rank
-                with fsdp.parameters_on_meta():
-                    self._working = fsdp.shard(
-                        build_from_spec(self.spec),
-                        device=self.device,
-                        reshard_after_forward=self.placement.reshard_after_forward,
-                    )
-            else:
-                self._working = build_from_spec(self.spec).to(self.device)
+            self._working = self._build()  # this rank's part, as the replica's: the same rows, or the same stage
         sharded = self.placement.sharded
         with torch.no_grad():
             for w, p in zip(self._working.parameters(), self.replica.params.values()):
