@@ -23,7 +23,7 @@ import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from gradwire import protocol
+from gradwire import protocol, statestream
 from gradwire.v1 import worker_pb2 as pb
 from gradwire.v1 import worker_pb2_grpc
 
@@ -214,5 +214,10 @@ def fuzz(
 
 def _payload(msg: Message, rng: random.Random) -> bytes:
     if rng.random() < 0.8:
-        return mutate(msg, rng).SerializeToString()
-    return _bytes_mutation(msg.SerializeToString(), rng)
+        return _serialized(mutate(msg, rng))
+    return _bytes_mutation(_serialized(msg), rng)
+
+
+def _serialized(msg: Message) -> bytes:
+    """A state in the order a worker streams it (``gradwire.statestream``), so that mutations reach its checks."""
+    return statestream.serialize(msg) if isinstance(msg, pb.ModelState) else msg.SerializeToString()

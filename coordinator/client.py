@@ -21,7 +21,7 @@ import grpc
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gradwire import protocol
+from gradwire import protocol, statestream
 from gradwire.link import Traffic, WorkerError
 from gradwire.protocol import PROTOCOL_VERSION, ModelState, RoundResult, WorkerInfo, WorkerState, WorkOrder
 from gradwire.replica import Fingerprint
@@ -101,7 +101,7 @@ class WorkerClient:
     def push_state(self, state: ModelState, timeout: float | None = None) -> tuple[tuple[int, Fingerprint], Traffic]:
         """Replace the worker's replica of ``state.run_id``: its version and fingerprint, and the bytes."""
         down = _Counter()
-        parts = down.count(protocol.to_parts(protocol.state_to_proto(state)))
+        parts = down.count(statestream.state_parts(state))  # serialized a tensor at a time, as sent
 
         def push() -> pb.PushStateReply:
             call = self._stub.PushState.future(parts, timeout=self._timeout(timeout), metadata=self.call_metadata)

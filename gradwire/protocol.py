@@ -57,41 +57,85 @@ def check_run_id(run_id: str, where: str) -> str:
 
 def to_parts(message: Message, part_bytes: int = PART_BYTES) -> Iterator[pb.Part]:
     """``message`` serialized and cut into parts; every part declares the total, the last adds the hash."""
-    data = message.SerializeToString()
-    digest = hashlib.sha256(data).digest()
-    view = memoryview(data)
-    starts = range(0, max(len(data), 1), part_bytes)
-    for i, start in enumerate(starts):
-        last = i == len(starts) - 1
-        chunk = bytes(view[start : start + part_bytes])
-        yield pb.Part(data=chunk, last=last, total_bytes=len(data), sha256=digest if last else b"")
+    return frame([message.SerializeToString()], part_bytes)
+
+
+def frame(pieces: Iterable[bytes], part_bytes: int = PART_BYTES, total: int | None = None) -> Iterator[pb.Part]:
+    """The concatenation of ``pieces`` as parts, without ever joining them: at most a part and a piece are
+    held at a time. ``total`` (the pieces' byte count, which every part declares) is needed up front when
+    ``pieces`` is a generator; the hash is taken as the bytes go by."""
+    if total is None:
+        pieces = list(pieces)
+        total = sum(map(len, pieces))
+    digest = hashlib.sha256()
+    buf, sent = bytearray(), 0
+    for piece in pieces:
+        buf += piece
+        while len(buf) > part_bytes:  # keep something back: the last part carries the hash
+            chunk = bytes(buf[:part_bytes])
+            del buf[:part_bytes]
+            digest.update(chunk)
+            sent += len(chunk)
+            yield pb.Part(data=chunk, last=False, total_bytes=total)
+    if sent + len(buf) != total:
+        raise RuntimeError(f"framed {sent + len(buf)} bytes, declared {total}")  # a bug on this side
+    digest.update(buf)
+    yield pb.Part(data=bytes(buf), last=True, total_bytes=total, sha256=digest.digest())
+
+
+class Unframer:
+    """The receiving side of ``frame``, a part at a time: refuses a message whose first part declares more
+    than ``max_bytes`` before holding any of it, a part that disagrees with the declared size or runs past
+    it, and, on the last part, a short message or a wrong hash. ``limit_reason`` says where the limit comes
+    from, for the error."""
+
+    def __init__(self, max_bytes: int, limit_reason: str = "--max-message-mb") -> None:
+        self.max_bytes, self.limit_reason = max_bytes, limit_reason
+        self.declared = -1
+        self.received = 0
+        self.done = False
+        self._digest = hashlib.sha256()
+
+    def take(self, part: pb.Part) -> bytes:
+        """``part``'s bytes once checked; after the last part, ``done`` is set."""
+        if self.done:
+            raise ProtocolError("framed message runs on after its last part")
+        if self.declared < 0:  # the first part: refuse an oversized message before holding any of it
+            self.declared = part.total_bytes
+            if self.declared > self.max_bytes:
+                raise ProtocolError(
+                    f"message declares {self.declared} bytes, over the {_size(self.max_bytes)} limit "
+                    f"({self.limit_reason})"
+                )
+        elif part.total_bytes != self.declared:
+            raise ProtocolError(f"a part declares {part.total_bytes} bytes in all, the first part {self.declared}")
+        if self.received + len(part.data) > self.declared:
+            raise ProtocolError(f"framed message runs past the {self.declared} bytes its parts declare")
+        self.received += len(part.data)
+        self._digest.update(part.data)
+        if part.last:
+            if self.received != self.declared:
+                raise ProtocolError(f"framed message is {self.received} bytes, its parts declare {self.declared}")
+            if self._digest.digest() != part.sha256:
+                raise ProtocolError("framed message failed its SHA-256 check")
+            self.done = True
+        return part.data
+
+    def check_complete(self) -> None:
+        if not self.done:
+            raise ProtocolError("framed message ended before its last part")
 
 
 def join_parts(parts: Iterable[pb.Part], max_bytes: int, limit_reason: str = "--max-message-mb") -> bytes:
-    """Concatenate a framed message; check its declared size against ``max_bytes`` before buffering
-    anything, then that every part keeps to it, then completeness and hash. ``limit_reason`` says where
-    the limit comes from, for the error."""
+    """Concatenate a framed message, checked as ``Unframer`` checks it, before anything is parsed."""
+    unframe = Unframer(max_bytes, limit_reason)
     buf = bytearray()
-    declared = -1
     for part in parts:
-        if declared < 0:  # the first part: refuse an oversized message before holding any of it
-            declared = part.total_bytes
-            if declared > max_bytes:
-                raise ProtocolError(
-                    f"message declares {declared} bytes, over the {_size(max_bytes)} limit ({limit_reason})"
-                )
-        elif part.total_bytes != declared:
-            raise ProtocolError(f"a part declares {part.total_bytes} bytes in all, the first part {declared}")
-        if len(buf) + len(part.data) > declared:
-            raise ProtocolError(f"framed message runs past the {declared} bytes its parts declare")
-        buf += part.data
-        if part.last:
-            if len(buf) != declared:
-                raise ProtocolError(f"framed message is {len(buf)} bytes, its parts declare {declared}")
-            if hashlib.sha256(buf).digest() != part.sha256:
-                raise ProtocolError("framed message failed its SHA-256 check")
-            return bytes(buf)
-    raise ProtocolError("framed message ended before its last part")
+        buf += unframe.take(part)
+        if unframe.done:
+            break
+    unframe.check_complete()
+    return bytes(buf)
 
 
 def _size(n: int) -> str:
@@ -120,10 +164,15 @@ _DTYPES: dict[torch.dtype, tuple[int, np.dtype]] = {
 _BY_CODE = {code: (dtype, np_dtype) for dtype, (code, np_dtype) in _DTYPES.items()}
 
 
+def dtype_code(name: str, dtype: torch.dtype) -> tuple[int, np.dtype]:
+    """How tensor ``name`` of ``dtype`` travels: its DType code and the numpy dtype of its bytes."""
+    if dtype not in _DTYPES:
+        raise ProtocolError(f"tensor {name!r}: dtype {dtype} cannot travel")
+    return _DTYPES[dtype]
+
+
 def tensor_to_proto(name: str, t: torch.Tensor) -> pb.Tensor:
-    if t.dtype not in _DTYPES:
-        raise ProtocolError(f"tensor {name!r}: dtype {t.dtype} cannot travel")
-    code, np_dtype = _DTYPES[t.dtype]
+    code, np_dtype = dtype_code(name, t.dtype)
     host = t.detach().contiguous().cpu()
     if t.dtype == torch.bfloat16:
         host = host.view(torch.int16)
@@ -234,7 +283,7 @@ def state_to_proto(s: ModelState) -> pb.ModelState:
 
 
 def state_from_proto(m: pb.ModelState) -> ModelState:
-    _check_version(m.protocol_version)
+    check_version(m.protocol_version)
     check_run_id(m.run_id, "model state")
     return ModelState(
         m.run_id,
@@ -458,7 +507,7 @@ def order_to_proto(o: WorkOrder) -> pb.WorkOrder:
 
 
 def order_from_proto(m: pb.WorkOrder) -> WorkOrder:
-    _check_version(m.protocol_version)
+    check_version(m.protocol_version)
     check_run_id(m.run_id, "work order")
     batch = batch_from_proto(m.batch)
     next_batch = None
@@ -593,7 +642,7 @@ def worker_state_from_proto(m: pb.WorkerState) -> WorkerState:
     )
 
 
-def _check_version(v: int) -> None:
+def check_version(v: int) -> None:
     if v != PROTOCOL_VERSION:
         raise ProtocolError(
             f"protocol version {v} is not this side's {PROTOCOL_VERSION}: upgrade the older of coordinator and worker"

@@ -174,7 +174,11 @@ class Replica:
         self.version = version
         self.params: dict[str, torch.Tensor] = dict(model.named_parameters())
         self.momentum: list[torch.Tensor] = []
-        named_shapes = [(n, tuple(p.shape)) for n, p in self.params.items()]
+        # The whole model's tensors and shapes, in its order: what a state must hold (a replica that holds
+        # part of the model has the whole model's here, ``params`` its part).
+        self.shapes: dict[str, tuple[int, ...]] = {n: tuple(p.shape) for n, p in self.params.items()}
+        self._loading: _Loading | None = None  # a state arriving a tensor at a time
+        named_shapes = list(self.shapes.items())
         self.numels = [p.numel() for p in self.params.values()]
         self._positions = sample_positions(named_shapes)
         self._codecs: dict[CodecConfig, GradientCodec] = {}
@@ -273,13 +277,77 @@ class Replica:
     def load_state(
         self, parameters: Mapping[str, torch.Tensor], momentum: Sequence[torch.Tensor] = (), version: int = 0
     ) -> None:
-        """Overwrite the parameters (and sgd momentum) with a full state, e.g. on a push."""
-        check_state({n: p.shape for n, p in self.params.items()}, parameters)
-        with torch.no_grad():
-            for name, p in self.params.items():
-                p.copy_(parameters[name])
-        self.momentum = [m.detach().clone().to(next(iter(self.params.values())).device) for m in momentum]
+        """Overwrite the parameters (and sgd momentum) with a full state (every tensor whole, each rank of a
+        node passing the same), e.g. on a resume; checked before anything is overwritten."""
+        check_state(self.shapes, parameters)
+        self.begin_load()
+        for name in self.shapes:
+            self.load_tensor(name, parameters[name])
+        for i, m in enumerate(momentum):
+            self.load_momentum(i, m)
+        self.end_load(version)
+
+    # A state streamed in a tensor at a time (a push): begin, each tensor as it comes, end. Each tensor is
+    # checked as it comes, so a replica whose load fails half way holds a mix: throw it away.
+
+    def begin_load(self) -> None:
+        self._loading = _Loading(dict(zip(self.params, self._step_tensors())))
+
+    @torch.no_grad()
+    def load_tensor(self, name: str, full: torch.Tensor) -> None:
+        """Parameter ``name`` of the state, whole; this replica keeps its share (``_share``)."""
+        loading = self._started()
+        seen = loading.seen
+        if name not in self.shapes:
+            raise ValueError(f"state has a parameter the model does not: {name!r}")
+        if name in seen:
+            raise ValueError(f"state has parameter {name!r} twice")
+        if tuple(full.shape) != self.shapes[name]:
+            raise ValueError(f"parameter {name!r}: shape {tuple(full.shape)} != {self.shapes[name]}")
+        seen.add(name)
+        if name in loading.targets:
+            loading.targets[name].copy_(self._share(name, full))
+
+    def load_momentum(self, index: int, full: torch.Tensor) -> None:
+        """The outer momentum of the model's ``index``-th parameter (in ``shapes``' order), whole."""
+        loading = self._started()
+        momentum, names = loading.momentum, list(self.shapes)
+        if not 0 <= index < len(names) or index in momentum:
+            raise ValueError(f"momentum tensor {index}: {'twice' if index in momentum else 'no such parameter'}")
+        if tuple(full.shape) != self.shapes[names[index]]:
+            raise ValueError(f"momentum of {names[index]!r}: shape {tuple(full.shape)} != {self.shapes[names[index]]}")
+        name = names[index]
+        if name in loading.targets:
+            target = loading.targets[name]
+            momentum[index] = self._share(name, full).to(target.device, target.dtype, copy=True)
+        else:
+            momentum[index] = full.new_empty(0)  # counted, not kept: another stage's
+
+    def end_load(self, version: int) -> None:
+        """The state is complete: every parameter, and the momentum of none or of all."""
+        loading = self._started()
+        seen, momentum = loading.seen, loading.momentum
+        self._loading = None
+        missing = [n for n in self.shapes if n not in seen]
+        if missing:
+            raise ValueError(f"state is missing parameter {missing[0]!r} ({len(missing)} missing)")
+        if momentum and len(momentum) != len(self.shapes):
+            raise ValueError(f"{len(momentum)} momentum tensors for {len(self.shapes)} parameters")
+        names = list(self.shapes)
+        self.momentum = [momentum[names.index(n)] for n in self.params] if momentum else []
         self.version = version
+
+    def _started(self) -> _Loading:
+        if self._loading is None:
+            raise RuntimeError("begin_load first")
+        return self._loading
+
+
+@dataclasses.dataclass
+class _Loading:
+    targets: dict[str, torch.Tensor]  # what each parameter's share is written into (``_step_tensors``)
+    seen: set[str] = dataclasses.field(default_factory=set)
+    momentum: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # by the parameter's index
 
 
 def _check_step(tensors: Mapping[str, torch.Tensor], lr: float) -> None:

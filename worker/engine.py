@@ -28,9 +28,10 @@ import contextlib
 import dataclasses
 import json
 import logging
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import TypeVar
@@ -42,7 +43,7 @@ from google.protobuf.message import Message
 from torch.distributed.tensor import DTensor
 
 import gradwire
-from gradwire import protocol
+from gradwire import protocol, statestream
 from gradwire.compression import CompressedGradient, DecodedGradient, NonFiniteInput, serde, shard
 from gradwire.errors import AccessDenied, TooLarge
 from gradwire.models import spec_elements
@@ -70,8 +71,6 @@ from gradwire.worker.node import (
     NodeGroup,
     merge_rank_states,
     merge_shard_states,
-    rank_state,
-    shard_state,
 )
 from gradwire.worker.session import Session, host_tensors
 from gradwire.worker.sizing import choose_node_mode, device_memory
@@ -167,20 +166,66 @@ class WorkerEngine:
         return f"fsdp:{placement.shard}" if placement.mode == "fsdp" and placement.shard != "full" else placement.mode
 
     def push_state(self, state: ModelState, owner: bytes = b"") -> tuple[int, Fingerprint]:
-        """Start or replace the replica of ``state.run_id``; the run then belongs to ``owner``.
+        """Start or replace the replica of ``state.run_id`` from a whole state in this process; it takes
+        the path a push over the wire takes (``push_parts``)."""
+        return self.push_parts(statestream.state_parts(state), sys.maxsize, owner=owner)
 
-        ``AccessDenied`` if another owner holds that run (checked before any rank sees the state)."""
-        return self._compute.submit(
-            self._owned,
-            state.run_id,
-            owner,
-            self._lead,
-            Command.PUSH_STATE,
-            lambda: protocol.state_to_proto(state),
-            self._push_state,
-            state,
-            owner,
-        ).result()
+    def push_parts(
+        self, parts: Iterator[pb.Part], max_bytes: int, limit_reason: str = "", owner: bytes = b""
+    ) -> tuple[int, Fingerprint]:
+        """Start or replace a run's replica from the framed state ``parts`` as they arrive (``statestream``):
+        each tensor is loaded as soon as it is in, and on a node handed to every rank as it comes, each
+        keeping its share; the state is never whole in memory. The run then belongs to ``owner``.
+
+        ``AccessDenied`` if another owner holds that run (checked before any rank sees the state);
+        ``ProtocolError`` for a malformed or incomplete state, which replaces nothing."""
+        return self._compute.submit(self._push_parts, parts, max_bytes, limit_reason, owner).result()
+
+    def _push_parts(
+        self, parts: Iterator[pb.Part], max_bytes: int, limit_reason: str, owner: bytes
+    ) -> tuple[int, Fingerprint]:
+        pieces = statestream.read_state(parts, max_bytes, limit_reason or "--max-message-mb", self._keep_alive)
+        head = next(pieces)
+        header = statestream.decode_header(head)
+        return self._owned(header.run_id, owner, self._lead_push, head, header, pieces, owner)
+
+    def _lead_push(
+        self, head: bytes, header: statestream.StateHeader, pieces: Iterator[bytes], owner: bytes
+    ) -> tuple[int, Fingerprint]:
+        """Rank 0 (or a single device): build the session from the header, then load each tensor and hand
+        it to the other ranks; they take it only once every rank has it all (``PUSH_END``)."""
+        self._command(Command.PUSH_BEGIN, head)
+        try:
+            session = self._new_session(header, owner)
+            for piece in pieces:
+                session.load(*statestream.decode_tensor(piece))  # checked here before any other rank sees it
+                self._command(Command.PUSH_TENSOR, piece)
+            session.loaded()
+        except BaseException:
+            if self.node is not None:
+                with contextlib.suppress(Exception):  # a node that cannot hear it fails its next command anyway
+                    self._command(Command.PUSH_ABORT)
+            raise
+        if self.node is not None:
+            self._command(Command.PUSH_END)
+            with _NodeErrors():
+                if not self.node.all_true(True):
+                    raise RuntimeError("another rank of this node could not take the state (see its log)")
+        log.info("run %r: state at version %d", header.run_id, header.version)
+        return self._install(session)
+
+    def _command(self, command: Command, payload: bytes = b"") -> None:
+        """Rank 0 of a node: hand the other ranks a command (nothing off a node)."""
+        if self.node is not None:
+            with _NodeErrors():
+                self.node.send(command, payload)
+            self._last_command = time.monotonic()
+
+    def _keep_alive(self) -> None:
+        """While a push streams in (on the compute thread): a heartbeat if no command went out for a while,
+        so that a large tensor arriving slowly does not time the other ranks out."""
+        if self.node is not None and time.monotonic() - self._last_command >= self._heartbeat_every:
+            self._command(Command.HEARTBEAT)
 
     def _owned(self, run_id: str, owner: bytes, call: Callable[..., T], *args: object) -> T:
         """``call(*args)`` if the run is new or ``owner``'s; runs on the compute thread, where sessions change."""
@@ -197,9 +242,7 @@ class WorkerEngine:
         ``message`` builds the proto only on a node: a single-device worker serializes nothing twice.
         """
         if self.node is not None:
-            with _NodeErrors():
-                self.node.send(command, message().SerializeToString())
-            self._last_command = time.monotonic()
+            self._command(command, message().SerializeToString())
         return call(*args)
 
     def _heartbeats(self) -> None:
@@ -233,7 +276,7 @@ class WorkerEngine:
         copies = STATE_COPIES + 2 * (self.placement.ranks - 1) if kind == "state" else ORDER_COPIES
         return 4 * elements * copies + REQUEST_SLACK
 
-    def _placement_for(self, state: ModelState) -> Placement:
+    def _placement_for(self, state: statestream.StateHeader) -> Placement:
         """How this node computes ``state``'s run: as started, or by the model's size with --node-mode auto
         (every rank decides alike, from the same state)."""
         if self.placement.mode != "auto" or self.node is None:
@@ -252,29 +295,20 @@ class WorkerEngine:
             log.info("run %r: --node-mode auto picks %s: %s", state.run_id, mode, why)
         return dataclasses.replace(self.placement, mode=mode, shard=self.placement.shard if mode == "fsdp" else "full")
 
-    def _push_state(self, state: ModelState, owner: bytes = b"") -> tuple[int, Fingerprint]:
-        placement = self._placement_for(state)
-        if placement.split:  # each rank restores its own part, saved by a node this wide in this mode
-            world, rank, mode = self.node.world_size, self.node.rank, placement.mode
-            state = dataclasses.replace(
-                state,
-                feedback=shard_state(state.feedback, world, rank, mode),
-                inner_optimizer=shard_state(state.inner_optimizer, world, rank, mode),
-            )
-        elif self.node is not None:
-            # Ranks that step apart (local-sgd) restore their own inner state (node.rank_state); DDP ranks step
-            # alike, so they all take the node's whole state (rank 0's, and what other ranks saved of parameters
-            # it lacks: a ZeRO-1 node's partitions), each ZeRO-1 rank keeping its own partition of it.
-            rank = self.node.rank if placement.apart else 0
-            state = dataclasses.replace(state, inner_optimizer=rank_state(state.inner_optimizer, rank))
-        # Built and validated (sized against the limits first) before it replaces anything.
-        session = Session(state, self.device, owner, self.max_model_params, self.rank_memory, placement)
+    def _new_session(self, header: statestream.StateHeader, owner: bytes) -> Session:
+        """A session for the pushed state, sized and built (its tensors to come), replacing nothing yet.
+        Each rank of a node keeps its own share of it: ``Session.load``."""
+        placement = self._placement_for(header)
+        return Session(header, self.device, owner, self.max_model_params, self.rank_memory, placement)
+
+    def _install(self, session: Session) -> tuple[int, Fingerprint]:
+        """Make a complete session the run's: the previous one of the run, if any, goes (a resync keeps what
+        the push did not bring), and the least recently started runs beyond ``max_sessions``."""
         with self._lock:
-            previous = self.sessions.pop(state.run_id, None)
+            previous = self.sessions.pop(session.run_id, None)
             if previous is not None:
-                # A resync of the same run keeps what this worker has not sent yet, and its inner optimizer.
-                session.carry_over(previous, feedback=not state.feedback, inner=not state.inner_optimizer)
-            self.sessions[state.run_id] = session
+                session.carry_over(previous)
+            self.sessions[session.run_id] = session
             while len(self.sessions) > self.max_sessions:
                 self.sessions.popitem(last=False)  # the least recently started run
             return session.replica.version, session.replica.fingerprint()
@@ -368,9 +402,12 @@ class WorkerEngine:
         """Ranks > 0 of a node: make every call rank 0 hands over, until it says stop (or the node fails).
 
         A call that fails here fails on rank 0 too (the same bytes, the same code), which answers the
-        coordinator; this rank only logs it and waits for the next.
+        coordinator; this rank only logs it and waits for the next. A state push comes a tensor at a time
+        (``PUSH_BEGIN``, ``PUSH_TENSOR``..., then ``PUSH_END`` or ``PUSH_ABORT``): this rank keeps its share
+        of each, and takes the state only if every rank could.
         """
         assert self.node is not None and not self.node.info.leader
+        pushing: Session | None = None
         while True:
             command, data = self.node.receive()
             if command == Command.STOP:
@@ -378,14 +415,37 @@ class WorkerEngine:
             if command == Command.HEARTBEAT:
                 continue
             try:
-                if command == Command.PUSH_STATE:
-                    self._push_state(protocol.state_from_proto(protocol.parse(pb.ModelState, data)))
+                if command == Command.PUSH_BEGIN:
+                    pushing = None
+                    pushing = self._new_session(statestream.decode_header(data), b"")
+                elif command == Command.PUSH_TENSOR:
+                    if pushing is not None:
+                        pushing.load(*statestream.decode_tensor(data))
+                elif command == Command.PUSH_ABORT:
+                    pushing = None
+                elif command == Command.PUSH_END:
+                    session, pushing = pushing, None
+                    self._follow_push_end(session)
                 elif command == Command.FETCH_STATE:
                     self._hand_over_state(data.decode())
                 else:
                     self._locked_round(protocol.order_from_proto(protocol.parse(pb.WorkOrder, data)), lambda: False)
             except ValueError as e:
+                pushing = None  # a push that failed here is dropped; PUSH_END says so to rank 0
                 log.warning("rank %d: %s rejected: %s", self.node.rank, command.name, e)
+
+    def _follow_push_end(self, session: Session | None) -> None:
+        """Ranks > 0 at ``PUSH_END``: complete the session, agree with the others, then take it."""
+        assert self.node is not None
+        ok = session is not None
+        if session is not None:
+            try:
+                session.loaded()
+            except ValueError as e:
+                log.warning("rank %d: the pushed state is incomplete here: %s", self.node.rank, e)
+                ok = False
+        if self.node.all_true(ok) and session is not None:
+            self._install(session)
 
     def stop_node(self) -> None:
         """Rank 0: tell the other ranks to leave ``follow`` (best effort: a lost rank cannot hear it)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from gradwire.optim.outer import UpdateRule
-from gradwire.replica import Fingerprint, Replica, check_state
+from gradwire.replica import Fingerprint, Replica
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
@@ -175,15 +175,6 @@ class ShardedReplica(Replica):
         stats = torch.cat([torch.stack(sums), torch.stack(sumsqs), *samples])
         dist.all_reduce(stats)  # one collective for the whole fingerprint
         return Fingerprint.from_stats(stats, len(sums))
-
-    def load_state(
-        self, parameters: Mapping[str, torch.Tensor], momentum: Sequence[torch.Tensor] = (), version: int = 0
-    ) -> None:
-        """Overwrite this rank's shards with its rows of a full state (every rank passes the same)."""
-        check_state({n: p.shape for n, p in self._sharded.items()}, parameters)  # the whole tensors' shapes
-        load(self.model, parameters)
-        self.momentum = [_rows(m, p) for m, p in zip(momentum, self._sharded.values())]
-        self.version = version
 
 
 def _first_row(p: DTensor) -> int:

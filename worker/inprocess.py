@@ -8,13 +8,15 @@ of the serialized messages the wire would carry (without the gRPC framing).
 
 from __future__ import annotations
 
+import itertools
+import sys
 import threading
 from collections.abc import Callable
 from typing import TypeVar
 
 from google.protobuf.message import Message
 
-from gradwire import protocol
+from gradwire import protocol, statestream
 from gradwire.errors import status_for
 from gradwire.link import Traffic, WorkerError
 from gradwire.protocol import ModelState, RoundResult, WorkerInfo, WorkerState, WorkOrder
@@ -40,9 +42,10 @@ class InProcessClient:
         return self.engine.info()
 
     def push_state(self, state: ModelState, timeout: float | None = None) -> tuple[tuple[int, Fingerprint], Traffic]:
-        down = protocol.state_to_proto(state)
-        answer = self._served(lambda: self.engine.push_state(protocol.state_from_proto(_wire(down, pb.ModelState))))
-        return answer, Traffic(down.ByteSize(), 0)
+        parts = statestream.state_parts(state)  # the wire's bytes, streamed, as a worker reads them
+        first = next(parts)
+        answer = self._served(lambda: self.engine.push_parts(itertools.chain([first], parts), sys.maxsize))
+        return answer, Traffic(first.total_bytes, 0)
 
     def run_round(self, order: WorkOrder, timeout: float | None = None) -> tuple[RoundResult, Traffic]:
         down = protocol.order_to_proto(order)

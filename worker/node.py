@@ -30,11 +30,14 @@ log = logging.getLogger(__name__)
 class Command(enum.IntEnum):
     """What rank 0 asks of every rank; the payload is the serialized proto message."""
 
-    PUSH_STATE = 1  # a ModelState
+    PUSH_BEGIN = 1  # a state push starts: its header (a ModelState without tensors, ``statestream``)
     RUN_ROUND = 2  # a WorkOrder
     STOP = 3  # no payload: leave the loop, the node is shutting down
     HEARTBEAT = 4  # no payload: rank 0 is alive and idle (keeps the bounded command channel busy)
     FETCH_STATE = 5  # a run id: every rank hands rank 0 its own inner optimizer state (``gather_bytes``)
+    PUSH_TENSOR = 6  # the next tensor of the state being pushed (a ModelState holding only it)
+    PUSH_END = 7  # no payload: the push is complete; every rank says whether it took it (``all_true``)
+    PUSH_ABORT = 8  # no payload: the push failed on rank 0 (a bad tensor, a broken stream); drop it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,16 +188,38 @@ def rank_state(merged: Mapping[str, torch.Tensor], rank: int) -> dict[str, torch
     """Rank ``rank``'s part of ``merge_rank_states``' dict: its own where saved; each parameter it has none
     for, from the lowest rank that saved one (a state saved by a single worker, a DDP node or a node of
     fewer ranks: rank 0's; by a ZeRO-1 node, whose ranks each saved their own partition: the whole state)."""
-    by_rank: dict[int, dict[str, torch.Tensor]] = {}
+    pick = RankPick(rank)
     for name, t in merged.items():
-        if not _SHARD_KEY.match(name):
-            r = _rank_of(name)
-            by_rank.setdefault(r, {})[name.removeprefix(RANK_PREFIX.format(r)) if r else name] = t
-    out: dict[str, torch.Tensor] = {}
-    for r in (rank, *sorted(by_rank)):
-        held = {_parameter(n) for n in out}  # a parameter's keys all come from one rank
-        out.update({n: t for n, t in by_rank.get(r, {}).items() if _parameter(n) not in held})
-    return out
+        pick.add(name, t)
+    return pick.kept
+
+
+class RankPick:
+    """``rank_state`` a tensor at a time, as a pushed state streams in: keeps, per parameter, the entries of
+    the best rank seen so far (``rank`` itself, else the lowest), dropping a worse rank's once a better
+    one's arrive."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.kept: dict[str, torch.Tensor] = {}
+        self._best: dict[str, int] = {}  # parameter -> the preference of the rank whose entries are kept
+        self._keys: dict[str, list[str]] = {}  # parameter -> its kept entries' names
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        if _SHARD_KEY.match(name):
+            return
+        r = _rank_of(name)
+        key = name.removeprefix(RANK_PREFIX.format(r)) if r else name
+        param, preference = _parameter(key), -1 if r == self.rank else r
+        best = self._best.get(param)
+        if best is not None and preference > best:
+            return
+        if best is not None and preference < best:
+            for old in self._keys.pop(param):
+                del self.kept[old]
+        self._best[param] = preference
+        self._keys.setdefault(param, []).append(key)
+        self.kept[key] = t
 
 
 def _parameter(name: str) -> str:
@@ -229,3 +254,38 @@ def shard_state(
 ) -> dict[str, torch.Tensor]:
     prefix = SHARD_PREFIX.format(mode, world, rank)
     return {n.removeprefix(prefix): t for n, t in merged.items() if n.startswith(prefix)}
+
+
+class Restore:
+    """What one rank keeps of a pushed state's error feedback and inner optimizer state, a tensor at a time
+    as the state streams in (``add``; then ``feedback`` and ``inner``).
+
+    ``rank`` is ``None`` off a node: everything is kept. A split node's rank (``split``) keeps its own part
+    (``shard_state``); the ranks of other nodes keep all of the feedback and their inner state
+    (``rank_state``): their own if the ranks step apart (``apart``), else rank 0's.
+    """
+
+    def __init__(
+        self, rank: int | None = None, world: int = 1, mode: str = "", split: bool = False, apart: bool = False
+    ):
+        self._prefix = SHARD_PREFIX.format(mode, world, rank) if split else None
+        self._pick = RankPick(rank if apart else 0) if rank is not None and not split else None
+        self.feedback: dict[str, torch.Tensor] = {}
+        self._inner: dict[str, torch.Tensor] = {}
+
+    def add(self, kind: str, name: str, t: torch.Tensor) -> None:
+        """``kind``: "feedback" or "inner_optimizer" (ModelState's field)."""
+        if self._prefix is not None:
+            if not name.startswith(self._prefix):
+                return
+            name = name.removeprefix(self._prefix)
+        if kind == "feedback":
+            self.feedback[name] = t
+        elif self._pick is not None:
+            self._pick.add(name, t)
+        else:
+            self._inner[name] = t
+
+    @property
+    def inner(self) -> dict[str, torch.Tensor]:
+        return self._pick.kept if self._pick is not None else self._inner

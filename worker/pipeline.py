@@ -35,7 +35,7 @@ from gradwire.compression import CodecConfig, GradientCodec
 from gradwire.models import GPT
 from gradwire.models.gpt import rope_tables
 from gradwire.optim.outer import UpdateRule
-from gradwire.replica import Fingerprint, Replica, check_state, sample_positions
+from gradwire.replica import Fingerprint, Replica, sample_positions
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -335,20 +335,6 @@ class StageReplica(Replica):
             offset += len(positions)
         dist.all_reduce(stats)  # one collective for the whole fingerprint
         return Fingerprint.from_stats(stats, n)
-
-    def load_state(
-        self, parameters: Mapping[str, torch.Tensor], momentum: Sequence[torch.Tensor] = (), version: int = 0
-    ) -> None:
-        """Overwrite the stage's tensors (and their momentum) with theirs of a whole state."""
-        check_state(self.shapes, parameters)
-        if momentum and len(momentum) != len(self.shapes):
-            raise ValueError(f"{len(momentum)} momentum tensors for {len(self.shapes)} parameters")
-        with torch.no_grad():
-            for name, p in self.params.items():
-                p.copy_(parameters[name])
-        by_name = dict(zip(self.shapes, momentum))
-        self.momentum = [by_name[n].detach().clone().to(self.device) for n in self.params] if momentum else []
-        self.version = version
 
 
 def owned_names(model: nn.Module, stage: Stage) -> list[str]:

@@ -55,10 +55,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def PushState(self, request_iterator: Iterator[pb.Part], context: grpc.ServicerContext) -> pb.PushStateReply:
         try:
             owner = caller(context)
-            msg = protocol.parse(pb.ModelState, self._join(request_iterator, owner, "state"))
-            state = protocol.state_from_proto(msg)
-            version, fingerprint = self.engine.push_state(state, owner=owner)
-            log.info("state of run %r at version %d from %s", state.run_id, version, context.peer())
+            # Read as it streams in, a tensor at a time (gradwire.statestream), never joined.
+            version, fingerprint = self.engine.push_parts(request_iterator, *self._limit(owner, "state"), owner=owner)
+            log.info("state at version %d from %s", version, context.peer())
             return pb.PushStateReply(version=version, fingerprint=protocol.fingerprint_to_proto(fingerprint))
         except Exception as e:
             self._fail(context, "PushState", e)
@@ -103,14 +102,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self._fail(context, "CloseRun", e)
 
     def _join(self, parts: Iterator[pb.Part], owner: bytes, kind: str) -> bytes:
-        """The request's bytes, refused on its first part if it declares more than the caller's model
-        justifies (``WorkerEngine.request_limit``) or than ``--max-message-mb``."""
+        return protocol.join_parts(parts, *self._limit(owner, kind))
+
+    def _limit(self, owner: bytes, kind: str) -> tuple[int, str]:
+        """The most bytes a request may declare, and why: a multiple of the caller's model's size
+        (``WorkerEngine.request_limit``), or ``--max-message-mb`` where that is less. A request over it is
+        refused on its first part, before anything is buffered."""
         by_model = self.engine.request_limit(owner, kind)
         if by_model < self.max_bytes:
-            return protocol.join_parts(
-                parts, by_model, "a multiple of the run's model size; --max-model-params for a new run"
-            )
-        return protocol.join_parts(parts, self.max_bytes)
+            return by_model, "a multiple of the run's model size; --max-model-params for a new run"
+        return self.max_bytes, "--max-message-mb"
 
     def _fail(self, context: grpc.ServicerContext, method: str, e: Exception) -> NoReturn:
         if isinstance(e, NodeFailure):

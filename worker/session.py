@@ -30,8 +30,10 @@ from gradwire.optim.inner import InnerOptimizer, InnerOptimizerConfig
 from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import ModelState, ProtocolError
 from gradwire.replica import Fingerprint, Replica
+from gradwire.statestream import TENSOR_FIELDS, StateHeader
 from gradwire.worker import fsdp, pipeline
 from gradwire.worker.fsdp import ShardedReplica
+from gradwire.worker.node import Restore
 from gradwire.worker.pipeline import StageReplica
 from gradwire.worker.placement import Placement
 from gradwire.worker.sizing import fits
@@ -47,26 +49,28 @@ class Session:
 
     def __init__(
         self,
-        state: ModelState,
+        header: StateHeader,
         device: torch.device,
         owner: bytes = b"",
         max_elements: int | None = None,
         memory: int | None = None,
         placement: Placement | None = None,
     ) -> None:
-        """Build the run's replica from ``state``. The spec is sized first (on the meta device): a model of
-        more than ``max_elements`` parameters and buffers, or whose state would not fit ``memory`` bytes
-        (``worker.sizing``), is refused before anything is allocated. ``placement``: how the run computes
-        here; on a sharded node (``worker.fsdp``) this rank holds its share of the replica, working copy and
-        inner state, on a pipelined one (``worker.pipeline``) its stage's."""
+        """Build the run's replica for the state ``header`` announces; its tensors come next (``load``, a
+        tensor at a time as a push streams in; then ``loaded``: ``from_state`` does all three). The spec is
+        sized first (on the meta device): a model of more than ``max_elements`` parameters and buffers, or
+        whose state would not fit ``memory`` bytes (``worker.sizing``), is refused before anything is
+        allocated. ``placement``: how the run computes here; on a sharded node (``worker.fsdp``) this rank
+        holds its share of the replica, working copy and inner state, on a pipelined one
+        (``worker.pipeline``) its stage's."""
         self.placement = placement or Placement()
         shards = self.placement.ranks if self.placement.split else 1
         self.stage: pipeline.Stage | None = None  # a pipelined node: this rank's stage
         try:
-            spec = json.loads(state.model_json)
+            spec = json.loads(header.model_json)
             if not isinstance(spec, dict):
                 raise ValueError(f"model_json must be a JSON object, got {type(spec).__name__}")
-            rule = UpdateRule.from_json(state.update_rule_json)
+            rule = UpdateRule.from_json(header.update_rule_json)
             elements = spec_elements(spec) if max_elements is not None or memory is not None else 0
             if max_elements is not None:
                 if elements > max_elements:
@@ -88,7 +92,7 @@ class Session:
             raise
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
             raise ProtocolError(f"model state: {e}") from None
-        self.run_id = state.run_id
+        self.run_id = header.run_id
         self.owner = owner  # who may use this run: gradwire.security.run_owner of its first push
         if self.stage is not None:
             shapes = {n: tuple(p.shape) for n, p in whole.named_parameters()}
@@ -97,28 +101,69 @@ class Session:
             self.replica = ShardedReplica(model, rule)
         else:
             self.replica = Replica(model, rule)
-        momentum = [state.optimizer_state[k] for k in sorted(state.optimizer_state, key=_numeric_suffix)]
-        try:
-            self.replica.load_state(state.parameters, momentum, state.version)
-        except ValueError as e:
-            raise ProtocolError(f"model state: {e}") from None
+        self.replica.begin_load()
+        node = self.placement.node
+        self._restore: Restore | None = Restore(
+            node.rank if node is not None else None,
+            self.placement.ranks,
+            self.placement.mode,
+            split=self.placement.split,
+            apart=self.placement.apart,
+        )
+        self._version = header.version
         self.vocab_size = _vocab_size(whole if self.stage is not None else model)  # a stage may lack the embedding
         self.feedback = ErrorFeedback()
         self.last_sent: tuple[int, CompressedGradient] | None = None  # (round, payload) of the last result
         self.fingerprint_ahead: Future[Fingerprint] | None = None  # the replica's, being taken after a round
         self.sent_decoded: Future[DecodedGradient] | None = None  # last_sent's payload, decoded after the round
         self.lookahead: Lookahead | None = None  # --overlap: the next round's gradient, computed ahead
-        if state.feedback:
-            self.feedback.load_state_dict({k: v.to(device) for k, v in state.feedback.items()})
         self.stale = False  # found out of sync: every round answers NEEDS_STATE until the next push
         self._working: torch.nn.Module | None = None
         self._inner: InnerOptimizer | None = None
         self._inner_config: InnerOptimizerConfig | None = None
-        self._inner_restore: dict[str, torch.Tensor] = dict(state.inner_optimizer)
+        self._inner_restore: dict[str, torch.Tensor] = {}
+        self.restored = (False, False)  # whether the push brought this rank error feedback, inner state
         self.wrappers: dict[int, torch.nn.Module] = {}  # a node's DDP wrappers of this session's models
         self._shard_codecs: dict[CodecConfig, GradientCodec] = {}  # a split node: this rank's own tensors' codec
         # a pipelined node: the group of the ranks that hold a tied embedding (every rank creates it alike)
         self.tied_group = pipeline.tied_group(self.stage.count) if self.stage is not None else None
+
+    @classmethod
+    def from_state(cls, state: ModelState, device: torch.device, **kwargs: object) -> Session:
+        """A session of a whole ``state`` at once (a checkpoint, a test): ``Session`` with every tensor loaded."""
+        session = cls(StateHeader.of(state), device, **kwargs)  # type: ignore[arg-type]
+        for kind in TENSOR_FIELDS.values():
+            for name, t in getattr(state, kind).items():
+                session.load(kind, name, t)
+        session.loaded()
+        return session
+
+    def load(self, kind: str, name: str, t: torch.Tensor) -> None:
+        """One tensor of the pushed state, whole, as it arrives: ``kind`` is its ModelState field. This rank
+        keeps its share (``Replica.load_tensor``; ``node.Restore``). ``ProtocolError`` if it does not fit."""
+        if self._restore is None:
+            raise RuntimeError("the session's state is complete already")
+        try:
+            if kind == "parameters":
+                self.replica.load_tensor(name, t)
+            elif kind == "optimizer_state":
+                self.replica.load_momentum(_numeric_suffix(name), t)
+            else:
+                self._restore.add(kind, name, t)
+        except ValueError as e:
+            raise ProtocolError(f"model state: {e}") from None
+
+    def loaded(self) -> None:
+        """Every tensor is in: ``ProtocolError`` if the state is incomplete (then throw the session away)."""
+        restore, self._restore = self._restore, None
+        try:
+            self.replica.end_load(self._version)
+        except ValueError as e:
+            raise ProtocolError(f"model state: {e}") from None
+        if restore.feedback:
+            self.feedback.load_state_dict({k: v.to(self.device) for k, v in restore.feedback.items()})
+        self._inner_restore = dict(restore.inner)
+        self.restored = (bool(restore.feedback), bool(restore.inner))
 
     def _build(self) -> torch.nn.Module:
         """This rank's part of the run's model on its device, values undefined where only a part is allocated:
@@ -148,11 +193,12 @@ class Session:
             self._shard_codecs[config] = GradientCodec(shard.subset(shapes, owned), config, device=self.device)
         return self._shard_codecs[config]
 
-    def carry_over(self, previous: Session, *, feedback: bool, inner: bool) -> None:
-        """A resync push of a run this worker already serves keeps what the push does not replace."""
-        if feedback:
+    def carry_over(self, previous: Session) -> None:
+        """A resync push of a run this worker already serves keeps what the push did not bring this rank."""
+        feedback, inner = self.restored
+        if not feedback:
             self.feedback = previous.feedback
-        if inner:
+        if not inner:
             self._inner_restore = previous.inner_state()
 
     def diverged(self) -> None:
@@ -230,7 +276,11 @@ def _vocab_size(model: torch.nn.Module) -> int | None:
 
 
 def _numeric_suffix(key: str) -> int:
-    return int(key.rsplit(".", 1)[-1])
+    """The index in "momentum.<index>" (outer momentum travels under its parameter's index)."""
+    head, _, index = key.rpartition(".")
+    if not head or not index.isdigit():
+        raise ValueError(f"optimizer state tensor {key!r} is not named momentum.<index>")
+    return int(index)
 
 
 def _as_shards(state: Mapping[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -72,7 +72,7 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PushState(self, request_iterator, context):
-        """The full replica state, as Parts of a serialized ModelState.
+        """The full replica state, as Parts of a serialized ModelState, streamed: see ModelState.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -3,17 +3,21 @@ rounds computed as a DDP node computes them, replays on the shards, and a coordi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import grpc
 import pytest
 import torch
 
+from gradwire import statestream
 from gradwire.coordinator.client import WorkerClient, WorkerError
 from gradwire.coordinator.config import DENSE_CODEC
 from gradwire.coordinator.metrics import read_metrics
 from gradwire.models import spec_elements
 from gradwire.protocol import OK, WorkOrder
+from gradwire.v1 import worker_pb2 as pb
+from gradwire.v1 import worker_pb2_grpc
 from gradwire.worker.sizing import GB, HEADROOM, state_bytes
 
 from .conftest import run_trainer
@@ -44,6 +48,37 @@ def test_a_sharded_node_computes_what_a_ddp_node_computes(tmp_path, local: bool,
     for name, g in ddp[2].items():
         cos = torch.nn.functional.cosine_similarity(fsdp[2][name].flatten(), g.flatten(), dim=0)
         assert cos > 0.99 or g.abs().max() < 1e-7, name
+
+
+@pytest.mark.slow
+def test_a_push_that_fails_half_way_leaves_every_rank_as_it_was(tmp_path):
+    # Every rank keeps its rows of each tensor as the push streams in; a push that fails - a bad tensor half
+    # way, or a hash that fails once every tensor is in - is dropped on every rank, and the node serves on.
+    replica, st = state()
+    names = list(st.parameters)
+    middle = names[len(names) // 2]
+    bad = dataclasses.replace(st, version=5, parameters={**st.parameters, middle: st.parameters[middle][:1]})
+    newer = dataclasses.replace(st, version=5, parameters={n: t + 1 for n, t in st.parameters.items()})
+    *parts, last = statestream.state_parts(newer, part_bytes=64 << 10)
+    broken = [*parts, pb.Part(data=last.data, last=True, total_bytes=last.total_bytes, sha256=bytes(32))]
+    with node(tmp_path, "--node-mode", "fsdp") as (address, _), WorkerClient(address, timeout=TIMEOUT) as client:
+        client.push_state(st)
+        with pytest.raises(WorkerError, match="shape") as info:
+            client.push_state(bad)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as rpc:
+            worker_pb2_grpc.WorkerStub(client.channel).PushState(
+                iter(broken), timeout=TIMEOUT, metadata=client.call_metadata
+            )
+        assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "SHA-256" in rpc.value.details()
+        assert client.describe().replicas == {"run": 0}
+        # The fingerprint is summed over the ranks' shards: it agrees only if every rank kept version 0's.
+        result, _ = client.run_round(WorkOrder("run", 0, 0, batch(4), DENSE_CODEC, replica.fingerprint()))
+        assert result.status == OK, result.reason
+        client.push_state(newer)
+        replica.load_state(newer.parameters, version=5)
+        result, _ = client.run_round(WorkOrder("run", 1, 5, batch(4), DENSE_CODEC, replica.fingerprint()))
+        assert (result.status, result.version) == (OK, 5), result.reason
 
 
 @pytest.mark.slow

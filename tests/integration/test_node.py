@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+from gradwire import statestream
 from gradwire.compression import CodecConfig
 from gradwire.coordinator.checkpoint import load_checkpoint
 from gradwire.coordinator.client import WorkerClient, WorkerError
@@ -33,6 +34,8 @@ from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import OK, LocalSteps, ModelState, RoundResult, WorkOrder
 from gradwire.replica import Replica, StateUpdate
 from gradwire.transport import free_port
+from gradwire.v1 import worker_pb2 as pb
+from gradwire.v1 import worker_pb2_grpc
 from gradwire.worker.engine import WorkerEngine
 
 from .conftest import run_trainer
@@ -193,6 +196,25 @@ def test_an_idle_node_outlives_its_timeout(tmp_path):
         result, _ = client.run_round(WorkOrder("run", 0, 0, batch(2), DENSE_CODEC, replica.fingerprint()))
         assert result.status == OK
         assert proc.poll() is None and client.describe().ranks == 2
+
+
+def test_a_push_that_streams_in_slower_than_the_timeout_keeps_the_node_together(tmp_path):
+    # Ranks wait for each tensor of a push as it streams in; rank 0 keeps them talking while one is slow to
+    # arrive (here the 2 MB embedding takes ~3 s, the ranks' timeout is 2 s).
+    replica, st = state()
+
+    def slow() -> Iterator[pb.Part]:
+        for part in statestream.state_parts(st, part_bytes=256 << 10):
+            time.sleep(0.3)
+            yield part
+
+    with node(tmp_path, timeout=2.0) as (address, proc), WorkerClient(address, timeout=TIMEOUT) as client:
+        stub = worker_pb2_grpc.WorkerStub(client.channel)
+        reply = stub.PushState(slow(), timeout=TIMEOUT, metadata=client.call_metadata)
+        assert reply.version == 0
+        result, _ = client.run_round(WorkOrder("run", 0, 0, batch(2), DENSE_CODEC, replica.fingerprint()))
+        assert result.status == OK, result.reason
+        assert proc.poll() is None
 
 
 def _local(steps: int, lr: float = 0.5) -> LocalSteps:

@@ -25,7 +25,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gradwire import protocol
+from gradwire import protocol, statestream
 from gradwire.compression import CodecConfig, GradientCodec
 from gradwire.coordinator import client as client_module
 from gradwire.coordinator.client import WorkerClient, WorkerError
@@ -377,7 +377,7 @@ def test_bad_pushes_are_invalid_and_the_server_carries_on(worker: Worker, replic
         (dataclasses.replace(good, protocol_version=protocol.PROTOCOL_VERSION + 1), "protocol version"),
     ]
     for state, message in cases:
-        parts = iter(protocol.to_parts(protocol.state_to_proto(state)))
+        parts = iter(statestream.state_parts(state))
         assert_rpc_error(
             lambda parts=parts: stub.PushState(parts, timeout=TIMEOUT), grpc.StatusCode.INVALID_ARGUMENT, message
         )
@@ -386,7 +386,31 @@ def test_bad_pushes_are_invalid_and_the_server_carries_on(worker: Worker, replic
         grpc.StatusCode.INVALID_ARGUMENT,
         "runs past the 0 bytes",
     )
+    # protobuf's own order puts the update rule after the parameters: a worker streams the state, and says
+    # why it cannot take that order.
+    assert_rpc_error(
+        lambda: stub.PushState(iter(protocol.to_parts(protocol.state_to_proto(good))), timeout=TIMEOUT),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "before its tensors",
+    )
     worker.client.push_state(good)
+    mine = worker.client.call_metadata  # the run's owner
+    # A new version whose stream fails its hash after every tensor was loaded replaces nothing.
+    newer = dataclasses.replace(good, version=7, parameters={n: t + 1 for n, t in good.parameters.items()})
+    *parts, last = statestream.state_parts(newer, part_bytes=64 << 10)
+    broken = [*parts, pb.Part(data=last.data, last=True, total_bytes=last.total_bytes, sha256=bytes(32))]
+    assert_rpc_error(
+        lambda: stub.PushState(iter(broken), timeout=TIMEOUT, metadata=mine),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "SHA-256",
+    )
+    assert worker.client.describe().replicas == {RUN: 0}
+    assert_round_ok(worker, replica)
+    cut = list(statestream.state_parts(newer, part_bytes=64 << 10))[:-1]  # the stream ends early
+    assert_rpc_error(
+        lambda: stub.PushState(iter(cut), timeout=TIMEOUT, metadata=mine), grpc.StatusCode.INVALID_ARGUMENT, "ended"
+    )
+    assert worker.client.describe().replicas == {RUN: 0}
     assert_round_ok(worker, replica)
 
 

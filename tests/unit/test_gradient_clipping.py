@@ -48,7 +48,7 @@ def _order(session: Session, **changes: object) -> WorkOrder:
 
 
 def _gradient(clip: float) -> Contribution:
-    session = Session(_state(), torch.device("cpu"))
+    session = Session.from_state(_state(), torch.device("cpu"))
     order = _order(session, clip_grad_norm=clip)
     out = gradient_step(session, order, torch.from_numpy(order.batch.astype(np.int64)), lambda: False)
     return dataclasses.replace(out, tensors={n: g.clone() for n, g in out.tensors.items()})
@@ -101,7 +101,7 @@ def test_the_sent_payload_is_the_codec_of_the_clipped_gradient() -> None:
 
 
 def test_clip_grad_norm_crosses_the_wire_and_is_validated() -> None:
-    session = Session(_state(), torch.device("cpu"))
+    session = Session.from_state(_state(), torch.device("cpu"))
     order = _order(session, clip_grad_norm=0.5)
     assert protocol.order_from_proto(protocol.order_to_proto(order)).clip_grad_norm == 0.5
     for bad, message in ((-1.0, "clip_grad_norm"), (math.nan, "clip_grad_norm"), (math.inf, "clip_grad_norm")):
@@ -121,7 +121,7 @@ def test_clip_grad_norm_crosses_the_wire_and_is_validated() -> None:
 
 
 def test_a_lookahead_computed_under_another_clip_is_not_used() -> None:
-    session = Session(_state(), torch.device("cpu"))
+    session = Session.from_state(_state(), torch.device("cpu"))
     order = _order(session, compute_before_update=True, clip_grad_norm=1.0)
     ahead = Lookahead(dataclasses.replace(order, batch=order.batch.copy()), Contribution({}, 0.0, 0), 0.1)
     assert ahead.serves(order, order.base_version)[0]

@@ -38,7 +38,9 @@ SPEC = model_spec("gpt-tiny")
 def session() -> Session:
     replica = Replica(build_from_spec(SPEC, seed=0), UpdateRule(optimizer="sgd"))
     params = {n: p.detach().clone() for n, p in replica.params.items()}
-    return Session(ModelState("run", 4, json.dumps(SPEC), params, replica.rule.to_json()), torch.device("cpu"))
+    return Session.from_state(
+        ModelState("run", 4, json.dumps(SPEC), params, replica.rule.to_json()), torch.device("cpu")
+    )
 
 
 def order_for(session: Session, rows: int = 4, plan: LocalSteps | None = None, **changes: object) -> WorkOrder:
@@ -116,7 +118,7 @@ def test_inner_state_from_a_checkpoint_is_loaded_when_the_optimizer_is_built(ses
     local_steps(session, order, torch.from_numpy(order.batch.astype(np.int64)), lambda: False)
     saved = session.inner_state()
     params = {n: p.detach().clone() for n, p in session.replica.params.items()}
-    restored = Session(
+    restored = Session.from_state(
         ModelState("run", 4, json.dumps(SPEC), params, session.replica.rule.to_json(), inner_optimizer=saved),
         torch.device("cpu"),
     )
@@ -124,7 +126,7 @@ def test_inner_state_from_a_checkpoint_is_loaded_when_the_optimizer_is_built(ses
     restored.inner_optimizer(plan.optimizer)
     assert all(torch.equal(restored.inner_state()[k], v) for k, v in saved.items())
     # Another optimizer's state does not fit: the optimizer starts afresh instead of failing the round.
-    other = Session(
+    other = Session.from_state(
         ModelState("run", 4, json.dumps(SPEC), params, session.replica.rule.to_json(), inner_optimizer=saved),
         torch.device("cpu"),
     )
