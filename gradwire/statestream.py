@@ -20,7 +20,7 @@ nothing until the iterator has ended without an error.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -118,22 +118,15 @@ def _varint_bytes(n: int) -> int:
 # ------------------------------------------------------------------------------------------- receiving
 
 
-def read_state(
-    parts: Iterable[pb.Part],
-    max_bytes: int,
-    limit_reason: str = "--max-message-mb",
-    on_part: Callable[[], None] = lambda: None,
-) -> Iterator[bytes]:
+def read_state(parts: Iterable[pb.Part], max_bytes: int, limit_reason: str = "--max-message-mb") -> Iterator[bytes]:
     """The pieces of a framed ModelState as they complete: the header first (``decode_header``), then one
     piece per tensor (``decode_tensor``). ``ProtocolError`` for a broken frame (``protocol.Unframer``), a
-    malformed field, or a header field that follows a tensor. ``on_part`` is called after every part
-    (a node keeps its ranks' command channel alive with it while a large tensor streams in)."""
+    malformed field, or a header field that follows a tensor."""
     unframe = protocol.Unframer(max_bytes, limit_reason)
     buf, header = bytearray(), bytearray()
     header_done = False
     for part in parts:
         buf += unframe.take(part)
-        on_part()
         start = 0
         while (field := _next_field(buf, start)) is not None:
             number, end = field

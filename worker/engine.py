@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import sys
@@ -126,6 +127,7 @@ class WorkerEngine:
         # What to do when the node loses a rank (the server sets it: stop, so that the node restarts).
         self.on_node_failure: Callable[[], None] = lambda: None
         self._last_command = time.monotonic()
+        self._push_ids = itertools.count()  # a node's ranks tell overlapping pushes apart by these
         if self.node is not None and self.node.info.leader:
             # Every collective is bounded by the node's timeout, the command channel too, so an idle node
             # must keep talking: a heartbeat whenever no command went out for a while. A rank that stopped
@@ -177,41 +179,48 @@ class WorkerEngine:
         each tensor is loaded as soon as it is in, and on a node handed to every rank as it comes, each
         keeping its share; the state is never whole in memory. The run then belongs to ``owner``.
 
-        ``AccessDenied`` if another owner holds that run (checked before any rank sees the state);
-        ``ProtocolError`` for a malformed or incomplete state, which replaces nothing."""
-        return self._compute.submit(self._push_parts, parts, max_bytes, limit_reason, owner).result()
-
-    def _push_parts(
-        self, parts: Iterator[pb.Part], max_bytes: int, limit_reason: str, owner: bytes
-    ) -> tuple[int, Fingerprint]:
-        pieces = statestream.read_state(parts, max_bytes, limit_reason or "--max-message-mb", self._keep_alive)
+        The parts are read on the calling thread and only each tensor's load takes the compute thread, so a
+        push that arrives slowly holds up no round (pushes may overlap: a node's ranks tell them apart by a
+        number). ``AccessDenied`` if another owner holds that run (checked before any rank sees the state,
+        and again before it is taken); ``ProtocolError`` for a malformed or incomplete state, which
+        replaces nothing."""
+        pieces = statestream.read_state(parts, max_bytes, limit_reason or "--max-message-mb")
         head = next(pieces)
         header = statestream.decode_header(head)
-        return self._owned(header.run_id, owner, self._lead_push, head, header, pieces, owner)
-
-    def _lead_push(
-        self, head: bytes, header: statestream.StateHeader, pieces: Iterator[bytes], owner: bytes
-    ) -> tuple[int, Fingerprint]:
-        """Rank 0 (or a single device): build the session from the header, then load each tensor and hand
-        it to the other ranks; they take it only once every rank has it all (``PUSH_END``)."""
-        self._command(Command.PUSH_BEGIN, head)
+        push = next(self._push_ids).to_bytes(8, "little")
+        run = header.run_id
         try:
-            session = self._new_session(header, owner)
+            session = self._on_compute(self._owned, run, owner, self._begin_push, push, head, header, owner)
             for piece in pieces:
-                session.load(*statestream.decode_tensor(piece))  # checked here before any other rank sees it
-                self._command(Command.PUSH_TENSOR, piece)
-            session.loaded()
+                self._on_compute(self._push_piece, push, session, piece)
+            return self._on_compute(self._owned, run, owner, self._end_push, push, session)
         except BaseException:
             if self.node is not None:
                 with contextlib.suppress(Exception):  # a node that cannot hear it fails its next command anyway
-                    self._command(Command.PUSH_ABORT)
+                    self._on_compute(self._command, Command.PUSH_ABORT, push)
             raise
+
+    def _on_compute(self, call: Callable[..., T], *args: object) -> T:
+        return self._compute.submit(call, *args).result()
+
+    def _begin_push(self, push: bytes, head: bytes, header: statestream.StateHeader, owner: bytes) -> Session:
+        """Rank 0 (or a single device): announce the push to the other ranks and build its session."""
+        self._command(Command.PUSH_BEGIN, push + head)
+        return self._new_session(header, owner)
+
+    def _push_piece(self, push: bytes, session: Session, piece: bytes) -> None:
+        session.load(*statestream.decode_tensor(piece))  # checked here before any other rank sees it
+        self._command(Command.PUSH_TENSOR, push + piece)
+
+    def _end_push(self, push: bytes, session: Session) -> tuple[int, Fingerprint]:
+        """The state is all in: the other ranks take it only if every rank has it all (``PUSH_END``)."""
+        session.loaded()
         if self.node is not None:
-            self._command(Command.PUSH_END)
+            self._command(Command.PUSH_END, push)
             with _NodeErrors():
                 if not self.node.all_true(True):
                     raise RuntimeError("another rank of this node could not take the state (see its log)")
-        log.info("run %r: state at version %d", header.run_id, header.version)
+        log.info("run %r: state at version %d", session.run_id, session.replica.version)
         return self._install(session)
 
     def _command(self, command: Command, payload: bytes = b"") -> None:
@@ -220,12 +229,6 @@ class WorkerEngine:
             with _NodeErrors():
                 self.node.send(command, payload)
             self._last_command = time.monotonic()
-
-    def _keep_alive(self) -> None:
-        """While a push streams in (on the compute thread): a heartbeat if no command went out for a while,
-        so that a large tensor arriving slowly does not time the other ranks out."""
-        if self.node is not None and time.monotonic() - self._last_command >= self._heartbeat_every:
-            self._command(Command.HEARTBEAT)
 
     def _owned(self, run_id: str, owner: bytes, call: Callable[..., T], *args: object) -> T:
         """``call(*args)`` if the run is new or ``owner``'s; runs on the compute thread, where sessions change."""
@@ -407,31 +410,32 @@ class WorkerEngine:
         of each, and takes the state only if every rank could.
         """
         assert self.node is not None and not self.node.info.leader
-        pushing: Session | None = None
+        pushing: dict[bytes, Session | None] = {}  # pushes under way, by number (None: failed on this rank)
         while True:
             command, data = self.node.receive()
             if command == Command.STOP:
                 return
             if command == Command.HEARTBEAT:
                 continue
+            push, data = (data[:8], data[8:]) if command in _PUSH_COMMANDS else (b"", data)
             try:
                 if command == Command.PUSH_BEGIN:
-                    pushing = None
-                    pushing = self._new_session(statestream.decode_header(data), b"")
+                    pushing[push] = None
+                    pushing[push] = self._new_session(statestream.decode_header(data), b"")
                 elif command == Command.PUSH_TENSOR:
-                    if pushing is not None:
-                        pushing.load(*statestream.decode_tensor(data))
+                    if (session := pushing.get(push)) is not None:
+                        session.load(*statestream.decode_tensor(data))
                 elif command == Command.PUSH_ABORT:
-                    pushing = None
+                    pushing.pop(push, None)
                 elif command == Command.PUSH_END:
-                    session, pushing = pushing, None
-                    self._follow_push_end(session)
+                    self._follow_push_end(pushing.pop(push, None))
                 elif command == Command.FETCH_STATE:
                     self._hand_over_state(data.decode())
                 else:
                     self._locked_round(protocol.order_from_proto(protocol.parse(pb.WorkOrder, data)), lambda: False)
             except ValueError as e:
-                pushing = None  # a push that failed here is dropped; PUSH_END says so to rank 0
+                if command in (Command.PUSH_BEGIN, Command.PUSH_TENSOR):
+                    pushing[push] = None  # dropped here; PUSH_END says so to rank 0
                 log.warning("rank %d: %s rejected: %s", self.node.rank, command.name, e)
 
     def _follow_push_end(self, session: Session | None) -> None:
@@ -654,6 +658,9 @@ def _sent_decoded(session: Session) -> tuple[CompressedGradient, DecodedGradient
         return session.last_sent[1], ahead.result()
     except Exception:  # noqa: BLE001 - the replay decodes the payload itself and raises what is wrong
         return None
+
+
+_PUSH_COMMANDS = (Command.PUSH_BEGIN, Command.PUSH_TENSOR, Command.PUSH_END, Command.PUSH_ABORT)
 
 
 class _NodeErrors:

@@ -30,14 +30,15 @@ log = logging.getLogger(__name__)
 class Command(enum.IntEnum):
     """What rank 0 asks of every rank; the payload is the serialized proto message."""
 
-    PUSH_BEGIN = 1  # a state push starts: its header (a ModelState without tensors, ``statestream``)
+    # A state push (pushes may overlap; each of these payloads starts with the push's 8-byte number):
+    PUSH_BEGIN = 1  # a push starts: its header (a ModelState without tensors, ``statestream``)
     RUN_ROUND = 2  # a WorkOrder
     STOP = 3  # no payload: leave the loop, the node is shutting down
     HEARTBEAT = 4  # no payload: rank 0 is alive and idle (keeps the bounded command channel busy)
     FETCH_STATE = 5  # a run id: every rank hands rank 0 its own inner optimizer state (``gather_bytes``)
     PUSH_TENSOR = 6  # the next tensor of the state being pushed (a ModelState holding only it)
-    PUSH_END = 7  # no payload: the push is complete; every rank says whether it took it (``all_true``)
-    PUSH_ABORT = 8  # no payload: the push failed on rank 0 (a bad tensor, a broken stream); drop it
+    PUSH_END = 7  # the push is complete; every rank says whether it took it (``all_true``)
+    PUSH_ABORT = 8  # the push failed on rank 0 (a bad tensor, a broken stream); drop it
 
 
 @dataclasses.dataclass(frozen=True)

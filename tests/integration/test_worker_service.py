@@ -414,6 +414,32 @@ def test_bad_pushes_are_invalid_and_the_server_carries_on(worker: Worker, replic
     assert_round_ok(worker, replica)
 
 
+def test_a_push_that_stalls_half_way_holds_up_no_round(worker: Worker, replica: Replica) -> None:
+    # A push is read as it arrives, off the thread that computes: a caller that stops sending half way
+    # (slow, or hostile) delays no round, and its push, once it gives up, replaces nothing.
+    worker.client.push_state(state_of(replica))
+    newer = dataclasses.replace(state_of(replica), version=3)
+    parts = list(statestream.state_parts(newer, part_bytes=64 << 10))
+    resume = threading.Event()
+
+    def stalling() -> Iterator[pb.Part]:
+        yield from parts[: len(parts) // 2]
+        resume.wait(TIMEOUT)  # then the stream ends without its last part
+
+    stub = worker_pb2_grpc.WorkerStub(worker.client.channel)
+    call = stub.PushState.future(stalling(), timeout=TIMEOUT, metadata=worker.client.call_metadata)
+    try:
+        time.sleep(0.5)  # the push has begun: its session is being built
+        assert not call.done()
+        assert_round_ok(worker, replica)
+    finally:
+        resume.set()
+    with pytest.raises(grpc.RpcError) as info:
+        call.result()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ended" in info.value.details()
+    assert worker.client.describe().replicas == {RUN: 0}
+
+
 def test_a_message_over_the_size_limit_is_invalid() -> None:
     engine = WorkerEngine("cpu")
     server, port, _ = make_server(WorkerServicer(engine, max_message_mb=4), host="127.0.0.1", port=0)
