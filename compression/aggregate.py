@@ -123,31 +123,38 @@ class Aggregator:
         return in_plan_order(self.codec, self.parts())
 
     def parts(self) -> Iterator[dict[str, torch.Tensor]]:
-        """``result()`` a chunk group at a time (then the dense tensors): a caller that keeps only some of
-        each (a rank's shard) never holds the whole aggregate."""
+        """``result()`` a few tensors at a time (``member_slices``: runs of a chunk group's tensors of at most
+        ``SLICE_ELEMENTS`` between them, or one larger tensor; then the dense tensors): a caller that keeps
+        only some of each (a rank's shard) never holds the whole aggregate, nor the inverse transform's
+        working memory for more than a slice. Every holder slices alike, so replicas stay bit-identical."""
         self._check_nonempty()
         codec = self.codec
         for gi, group in enumerate(codec.plan.groups):
-            if self._sums is None and self._held:
-                stack = self._sparse_inverse(gi)
-            elif self._sums is not None and self._hits is None and codec.config.use_dct:
-                # The mean's division rides on the IDCT basis instead of costing a pass.
-                stack = idct_chunks(self._sums[gi].view(group.num_chunks, *group.chunk_shape), 1.0 / self.total_weight)
-            else:
-                stack = self._coefficients(gi).view(group.num_chunks, *group.chunk_shape)
-                if codec.config.use_dct:
-                    stack = idct_chunks(stack)
-            yield unchunk_group(codec, group, stack.float())  # float64 sums round once, here
+            sparse = self._sums is None and self._held
+            fused = self._sums is not None and self._hits is None and codec.config.use_dct
+            coefficients = None if sparse or fused else self._coefficients(gi)
+            for lo, hi in member_slices(group):
+                if sparse:
+                    stack = self._sparse_inverse(gi, lo, hi)
+                elif fused:  # the mean's division rides on the IDCT basis instead of costing a pass
+                    sums = self._sums[gi][lo:hi].view(hi - lo, *group.chunk_shape)
+                    stack = idct_chunks(sums, 1.0 / self.total_weight)
+                else:
+                    stack = coefficients[lo:hi].view(hi - lo, *group.chunk_shape)
+                    if codec.config.use_dct:
+                        stack = idct_chunks(stack)
+                yield unchunk_group(codec, group, stack.float(), lo, hi)  # float64 sums round once, here
         if codec.plan.dense:
             dense = zip(codec.plan.dense, self._dense)
             yield {t.name: (acc / self.total_weight).float().view(t.shape) for t, acc in dense}
 
-    def _sparse_inverse(self, gi: int) -> torch.Tensor:
-        """Inverse DCT of the held senders' coefficients, straight from (index, value) pairs."""
+    def _sparse_inverse(self, gi: int, lo: int, hi: int) -> torch.Tensor:
+        """Inverse DCT of the held senders' coefficients of chunks ``lo:hi`` of group ``gi``, straight from
+        (index, value) pairs."""
         group = self.codec.plan.groups[gi]
-        idx = torch.cat([d.indices[gi] for d, _ in self._held], dim=1)  # (B, K)
+        idx = torch.cat([d.indices[gi][lo:hi] for d, _ in self._held], dim=1)  # (B, K)
         vals = torch.cat(
-            [d.values[gi].to(self.dtype) * (w / self.total_weight) for d, w in self._held], dim=1
+            [d.values[gi][lo:hi].to(self.dtype) * (w / self.total_weight) for d, w in self._held], dim=1
         )  # (B, K)
         if len(group.chunk_shape) == 1:
             (n,) = group.chunk_shape
@@ -167,9 +174,34 @@ class Aggregator:
             raise ValueError("nothing to aggregate: no payload with positive weight was added")
 
 
-def unchunk_group(codec: GradientCodec, group: ChunkGroup, stack: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A chunk group's member tensors, by name, from the group's (num_chunks, *chunk_shape) stack."""
-    return {t.name: codec._unchunk(stack[off : off + t.num_chunks], t) for t, off in zip(group.members, group.offsets)}
+SLICE_ELEMENTS = 1 << 22  # a slice of a chunk group that ``Aggregator.parts`` decodes at once (16 MB in fp32)
+
+
+def member_slices(group: ChunkGroup, max_elements: int | None = None) -> Iterator[tuple[int, int]]:
+    """The group's chunks ``lo:hi`` in runs of whole member tensors of at most ``max_elements`` between them
+    (default ``SLICE_ELEMENTS``; a larger tensor alone); pure, so every holder of a replica cuts alike."""
+    most = max(1, (max_elements or SLICE_ELEMENTS) // group.chunk_numel)
+    lo = hi = 0
+    for t, off in zip(group.members, group.offsets):
+        if hi > lo and off + t.num_chunks - lo > most:
+            yield lo, hi
+            lo = off
+        hi = off + t.num_chunks
+    if hi > lo:
+        yield lo, hi
+
+
+def unchunk_group(
+    codec: GradientCodec, group: ChunkGroup, stack: torch.Tensor, lo: int = 0, hi: int | None = None
+) -> dict[str, torch.Tensor]:
+    """A chunk group's member tensors, by name, from the (num_chunks, *chunk_shape) stack of its chunks
+    ``lo:hi`` (default: all of them), which hold whole members."""
+    hi = group.num_chunks if hi is None else hi
+    return {
+        t.name: codec._unchunk(stack[off - lo : off - lo + t.num_chunks], t)
+        for t, off in zip(group.members, group.offsets)
+        if lo <= off < hi
+    }
 
 
 def in_plan_order(codec: GradientCodec, parts: Iterable[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -12,7 +12,8 @@ next batch, the engine computes that gradient as soon as the result is out (``wo
 the result travels and the coordinator aggregates.
 
 Anything that says the replica cannot be trusted becomes a NEEDS_STATE answer, not an exception: the
-coordinator then pushes the state and the worker carries on.
+coordinator then pushes the state and the worker carries on. A push is loaded a tensor at a time as it
+streams in (``push_parts``), into a new session that replaces the run's only once the state is complete.
 
 On a node of several ranks (``worker.node``) every rank runs an engine: rank 0's takes the coordinator's
 calls and first hands each one, as its protobuf bytes, to the others (``follow`` is their loop); every

@@ -1,10 +1,11 @@
 """A worker node of several ranks: one process per GPU on a box, joined by torch.distributed.
 
-Only rank 0 talks to the coordinator. Whatever reaches it - a state push, a work order - is broadcast to
-every rank as the same protobuf bytes the wire carried (never a pickle), and every rank runs the same
-engine code on it: each replays updates on its own replica and checks its own fingerprint, so all ranks
-stay bit-identical, and the collectives inside a round (DDP's gradient all-reduce, local-SGD's parameter
-average) meet because every rank makes the same calls in the same order.
+Only rank 0 talks to the coordinator. Whatever reaches it - a work order; a state push, a tensor at a time
+as it streams in (``gradwire.statestream``) - is broadcast to every rank as the same protobuf bytes the wire
+carried (never a pickle), and every rank runs the same engine code on it: each replays updates on its own
+replica and checks its own fingerprint, so all ranks stay bit-identical, and the collectives inside a round
+(DDP's gradient all-reduce, local-SGD's parameter average) meet because every rank makes the same calls in
+the same order.
 
 ``NodeGroup`` is that fast-bus side: the process group (gloo on CPU, NCCL on CUDA), the command channel
 and the few collectives the engine needs. Rank environment follows torchrun's conventions: RANK,

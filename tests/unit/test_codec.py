@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from gradwire.compression import CodecConfig, ErrorFeedback, GradientCodec, NonFiniteInput
+from gradwire.compression import CodecConfig, ErrorFeedback, GradientCodec, NonFiniteInput, aggregate
 from gradwire.compression.aggregate import Aggregator
 from gradwire.compression.dct import dct_chunks, idct_chunks
 
@@ -207,6 +207,34 @@ def test_sparse_inverse_dct_equals_the_dense_path(senders):
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=1e-5)
     assert sparse.norm() == pytest.approx(dense.norm(), rel=1e-5)
     assert sparse.norm() == pytest.approx(float(_cat(a).norm()), rel=1e-4)
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+def test_an_aggregate_decoded_a_few_tensors_at_a_time_is_the_whole_decode(sparse, monkeypatch):
+    shapes = {"a": (128, 128), "b": (64, 128), "c": (256, 64), "d": (64, 64), "norm": (768,)}  # one 64x64 group
+    codec = GradientCodec(shapes, CodecConfig())
+    payloads = [codec.compress(_grads(s, shapes=shapes)) for s in range(2)]
+
+    def decoded() -> tuple[list[list[str]], dict[str, torch.Tensor]]:
+        agg = codec.aggregator() if sparse else Aggregator(codec, sparse=False)
+        for p, w in zip(payloads, (1.0, 3.0)):
+            agg.add(p, w)
+        parts = list(agg.parts())
+        return [list(part) for part in parts], {n: t for part in parts for n, t in part.items()}
+
+    whole_parts, whole = decoded()
+    monkeypatch.setattr(aggregate, "SLICE_ELEMENTS", 4096)  # a slice of one 64x64 chunk: each tensor alone
+    sliced_parts, sliced = decoded()
+    assert len(sliced_parts) > len(whole_parts) and all(len(p) == 1 for p in sliced_parts[:-1])
+    assert len(codec.plan.groups[0].members) == 4 and len(whole_parts[0]) == 4
+    assert sliced.keys() == whole.keys() == shapes.keys()
+    for name in shapes:
+        assert torch.equal(sliced[name], whole[name]), name  # the same bits: replicas may slice alike or not
+    for group in codec.plan.groups:  # whole members, in order, each chunk once
+        cuts = list(aggregate.member_slices(group, 1))
+        assert cuts[0][0] == 0 and cuts[-1][1] == group.num_chunks
+        assert all(a[1] == b[0] for a, b in zip(cuts, cuts[1:]))
+        assert {lo for lo, _ in cuts} <= set(group.offsets)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
