@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 
 from gradwire.compression import CompressedGradient
-from gradwire.protocol import OK, ModelState, RoundResult, WorkOrder
+from gradwire.protocol import OK, RoundResult, WorkOrder
 from gradwire.replica import Fingerprint
+from gradwire.v1 import worker_pb2 as pb
 from gradwire.worker.compute import Cancelled
 from gradwire.worker.engine import WorkerEngine
 
@@ -58,12 +59,14 @@ class FaultyEngine(WorkerEngine):
         self.injected: list[int] = []
         self.pushes = 0  # state pushes received so far
 
-    def push_state(self, state: ModelState, owner: bytes = b"") -> tuple[int, Fingerprint]:
+    def push_parts(
+        self, parts: Iterator[pb.Part], max_bytes: int, limit_reason: str = "", owner: bytes = b""
+    ) -> tuple[int, Fingerprint]:
         if self.plan.action == "stall-push" and self.plan.applies(self.pushes):
             self.injected.append(self.pushes)
             time.sleep(self.plan.factor)
         self.pushes += 1
-        return super().push_state(state, owner)
+        return super().push_parts(parts, max_bytes, limit_reason, owner)
 
     def run_round(
         self, order: WorkOrder, cancelled: Callable[[], bool] = lambda: False, owner: bytes = b""
