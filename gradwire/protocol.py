@@ -68,19 +68,32 @@ def frame(pieces: Iterable[bytes], part_bytes: int = PART_BYTES, total: int | No
         pieces = list(pieces)
         total = sum(map(len, pieces))
     digest = hashlib.sha256()
-    buf, sent = bytearray(), 0
+    held, sent = bytearray(), 0  # held: at most a part, kept back until more comes (the last carries the hash)
+
+    def part(data: bytes) -> pb.Part:
+        nonlocal sent
+        digest.update(data)
+        sent += len(data)
+        return pb.Part(data=data, last=False, total_bytes=total)
+
     for piece in pieces:
-        buf += piece
-        while len(buf) > part_bytes:  # keep something back: the last part carries the hash
-            chunk = bytes(buf[:part_bytes])
-            del buf[:part_bytes]
-            digest.update(chunk)
-            sent += len(chunk)
-            yield pb.Part(data=chunk, last=False, total_bytes=total)
-    if sent + len(buf) != total:
-        raise RuntimeError(f"framed {sent + len(buf)} bytes, declared {total}")  # a bug on this side
-    digest.update(buf)
-    yield pb.Part(data=bytes(buf), last=True, total_bytes=total, sha256=digest.digest())
+        view = memoryview(piece)
+        if held:  # top the held bytes up to a part first
+            take = part_bytes - len(held)
+            held += view[:take]
+            view = view[take:]
+            if not view:
+                continue
+            yield part(bytes(held))
+            held = bytearray()
+        while len(view) > part_bytes:  # straight from the piece, one copy per part
+            yield part(bytes(view[:part_bytes]))
+            view = view[part_bytes:]
+        held += view
+    if sent + len(held) != total:
+        raise RuntimeError(f"framed {sent + len(held)} bytes, declared {total}")  # a bug on this side
+    digest.update(held)
+    yield pb.Part(data=bytes(held), last=True, total_bytes=total, sha256=digest.digest())
 
 
 class Unframer:

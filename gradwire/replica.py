@@ -291,7 +291,7 @@ class Replica:
     # checked as it comes, so a replica whose load fails half way holds a mix: throw it away.
 
     def begin_load(self) -> None:
-        self._loading = _Loading(dict(zip(self.params, self._step_tensors())))
+        self._loading = _Loading(dict(zip(self.params, self._step_tensors())), list(self.shapes))
 
     @torch.no_grad()
     def load_tensor(self, name: str, full: torch.Tensor) -> None:
@@ -311,7 +311,7 @@ class Replica:
     def load_momentum(self, index: int, full: torch.Tensor) -> None:
         """The outer momentum of the model's ``index``-th parameter (in ``shapes``' order), whole."""
         loading = self._started()
-        momentum, names = loading.momentum, list(self.shapes)
+        momentum, names = loading.momentum, loading.names
         if not 0 <= index < len(names) or index in momentum:
             raise ValueError(f"momentum tensor {index}: {'twice' if index in momentum else 'no such parameter'}")
         if tuple(full.shape) != self.shapes[names[index]]:
@@ -333,8 +333,8 @@ class Replica:
             raise ValueError(f"state is missing parameter {missing[0]!r} ({len(missing)} missing)")
         if momentum and len(momentum) != len(self.shapes):
             raise ValueError(f"{len(momentum)} momentum tensors for {len(self.shapes)} parameters")
-        names = list(self.shapes)
-        self.momentum = [momentum[names.index(n)] for n in self.params] if momentum else []
+        index = {n: i for i, n in enumerate(loading.names)}
+        self.momentum = [momentum[index[n]] for n in self.params] if momentum else []
         self.version = version
 
     def _started(self) -> _Loading:
@@ -346,6 +346,7 @@ class Replica:
 @dataclasses.dataclass
 class _Loading:
     targets: dict[str, torch.Tensor]  # what each parameter's share is written into (``_step_tensors``)
+    names: list[str]  # the whole model's parameters, in order (momentum travels by index into these)
     seen: set[str] = dataclasses.field(default_factory=set)
     momentum: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # by the parameter's index
 

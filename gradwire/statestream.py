@@ -59,7 +59,8 @@ class StateHeader:
 def state_parts(state: ModelState, part_bytes: int = PART_BYTES) -> Iterator[pb.Part]:
     """``state`` framed as parts, serialized one tensor at a time (see the module's docstring)."""
     tensors = [(field, name, t) for field, kind in TENSOR_FIELDS.items() for name, t in getattr(state, kind).items()]
-    header = _header_proto(StateHeader.of(state)).SerializeToString()
+    bare = dataclasses.replace(state, parameters={}, optimizer_state={}, feedback={}, inner_optimizer={})
+    header = protocol.state_to_proto(bare).SerializeToString()
     total = len(header) + sum(_tensor_field_bytes(name, t) for _, name, t in tensors)  # checks every dtype too
 
     def pieces() -> Iterator[bytes]:
@@ -90,16 +91,6 @@ def serialize(m: pb.ModelState) -> bytes:
             getattr(piece, kind).append(t)
             pieces.append(piece.SerializeToString())
     return header.SerializeToString() + b"".join(pieces)
-
-
-def _header_proto(h: StateHeader) -> pb.ModelState:
-    return pb.ModelState(
-        protocol_version=h.protocol_version,
-        run_id=h.run_id,
-        version=h.version,
-        model_json=h.model_json,
-        update_rule_json=h.update_rule_json,
-    )
 
 
 def _tensor_field_bytes(name: str, t: torch.Tensor) -> int:
