@@ -115,13 +115,30 @@ def sample_positions(
     return out
 
 
+MOMENT_SLICE = 1 << 20  # elements cast to float64 at a time by ``moments``
+
+
+@torch.no_grad()
+def moments(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 sum and sum of squares of a flat tensor, a slice at a time: a float64 sum of a float32
+    tensor casts it first, and cast whole, a model's tensors would ask for twice their bytes again."""
+    total = torch.zeros((), dtype=torch.float64, device=flat.device)
+    squares = torch.zeros((), dtype=torch.float64, device=flat.device)
+    for lo in range(0, flat.numel(), MOMENT_SLICE):
+        x = flat[lo : lo + MOMENT_SLICE].double()
+        total += x.sum()
+        squares += torch.dot(x, x)
+    return total, squares
+
+
 @torch.no_grad()
 def fingerprint(tensors: Sequence[torch.Tensor], positions: Sequence[torch.Tensor]) -> Fingerprint:
     sums, sumsqs, samples = [], [], []
     for t, pos in zip(tensors, positions):
         flat = t.detach().reshape(-1)
-        sums.append(flat.sum(dtype=torch.float64))
-        sumsqs.append(torch.linalg.vector_norm(flat, dtype=torch.float64).square())
+        total, squares = moments(flat)
+        sums.append(total)
+        sumsqs.append(squares)
         samples.append(flat[pos.to(flat.device)].float())
     return Fingerprint(
         tuple(torch.stack(sums).tolist()) if sums else (),

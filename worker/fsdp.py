@@ -23,7 +23,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from gradwire.optim.outer import UpdateRule
-from gradwire.replica import Fingerprint, Replica
+from gradwire.replica import Fingerprint, Replica, moments
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
@@ -165,8 +165,9 @@ class ShardedReplica(Replica):
         sums, sumsqs, samples = [], [], []
         for p, positions in zip(self._sharded.values(), self._positions):
             local = p.to_local().reshape(-1)
-            sums.append(local.sum(dtype=torch.float64))
-            sumsqs.append(torch.linalg.vector_norm(local, dtype=torch.float64).square())
+            total, squares = moments(local)
+            sums.append(total)
+            sumsqs.append(squares)
             first = _first_row(p) * (p.numel() // p.shape[0] if p.dim() and p.shape[0] else 1)
             mine = (positions >= first) & (positions < first + local.numel())
             values = torch.zeros(len(positions), dtype=torch.float64, device=local.device)

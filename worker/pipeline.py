@@ -35,7 +35,7 @@ from gradwire.compression import CodecConfig, GradientCodec
 from gradwire.models import GPT
 from gradwire.models.gpt import rope_tables
 from gradwire.optim.outer import UpdateRule
-from gradwire.replica import Fingerprint, Replica, sample_positions
+from gradwire.replica import Fingerprint, Replica, moments, sample_positions
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -329,8 +329,8 @@ class StageReplica(Replica):
         for i, (name, positions) in enumerate(zip(self.shapes, self._positions)):
             if name in self.owned:
                 flat = self.params[name].detach().reshape(-1)
-                stats[i] = flat.sum(dtype=torch.float64).cpu()
-                stats[n + i] = torch.linalg.vector_norm(flat, dtype=torch.float64).square().cpu()
+                total, squares = moments(flat)
+                stats[i], stats[n + i] = total.cpu(), squares.cpu()
                 stats[offset : offset + len(positions)] = flat[positions.to(flat.device)].float().double().cpu()
             offset += len(positions)
         dist.all_reduce(stats)  # one collective for the whole fingerprint

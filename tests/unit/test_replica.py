@@ -6,7 +6,7 @@ import torch
 from gradwire.compression import CodecConfig, GradientCodec, PayloadError
 from gradwire.models import build_model
 from gradwire.optim.outer import UpdateRule
-from gradwire.replica import Replica, StateUpdate, compare_fingerprints
+from gradwire.replica import MOMENT_SLICE, Replica, StateUpdate, compare_fingerprints, moments
 
 CFG = CodecConfig()
 
@@ -92,3 +92,15 @@ def test_the_fingerprint_is_kept_until_a_parameter_is_written() -> None:
     with torch.no_grad():
         p[0, 0] -= 1.0
     assert replica.fingerprint().sums[0] == pytest.approx(first.sums[0])
+
+
+def test_moments_a_slice_at_a_time_are_the_whole_tensors_float64_sums() -> None:
+    g = torch.Generator().manual_seed(0)
+    flat = torch.randn(2 * MOMENT_SLICE + 12345, generator=g) * 3 + 0.5  # two whole slices and a piece
+    total, squares = moments(flat)
+    exact = flat.double()
+    assert total.dtype == squares.dtype == torch.float64
+    assert torch.allclose(total, exact.sum(), rtol=1e-12, atol=1e-9)
+    assert torch.allclose(squares, (exact * exact).sum(), rtol=1e-12)
+    empty = moments(torch.empty(0))
+    assert empty[0].item() == 0.0 and empty[1].item() == 0.0
