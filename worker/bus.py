@@ -14,8 +14,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch._dynamo  # noqa: F401 - see below
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+
+# torch imports torch._dynamo the first time an op reaches a Python dispatch mode, and something that import
+# keeps holds the frames of that call for the life of the process: under ``CollectiveBytes`` that is a
+# round's stack, with every tensor its frames refer to (gradients, a codec group's coefficients). Imported
+# above, with this module, it holds nothing of ours.
 
 _c10d, _functional = torch.ops.c10d, torch.ops._c10d_functional
 

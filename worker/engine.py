@@ -492,9 +492,10 @@ class WorkerEngine:
         use, why = ahead.serves(order, replica.version) if ahead is not None else (False, "")
         if ahead is not None:
             self.lookaheads["used" if use else "dropped"] += 1
-        # A split node's collectives are torch's own (FSDP2's gathers, a pipeline's sends): counted as issued.
-        counting = bus.CollectiveBytes() if session.placement.split else contextlib.nullcontext()
-        with counting:
+        # A split node's collectives are torch's own (FSDP2's gathers, a pipeline's sends): counted as issued,
+        # around the calls that issue them only (every op under the mode goes through Python).
+        counting = bus.CollectiveBytes() if session.placement.split else None
+        with counting or contextlib.nullcontext():
             if use:
                 contribution, compute_seconds = ahead.contribution, ahead.seconds
             else:
@@ -506,21 +507,20 @@ class WorkerEngine:
                     session, order, self._tokens(order.batch), cancelled, session.placement
                 )
                 compute_seconds = time.perf_counter() - t_update
-            t_computed = time.perf_counter()
-            for update in updates[before:]:
-                replica.apply(update, known=known)
-            t_compute = time.perf_counter()  # the encode starts
-            update_seconds = (t_update - t0) + (t_compute - t_computed)
-            # 4. encode: error feedback and the codec, on rank 0 of a node (a sharded node: on every rank, each
-            # its own tensors; rank 0 assembles the payload).
-            session.feedback.beta = order.feedback_beta
-            if session.placement.split:
-                payload = self._encode_shards(session, order, contribution)
-            else:
-                payload = self._encode(session, order, contribution)
-        if isinstance(counting, bus.CollectiveBytes):
+        t_computed = time.perf_counter()
+        for update in updates[before:]:
+            replica.apply(update, known=known)
+        t_compute = time.perf_counter()  # the encode starts
+        update_seconds = (t_update - t0) + (t_compute - t_computed)
+        # 4. encode: error feedback and the codec, on rank 0 of a node (a split node: on every rank, each its
+        # own tensors; rank 0 assembles the payload).
+        session.feedback.beta = order.feedback_beta
+        if counting is not None:
+            payload = self._encode_shards(session, order, contribution, counting)
             session.placement.bus.bytes += counting.bytes
             session.placement.bus.calls += counting.calls
+        else:
+            payload = self._encode(session, order, contribution)
         if payload is None:  # a rank > 0: rank 0 answers for the node
             return RoundResult(OK, order.round, "", None, contribution.loss, contribution.tokens, replica.version)
         session.last_sent = (order.round, payload)  # the coordinator leaves it out of the replay it sends back
@@ -574,10 +574,11 @@ class WorkerEngine:
         return payload
 
     def _encode_shards(
-        self, session: Session, order: WorkOrder, contribution: Contribution
+        self, session: Session, order: WorkOrder, contribution: Contribution, counting: bus.CollectiveBytes
     ) -> CompressedGradient | None:
         """Every rank of a split node compresses the tensors it owns with its own error feedback
-        (``compression.shard``); rank 0 assembles the payload a single device would send (``None`` elsewhere)."""
+        (``compression.shard``); rank 0 assembles the payload a single device would send (``None`` elsewhere).
+        The gathers to the encoding ranks count in ``counting``."""
         assert self.node is not None
         codec = session.replica.codec(order.codec)
         mine = session.owned(order.codec)
@@ -586,10 +587,11 @@ class WorkerEngine:
             owners = shard.owners(codec.plan, self.node.world_size)
             owner = {name: rank for rank, names in enumerate(owners) for name in names}
             whole = {}
-            for name, t in contribution.tensors.items():
-                full = fsdp.gather_to(t, owner[name]) if isinstance(t, DTensor) else t
-                if name in mine:
-                    whole[name] = full
+            with counting:
+                for name, t in contribution.tensors.items():
+                    full = fsdp.gather_to(t, owner[name]) if isinstance(t, DTensor) else t
+                    if name in mine:
+                        whole[name] = full
         else:  # a pipeline stage holds its tensors whole
             whole = {name: contribution.tensors[name] for name in mine}
         try:
