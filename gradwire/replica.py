@@ -185,8 +185,14 @@ class Replica:
     The model itself is a plain ``nn.Module``; the replica only reads and writes its parameters.
     """
 
-    def __init__(self, model: torch.nn.Module, rule: UpdateRule, version: int = 0) -> None:
+    def __init__(
+        self, model: torch.nn.Module, rule: UpdateRule, version: int = 0, device: torch.device | None = None
+    ) -> None:
+        """``model``'s parameters may be on the meta device (``worker.fsdp.parameters_on_meta``): each is then
+        allocated on ``device`` when a state brings its values (``load_tensor``), so what a replica allocates
+        follows the bytes a push has actually delivered."""
         self.model = model
+        self.device = device
         self.rule = rule
         self.version = version
         self.params: dict[str, torch.Tensor] = dict(model.named_parameters())
@@ -323,7 +329,10 @@ class Replica:
             raise ValueError(f"parameter {name!r}: shape {tuple(full.shape)} != {self.shapes[name]}")
         seen.add(name)
         if name in loading.targets:
-            loading.targets[name].copy_(self._share(name, full))
+            target = loading.targets[name]
+            if target.is_meta:
+                target = loading.targets[name] = self._materialize(name)
+            target.copy_(self._share(name, full))
 
     def load_momentum(self, index: int, full: torch.Tensor) -> None:
         """The outer momentum of the model's ``index``-th parameter (in ``shapes``' order), whole."""
@@ -336,7 +345,8 @@ class Replica:
         name = names[index]
         if name in loading.targets:
             target = loading.targets[name]
-            momentum[index] = self._share(name, full).to(target.device, target.dtype, copy=True)
+            device = self.device if target.is_meta and self.device is not None else target.device
+            momentum[index] = self._share(name, full).to(device, target.dtype, copy=True)
         else:
             momentum[index] = full.new_empty(0)  # counted, not kept: another stage's
 
@@ -353,6 +363,20 @@ class Replica:
         index = {n: i for i, n in enumerate(loading.names)}
         self.momentum = [momentum[index[n]] for n in self.params] if momentum else []
         self.version = version
+
+    def _materialize(self, name: str) -> torch.Tensor:
+        """Parameter ``name``, still on the meta device, allocated on ``device`` (values undefined) in every
+        module that holds it (a tied parameter stays tied)."""
+        old = self.params[name]
+        if self.device is None:
+            raise RuntimeError(f"parameter {name!r} is on the meta device and the replica has no device")
+        new = torch.nn.Parameter(torch.empty(old.shape, dtype=old.dtype, device=self.device), old.requires_grad)
+        for module in self.model.modules():
+            for key, p in module._parameters.items():
+                if p is old:
+                    module._parameters[key] = new
+        self.params[name] = new
+        return new
 
     def _started(self) -> _Loading:
         if self._loading is None:

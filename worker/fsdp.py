@@ -90,6 +90,16 @@ def parameters_on_meta() -> Iterator[None]:
                 nn.Module.register_parameter = _REGISTER
 
 
+def buffers_to(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model`` with its buffers moved to ``device`` and its parameters left where they are (a model whose
+    parameters are on the meta device cannot take ``.to``)."""
+    for module in model.modules():
+        for key, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[key] = buffer.to(device)
+    return model
+
+
 def _sharded(model: nn.Module) -> Iterator[tuple[str, DTensor]]:
     for name, p in model.named_parameters():
         if not isinstance(p, DTensor):

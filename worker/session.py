@@ -87,7 +87,7 @@ class Session:
                 with torch.device("meta"):
                     whole = build_from_spec(spec)
                 self.stage = pipeline.plan_stage(whole, self.placement.node.rank, self.placement.ranks)
-            model = self._build()
+            model = self._build(meta=True)
         except TooLarge:
             raise
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
@@ -99,8 +99,8 @@ class Session:
             self.replica: Replica = StageReplica(model, rule, shapes, pipeline.owned_names(model, self.stage))
         elif self.placement.sharded:
             self.replica = ShardedReplica(model, rule)
-        else:
-            self.replica = Replica(model, rule)
+        else:  # its parameters are allocated as the push brings them
+            self.replica = Replica(model, rule, device=self.device)
         self.replica.begin_load()
         node = self.placement.node
         self._restore: Restore | None = Restore(
@@ -165,9 +165,10 @@ class Session:
         self._inner_restore = dict(restore.inner)
         self.restored = (bool(restore.feedback), bool(restore.inner))
 
-    def _build(self) -> torch.nn.Module:
+    def _build(self, meta: bool = False) -> torch.nn.Module:
         """This rank's part of the run's model on its device, values undefined where only a part is allocated:
-        its pipeline stage, its FSDP2 shards (built a parameter at a time), or the whole model."""
+        its pipeline stage, its FSDP2 shards (built a parameter at a time), or the whole model (with ``meta``,
+        its parameters on the meta device, for the replica to allocate as a push brings them)."""
         if self.stage is not None:
             with torch.device("meta"):
                 whole = build_from_spec(self.spec)
@@ -176,6 +177,10 @@ class Session:
             with fsdp.parameters_on_meta():
                 model = build_from_spec(self.spec)
             return fsdp.shard(model, device=self.device, reshard_after_forward=self.placement.reshard_after_forward)
+        if meta:
+            with fsdp.parameters_on_meta():
+                model = build_from_spec(self.spec)
+            return fsdp.buffers_to(model, self.device)
         return build_from_spec(self.spec).to(self.device)
 
     def owned(self, config: CodecConfig) -> tuple[str, ...]:
