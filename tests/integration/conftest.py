@@ -16,6 +16,7 @@ import torch
 from gradwire.coordinator.client import WorkerClient
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.trainer import Trainer
+from gradwire.transport import free_port
 from gradwire.worker.engine import WorkerEngine
 from gradwire.worker.server import make_server
 from gradwire.worker.servicer import WorkerServicer
@@ -121,3 +122,35 @@ def worker_process(port: int, *extra: str, log: object = subprocess.DEVNULL) -> 
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+@dataclasses.dataclass
+class ServedWorker:
+    proc: subprocess.Popen
+    client: WorkerClient
+    address: str
+    log: str  # the path of its log
+
+    def peak_rss_mb(self) -> float:
+        """The process's peak resident memory so far (``VmHWM``), in MB."""
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+        raise AssertionError("no VmHWM")
+
+
+@contextlib.contextmanager
+def served_worker(tmp_path: object, *extra: str, timeout: float = 60.0) -> Iterator[ServedWorker]:
+    """A ``worker_process`` on a free port, ready, with a client; its output goes to ``tmp_path``/worker.log."""
+    port = free_port()
+    path = os.path.join(str(tmp_path), "worker.log")
+    with open(path, "w") as log:
+        proc = worker_process(port, *extra, log=log)
+        try:
+            client = WorkerClient(f"127.0.0.1:{port}", timeout=timeout)
+            client.wait_ready(60)
+            yield ServedWorker(proc, client, f"127.0.0.1:{port}", path)
+        finally:
+            proc.terminate()
+            proc.wait(30)

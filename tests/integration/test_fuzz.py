@@ -18,21 +18,12 @@ from gradwire.models import build_from_spec, model_spec
 from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import OK, ModelState, WorkOrder
 from gradwire.replica import Replica, StateUpdate
-from gradwire.transport import free_port
 
-from .conftest import worker_process
+from .conftest import served_worker
 
 SPEC = model_spec("gpt-tiny")
 RULE = UpdateRule(optimizer="sgd")
 RUN = "fuzzed"
-
-
-def peak_rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmHWM")
 
 
 def valid_messages(client: WorkerClient) -> tuple[ModelState, WorkOrder, Replica]:
@@ -49,14 +40,10 @@ def valid_messages(client: WorkerClient) -> tuple[ModelState, WorkOrder, Replica
 
 @pytest.mark.slow
 def test_the_worker_survives_fuzzing_and_serves_a_round_afterwards(tmp_path) -> None:
-    port = free_port()
-    log = open(tmp_path / "worker.log", "w")  # noqa: SIM115 - closed below
-    proc = worker_process(port, "--max-model-params", "5000000", log=log)
-    try:
-        client = WorkerClient(f"127.0.0.1:{port}", timeout=60)
-        client.wait_ready(60)
+    with served_worker(tmp_path, "--max-model-params", "5000000") as worker:
+        client = worker.client
         state, order, replica = valid_messages(client)
-        start_mb = peak_rss_mb(proc.pid)
+        start_mb = worker.peak_rss_mb()
         t0 = time.monotonic()
         counts = fuzz(
             client.channel,
@@ -70,27 +57,23 @@ def test_the_worker_survives_fuzzing_and_serves_a_round_afterwards(tmp_path) -> 
         )
         elapsed = time.monotonic() - t0
         total = sum(sum(c.values()) for c in counts.values())
-        assert proc.poll() is None, "the worker died"
+        assert worker.proc.poll() is None, "the worker died"
         assert total >= 1000, f"only {total} calls in {elapsed:.0f} s"
         for rpc, answers in counts.items():
             assert "INTERNAL" not in answers and "UNKNOWN" not in answers, (
                 rpc,
                 answers,
-                (tmp_path / "worker.log").read_text()[-3000:],
+                open(worker.log).read()[-3000:],
             )
             assert "DEADLINE_EXCEEDED" not in answers, (rpc, answers)  # nothing hangs
             assert "RESOURCE_EXHAUSTED" not in answers, (rpc, answers)  # no error text too large to send back
         assert (
             counts["PushState"].get("INVALID_ARGUMENT", 0) > 50 and counts["RunRound"].get("INVALID_ARGUMENT", 0) > 50
         )
-        assert peak_rss_mb(proc.pid) < start_mb + 600, (start_mb, peak_rss_mb(proc.pid))
+        assert worker.peak_rss_mb() < start_mb + 600, (start_mb, worker.peak_rss_mb())
         # Still a working worker: a fresh state and a plain round.
         client.push_state(state)
         batch = np.random.default_rng(9).integers(0, 8192, (2, 17)).astype(np.uint16)
         result, _ = client.run_round(WorkOrder(RUN, 5, 0, batch, CodecConfig(), replica.fingerprint()))
         assert result.status == OK
         client.close()
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
