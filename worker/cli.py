@@ -146,6 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
         "instead of running out of memory (default: a CUDA device's memory; no limit on the CPU)",
     )
     serve.add_argument(
+        "--push-budget-gb",
+        type=_gigabytes,
+        default=None,
+        metavar="GB",
+        help="bytes the state pushes in flight may hold together, whoever sends them: a push that would take more "
+        "is refused (RESOURCE_EXHAUSTED) and keeps nothing (default: --rank-memory-gb, else this machine's memory)",
+    )
+    serve.add_argument(
         "--max-model-params",
         type=_positive,
         default=DEFAULT_MAX_MODEL_PARAMS,
@@ -419,7 +427,10 @@ def run_rank(args: argparse.Namespace, rank: RankInfo | None) -> int:
     node = NodeGroup(rank, torch.device(device), timeout=args.node_timeout) if rank is not None else None
     placement = placement_of(args, node)
     memory = round(args.rank_memory_gb * GB) if args.rank_memory_gb is not None else None
-    engine = WorkerEngine(device, placement=placement, max_model_params=args.max_model_params, rank_memory=memory)
+    budget = round(args.push_budget_gb * GB) if args.push_budget_gb is not None else None
+    engine = WorkerEngine(
+        device, placement=placement, max_model_params=args.max_model_params, rank_memory=memory, push_budget=budget
+    )
     try:
         if node is not None and not node.info.leader:
             log.info("rank %d of %d on %s: following rank 0", rank.rank, rank.world_size, device)

@@ -66,6 +66,7 @@ from gradwire.replica import Fingerprint
 from gradwire.security import same_owner
 from gradwire.v1 import worker_pb2 as pb
 from gradwire.worker import bus, fsdp, lookahead
+from gradwire.worker.budget import PushBudget
 from gradwire.worker.check import ReplicaView, Verdict, check_order
 from gradwire.worker.compute import Contribution, Placement, gradient_step, strategy_for
 from gradwire.worker.node import (
@@ -75,7 +76,7 @@ from gradwire.worker.node import (
     merge_shard_states,
 )
 from gradwire.worker.session import Session, host_tensors
-from gradwire.worker.sizing import choose_node_mode, device_memory
+from gradwire.worker.sizing import choose_node_mode, device_memory, physical_memory
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -104,11 +105,15 @@ class WorkerEngine:
         placement: Placement | None = None,
         max_model_params: int = DEFAULT_MAX_MODEL_PARAMS,
         rank_memory: int | None = None,
+        push_budget: int | None = None,
     ) -> None:
         """``rank_memory``: the bytes a run's state may use on this worker's device (each rank's, on a
-        node; ``worker.sizing``); default: a CUDA device's memory, no limit on the CPU."""
+        node; ``worker.sizing``); default: a CUDA device's memory, no limit on the CPU. ``push_budget``: the
+        bytes the state pushes in flight may hold together (``worker.budget``); default: ``rank_memory``,
+        or this machine's memory."""
         self.device = torch.device(device)
         self.rank_memory = rank_memory if rank_memory is not None else device_memory(self.device)
+        self.push_budget = PushBudget(push_budget or self.rank_memory or physical_memory())
         self.max_sessions = max_sessions
         self.max_model_params = max_model_params
         self.placement = placement or Placement()
@@ -191,10 +196,12 @@ class WorkerEngine:
         push = next(self._push_ids).to_bytes(8, "little")
         run = header.run_id
         try:
-            session = self._on_compute(self._owned, run, owner, self._begin_push, push, head, header, owner)
-            for piece in pieces:
-                self._on_compute(self._push_piece, push, session, piece)
-            return self._on_compute(self._owned, run, owner, self._end_push, push, session)
+            with self.push_budget.push() as held:
+                session = self._on_compute(self._owned, run, owner, self._begin_push, push, head, header, owner)
+                for piece in pieces:
+                    held.take(len(piece))  # what the piece's tensor is about to allocate, or a little more
+                    self._on_compute(self._push_piece, push, session, piece)
+                return self._on_compute(self._owned, run, owner, self._end_push, push, session)
         except BaseException:
             if self.node is not None:
                 with contextlib.suppress(Exception):  # a node that cannot hear it fails its next command anyway

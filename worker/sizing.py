@@ -10,6 +10,8 @@ local-SGD round (the rest), instead of running out of memory mid-round.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 GB = 1 << 30
@@ -60,6 +62,14 @@ def device_memory(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     return torch.cuda.get_device_properties(device).total_memory
+
+
+def physical_memory() -> int:
+    """This machine's memory in bytes (where the system does not say: 1 TiB, bounding nothing real)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 40
 
 
 def choose_node_mode(
