@@ -2,9 +2,13 @@
 
 A push allocates a replica's parameters as their bytes arrive (``Replica.load_tensor``), so one caller makes
 a worker allocate no more than it has sent. Many callers at once could still add up: every push in flight
-takes what it has delivered from one ``PushBudget`` and gives it back when it ends (its session is then the
-run's, or is dropped). A push that would overdraw the budget is refused with the sizes (``TooLarge``:
-RESOURCE_EXHAUSTED, worth retrying once the others are done) and keeps nothing.
+takes what it allocates from one ``PushBudget``, and gives it back when it ends (its session is then the
+run's, or is dropped). On a single device or a DDP node that is each tensor's bytes as it arrives. On a
+split node (fsdp, pipeline), whose ranks allocate their shards or stage when the push starts, it is a
+rank's share of the model up front, and each tensor's bytes only while it is being loaded.
+
+A push that would overdraw the budget is refused with the sizes (``TooLarge``: RESOURCE_EXHAUSTED, worth
+retrying once the others are done) and keeps nothing.
 """
 
 from __future__ import annotations
@@ -62,3 +66,9 @@ class PushTicket:
         """Hold ``n`` more bytes, or raise ``TooLarge`` (holding nothing more) if the budget has not them."""
         self._budget._take(n)
         self.held += n
+
+    def give_back(self, n: int) -> None:
+        """Hold ``n`` bytes less (what a push needed only for a while)."""
+        n = min(n, self.held)
+        self._budget._give_back(n)
+        self.held -= n

@@ -197,10 +197,15 @@ class WorkerEngine:
         run = header.run_id
         try:
             with self.push_budget.push() as held:
+                split = self._placement_for(header).split
+                if split:  # the ranks allocate their shards (or stage) as the push starts
+                    held.take(4 * -(-_elements(header) // self.placement.ranks))
                 session = self._on_compute(self._owned, run, owner, self._begin_push, push, head, header, owner)
                 for piece in pieces:
                     held.take(len(piece))  # what the piece's tensor is about to allocate, or a little more
                     self._on_compute(self._push_piece, push, session, piece)
+                    if split:  # each rank kept its share, in what it allocated as the push started
+                        held.give_back(len(piece))
                 return self._on_compute(self._owned, run, owner, self._end_push, push, session)
         except BaseException:
             if self.node is not None:
@@ -292,8 +297,8 @@ class WorkerEngine:
         (every rank decides alike, from the same state)."""
         if self.placement.mode != "auto" or self.node is None:
             return self.placement
+        elements = _elements(state)
         try:
-            elements = spec_elements(json.loads(state.model_json))
             momentum = bool(UpdateRule.from_json(state.update_rule_json).momentum)
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
             raise ProtocolError(f"model state: {e}") from None
@@ -646,6 +651,14 @@ class WorkerEngine:
     def _bus_bytes(self) -> int:
         """Bytes this rank has put on the node's bus so far (0 off a node)."""
         return self.placement.bus.bytes + (self.node.bytes_sent if self.node is not None else 0)
+
+
+def _elements(header: statestream.StateHeader) -> int:
+    """The parameters and buffers of the model a pushed state names (sized on the meta device)."""
+    try:
+        return spec_elements(json.loads(header.model_json))
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
+        raise ProtocolError(f"model state: {e}") from None
 
 
 def _view(session: Session | None) -> ReplicaView | None:

@@ -132,3 +132,24 @@ def test_auto_shards_a_model_that_does_not_fit_a_rank_whole_and_refuses_one_that
             client.push_state(st)
     assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert f"{elements:,} parameters" in e.value.details and "even sharded over 2 ranks" in e.value.details
+
+
+@pytest.mark.slow
+def test_a_sharded_nodes_push_takes_its_shards_from_the_push_budget_and_a_tensor_only_while_it_loads(tmp_path):
+    # A split node's ranks allocate their shards as the push starts: that much of the budget is taken up
+    # front, then each tensor's bytes only while it is being loaded (each rank keeps its rows in its shards).
+    replica, st = state()
+    shards = 4 * -(-spec_elements(json.loads(st.model_json)) // 2)
+    largest = max(len(piece) for piece in statestream.read_state(statestream.state_parts(st), 1 << 30, ""))
+    need = shards + largest
+    with node(tmp_path, "--node-mode", "fsdp", "--push-budget-gb", f"{(need - 1) / GB:.12f}") as (address, _):
+        with WorkerClient(address, timeout=TIMEOUT) as client:
+            with pytest.raises(WorkerError) as e:
+                client.push_state(st)
+            assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--push-budget-gb" in e.value.details
+            assert client.describe().replicas == {}
+    with node(tmp_path, "--node-mode", "fsdp", "--push-budget-gb", f"{(need + 1) / GB:.12f}") as (address, _):
+        with WorkerClient(address, timeout=TIMEOUT) as client:
+            (version, _), _ = client.push_state(st)
+            result, _ = client.run_round(WorkOrder("run", 0, 0, batch(4), DENSE_CODEC, replica.fingerprint()))
+            assert version == 0 and result.status == OK, result.reason

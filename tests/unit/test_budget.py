@@ -30,3 +30,15 @@ def test_pushes_share_one_budget_and_give_it_back_however_they_end() -> None:
 def test_a_budget_is_positive() -> None:
     with pytest.raises(ValueError, match="positive"):
         PushBudget(0)
+
+
+def test_a_push_gives_back_what_it_needed_only_for_a_while() -> None:
+    budget = PushBudget(100)
+    with budget.push() as a:
+        a.take(50)  # its shards, for as long as the push lasts
+        for _ in range(5):  # five tensors of 40 bytes, each held only while it loads
+            a.take(40)
+            a.give_back(40)
+        assert a.held == budget.held == 50
+        a.give_back(80)  # never more than it holds
+        assert a.held == budget.held == 0
