@@ -6,6 +6,8 @@ coefficient domain, and one ``Fate`` per worker saying what became of its contri
 
 1. validate: a result's token count must match the batch it was sent, and its payload must decode
    against the codec's plan; either failing leaves it out.
+   A payload that repeats another's chunk indices, this round's or a recent round's, is a copy
+   (``coordinator.copies``) and is left out too.
 2. clip: each sender is scaled to at most ``--clip-factor`` x the median norm (of this round, or of the
    senders kept in recent rounds if that is larger); one that would keep less than ``HARD_CLIP`` of
    itself is no honest outlier and is left out.
@@ -28,12 +30,14 @@ import numpy as np
 from gradwire.compression import PayloadError, robust
 from gradwire.compression.codec import DecodedGradient, GradientCodec
 from gradwire.compression.robust import AggregationRule
+from gradwire.coordinator import copies
 from gradwire.coordinator.decisions import HARD_CLIP, Verdict, judge
 from gradwire.coordinator.outer import Aggregate
 from gradwire.coordinator.round import RoundOutcome, SlotOutcome
 from gradwire.protocol import RoundResult
 
 FateKind = Literal["kept", "clipped", "left out", "failed"]
+COPY_ROUNDS = 2  # a payload is checked against the kept payloads of this many steps before its own
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +83,7 @@ class Gatherer:
         self.clip_factor = clip_factor
         self.bench_after, self.bench_rounds = bench_after, bench_rounds
         self.norms: collections.deque[float] = collections.deque(maxlen=memory)  # kept senders' clipped norms
+        self.seen: list[copies.Seen] = []  # the kept payloads of the last COPY_ROUNDS steps, for copies
 
     def __call__(
         self, round_: RoundOutcome, step: int, batches: Mapping[int, np.ndarray], rule: AggregationRule
@@ -98,6 +103,14 @@ class Gatherer:
                 verdicts[index] = "rejected"
                 continue
             good.append(o)
+        chunk_numels = [g.chunk_numel for g in self.codec.plan.groups]
+        digests = [copies.digest(d, chunk_numels) for d in decoded]
+        copied = copies.find_copies([(o.slot.client.address, d) for o, d in zip(good, digests)], self.seen, step)
+        for position in sorted(copied, reverse=True):
+            o = good.pop(position)
+            del decoded[position], digests[position]
+            fates[o.slot.index] = Fate(o.slot.index, o.slot.client.address, "left out", copied[position])
+            verdicts[o.slot.index] = "rejected"
         norms = [robust.payload_norm(d) for d in decoded]
         typical = statistics.median(self.norms) if self.norms else None  # of the senders kept in recent rounds
         scales = robust.clip_scales(norms, self.clip_factor, typical)
@@ -123,6 +136,9 @@ class Gatherer:
                     fates[o.slot.index] = dataclasses.replace(fates[o.slot.index], benched=why)
         outcomes = tuple(good[i] for i in kept)
         kept_scales = tuple(scales[i] for i in kept)
+        self.seen = [s for s in self.seen if s.step > step - COPY_ROUNDS] + [
+            copies.Seen(good[i].slot.client.address, step, digests[i]) for i in kept
+        ]
         aggregator = None
         if outcomes:
             weights = [float(o.result.tokens) for o in outcomes if o.result is not None]

@@ -14,6 +14,8 @@ answers are tampered with after it computed them honestly, the way a compromised
                     giving up early if the call is cancelled;
 * ``stall-push``  - the worker sits on a state push for ``factor`` seconds (a joiner on a slow link);
                     ``rounds`` counts pushes here (0: its first).
+* ``copy``        - the worker sends, instead of its own payload, another sender's payload of the previous
+                    round, as the round's replay brought it (a free rider); honest where there is none.
 
 Use it through ``faulty(action, ...)``, an engine factory for ``tests.integration.conftest.live_workers``.
 """
@@ -31,7 +33,7 @@ from gradwire.v1 import worker_pb2 as pb
 from gradwire.worker.compute import Cancelled
 from gradwire.worker.engine import WorkerEngine
 
-ACTIONS = ("scale", "nan", "wrong-shape", "lie-tokens", "drop", "stall", "stall-push")
+ACTIONS = ("scale", "nan", "wrong-shape", "lie-tokens", "drop", "stall", "stall-push", "copy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +89,7 @@ class FaultyEngine(WorkerEngine):
             or result.status != OK
             or result.gradient is None
             or not self.plan.applies(order.round)
+            or (self.plan.action == "copy" and (order.update is None or not order.update.payloads))
         ):
             return result
         self.injected.append(order.round)
@@ -95,6 +98,9 @@ class FaultyEngine(WorkerEngine):
     def _tamper(self, order: WorkOrder, result: RoundResult) -> dict[str, object]:
         plan, gradient = self.plan, result.gradient
         assert gradient is not None
+        if plan.action == "copy":
+            assert order.update is not None
+            return {"gradient": order.update.payloads[0]}  # the replay leaves this worker's own out
         if plan.action == "lie-tokens":
             return {"tokens": int(result.tokens * plan.factor)}
         if plan.action == "scale":

@@ -258,9 +258,9 @@ def test_coordinate_rules_aggregate_exactly_the_kept_payloads(codec: GradientCod
 def test_bench_after_strikes_benches_a_worker_and_a_good_round_brings_it_back(codec: GradientCodec) -> None:
     gather = gatherer(codec, bench_after=2, bench_rounds=5)
     workers = slots(2)
-    honest = codec.compress(gradient(0))
 
     def round_at(step: int, liar_tokens: int | None) -> tuple[str, str]:
+        honest = codec.compress(gradient(100 + step))  # a fresh gradient every round (a repeated one is a copy)
         outcomes = [sent(workers[0], honest, 2), sent(workers[1], codec.compress(gradient(step + 1)), 2, liar_tokens)]
         got = gather(RoundOutcome(outcomes, 0, 0), step, {0: batch(2), 1: batch(2)}, MEAN)
         return got.fates[1].kind, got.fates[1].benched
@@ -306,8 +306,9 @@ def test_the_norms_memory_keeps_kept_senders_clipped_norms(codec: GradientCodec)
 
     # The memory is a bounded window of the most recent.
     for step in range(1, 3):
-        gather(RoundOutcome([sent(workers[0], payloads[0], 2)], 0, 0), step, {0: batch(2)}, MEAN)
-    assert len(gather.norms) == 5 and gather.norms[-1] == pytest.approx(norms[0], rel=1e-3)
+        fresh = codec.compress(gradient(10 + step))  # a new gradient each round: a repeated one is a copy
+        gather(RoundOutcome([sent(workers[0], fresh, 2)], 0, 0), step, {0: batch(2)}, MEAN)
+    assert len(gather.norms) == 5 and gather.norms[-1] == pytest.approx(dense_norm(codec, fresh), rel=1e-3)
 
 
 def test_the_memory_keeps_an_established_sender_from_looking_like_an_outlier(codec: GradientCodec) -> None:

@@ -1,0 +1,108 @@
+"""Copied contributions: a payload that repeats another sender's chunk indices, this round or a recent one.
+
+A payload keeps, in every chunk of every sparse tensor, the top-k coefficients of its sender's own gradient
+on its own rows. Two honest workers pick different sets. For gpt-tiny's gradients on 4 rows of 64 random
+tokens each, no chunk of 148 had the same set of 32 (of 4096) in any pair of four workers, and their sets
+shared 1-2% of their indices. A chunk whose kept values are all the same (nothing there) is left out of
+the comparison, and so is a group whose sets are few enough to match by chance.
+
+A worker that sends another's payload keeps that payload's sets, whether it sends it as the replay brought
+it or with its values scaled or sign-flipped. Decompressed, perturbed a little and compressed again, most
+sets survive: a scaled copy kept 8 of 12 in the tests. So a payload is a copy when at least half of its
+sampled chunks hold exactly the index set of another payload. That other payload may be:
+- a sender's of this round: the later one in slot order is the copy, and the first still counts, once;
+- any payload of the last rounds the gather stage remembers, the sender's own included (an honest gradient
+  never repeats).
+
+What this check cannot see: a copy with enough noise added to move most chunks' top-k, and a gradient
+computed honestly on rows other than those it was sent. Those need checks that compare directions
+(agreement with the others, spot checks on the same rows), not indices.
+
+Pure: ``digest`` and ``find_copies`` compute from the decoded payloads alone, and say why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from gradwire.compression.codec import DecodedGradient
+
+ROWS_PER_GROUP = 256  # chunks sampled per chunk group (evenly spaced): enough to tell, cheap to compare
+COPY_SHARE = 0.5  # a payload whose sampled chunks repeat another's index sets this often is a copy
+CHANCE_LOG = math.log(1e6)  # groups where a chunk's set has fewer possibilities than this are left out
+
+# Fixed odd multipliers: a chunk's sorted index set hashes to one 64-bit word (a collision is ~2^-64).
+_MULTIPLIERS = np.random.default_rng(0x6772616477697265).integers(1, 2**63, 4096, dtype=np.uint64) | np.uint64(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Seen:
+    """A payload the gather stage kept: who sent it, in which step, and its sampled chunks' index sets."""
+
+    address: str
+    step: int
+    digest: np.ndarray
+
+
+def digest(decoded: DecodedGradient, chunk_numels: Sequence[int]) -> np.ndarray:
+    """One 64-bit word per sampled chunk of each chunk group: a hash of the chunk's set of kept indices (in
+    any order), or 0 for a chunk whose kept values are all the same (its sender had nothing there: top-k of
+    nothing picks the same indices for everyone, and quantized zeros are all one code). ``chunk_numels``:
+    each group's chunk size (``codec.plan.groups``); a group where two honest chunks could hold the same set
+    by chance (top-1 of 64: one in 64) is left out. Empty if no group is left."""
+    words = []
+    for indices, values, numel in zip(decoded.indices, decoded.values, chunk_numels):
+        chunks, k = indices.shape
+        if not chunks or not k or _log_sets(numel, k) < CHANCE_LOG:
+            continue
+        rows = torch.linspace(0, chunks - 1, min(ROWS_PER_GROUP, chunks)).long()
+        sets = torch.sort(indices[rows], dim=1).values.cpu().numpy().astype(np.uint64)
+        hashed = (sets * _MULTIPLIERS[:k]).sum(axis=1, dtype=np.uint64)  # wraps: a hash, not a sum
+        kept = values[rows]
+        hashed[(kept == kept[:, :1]).all(dim=1).cpu().numpy()] = 0
+        words.append(hashed)
+    return np.concatenate(words) if words else np.zeros(0, np.uint64)
+
+
+def _log_sets(n: int, k: int) -> float:
+    """log of the number of sets of k among n."""
+    return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+
+
+def shared(a: np.ndarray, b: np.ndarray) -> float:
+    """The share of the sampled chunks that hold something in both digests whose index sets are the same
+    (0 if the digests do not align or have no such chunk)."""
+    if a.size == 0 or a.shape != b.shape:
+        return 0.0
+    both = (a != 0) & (b != 0)
+    return float(np.mean(a[both] == b[both])) if both.any() else 0.0
+
+
+def find_copies(current: Sequence[tuple[str, np.ndarray]], earlier: Sequence[Seen], step: int) -> dict[int, str]:
+    """Which of this round's payloads (``current``: sender and digest, in slot order) copy another: a later
+    sender repeating an earlier one of this round, or anyone repeating another sender's payload of an
+    earlier round. Returns {position in ``current``: why}."""
+    found: dict[int, str] = {}
+    for i, (_, d) in enumerate(current):
+        for j in range(i):
+            share = shared(d, current[j][1])
+            if share >= COPY_SHARE:
+                found[i] = f"a copy: {share:.0%} of its sampled chunks repeat {current[j][0]}'s this round"
+                break
+        if i in found:
+            continue
+        for seen in earlier:  # its own earlier payloads too: an honest gradient never repeats
+            if seen.step >= step:
+                continue
+            share = shared(d, seen.digest)
+            if share >= COPY_SHARE:
+                found[i] = (
+                    f"a copy: {share:.0%} of its sampled chunks repeat {seen.address}'s payload of step {seen.step}"
+                )
+                break
+    return found

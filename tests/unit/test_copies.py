@@ -1,0 +1,68 @@
+"""coordinator.copies: a payload that repeats another's chunk indices is found, an honest one never is."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from gradwire.compression import CodecConfig, GradientCodec
+from gradwire.coordinator.copies import COPY_SHARE, Seen, digest, find_copies, shared
+
+SHAPES = {"w": (256, 192), "v": (8192,), "b": (48,)}  # w: 12 chunks of 64 x 64; v: top-1 of each 64
+
+
+@pytest.fixture(scope="module")
+def codec() -> GradientCodec:
+    return GradientCodec(SHAPES, CodecConfig(topk=32))
+
+
+def gradient(seed: int) -> dict[str, torch.Tensor]:
+    """A random gradient: honest senders' sets share nothing beyond chance."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    return {name: torch.randn(shape, generator=g) for name, shape in SHAPES.items()}
+
+
+def digested(codec: GradientCodec, grad: dict[str, torch.Tensor]):
+    return digest(codec.decode(codec.compress(grad)), [g.chunk_numel for g in codec.plan.groups])
+
+
+def test_honest_payloads_share_no_index_sets_and_a_copy_shares_all(codec: GradientCodec) -> None:
+    a, b = digested(codec, gradient(0)), digested(codec, gradient(1))
+    # Only the matrix's chunks count: top-1 of each 64-vector chunk of v would match by chance (1 in 64).
+    assert a.size == 12 and shared(a, b) == 0.0
+    assert shared(a, a.copy()) == 1.0
+    # A copy with its values scaled (or its sign flipped) keeps the copied index sets.
+    decoded = codec.decode(codec.compress(gradient(0)))
+    flipped = dataclasses.replace(decoded, values=[-3 * v for v in decoded.values])
+    assert shared(a, digest(flipped, [g.chunk_numel for g in codec.plan.groups])) == 1.0
+    # Decompressed, scaled and compressed again, most sets survive (the transform's rounding moves the
+    # k-th largest coefficient in a few chunks): still a copy.
+    assert COPY_SHARE <= shared(a, digested(codec, {k: -3 * v for k, v in gradient(0).items()})) < 1.0
+
+
+def test_this_rounds_later_sender_and_anyone_repeating_a_recent_payload_are_copies(codec: GradientCodec) -> None:
+    honest = [digested(codec, gradient(i)) for i in range(3)]
+    # This round: the third sends the first's payload; the first still counts (it came first).
+    found = find_copies([("w0", honest[0]), ("w1", honest[1]), ("w2", honest[0])], [], step=5)
+    assert list(found) == [2] and "100% of its sampled chunks repeat w0's this round" in found[2]
+    # An earlier round's payload, another sender's or its own, is a copy; one of this step is not earlier.
+    earlier = [Seen("w0", 4, honest[0]), Seen("w1", 4, honest[1])]
+    found = find_copies([("w1", honest[0]), ("w0", honest[0]), ("w2", honest[2])], earlier, step=5)
+    assert set(found) == {0, 1} and "repeat w0's payload of step 4" in found[0]
+    assert find_copies([("w1", honest[0])], [Seen("w0", 5, honest[0])], step=5) == {}
+    assert find_copies([(f"w{i}", d) for i, d in enumerate(honest)], earlier[:0], step=5) == {}
+
+
+def test_chunks_with_nothing_in_them_do_not_count(codec: GradientCodec) -> None:
+    # Two senders whose gradients are zero in most places: top-k of zeros picks the same indices for both,
+    # which says nothing about copying.
+    def sparse(seed: int) -> dict[str, torch.Tensor]:
+        g = gradient(seed)
+        g["w"][64:] = 0  # three quarters of the matrix's chunks hold nothing
+        return g
+
+    a, b = digested(codec, sparse(0)), digested(codec, sparse(1))
+    assert (a == 0).mean() > 0.5 and shared(a, b) < COPY_SHARE
+    assert find_copies([("w0", a), ("w1", b)], [], step=0) == {}
