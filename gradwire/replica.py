@@ -191,6 +191,8 @@ class Replica:
         """``model``'s parameters may be on the meta device (``worker.fsdp.parameters_on_meta``): each is then
         allocated on ``device`` when a state brings its values (``load_tensor``), so what a replica allocates
         follows the bytes a push has actually delivered."""
+        if device is None and any(p.is_meta for p in model.parameters()):
+            raise ValueError("a model with parameters on the meta device needs a device to allocate them on")
         self.model = model
         self.device = device
         self.rule = rule
@@ -314,7 +316,13 @@ class Replica:
     # checked as it comes, so a replica whose load fails half way holds a mix: throw it away.
 
     def begin_load(self) -> None:
-        self._loading = _Loading(dict(zip(self.params, self._step_tensors())), list(self.shapes))
+        holders: dict[int, list[tuple[torch.nn.Module, str]]] = {}  # a meta parameter's modules (ties: several)
+        if any(p.is_meta for p in self.params.values()):
+            for module in self.model.modules():
+                for key, p in module._parameters.items():
+                    if p is not None and p.is_meta:
+                        holders.setdefault(id(p), []).append((module, key))
+        self._loading = _Loading(dict(zip(self.params, self._step_tensors())), list(self.shapes), holders)
 
     @torch.no_grad()
     def load_tensor(self, name: str, full: torch.Tensor) -> None:
@@ -331,7 +339,7 @@ class Replica:
         if name in loading.targets:
             target = loading.targets[name]
             if target.is_meta:
-                target = loading.targets[name] = self._materialize(name)
+                target = loading.targets[name] = self._materialize(name, loading.holders)
             target.copy_(self._share(name, full))
 
     def load_momentum(self, index: int, full: torch.Tensor) -> None:
@@ -345,7 +353,7 @@ class Replica:
         name = names[index]
         if name in loading.targets:
             target = loading.targets[name]
-            device = self.device if target.is_meta and self.device is not None else target.device
+            device = self.device if target.is_meta else target.device  # where the parameter will be
             momentum[index] = self._share(name, full).to(device, target.dtype, copy=True)
         else:
             momentum[index] = full.new_empty(0)  # counted, not kept: another stage's
@@ -364,17 +372,13 @@ class Replica:
         self.momentum = [momentum[index[n]] for n in self.params] if momentum else []
         self.version = version
 
-    def _materialize(self, name: str) -> torch.Tensor:
+    def _materialize(self, name: str, holders: Mapping[int, list[tuple[torch.nn.Module, str]]]) -> torch.Tensor:
         """Parameter ``name``, still on the meta device, allocated on ``device`` (values undefined) in every
-        module that holds it (a tied parameter stays tied)."""
+        module that holds it (``holders``: a tied parameter stays tied)."""
         old = self.params[name]
-        if self.device is None:
-            raise RuntimeError(f"parameter {name!r} is on the meta device and the replica has no device")
         new = torch.nn.Parameter(torch.empty(old.shape, dtype=old.dtype, device=self.device), old.requires_grad)
-        for module in self.model.modules():
-            for key, p in module._parameters.items():
-                if p is old:
-                    module._parameters[key] = new
+        for module, key in holders[id(old)]:
+            module._parameters[key] = new
         self.params[name] = new
         return new
 
@@ -388,6 +392,7 @@ class Replica:
 class _Loading:
     targets: dict[str, torch.Tensor]  # what each parameter's share is written into (``_step_tensors``)
     names: list[str]  # the whole model's parameters, in order (momentum travels by index into these)
+    holders: dict[int, list[tuple[torch.nn.Module, str]]]  # by id: the modules holding each meta parameter
     seen: set[str] = dataclasses.field(default_factory=set)
     momentum: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # by the parameter's index
 

@@ -197,10 +197,13 @@ class WorkerEngine:
         run = header.run_id
         try:
             with self.push_budget.push() as held:
-                split = self._placement_for(header).split
+                placement = self._placement_for(header)
+                split = placement.split
                 if split:  # the ranks allocate their shards (or stage) as the push starts
-                    held.take(4 * -(-_elements(header) // self.placement.ranks))
-                session = self._on_compute(self._owned, run, owner, self._begin_push, push, head, header, owner)
+                    held.take(4 * -(-_elements(header) // placement.ranks))
+                session = self._on_compute(
+                    self._owned, run, owner, self._begin_push, push, head, header, owner, placement
+                )
                 for piece in pieces:
                     held.take(len(piece))  # what the piece's tensor is about to allocate, or a little more
                     self._on_compute(self._push_piece, push, session, piece)
@@ -216,10 +219,12 @@ class WorkerEngine:
     def _on_compute(self, call: Callable[..., T], *args: object) -> T:
         return self._compute.submit(call, *args).result()
 
-    def _begin_push(self, push: bytes, head: bytes, header: statestream.StateHeader, owner: bytes) -> Session:
+    def _begin_push(
+        self, push: bytes, head: bytes, header: statestream.StateHeader, owner: bytes, placement: Placement
+    ) -> Session:
         """Rank 0 (or a single device): announce the push to the other ranks and build its session."""
         self._command(Command.PUSH_BEGIN, push + head)
-        return self._new_session(header, owner)
+        return self._new_session(header, owner, placement)
 
     def _push_piece(self, push: bytes, session: Session, piece: bytes) -> None:
         session.load(*statestream.decode_tensor(piece))  # checked here before any other rank sees it
@@ -311,10 +316,13 @@ class WorkerEngine:
             log.info("run %r: --node-mode auto picks %s: %s", state.run_id, mode, why)
         return dataclasses.replace(self.placement, mode=mode, shard=self.placement.shard if mode == "fsdp" else "full")
 
-    def _new_session(self, header: statestream.StateHeader, owner: bytes) -> Session:
-        """A session for the pushed state, sized and built (its tensors to come), replacing nothing yet.
-        Each rank of a node keeps its own share of it: ``Session.load``."""
-        placement = self._placement_for(header)
+    def _new_session(
+        self, header: statestream.StateHeader, owner: bytes, placement: Placement | None = None
+    ) -> Session:
+        """A session for the pushed state, sized and built (its tensors to come), replacing nothing yet, placed
+        as ``placement`` says (default: ``_placement_for``). Each rank of a node keeps its own share of it:
+        ``Session.load``."""
+        placement = placement or self._placement_for(header)
         return Session(header, self.device, owner, self.max_model_params, self.rank_memory, placement)
 
     def _install(self, session: Session) -> tuple[int, Fingerprint]:

@@ -173,15 +173,13 @@ class Session:
             with torch.device("meta"):
                 whole = build_from_spec(self.spec)
             return pipeline.materialize(pipeline.stage_model(whole, self.stage), self.stage, self.device)
+        if not (self.placement.sharded or meta):
+            return build_from_spec(self.spec).to(self.device)
+        with fsdp.parameters_on_meta():
+            model = build_from_spec(self.spec)
         if self.placement.sharded:
-            with fsdp.parameters_on_meta():
-                model = build_from_spec(self.spec)
             return fsdp.shard(model, device=self.device, reshard_after_forward=self.placement.reshard_after_forward)
-        if meta:
-            with fsdp.parameters_on_meta():
-                model = build_from_spec(self.spec)
-            return fsdp.buffers_to(model, self.device)
-        return build_from_spec(self.spec).to(self.device)
+        return fsdp.buffers_to(model, self.device)
 
     def owned(self, config: CodecConfig) -> tuple[str, ...]:
         """A split node: the tensors this rank encodes, in payload order (a sharded node: its share of the
