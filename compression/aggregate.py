@@ -111,6 +111,17 @@ class Aggregator:
         hits = self._hits[gi]
         return torch.where(hits > 0, self._sums[gi] / hits.clamp_min(1e-30), self._sums[gi])
 
+    def coefficient_groups(self) -> Iterator[torch.Tensor]:
+        """The normalised aggregate in the coefficient domain, a chunk group at a time: (B, chunk_numel) each,
+        in plan order (``GradientCodec.compress_coefficients`` re-compresses it)."""
+        self._check_nonempty()
+        return (self._coefficients(gi) for gi in range(len(self.codec.plan.groups)))
+
+    def dense_values(self) -> Iterator[torch.Tensor]:
+        """The normalised aggregate of the dense (uncompressed) tensors, flat, in plan order."""
+        self._check_nonempty()
+        return (acc / self.total_weight for acc in self._dense)
+
     def norm(self) -> float:
         """L2 norm of ``result()``, without the inverse DCT: the transform is orthonormal."""
         self._check_nonempty()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -117,13 +117,28 @@ class GradientCodec:
         missing = [t.name for t in self.plan.tensors if t.name not in grads]
         if missing:
             raise KeyError(f"gradients missing for planned tensors: {missing[:5]}")
+        groups = (self._coefficients(group, grads) for group in self.plan.groups)  # one at a time: (B, r*c)
+        dense = (grads[t.name].detach().reshape(-1) for t in self.plan.dense)
+        return self.compress_coefficients(groups, dense, feedback)
+
+    def compress_coefficients(
+        self, groups: Iterable[torch.Tensor], dense: Iterable[torch.Tensor], feedback: ErrorFeedback | None = None
+    ) -> CompressedGradient:
+        """Compress what is already in the coefficient domain: per chunk group its (B, chunk_numel)
+        coefficients (the transformed chunks, as ``compress`` makes them), then each dense tensor's values
+        flattened, in plan order (consumed one at a time). The same selection, quantization and error
+        feedback as ``compress``: a coordinator re-compresses an aggregate this way with no inverse and
+        forward transform between (``aggregate.Aggregator.coefficient_parts``)."""
         out: dict[str, CompressedTensor] = {}
+        groups, dense = iter(groups), iter(dense)
         for gi, group in enumerate(self.plan.groups):
-            coeffs = self._coefficients(group, grads)  # (B, r*c)
+            coeffs = next(groups)
+            if tuple(coeffs.shape) != (group.num_chunks, group.chunk_numel):
+                raise ValueError(f"chunk group {gi}: expected ({group.num_chunks}, {group.chunk_numel}) coefficients")
             coeffs = feedback.accumulate(f"group{gi}", coeffs) if feedback is not None else coeffs.float()
             out.update(self._select(group, self._layouts[gi], coeffs, feedback is not None))
         for t in self.plan.dense:
-            values = grads[t.name].detach().reshape(-1).float()
+            values = next(dense).reshape(-1).float()
             if feedback is not None:
                 values = feedback.accumulate(t.name, values)
             out.update(self._encode_dense(t, values, feedback is not None))

@@ -139,6 +139,13 @@ class CoordinateAggregate:
         cut = max(1, int(n * self.rule.trim)) if n >= 3 else 0
         return stack.sort(dim=0).values[cut : n - cut].mean(dim=0)
 
+    def coefficient_groups(self) -> Iterator[torch.Tensor]:
+        """The combined coefficients, (B, chunk_numel) per chunk group (``Aggregator.coefficient_groups``)."""
+        return iter(self._groups)
+
+    def dense_values(self) -> Iterator[torch.Tensor]:
+        return iter(self._dense)
+
     def norm(self) -> float:
         parts = [torch.linalg.vector_norm(t) for t in (*self._groups, *self._dense)]
         return float(torch.linalg.vector_norm(torch.stack(parts).double())) if parts else 0.0
