@@ -86,23 +86,59 @@ def shared(a: np.ndarray, b: np.ndarray) -> float:
 def find_copies(current: Sequence[tuple[str, np.ndarray]], earlier: Sequence[Seen], step: int) -> dict[int, str]:
     """Which of this round's payloads (``current``: sender and digest, in slot order) copy another: a later
     sender repeating an earlier one of this round, or anyone repeating another sender's payload of an
-    earlier round. Returns {position in ``current``: why}."""
+    earlier round. Returns {position in ``current``: why}.
+
+    Only pairs that hold the same set in at least one sampled chunk are compared (``_overlapping``: one sort
+    of every digest's words), so the cost grows with the payloads, not with their pairs."""
+    earlier = [seen for seen in earlier if seen.step < step]
+    digests = [d for _, d in current] + [seen.digest for seen in earlier]
+    partners = _overlapping(digests)
     found: dict[int, str] = {}
     for i, (_, d) in enumerate(current):
-        for j in range(i):
-            share = shared(d, current[j][1])
-            if share >= COPY_SHARE:
-                found[i] = f"a copy: {share:.0%} of its sampled chunks repeat {current[j][0]}'s this round"
-                break
-        if i in found:
-            continue
-        for seen in earlier:  # its own earlier payloads too: an honest gradient never repeats
-            if seen.step >= step:
+        for j in sorted(partners.get(i, ())):  # this round's earlier senders first, then the remembered payloads
+            if j == i or (j < len(current) and j > i):
                 continue
-            share = shared(d, seen.digest)
-            if share >= COPY_SHARE:
+            share = shared(d, digests[j])
+            if share < COPY_SHARE:
+                continue
+            if j < len(current):
+                found[i] = f"a copy: {share:.0%} of its sampled chunks repeat {current[j][0]}'s this round"
+            else:  # its own earlier payloads too: an honest gradient never repeats
+                seen = earlier[j - len(current)]
                 found[i] = (
                     f"a copy: {share:.0%} of its sampled chunks repeat {seen.address}'s payload of step {seen.step}"
                 )
-                break
+            break
     return found
+
+
+def _overlapping(digests: Sequence[np.ndarray]) -> dict[int, set[int]]:
+    """For each digest (by position), the others that hold the same non-zero word at some sampled chunk.
+    Digests of another length than the first's (another plan) overlap with none."""
+    if not digests:
+        return {}
+    size = digests[0].size
+    chunks, words, owners = [], [], []
+    for owner, d in enumerate(digests):
+        if d.size != size:
+            continue
+        nonzero = np.flatnonzero(d)
+        chunks.append(nonzero)
+        words.append(d[nonzero])
+        owners.append(np.full(nonzero.size, owner))
+    if not chunks:
+        return {}
+    chunk, word, owner = np.concatenate(chunks), np.concatenate(words), np.concatenate(owners)
+    order = np.lexsort((owner, word, chunk))
+    chunk, word, owner = chunk[order], word[order], owner[order]
+    same = (chunk[1:] == chunk[:-1]) & (word[1:] == word[:-1])  # entry i + 1 repeats entry i's set
+    partners: dict[int, set[int]] = {}
+    if not same.any():
+        return partners
+    starts = np.flatnonzero(np.diff(np.concatenate(([0], same.astype(np.int8), [0]))) == 1)  # runs of repeats
+    ends = np.flatnonzero(np.diff(np.concatenate(([0], same.astype(np.int8), [0]))) == -1)
+    for start, end in zip(starts, ends):  # entries start..end hold one set
+        run = {int(o) for o in owner[start : end + 1]}
+        for o in run:
+            partners.setdefault(o, set()).update(run - {o})
+    return partners

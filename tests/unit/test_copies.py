@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -66,3 +67,33 @@ def test_chunks_with_nothing_in_them_do_not_count(codec: GradientCodec) -> None:
     a, b = digested(codec, sparse(0)), digested(codec, sparse(1))
     assert (a == 0).mean() > 0.5 and shared(a, b) < COPY_SHARE
     assert find_copies([("w0", a), ("w1", b)], [], step=0) == {}
+
+
+def test_only_overlapping_pairs_are_compared_and_the_answer_is_the_pairwise_one() -> None:
+    """``find_copies`` sorts every digest's words once instead of comparing every pair: the same findings as
+    comparing each payload with every earlier one, in the same order of precedence."""
+    rng = np.random.default_rng(0)
+
+    def honest() -> np.ndarray:
+        d = rng.integers(1, 2**63, 40, dtype=np.uint64)
+        d[rng.random(40) < 0.2] = 0  # chunks with nothing in them
+        return d
+
+    current = [(f"w{i}", honest()) for i in range(30)]
+    earlier = [Seen(f"w{i}", 4, honest()) for i in range(30)] + [Seen("w0", 5, honest())]
+    current[7] = ("w7", current[3][1].copy())  # a copy of this round's sender 3
+    current[9] = ("w9", earlier[12].digest.copy())  # of a payload of step 4
+    current[11] = ("w11", current[2][1].copy())
+    current[11][1][:15] = honest()[:15]  # most of it still copied
+    current[13] = ("w13", current[4][1].copy())
+    current[13][1][:30] = honest()[:30]  # not enough of it
+    current[15] = ("w15", earlier[30].digest.copy())  # step 5 is this step: not an earlier round's
+    found = find_copies(current, earlier, step=5)
+    assert sorted(found) == [7, 9, 11]
+    assert "w3's this round" in found[7] and "w12's payload of step 4" in found[9] and "w2's" in found[11]
+    # The pairwise rule, spelled out.
+    for i, (_, d) in enumerate(current):
+        pairwise = any(shared(d, current[j][1]) >= COPY_SHARE for j in range(i)) or any(
+            shared(d, s.digest) >= COPY_SHARE for s in earlier if s.step < 5
+        )
+        assert pairwise == (i in found), i
