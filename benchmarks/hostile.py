@@ -1,6 +1,6 @@
 """How does a worker hold up against hostile callers, and a run against a bad worker?
 
-    python -m benchmarks.hostile --json                      # 3000 fuzzed calls, 5 bad-worker runs of 40 steps
+    python -m benchmarks.hostile --json                      # 3000 fuzzed calls, bad-worker runs of 40 steps
     python -m benchmarks.hostile --calls 500 --steps 12 --json
 
 One JSON object:
@@ -10,10 +10,11 @@ One JSON object:
   gone bad would send them: answers by RPC and status code, how many were INTERNAL (the target: none),
   the worker's resident memory before and at its peak, and whether it served a normal round afterwards.
 * ``bad_workers``: gpt-tiny trained by two honest workers, then by the same two plus one bad worker
-  (``tests/faults.py``: x1000, -x1000, x4, NaN, wrong shape, a lie about tokens) with the default
-  defences (clip to 2x the median norm, benching), and once more without them for the sign flipper:
-  held-out loss, its ratio to the honest pair's (the target: within 1.02), and the rounds in which the bad
-  worker was clipped, left out or benched.
+  (``tests/faults.py``: x1000, -x1000, x4, NaN, wrong shape, a lie about tokens, a sign flip at the honest
+  norm, a gradient of other rows, zeros) with the default defences (clip to 2x the median norm, the
+  agreement score, benching), and once more without them for both sign flippers: held-out loss, its ratio
+  to the honest pair's (the target: within 1.02), the rounds in which the bad worker was clipped, left out
+  or benched, the first round it was benched in, and the lowest agreement score of the run.
 """
 
 from __future__ import annotations
@@ -150,7 +151,9 @@ def servers(factories: list[Callable[[], WorkerEngine]]) -> Iterator[list[str]]:
             server.stop(0)
 
 
-def train_with(factories: list[Callable[[], WorkerEngine]], steps: int, directory: str, **changes: object) -> dict:
+def train_with(
+    factories: list[Callable[[], WorkerEngine]], steps: int, directory: str, agreement: bool = True, **changes: object
+) -> dict:
     config = TrainConfig(
         model="gpt-tiny",
         steps=steps,
@@ -164,6 +167,8 @@ def train_with(factories: list[Callable[[], WorkerEngine]], steps: int, director
     with servers(factories) as addresses:
         clients = [WorkerClient(a, timeout=60) for a in addresses]
         trainer = Trainer(config, clients, progress=False)
+        if not agreement:
+            trainer.gather.agreement_floor = None  # measure no agreement: no score, no strike for it
         try:
             trainer.run()
             trainer.flush()
@@ -178,6 +183,8 @@ def train_with(factories: list[Callable[[], WorkerEngine]], steps: int, director
         "clipped_rounds": sum(r["clipped"] > 0 for r in records),
         "left_out_rounds": sum(r["rejected"] > 0 for r in records),
         "benched_rounds": sum(r["benched"] > 0 for r in records),
+        "first_benched": next((i for i, r in enumerate(records) if r["benched"] > 0), None),
+        "lowest_score": min((r["agreement_min"] for r in records if r["agreement_min"] is not None), default=None),
     }
 
 
@@ -192,15 +199,19 @@ def run_bad_workers(steps: int) -> dict:
         "nan": faulty("nan"),
         "wrong_shape": faulty("wrong-shape"),
         "lie_about_tokens": faulty("lie-tokens", factor=100.0),
+        "sign_flip": faulty("sign-flip"),
+        "other_rows": faulty("other-rows"),
+        "zeros": faulty("zeros"),
     }
     with tempfile.TemporaryDirectory() as tmp:
         out = {"steps": steps, "honest_pair": train_with([honest, honest], steps, f"{tmp}/honest")}
         base = out["honest_pair"]["held_out_loss"]
         for name, fault in cases.items():
             out[name] = train_with([honest, honest, fault], steps, f"{tmp}/{name}")
-        out["minus_x1000_undefended"] = train_with(
-            [honest, honest, cases["minus_x1000"]], steps, f"{tmp}/open", clip_factor=0.0, bench_after=0
-        )
+        for name in ("minus_x1000", "sign_flip"):
+            out[f"{name}_undefended"] = train_with(
+                [honest, honest, cases[name]], steps, f"{tmp}/open-{name}", False, clip_factor=0.0, bench_after=0
+            )
         for name, result in out.items():
             if isinstance(result, dict) and name != "honest_pair":
                 result["loss_ratio"] = round(result["held_out_loss"] / base, 4)

@@ -4,8 +4,8 @@
     python -m benchmarks.quality --methods dense,sparseloco --steps-total 300 --inner-steps 15
     python -m benchmarks.quality --set sparseloco.topk=64 --set demo.learning_rate=2e-3   # tuning
 
-Trains the same model from the same seed on the embedded Shakespeare corpus once per method, with two
-workers simulated in this process (``worker.inprocess``: the service's own ``Trainer``, engine and
+Trains the same model from the same seed on the embedded Shakespeare corpus once per method, with
+``--workers`` (2) workers simulated in this process (``worker.inprocess``: the service's own ``Trainer``, engine and
 codec, every message serialized as on the wire, no gRPC). Every method trains on the same number of tokens
 (``--steps-total`` inner steps per worker of ``--batch-size`` x ``--sequence-length`` tokens; local-SGD
 methods take them as ``steps-total / H`` rounds of H) and is evaluated on the same held-out batches.
@@ -22,6 +22,12 @@ methods take them as ``steps-total / H`` rounds of H) and is evaluated on the sa
                    at lr 1 (H 120 trained best of 30/60/120/240 at equal bytes per token; --inner-steps 30 is
                    the field's H, with top-90).
   sparseloco-sign  the same with 1-bit sign values.
+  demo-down, sparseloco-down
+                   demo and sparseloco with ``--downlink compressed``: each worker receives the round's aggregate
+                   re-compressed by the coordinator (one payload, whatever the number of workers) instead of
+                   every other worker's payload; the rows above replay them (``--downlink replay``). Their
+                   gap to demo and sparseloco is what a downlink independent of the number of workers costs:
+                   run at ``--workers 2`` and ``--workers 8``.
 
 Reports per method the held-out loss at the end, the last round's training loss, uplink bytes per worker per
 trained token (the serialized round results, summed over rounds and workers, over the tokens trained by all
@@ -82,20 +88,44 @@ METHODS: dict[str, dict[str, Any]] = {
         use_dct=True,
         bins=256,
         feedback_beta=0.999,
+        downlink="replay",
     ),
     "diloco": dict(
-        _LOCAL, inner_steps=30, no_compression=True, outer_optimizer="nesterov", learning_rate=0.7, momentum=0.9
+        _LOCAL,
+        inner_steps=30,
+        no_compression=True,
+        outer_optimizer="nesterov",
+        learning_rate=0.7,
+        momentum=0.9,
+        downlink="replay",
     ),
-    "averaging": dict(_LOCAL, inner_steps=120, no_compression=True, outer_optimizer="sgd", learning_rate=1.0),
+    "averaging": dict(
+        _LOCAL, inner_steps=120, no_compression=True, outer_optimizer="sgd", learning_rate=1.0, downlink="replay"
+    ),
     # top-k: the mode's default, 3 H of 4096 past H 30 (360 at H 120): ~3000x fewer bytes per token at any H.
     "sparseloco": dict(
-        _LOCAL, inner_steps=120, outer_optimizer="sgd", learning_rate=1.0, bins=4, values="lut", feedback_beta=0.95
+        _LOCAL,
+        inner_steps=120,
+        outer_optimizer="sgd",
+        learning_rate=1.0,
+        bins=4,
+        values="lut",
+        feedback_beta=0.95,
+        downlink="replay",
     ),
     "sparseloco-sign": dict(
-        _LOCAL, inner_steps=120, outer_optimizer="sgd", learning_rate=1.0, values="sign", feedback_beta=0.95
+        _LOCAL,
+        inner_steps=120,
+        outer_optimizer="sgd",
+        learning_rate=1.0,
+        values="sign",
+        feedback_beta=0.95,
+        downlink="replay",
     ),
 }
-LOCAL_METHODS = ("diloco", "averaging", "sparseloco", "sparseloco-sign")
+METHODS["demo-down"] = dict(METHODS["demo"], downlink="compressed")
+METHODS["sparseloco-down"] = dict(METHODS["sparseloco"], downlink="compressed")
+LOCAL_METHODS = ("diloco", "averaging", "sparseloco", "sparseloco-sign", "sparseloco-down")
 
 
 def method_config(name: str, args: argparse.Namespace, overrides: dict[str, Any]) -> TrainConfig:
@@ -107,6 +137,7 @@ def method_config(name: str, args: argparse.Namespace, overrides: dict[str, Any]
     h = settings["inner_steps"]
     warmup = int(WARMUP_FRACTION * args.steps_total)
     settings.setdefault("inner_warmup_steps" if h > 1 else "warmup_steps", warmup)
+    settings.setdefault("balance", "off")  # every method trains the same rows, whatever the timings
     return TrainConfig(
         model=args.model,
         seed=args.seed,
@@ -121,8 +152,8 @@ def method_config(name: str, args: argparse.Namespace, overrides: dict[str, Any]
     )
 
 
-def run_method(name: str, config: TrainConfig) -> dict[str, Any]:
-    trainer = Trainer(config, in_process_clients(WORKERS), progress=False)
+def run_method(name: str, config: TrainConfig, workers: int = WORKERS) -> dict[str, Any]:
+    trainer = Trainer(config, in_process_clients(workers), progress=False)
     try:
         t0 = time.perf_counter()
         records = trainer.run()
@@ -133,19 +164,21 @@ def run_method(name: str, config: TrainConfig) -> dict[str, Any]:
     finally:
         trainer.close()
     bytes_up = sum(r["bytes_up"] for r in records)  # summed over workers
+    bytes_down = sum(r["bytes_down_per_worker"] for r in records)  # one worker's orders, summed over rounds
     tokens = records[-1]["total_tokens"]  # summed over workers: the ratio is per worker per token
     curve, sent = [], 0
     for r in records:
         sent += r["bytes_up"]
         if "eval_loss" in r:
             curve.append(
-                {"tokens": r["total_tokens"], "bytes_up_per_worker": sent / WORKERS, "eval_loss": r["eval_loss"]}
+                {"tokens": r["total_tokens"], "bytes_up_per_worker": sent / workers, "eval_loss": r["eval_loss"]}
             )
     return {
         "eval_loss": eval_loss,
         "train_loss": records[-1]["loss"],
         "bytes_up_per_token": bytes_up / tokens,
-        "bytes_up_per_worker": bytes_up / WORKERS,
+        "bytes_up_per_worker": bytes_up / workers,
+        "bytes_down_per_token": bytes_down * workers / tokens,  # per worker per token, as bytes_up_per_token
         "rounds": len(records),
         "inner_steps": config.inner_steps,
         "tokens": tokens,
@@ -177,15 +210,16 @@ def compare(results: dict[str, dict[str, Any]], dense_bytes_per_token: float) ->
 def table(results: dict[str, dict[str, Any]]) -> str:
     lines = [
         "| method | H | held-out loss | gap vs dense | train loss | uplink B/token/worker | x fewer than dense fp32 | "
-        "rounds | tokens | wall |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "downlink B/token/worker | rounds | tokens | wall |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         gap = f"{100 * r['loss_gap_vs_dense']:+.2f}%" if r["loss_gap_vs_dense"] is not None else "-"
         lines.append(
             f"| {name} | {r['inner_steps']} | {r['eval_loss']:.4f} | {gap} | {r['train_loss']:.4f} | "
             f"{r['bytes_up_per_token']:.4g} "
-            f"| {r['uplink_reduction_vs_dense']:,.0f}x | {r['rounds']} | {r['tokens']:,} | {r['wall_s']:.0f} s |"
+            f"| {r['uplink_reduction_vs_dense']:,.0f}x | {r['bytes_down_per_token']:.4g} | {r['rounds']} | "
+            f"{r['tokens']:,} | {r['wall_s']:.0f} s |"
         )
     return "\n".join(lines)
 
@@ -253,10 +287,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         metavar="METHOD.FIELD=VALUE",
         help="override a method's TrainConfig field (repeatable)",
     )
+    parser.add_argument("--workers", type=int, default=WORKERS, help="workers simulated in this process")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--threads", type=int, default=1, help="torch threads (the two workers already run concurrently)"
-    )
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the workers already run concurrently)")
     parser.add_argument("--output-dir", default="runs/quality")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout; the table goes to stderr")
     args = parser.parse_args(argv)
@@ -267,9 +300,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.steps_total < 1
         or args.batch_size < 1
         or args.sequence_length < 1
+        or args.workers < 1
         or (args.inner_steps is not None and args.inner_steps < 1)
     ):
-        parser.error("--steps-total, --batch-size, --sequence-length and --inner-steps must be >= 1")
+        parser.error("--steps-total, --batch-size, --sequence-length, --workers and --inner-steps must be >= 1")
     try:
         overrides = parse_overrides(args.set, methods)
     except ValueError as e:
@@ -292,7 +326,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
     results = {}
     for name, config in configs.items():
-        results[name] = run_method(name, config)
+        results[name] = run_method(name, config, args.workers)
         print(
             f"{name}: held-out loss {results[name]['eval_loss']:.4f} in {results[name]['wall_s']:.0f} s",
             file=sys.stderr,
@@ -304,12 +338,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {
         "model": args.model,
         "params": params,
-        "workers": WORKERS,
+        "workers": args.workers,
         "steps_total": args.steps_total,
         "batch_size": args.batch_size,
         "sequence_length": args.sequence_length,
         "inner_steps": args.inner_steps,
-        "tokens_per_method": WORKERS * args.steps_total * args.batch_size * args.sequence_length,
+        "tokens_per_method": args.workers * args.steps_total * args.batch_size * args.sequence_length,
         "eval_batches": EVAL_BATCHES,
         "seed": args.seed,
         "dense_fp32_bytes_per_token": dense_bytes_per_token,

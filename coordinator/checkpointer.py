@@ -18,6 +18,7 @@ import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from gradwire.coordinator.gather import Gatherer
 from gradwire.coordinator.outer import OuterStrategy
 from gradwire.coordinator.round import WorkerSlot
 from gradwire.link import WorkerError
+
+if TYPE_CHECKING:
+    from gradwire.coordinator.work import WorkPlanner
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +63,11 @@ class RunCheckpointer:
         gather: Gatherer,
         pool: ThreadPoolExecutor,
         run_id: str,
+        planner: WorkPlanner | None = None,
     ) -> None:
+        """``planner``: its throughput estimates and shares (--balance) are saved and restored too."""
         self.directory = directory
+        self.planner = planner
         self.config = config
         self.outer, self.data, self.gather = outer, data, gather
         self.pool = pool
@@ -96,6 +103,8 @@ class RunCheckpointer:
             "worker_keys": list(futures),
             "data_layouts": [[first, start, list(rows)] for first, start, rows in self.data.layouts],
         }
+        if self.planner is not None:  # the shares the next rounds get: a function of these
+            meta["balance"] = self.planner.state(position.step, [slot.client.address for slot in slots])
         path = save_checkpoint(self.directory, position.step, tensors, meta)
         if self.config.keep_checkpoints:
             keep_last(self.directory, self.config.keep_checkpoints)
@@ -113,6 +122,8 @@ class RunCheckpointer:
         self.gather.norms.extend(tensors.get("robust", {}).get("norms", torch.zeros(0)).tolist())
         if meta.get("data_layouts"):
             self.data.restore_layouts(meta["data_layouts"])  # where the stream stood, worker by worker
+        if self.planner is not None and meta.get("balance"):
+            self.planner.restore(meta["balance"], [slot.client.address for slot in slots])
         saved_keys = meta.get("worker_keys", [])
         present = {worker_key(slot) for slot in slots}
         for position, slot in enumerate(slots):

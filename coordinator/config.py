@@ -23,7 +23,8 @@ from typing import Any
 from gradwire.compression import CodecConfig
 from gradwire.compression.config import VALUE_CODINGS
 from gradwire.compression.robust import AGGREGATIONS, AggregationRule
-from gradwire.coordinator.decisions import REPLAY_PRECISIONS, Grace
+from gradwire.coordinator.balance import BALANCE_MODES
+from gradwire.coordinator.decisions import AGREEMENT_FLOOR, DOWNLINKS, REPLAY_PRECISIONS, Grace
 from gradwire.models import model_names
 from gradwire.optim.inner import INNER_OPTIMIZERS, InnerOptimizerConfig
 from gradwire.optim.outer import OUTER_OPTIMIZERS, UpdateRule
@@ -351,6 +352,14 @@ class TrainConfig:
         "is aggregated (hides the link's time at the cost of one step of staleness)",
         section=ROUND_POLICY,
     )
+    balance: str = setting(
+        "rows",
+        help="size each worker's work to its measured throughput so that all finish together, the global batch "
+        "unchanged: rows moves rows per step (per inner step in local-SGD rounds) between the workers, steps "
+        "(local-SGD rounds only) moves inner steps; off gives every worker --batch-size rows per GPU",
+        section=ROUND_POLICY,
+        choices=BALANCE_MODES,
+    )
     aggregate: str = setting(
         "mean",
         help="how the workers' contributions combine, in the DCT-coefficient domain: mean (weighted by "
@@ -366,6 +375,15 @@ class TrainConfig:
         section=ROUND_POLICY,
         choices=REPLAY_PRECISIONS,
     )
+    downlink: str = setting(
+        "auto",
+        help="what each worker receives of a round's update: replay (every other sender's payload: exact, but "
+        "it grows with the number of workers), compressed (one payload, the aggregate re-compressed by the "
+        "coordinator with its own error feedback: the same size however many workers) or auto (compressed "
+        "once a replay would carry more than 4 compressed aggregates). adamw always sends one compressed delta",
+        section=ROUND_POLICY,
+        choices=DOWNLINKS,
+    )
     clip_factor: float = setting(
         2.0,
         help="clip each worker's contribution to this many times the round's median norm (templar's rule; 0: off)",
@@ -379,6 +397,13 @@ class TrainConfig:
     )
     bench_rounds: int = setting(
         20, help="rounds a benched worker sits out before it is tried again", section=ROUND_POLICY
+    )
+    agreement_floor: float = setting(
+        AGREEMENT_FLOOR,
+        help="leave out, with a strike, a worker whose agreement score (its payloads' cosine with the other "
+        "senders', averaged over rounds; measured with 3 or more senders) falls below this: it points away "
+        "from the others round after round, as a sign flipper does (below -1: off)",
+        section=ROUND_POLICY,
     )
 
     # Run directory: outputs, checkpoints, resuming, seed, progress
@@ -465,6 +490,22 @@ class TrainConfig:
         if self.replay_precision not in REPLAY_PRECISIONS:
             raise ValueError(
                 f"--replay-precision must be one of {', '.join(REPLAY_PRECISIONS)}, got {self.replay_precision!r}"
+            )
+        if not (math.isfinite(self.agreement_floor) and self.agreement_floor < 1):
+            raise ValueError(f"--agreement-floor must be below 1 (below -1: off), got {self.agreement_floor}")
+        if self.downlink not in DOWNLINKS:
+            raise ValueError(f"--downlink must be one of {', '.join(DOWNLINKS)}, got {self.downlink!r}")
+        if self.downlink == "replay" and self.outer_optimizer == "adamw":
+            raise ValueError(
+                "--downlink replay needs an outer optimizer replicas can replay (sgd, nesterov, signsgd): "
+                "with --outer-optimizer adamw the workers follow one compressed delta (--downlink auto or compressed)"
+            )
+        if self.balance not in BALANCE_MODES:
+            raise ValueError(f"--balance must be one of {', '.join(BALANCE_MODES)}, got {self.balance!r}")
+        if self.balance == "steps" and not self.local_sgd:
+            raise ValueError(
+                "--balance steps sizes the inner steps of local-SGD rounds (--inner-steps > 1); "
+                "in gradient mode use --balance rows"
             )
         self.grace()  # validates --straggler-grace
         if not (math.isfinite(self.max_failed_seconds) and self.max_failed_seconds >= 0):

@@ -48,11 +48,23 @@ Verdict = Literal["ok", "clipped", "rejected"]
 
 
 @dataclasses.dataclass(frozen=True)
+class Score:
+    """How well a worker's payloads point the way the others' do (``score``): an average of its
+    leave-one-out agreement (``coordinator.agreement``, in [-1, 1]) that weighs recent rounds most, over
+    the ``rounds`` rounds it was measured since it joined or was last benched (0 before the first)."""
+
+    value: float = 0.0
+    rounds: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class Standing:
-    """How a worker's recent contributions went: ``strikes`` bad rounds in a row, benched before ``until``."""
+    """How a worker's recent contributions went: ``strikes`` bad rounds in a row, benched before ``until``,
+    and its agreement ``score``."""
 
     strikes: int = 0
     until: int = 0  # the first step it works again (0: never benched)
+    score: Score = Score()
 
     def benched(self, step: int) -> bool:
         return step < self.until
@@ -63,12 +75,12 @@ def judge(
 ) -> tuple[Standing, str]:
     """A worker's standing after round ``step``'s ``verdict``: ``rejected`` (a malformed payload, a false
     token count, a norm the median clip would cut below ``HARD_CLIP`` of itself) is a strike, and so is
-    ``clipped`` for callers that count milder clipping; ``bench_after``
+    ``clipped`` for callers that count milder clipping, and so is a low agreement ``score``; ``bench_after``
     strikes in a row bench it for ``bench_rounds`` rounds (0 turns benching off). A good round clears
-    the strikes."""
+    the strikes. Benching starts its score over: back from the bench, it is judged on fresh rounds."""
     if verdict == "ok":
         return (
-            Standing(),
+            Standing(score=standing.score),
             "contribution accepted"
             if not standing.strikes
             else f"accepted after {standing.strikes} bad round(s): strikes cleared",
@@ -77,12 +89,40 @@ def judge(
     if bench_after and strikes >= bench_after:
         until = step + 1 + bench_rounds
         return Standing(0, until), f"{strikes} bad rounds in a row ({verdict} again): benched until step {until}"
-    return Standing(strikes, standing.until), f"{verdict}: strike {strikes}" + (
+    return Standing(strikes, standing.until, standing.score), f"{verdict}: strike {strikes}" + (
         f" of {bench_after}" if bench_after else ""
     )
 
 
 HARD_CLIP = 0.25  # a sender the median-norm clip would scale below this is left out, with a strike
+
+# From gpt-tiny runs of 200 rounds (coordinator.agreement): an honest worker's score never fell below -0.14,
+# a sign flipper's sat at -0.9 from its fourth round.
+AGREEMENT_FLOOR = -0.3  # a score below this (pointing away from the others, over rounds) is a strike
+AGREEMENT_WEIGHT = 0.25  # this round's share of the score; the rest is the score so far (0 to start)
+
+
+def score(previous: Score, agreement: float | None, *, floor: float = AGREEMENT_FLOOR) -> tuple[Score, Verdict, str]:
+    """A worker's agreement score after a round in which its payload agreed ``agreement`` with the others'
+    (``None``: not measured, e.g. alone in the round: the score stands). The verdict is ``rejected`` (a
+    strike, for ``judge``) while the score is below ``floor``.
+
+    Each round moves the score ``AGREEMENT_WEIGHT`` of the way to its agreement, from 0 for a new worker
+    or one back from the bench (``judge`` starts its score over): neither trusted nor distrusted, it is not
+    struck for one bad round (honest workers had single rounds down to -0.9 late in training), and one
+    that keeps pointing away (-0.9) is struck from its second round: -0.23, -0.40, -0.53..."""
+    if agreement is None:
+        return previous, "ok", "no agreement measured"
+    value = (1 - AGREEMENT_WEIGHT) * previous.value + AGREEMENT_WEIGHT * agreement
+    new = Score(value, previous.rounds + 1)
+    if value < floor:
+        return (
+            new,
+            "rejected",
+            f"points away from the others: agreement {agreement:+.2f} this round, score {value:+.2f} over "
+            f"{new.rounds} round(s) (below {floor:+g})",
+        )
+    return new, "ok", f"agreement {agreement:+.2f}, score {value:+.2f} over {new.rounds} round(s)"
 
 
 # ------------------------------------------------------------------------------------------- failed rounds
@@ -229,3 +269,36 @@ def replay_precision(setting: str, coordinator_device: str, worker_devices: Sequ
             "replica computes the same bits",
         )
     return False, f"every worker on {kind}, as the coordinator: float32 replays agree bit for bit"
+
+
+# ------------------------------------------------------------------------------------------- downlink
+
+DOWNLINKS = ("auto", "replay", "compressed")
+DOWNLINK_MARGIN = 4.0  # auto: compress once a replay would carry this many times one compressed aggregate
+
+
+def decide_downlink(setting: str, senders: int, payload_bytes: int, aggregate_bytes: int) -> tuple[bool, str]:
+    """Whether the round's update goes to the workers as one re-compressed aggregate (``True``) rather than as
+    a replay of its ``senders``' payloads (of ``payload_bytes`` on average), and why.
+
+    A replay is exact (every replica combines the senders' own payloads) but each worker receives the other
+    senders' payloads: its downlink grows with the swarm, and the coordinator's egress with its square. One
+    compressed aggregate (``aggregate_bytes``) costs the same whatever the number of senders, and loses what
+    its top-k and quantization leave in the coordinator's error feedback until a later round sends it.
+    ``auto`` compresses once a sender's replay (the others' payloads) would exceed ``DOWNLINK_MARGIN`` x one
+    compressed aggregate.
+    """
+    if setting == "replay":
+        return False, "--downlink replay"
+    if setting == "compressed":
+        return True, "--downlink compressed"
+    replay = max(0, senders - 1) * payload_bytes
+    if replay > DOWNLINK_MARGIN * aggregate_bytes:
+        return True, (
+            f"{senders} senders: a replay of {replay} bytes per worker is over {DOWNLINK_MARGIN:g} x one compressed "
+            f"aggregate ({aggregate_bytes} bytes): the downlink sends the aggregate"
+        )
+    return False, (
+        f"{senders} sender(s): a replay of {replay} bytes per worker is within {DOWNLINK_MARGIN:g} x one compressed "
+        f"aggregate ({aggregate_bytes} bytes): the downlink replays the senders' payloads"
+    )

@@ -5,15 +5,20 @@ were sent, and returns a plain ``Gathered``: the contributions kept, combined by
 coefficient domain, and one ``Fate`` per worker saying what became of its contribution and why.
 
 1. validate: a result's token count must match the batch it was sent, and its payload must decode
-   against the codec's plan; either failing leaves it out.
-   A payload that repeats another's chunk indices, this round's or a recent round's, is a copy
-   (``coordinator.copies``) and is left out too.
+   against the codec's plan and hold something (a payload of zeros adds nothing for the tokens it
+   claims); failing any leaves it out.
+   A payload that repeats another's chunk indices, this round's or a recent round's, or those of an update
+   the workers were sent as one payload (``remember_sent``), is a copy (``coordinator.copies``) and is left
+   out too.
 2. clip: each sender is scaled to at most ``--clip-factor`` x the median norm (of this round, or of the
    senders kept in recent rounds if that is larger); one that would keep less than ``HARD_CLIP`` of
    itself is no honest outlier and is left out.
-3. judge: each worker's standing moves on its verdict (``decisions.judge``): strikes, benching.
-4. aggregate: the kept payloads, weighted by their tokens, with their clip scales.
+3. agree: each sender still in is measured against the others (``coordinator.agreement``) and its score
+   moves (``decisions.score``); one whose score says it points away round after round is left out.
+4. judge: each worker's standing moves on its verdict (``decisions.judge``): strikes, benching.
+5. aggregate: the kept payloads, weighted by their tokens, with their clip scales.
 
+Which attack each check catches, and which none does, is in ``coordinator.agreement``'s docstring.
 The stage remembers the norms it kept (``norms``): checkpoints save them, as part of the trajectory.
 """
 
@@ -28,10 +33,11 @@ from typing import Literal
 import numpy as np
 
 from gradwire.compression import PayloadError, robust
-from gradwire.compression.codec import DecodedGradient, GradientCodec
+from gradwire.compression.codec import CompressedGradient, DecodedGradient, GradientCodec
 from gradwire.compression.robust import AggregationRule
 from gradwire.coordinator import copies
-from gradwire.coordinator.decisions import HARD_CLIP, Verdict, judge
+from gradwire.coordinator.agreement import agreements
+from gradwire.coordinator.decisions import AGREEMENT_FLOOR, HARD_CLIP, Verdict, judge, score
 from gradwire.coordinator.outer import Aggregate
 from gradwire.coordinator.round import RoundOutcome, SlotOutcome
 from gradwire.protocol import RoundResult
@@ -60,6 +66,7 @@ class Gathered:
     aggregator: Aggregate | None  # None: no contribution was usable
     scales: tuple[float, ...]
     fates: tuple[Fate, ...]
+    scores: Mapping[int, float] = dataclasses.field(default_factory=dict)  # senders' agreement scores, by slot
 
     @property
     def results(self) -> list[RoundResult]:
@@ -77,10 +84,20 @@ class Gatherer:
     """The gather stage of one run, with its memory of typical norms."""
 
     def __init__(
-        self, codec: GradientCodec, *, clip_factor: float, bench_after: int, bench_rounds: int, memory: int = 64
+        self,
+        codec: GradientCodec,
+        *,
+        clip_factor: float,
+        bench_after: int,
+        bench_rounds: int,
+        memory: int = 64,
+        agreement_floor: float | None = AGREEMENT_FLOOR,
     ) -> None:
+        """``agreement_floor``: the score below which a sender is left out with a strike (``decisions.score``);
+        ``None`` measures no agreement."""
         self.codec = codec
         self.clip_factor = clip_factor
+        self.agreement_floor = agreement_floor
         self.bench_after, self.bench_rounds = bench_after, bench_rounds
         self.norms: collections.deque[float] = collections.deque(maxlen=memory)  # kept senders' clipped norms
         self.seen: list[copies.Seen] = []  # the kept payloads of the last COPY_ROUNDS steps, for copies
@@ -114,18 +131,19 @@ class Gatherer:
         norms = [robust.payload_norm(d) for d in decoded]
         typical = statistics.median(self.norms) if self.norms else None  # of the senders kept in recent rounds
         scales = robust.clip_scales(norms, self.clip_factor, typical)
-        kept = [i for i, scale in enumerate(scales) if scale >= HARD_CLIP]
-        self.norms.extend(norms[i] * scales[i] for i in kept)
+        bound = f"--clip-factor {self.clip_factor:g} x the median norm"
         for o, scale in zip(good, scales):
             index, address = o.slot.index, o.slot.client.address
             verdicts[index] = "ok" if scale >= HARD_CLIP else "rejected"
-            bound = f"--clip-factor {self.clip_factor:g} x the median norm"
             if scale < HARD_CLIP:
                 fates[index] = Fate(index, address, "left out", f"sent {1 / scale:.3g} x the bound of {bound}", scale)
             elif scale < 1:
                 fates[index] = Fate(index, address, "clipped", f"clipped to {scale:.3g} of its norm ({bound})", scale)
             else:
                 fates[index] = Fate(index, address, "kept", "", scale)
+        kept = [i for i, scale in enumerate(scales) if scale >= HARD_CLIP]
+        kept, scores = self._agree(good, decoded, scales, kept, fates, verdicts)
+        self.norms.extend(norms[i] * scales[i] for i in kept)
         for o in round_.outcomes:
             if o.slot.index in verdicts:
                 before = o.slot.standing
@@ -144,7 +162,45 @@ class Gatherer:
             weights = [float(o.result.tokens) for o in outcomes if o.result is not None]
             aggregator = robust.aggregate(self.codec, [decoded[i] for i in kept], weights, kept_scales, rule)
         order = [o.slot.index for o in round_.outcomes]
-        return Gathered(outcomes, aggregator, kept_scales, tuple(fates[i] for i in order))
+        return Gathered(outcomes, aggregator, kept_scales, tuple(fates[i] for i in order), scores)
+
+    def _agree(
+        self,
+        good: list[SlotOutcome],
+        decoded: list[DecodedGradient],
+        scales: tuple[float, ...],
+        kept: list[int],
+        fates: dict[int, Fate],
+        verdicts: dict[int, Verdict],
+    ) -> tuple[list[int], dict[int, float]]:
+        """Measure the ``kept`` senders' agreement, move their scores, and leave out those whose score says
+        they point away; returns the senders still kept and the scores measured, by slot."""
+        if self.agreement_floor is None:
+            return kept, {}
+        slots = [good[i].slot for i in kept]
+        weights = [float(good[i].result.tokens) * scales[i] for i in kept if good[i].result is not None]
+        chunk_numels = [g.chunk_numel for g in self.codec.plan.groups]
+        still, scores = [], {}
+        for i, slot, agreement in zip(kept, slots, agreements([decoded[i] for i in kept], weights, chunk_numels)):
+            new, verdict, why = score(slot.standing.score, agreement, floor=self.agreement_floor)
+            slot.standing = dataclasses.replace(slot.standing, score=new)
+            if new.rounds:
+                scores[slot.index] = new.value
+            if verdict == "ok":
+                still.append(i)
+            else:
+                verdicts[slot.index] = verdict
+                fates[slot.index] = Fate(slot.index, slot.client.address, "left out", why, scales[i])
+        return still, scores
+
+    def remember_sent(self, payload: CompressedGradient, step: int) -> None:
+        """The update of round ``step`` the workers are sent as one payload (``--downlink compressed``): a
+        worker that sends it back as its own (a free rider) is a copy of it, as of any sender's."""
+        digest = copies.digest(self.codec.decode(payload), [g.chunk_numel for g in self.codec.plan.groups])
+        self.seen.append(copies.Seen(SENT, step, digest))
+
+
+SENT = "the coordinator's update"  # who sent a payload the workers were sent (``Gatherer.remember_sent``)
 
 
 def _invalid(result: RoundResult, batch: np.ndarray, codec: GradientCodec, decoded: list[DecodedGradient]) -> str:
@@ -153,7 +209,10 @@ def _invalid(result: RoundResult, batch: np.ndarray, codec: GradientCodec, decod
     if result.tokens != expected:
         return f"reports {result.tokens} tokens for a batch of {expected}"
     try:
-        decoded.append(codec.decode(result.gradient))  # validate before anything is combined
+        d = codec.decode(result.gradient)  # validate before anything is combined
     except PayloadError as e:
         return f"sent a bad payload: {e}"
+    if robust.payload_norm(d) == 0:
+        return f"sent an empty payload: every value is zero, for {result.tokens} tokens"
+    decoded.append(d)
     return ""

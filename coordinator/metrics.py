@@ -312,6 +312,8 @@ def round_record(
         "compression_ratio": dense_bytes * len(usable) / max(1, payload_bytes),
         "bytes_up": bytes_up,
         "bytes_down": bytes_down,
+        # what one worker's order carried (the update, the batch): the downlink per worker (--downlink)
+        "bytes_down_per_worker": sum(o.bytes_down for o in round_.outcomes) / max(1, len(round_.outcomes)),
         "step_time": step_time,
         "dispatch_time": gathered_at - start,
         "aggregate_time": done - gathered_at,
@@ -335,6 +337,8 @@ def round_record(
         "clipped": gathered.count("clipped"),
         "rejected": gathered.count("left out"),
         "benched": benched,
+        # the lowest agreement score (coordinator.agreement) of this round's senders; None: none measured yet
+        "agreement_min": min(gathered.scores.values(), default=None),
         "catch_ups": sum(o.catch_ups for o in round_.outcomes),
         "stragglers": sum(o.straggler for o in round_.outcomes),
     }

@@ -11,6 +11,12 @@ version on. The coordinator applies ``pending`` to its own copy while the worker
 * ``DeltaOuter`` (``adamw``): the optimizer's moments stay here. The coordinator steps its model, and
   the workers follow a *shadow* replica through compressed parameter deltas (coordinator-side error
   feedback), which the coordinator applies to its own shadow as well.
+
+The downlink (``--downlink``): a replay carries every sender's payload, so what a worker receives grows with
+the number of workers. A *compressed* round's update is instead one payload: the coordinator re-compresses
+the round's aggregate in the coefficient domain, with the codec's top-k and quantization and its own error
+feedback (``downlink_feedback``), and every replica, its own included, replays that one payload with the
+outer rule (momentum and all) as it would replay the senders'. Deltas are one payload already.
 """
 
 from __future__ import annotations
@@ -105,10 +111,12 @@ class OuterStrategy(abc.ABC):
         rule: AggregationRule = MEAN,
         senders: tuple[int, ...] = (),
         round: int = -1,
+        compressed: bool = False,
     ) -> float:
         """Turn a round's validated, combined contributions (``compression.robust.aggregate`` of
         ``payloads`` with ``weights``, clip ``scales`` and ``rule``) into the next ``pending`` update.
         ``senders`` are the slots that sent ``payloads``, in order, in round ``round`` (``update_for``).
+        ``compressed``: the update is the aggregate, re-compressed (``downlink``), not the payloads.
 
         The round's version (the one its contributions were computed at) becomes the new base. Returns
         the aggregate's L2 norm.
@@ -120,8 +128,10 @@ class OuterStrategy(abc.ABC):
         norm = aggregator.norm()
         if self.pending is not None:
             self.history.append((self.base_version, self.base_fingerprint, self.pending))
-        self.pending = self._next_update(aggregator, StateUpdate(lr, payloads, weights, scales=scales, rule=rule))
-        self._senders, self._sent_in = tuple(senders), round
+        replay = StateUpdate(lr, payloads, weights, scales=scales, rule=rule)
+        self.pending = self._next_update(aggregator, replay, compressed)
+        # A sender keeps its own payload and is sent the others; a compressed update goes whole to everyone.
+        self._senders, self._sent_in = (() if compressed else tuple(senders)), round
         self.base_version, self.base_fingerprint = target, target_fingerprint
         return norm
 
@@ -167,8 +177,9 @@ class OuterStrategy(abc.ABC):
         self.rebase()
 
     @abc.abstractmethod
-    def _next_update(self, aggregator: Aggregate, replay: StateUpdate) -> StateUpdate:
-        """The update that follows ``aggregator``; ``replay`` is the round's contributions as a replay."""
+    def _next_update(self, aggregator: Aggregate, replay: StateUpdate, compressed: bool) -> StateUpdate:
+        """The update that follows ``aggregator``; ``replay`` is the round's contributions as a replay;
+        ``compressed``: the workers' downlink carries one payload, whatever the number of senders."""
 
     @abc.abstractmethod
     def _apply(self, update: StateUpdate) -> None: ...
@@ -183,9 +194,15 @@ class ReplayOuter(OuterStrategy):
     def __init__(self, model: torch.nn.Module, rule: UpdateRule, codec_config: CodecConfig) -> None:
         super().__init__(model, Replica(model, rule), codec_config)
         self._aggregator: Aggregate | None = None  # the pending payloads, already combined
+        # What compressed downlinks have not sent of the aggregates yet (coefficient domain).
+        self.downlink_feedback = ErrorFeedback(beta=1.0)
 
-    def _next_update(self, aggregator: Aggregate, replay: StateUpdate) -> StateUpdate:
-        # Our replica applies this during the next round, from this same aggregator: no second decode.
+    def _next_update(self, aggregator: Aggregate, replay: StateUpdate, compressed: bool) -> StateUpdate:
+        # Our replica applies this during the next round, from this same aggregator: no second decode. A
+        # compressed downlink's one payload it decodes as every worker does.
+        if compressed:
+            self._aggregator = None
+            return self.downlink(aggregator, replay)
         self._aggregator = aggregator
         return replay
 
@@ -193,11 +210,26 @@ class ReplayOuter(OuterStrategy):
         self.replica.apply(update, self._aggregator)
         self._aggregator = None
 
+    def downlink(self, aggregator: Aggregate, replay: StateUpdate) -> StateUpdate:
+        """The round's aggregate as one replayed payload: re-compressed in the coefficient domain (top-k,
+        quantization) with ``downlink_feedback``, weight 1, combined in ``replay``'s precision."""
+        payload = self.codec.compress_coefficients(
+            aggregator.coefficient_groups(), aggregator.dense_values(), self.downlink_feedback
+        )
+        return StateUpdate(replay.learning_rate, (payload,), (1.0,), rule=AggregationRule(exact=replay.rule.exact))
+
+    def checkpoint(self) -> TensorGroups:
+        groups = super().checkpoint()
+        if self.downlink_feedback.buffers:
+            groups["downlink-feedback"] = self.downlink_feedback.state_dict()
+        return groups
+
     def _restore(self, tensors: TensorGroups, version: int) -> None:
         optimizer = tensors.get("optimizer", {})
         momentum = [optimizer[f"momentum.{i}"] for i in range(sum(k.startswith("momentum.") for k in optimizer))]
         self.replica.load_state(tensors["model"], momentum, version=version)
         self._aggregator = None
+        self.downlink_feedback.load_state_dict(tensors.get("downlink-feedback", {}))
 
 
 class DeltaOuter(OuterStrategy):
@@ -214,7 +246,8 @@ class DeltaOuter(OuterStrategy):
         )
         self.feedback = ErrorFeedback(beta=1.0)
 
-    def _next_update(self, aggregator: Aggregate, replay: StateUpdate) -> StateUpdate:
+    def _next_update(self, aggregator: Aggregate, replay: StateUpdate, compressed: bool) -> StateUpdate:
+        # One compressed delta, whatever ``compressed`` says: the moments stay here.
         aggregate, lr = aggregator.result(), replay.learning_rate
         for name, p in self.model.named_parameters():
             p.grad = aggregate[name].to(p.dtype)

@@ -68,6 +68,7 @@ class SlotOutcome:
     catch_ups: int = 0  # orders that carried missed updates (catch-up by replay instead of a push)
     straggler: bool = False  # cut off after the round had its quorum and the grace ran out
     first_push_bytes: int = 0  # the state push before the round (a worker new to the run); not in bytes_down
+    seconds: float = 0.0  # from the round's dispatch until its answer came in, or it was cut off
 
 
 @dataclasses.dataclass
@@ -92,6 +93,7 @@ class RoundWork:
     sync_tolerance: float = 1e-4
     compute_before_update: bool = False  # --overlap
     clip_grad_norm: float = 0.0  # gradient mode (local-SGD rounds clip in ``local_steps``)
+    slot_local_steps: Mapping[int, LocalSteps] = dataclasses.field(default_factory=dict)  # a slot's own (--balance)
 
     def order(
         self,
@@ -114,7 +116,7 @@ class RoundWork:
             feedback_beta=self.feedback_beta,
             micro_batch_size=self.micro_batch_size,
             sync_tolerance=self.sync_tolerance,
-            local_steps=self.local_steps,
+            local_steps=self.slot_local_steps.get(slot, self.local_steps),
             catch_up=catch_up,
             compute_before_update=self.compute_before_update,
             next_batch=self.next_batches.get(slot),
@@ -195,6 +197,7 @@ class RoundDispatcher:
         pushed = dict(zip((s.index for s in to_push), self.pool.map(self._push, to_push)))
         applied = threading.Event()
         cut_off = {slot.index: threading.Event() for slot in slots}  # set for a straggler: make no further call
+        start = time.monotonic()
         futures = [
             self.pool.submit(self._work, slot, work, pushed.get(slot.index), applied, cut_off[slot.index])
             for slot in slots
@@ -203,12 +206,15 @@ class RoundDispatcher:
             outer.apply_pending()
         finally:
             applied.set()  # never leave a worker's retry waiting, whatever happened here
-        cut = self._close(futures, slots, step, time.monotonic(), cut_off)
+        cut = self._close(futures, slots, step, start, cut_off)
+        closed = time.monotonic() - start
         outcomes = [f.result() for f in futures]  # the cut-off ones return at once, cancelled
         pushed.update(plan.landed)
         for o in outcomes:
             o.first_push_bytes = pushed[o.slot.index].bytes_down if o.slot.index in pushed else 0
             o.straggler = o.slot.index in cut and o.result is None
+            if o.slot.index in cut:
+                o.seconds = closed
             if o.straggler:
                 o.error = f"cut off as a straggler ({o.error})"
             _note_version(o, outer.target_version)
@@ -243,7 +249,10 @@ class RoundDispatcher:
             done, waiting = wait_for(
                 waiting, timeout=None if wait == float("inf") else wait, return_when=FIRST_COMPLETED
             )
-            arrivals += [time.monotonic() - start for f in done if f.result().result is not None]
+            now = time.monotonic() - start
+            for f in done:
+                f.result().seconds = now
+            arrivals += [now for f in done if f.result().result is not None]
         for f in waiting:
             cut_off[by_future[f].index].set()  # before the cancel: a call it has not started yet never starts
             by_future[f].client.cancel()

@@ -59,6 +59,7 @@ class WorkerRow:
     bytes_up: int = 0
     bytes_down: int = 0
     last_error: str = ""
+    score: float | None = None  # its agreement with the others (decisions.Score); None: not measured yet
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +76,7 @@ class WorkerEvent:
     bytes_up: int = 0
     bytes_down: int = 0
     error: str = ""
+    score: float | None = None
 
 
 def worker_events(
@@ -89,7 +91,8 @@ def worker_events(
     ``kept``: the slots whose contribution counted; ``reasons``: why the others' did not, where their
     call itself did not fail (the gather stage left them out); ``step``: the round after this one
     (benching is judged for it). A worker without an outcome sat the round out: benched, receiving the
-    state in the background, or waiting (it joined after the round began)."""
+    state in the background, or waiting (it joined after the round began). ``score``: its agreement score
+    so far (``decisions.Score``), None until it is measured (again, after a bench)."""
     by_slot = {o.slot.index: o for o in round_.outcomes}
     events = []
     for slot in slots:
@@ -117,6 +120,7 @@ def worker_events(
                 o.bytes_up if o else 0,
                 o.bytes_down + o.first_push_bytes if o else 0,
                 (o.error or (reasons or {}).get(slot.index, "")) if o and state == "failed" else "",
+                slot.standing.score.value if slot.standing.score.rounds else None,
             )
         )
     return events
@@ -167,6 +171,12 @@ class StatusBoard:
             ["worker", "address", "outcome"],
             registry=self.registry,
         )
+        self._worker_score = Gauge(
+            "gradwire_worker_score",
+            "each measured worker's agreement score with the others, -1 to 1 (below --agreement-floor: left out)",
+            ["worker", "address"],
+            registry=self.registry,
+        )
 
     def update(self, record: dict[str, Any] | None, events: list[WorkerEvent]) -> None:
         """A round happened: its metrics record (``None`` if no worker was usable) and, for every worker
@@ -184,17 +194,21 @@ class StatusBoard:
                 row.rounds_done += e.state in ("training", "resyncing")
                 row.rounds_failed += e.state in ("failed", "straggling")
                 row.last_error = e.error[:300] or row.last_error
+                row.score = e.score
                 self.workers[e.id] = row
             for wid in [w for w in self.workers if w not in {e.id for e in events}]:
                 self.workers.pop(wid)  # left the run
             self._worker_state.clear()
             self._worker_rounds.clear()
+            self._worker_score.clear()
             for row in self.workers.values():
                 labels = (str(row.id), row.address)
                 for state in WORKER_STATES:
                     self._worker_state.labels(*labels, state).set(1.0 if row.state == state else 0.0)
                 self._worker_rounds.labels(*labels, "done").set(row.rounds_done)
                 self._worker_rounds.labels(*labels, "failed").set(row.rounds_failed)
+                if row.score is not None:
+                    self._worker_score.labels(*labels).set(row.score)
 
     def held_out(self, step: int, loss: float) -> None:
         """A held-out loss, measured after round ``step``."""

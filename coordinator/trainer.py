@@ -24,10 +24,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gradwire.compression import CompressedGradient
 from gradwire.compression.robust import AggregationRule
 from gradwire.coordinator.checkpointer import RunCheckpointer, RunPosition
 from gradwire.coordinator.config import TrainConfig
-from gradwire.coordinator.decisions import FailedRounds, replay_precision
+from gradwire.coordinator.decisions import FailedRounds, decide_downlink, replay_precision
 from gradwire.coordinator.export import export_model
 from gradwire.coordinator.gather import Gathered, Gatherer
 from gradwire.coordinator.inputs import load_inputs
@@ -84,11 +85,12 @@ class Trainer:
             clip_factor=config.clip_factor,
             bench_after=config.bench_after,
             bench_rounds=config.bench_rounds,
+            agreement_floor=config.agreement_floor if config.agreement_floor >= -1 else None,
         )
         self.output_dir = Path(config.output_dir)
         self.checkpoint_dir = Path(config.checkpoint_dir) if config.checkpoint_dir else self.output_dir / "checkpoints"
         self.checkpoints = RunCheckpointer(
-            self.checkpoint_dir, config, self.outer, self.data, self.gather, self._pool, self.run_id
+            self.checkpoint_dir, config, self.outer, self.data, self.gather, self._pool, self.run_id, self.planner
         )
         self.position = RunPosition()
         self.progress = progress
@@ -97,6 +99,7 @@ class Trainer:
         self.last_checkpoint: Path | None = None
         self._stop = threading.Event()
         self._exact = False  # replays in float64 (decisions.replay_precision), as last decided
+        self._compressed: bool | None = None  # one aggregate down (decisions.decide_downlink), as last decided
         claim(self.output_dir, self.checkpoint_dir, resuming=bool(config.resume_from), overwrite=config.overwrite)
         if config.resume_from:
             self.position = self.checkpoints.restore(config.resume_from, self.slots)
@@ -191,6 +194,7 @@ class Trainer:
         plan = self.rounds.prepare(self.roster.active(step), step)  # less those getting the state meanwhile
         work = self.round_work(step, plan.slots)
         round_ = self.rounds.run(plan, work)
+        self.planner.observe(work, round_)  # each worker's throughput, for the next rounds' shares (--balance)
         t_gathered = time.perf_counter()
         rule = self._aggregation_rule()
         gathered = self.gather(round_, step, work.batches, rule)
@@ -199,15 +203,18 @@ class Trainer:
             self._report(round_, None, gathered)
             return None
         usable = gathered.results
+        payloads = tuple(r.gradient for r in usable if r.gradient is not None)
+        compressed = self._compressed_downlink(payloads)
         grad_norm = self.outer.step(
             gathered.aggregator,
-            tuple(r.gradient for r in usable if r.gradient is not None),
+            payloads,
             tuple(float(r.tokens) for r in usable),
             lr,
             scales=gathered.scales if any(x < 1 for x in gathered.scales) else (),
             rule=rule,
             senders=gathered.senders,
             round=step,
+            compressed=compressed,
         )
         tokens = sum(r.tokens for r in usable)
         self.position = RunPosition(step + 1, self.total_tokens + tokens)
@@ -224,6 +231,10 @@ class Trainer:
             benched=sum(s.standing.benched(self.step) for s in self.slots),
             clip_grad_norm=0.0 if self.config.local_sgd else self.config.clip_grad_norm,
         )
+        record["downlink_compressed"] = int(compressed)
+        if compressed and self.pending is not None:  # sent back as a worker's own, it is a copy
+            self.gather.remember_sent(self.pending.payloads[0], step)
+        record.update(self.planner.record(work))  # each worker's rows, and the throughput they were sized to
         self._report(round_, record, gathered)
         return record
 
@@ -241,6 +252,19 @@ class Trainer:
             log.info("replays combine in %s: %s", "float64" if exact else "float32", why)
             self._exact = exact
         return self.config.aggregation_rule(exact)
+
+    def _compressed_downlink(self, payloads: Sequence[CompressedGradient]) -> bool:
+        """Whether this round's update goes out as one re-compressed aggregate (``decisions.decide_downlink``);
+        an aggregate re-compressed with the workers' codec is the size of one of their payloads. adamw's
+        workers follow one compressed delta whatever this says."""
+        if not self.config.update_rule().replayable:
+            return False
+        size = sum(p.nbytes for p in payloads) // max(1, len(payloads))
+        compressed, why = decide_downlink(self.config.downlink, len(payloads), size, size)
+        if compressed != self._compressed:
+            log.info("downlink: %s", why)
+            self._compressed = compressed
+        return compressed
 
     def _log_fates(self, step: int, gathered: Gathered) -> None:
         for fate in gathered.fates:

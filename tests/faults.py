@@ -12,10 +12,20 @@ answers are tampered with after it computed them honestly, the way a compromised
                     worker then holds the version it had: it missed that round's update);
 * ``stall``       - the worker sits on the call for ``factor`` seconds before it starts (a straggler),
                     giving up early if the call is cancelled;
+* ``slow``        - the worker computes ``factor`` times slower (a slower GPU): after each round's compute it
+                    sits ``factor - 1`` times the compute time it reports, giving up early if the call is
+                    cancelled;
 * ``stall-push``  - the worker sits on a state push for ``factor`` seconds (a joiner on a slow link);
                     ``rounds`` counts pushes here (0: its first).
 * ``copy``        - the worker sends, instead of its own payload, another sender's payload of the previous
                     round, as the round's replay brought it (a free rider); honest where there is none.
+* ``sign-flip``   - the honest payload pointing the other way at its own norm: decoded, negated and encoded
+                    again with the run's codec (what the norm clip cannot see);
+* ``other-rows``  - the worker computes on rows other than those it was sent (each row's tokens rotated by
+                    half its length: the same text cut elsewhere) and reports the tokens of the batch it
+                    was sent;
+* ``zeros``       - a valid payload whose values are all zero, with the tokens of the batch it was sent (a
+                    free rider that computes nothing).
 
 Use it through ``faulty(action, ...)``, an engine factory for ``tests.integration.conftest.live_workers``.
 """
@@ -26,6 +36,8 @@ import dataclasses
 import time
 from collections.abc import Callable, Collection, Iterator
 
+import numpy as np
+
 from gradwire.compression import CompressedGradient
 from gradwire.protocol import OK, RoundResult, WorkOrder
 from gradwire.replica import Fingerprint
@@ -33,7 +45,11 @@ from gradwire.v1 import worker_pb2 as pb
 from gradwire.worker.compute import Cancelled
 from gradwire.worker.engine import WorkerEngine
 
-ACTIONS = ("scale", "nan", "wrong-shape", "lie-tokens", "drop", "stall", "stall-push", "copy")
+ACTIONS = (
+    *("scale", "nan", "wrong-shape", "lie-tokens", "drop", "stall", "stall-push", "copy"),
+    *("sign-flip", "other-rows", "zeros"),  # honest-looking payloads that do not help (coordinator.agreement)
+    "slow",  # an honest worker that is slower than the others (coordinator.balance)
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,14 +94,18 @@ class FaultyEngine(WorkerEngine):
             raise Cancelled(f"round {order.round} dropped (fault injection)")
         if self.plan.action == "stall" and self.plan.applies(order.round):
             self.injected.append(order.round)
-            until = time.monotonic() + self.plan.factor
-            while time.monotonic() < until:
-                if cancelled():
-                    raise Cancelled(f"round {order.round} cancelled while stalled")
-                time.sleep(0.02)
+            _sit(self.plan.factor, cancelled, f"round {order.round} cancelled while stalled")
+        if self.plan.action == "other-rows" and self.plan.applies(order.round):
+            self.injected.append(order.round)
+            order = dataclasses.replace(order, batch=np.roll(order.batch, order.batch.shape[1] // 2, axis=1))
         result = super().run_round(order, cancelled, owner)
+        if self.plan.action == "slow" and self.plan.applies(order.round) and result.status == OK:
+            self.injected.append(order.round)
+            seconds = (self.plan.factor - 1) * result.timings.get("compute", 0.0)
+            _sit(seconds, cancelled, f"round {order.round} cancelled while slowed")
+            return result
         if (
-            self.plan.action in ("drop", "stall", "stall-push")
+            self.plan.action in ("drop", "stall", "stall-push", "other-rows")
             or result.status != OK
             or result.gradient is None
             or not self.plan.applies(order.round)
@@ -103,10 +123,11 @@ class FaultyEngine(WorkerEngine):
             return {"gradient": order.update.payloads[0]}  # the replay leaves this worker's own out
         if plan.action == "lie-tokens":
             return {"tokens": int(result.tokens * plan.factor)}
-        if plan.action == "scale":
+        if plan.action in ("scale", "sign-flip", "zeros"):
             codec = self.sessions[order.run_id].replica.codec(gradient.settings)
             dense = codec.decompress(gradient)
-            return {"gradient": codec.compress({k: v * plan.factor for k, v in dense.items()})}
+            factor = {"scale": plan.factor, "sign-flip": -1.0, "zeros": 0.0}[plan.action]
+            return {"gradient": codec.compress({k: v * factor for k, v in dense.items()})}
         first, *rest = gradient.tensors
         if plan.action == "nan":
             return {"gradient": _with_first(gradient, dataclasses.replace(first, scale=float("nan")), rest)}
@@ -114,6 +135,15 @@ class FaultyEngine(WorkerEngine):
         return {
             "gradient": _with_first(gradient, dataclasses.replace(first, shape=tuple(s + 1 for s in first.shape)), rest)
         }
+
+
+def _sit(seconds: float, cancelled: Callable[[], bool], why: str) -> None:
+    """Sleep ``seconds``, raising ``Cancelled(why)`` as soon as the call is cancelled."""
+    until = time.monotonic() + seconds
+    while (left := until - time.monotonic()) > 0:
+        if cancelled():
+            raise Cancelled(why)
+        time.sleep(min(0.02, left))
 
 
 def _with_first(gradient: CompressedGradient, first: object, rest: list) -> CompressedGradient:

@@ -31,6 +31,8 @@ TRAIN = [
     "--no-progress",
     "--checkpoint-every",
     "3",
+    "--balance",
+    "off",  # shares sized to each run's own timings would differ between the runs compared
 ]
 
 

@@ -73,14 +73,16 @@ def test_dense_sgd_through_the_service_equals_single_process_training(tmp_path, 
 
 
 def test_resume_continues_the_same_trajectory(tmp_path):
-    straight_cfg = _config(tmp_path / "a", steps=20)
+    # --balance sizes the workers' shares to each run's own timings: the same rows in both runs need it off.
+    straight_cfg = _config(tmp_path / "a", steps=20, balance="off")
     with live_workers(2) as workers:
         straight = train(straight_cfg, workers)
     with live_workers(2) as workers:
-        train(_config(tmp_path / "b", steps=10), workers)
+        train(_config(tmp_path / "b", steps=10, balance="off"), workers)
     with live_workers(2) as workers:  # fresh worker processes: error feedback comes from the checkpoint
         resumed = train(
-            _config(tmp_path / "b", steps=20, resume_from=str(tmp_path / "b" / "run" / "checkpoints")), workers
+            _config(tmp_path / "b", steps=20, resume_from=str(tmp_path / "b" / "run" / "checkpoints"), balance="off"),
+            workers,
         )
     losses_a = [r["loss"] for r in read_metrics(tmp_path / "a" / "run")]
     losses_b = [r["loss"] for r in read_metrics(tmp_path / "b" / "run")]

@@ -16,7 +16,7 @@ import torch
 
 from gradwire.compression import CodecConfig, CompressedGradient, GradientCodec
 from gradwire.compression.robust import MEAN, AggregationRule, aggregate
-from gradwire.coordinator.decisions import HARD_CLIP, Standing
+from gradwire.coordinator.decisions import AGREEMENT_FLOOR, HARD_CLIP, Score, Standing
 from gradwire.coordinator.gather import Gatherer
 from gradwire.coordinator.round import RoundOutcome, SlotOutcome, WorkerSlot
 from gradwire.protocol import OK, RoundResult
@@ -39,8 +39,10 @@ def codec() -> GradientCodec:
 
 
 def gradient(seed: int, factor: float = 1.0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {k: torch.randn(s, generator=g) * factor for k, s in SHAPES.items()}
+    """An honest sender's gradient: a direction all share plus as much of its own (they agree, as honest
+    senders' gradients do: coordinator.agreement)."""
+    shared, own = torch.Generator().manual_seed(12345), torch.Generator().manual_seed(seed)
+    return {k: (torch.randn(s, generator=shared) + torch.randn(s, generator=own)) * factor for k, s in SHAPES.items()}
 
 
 def slots(n: int) -> list[WorkerSlot]:
@@ -85,6 +87,11 @@ def assert_same_aggregate(got: dict[str, torch.Tensor], want: dict[str, torch.Te
             torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
 
 
+def judged(slot: WorkerSlot) -> Standing:
+    """``slot``'s strikes and benching, without its agreement score (tests/unit/test_agreement.py)."""
+    return dataclasses.replace(slot.standing, score=Score())
+
+
 def gatherer(codec: GradientCodec, **kwargs: float) -> Gatherer:
     settings = {"clip_factor": 2.0, "bench_after": 3, "bench_rounds": 5, **kwargs}
     return Gatherer(codec, **settings)  # type: ignore[arg-type]
@@ -107,7 +114,7 @@ def test_honest_senders_are_all_kept_and_weighted_by_their_tokens(codec: Gradien
     weights = [16.0, 24.0, 8.0]  # rows x SEQ
     assert_same_aggregate(got.aggregator.result(), weighted_mean(codec, payloads, weights, [1.0] * 3))
     assert_same_aggregate(got.aggregator.result(), aggregate(codec, payloads, weights, (1.0,) * 3).result(), exact=True)
-    assert all(s.standing == Standing() for s in workers)  # good rounds: no strikes
+    assert all(judged(s) == Standing() for s in workers)  # good rounds: no strikes
 
 
 def test_a_failed_worker_is_failed_with_its_error_and_no_strike(codec: GradientCodec) -> None:
@@ -120,7 +127,7 @@ def test_a_failed_worker_is_failed_with_its_error_and_no_strike(codec: GradientC
     fate = got.fates[1]
     assert (fate.slot, fate.address, fate.kind, fate.reason, fate.benched) == (1, "10.0.0.1:50051", "failed", error, "")
     assert got.senders == (0,) and got.count("failed") == 1
-    assert workers[1].standing == Standing()  # a network failure is not the worker's verdict
+    assert judged(workers[1]) == Standing()  # a network failure is not the worker's verdict
     assert got.aggregator is not None
     assert_same_aggregate(got.aggregator.result(), aggregate(codec, [payload], [16.0]).result(), exact=True)
 
@@ -137,7 +144,7 @@ def test_a_false_token_count_is_left_out_naming_both_counts_with_a_strike(codec:
 
     fate = got.fates[1]
     assert (fate.kind, fate.reason, fate.benched) == ("left out", "reports 160 tokens for a batch of 16", "")
-    assert workers[1].standing == Standing(strikes=1)
+    assert judged(workers[1]) == Standing(strikes=1)
     assert got.senders == (0, 2)
     assert got.aggregator is not None  # the liar's payload weighs nothing, whatever it claims
     assert_same_aggregate(
@@ -173,7 +180,7 @@ def test_a_payload_that_does_not_decode_is_left_out_with_a_strike(codec: Gradien
 
     fate = got.fates[1]
     assert fate.kind == "left out" and fate.reason.startswith("sent a bad payload: ") and why in fate.reason
-    assert workers[1].standing == Standing(strikes=1)
+    assert judged(workers[1]) == Standing(strikes=1)
     assert got.senders == (0, 2) and got.scales == (1.0, 1.0)
     assert got.aggregator is not None
     assert_same_aggregate(
@@ -196,7 +203,7 @@ def test_a_sender_far_above_the_median_is_left_out(codec: GradientCodec) -> None
     m = re.fullmatch(rf"sent (\S+) x the bound of {BOUND}", fate.reason)
     assert m is not None, fate.reason
     assert float(m[1]) == pytest.approx(1 / scale, rel=1e-2)
-    assert workers[3].standing == Standing(strikes=1)
+    assert judged(workers[3]) == Standing(strikes=1)
     assert [f.kind for f in got.fates[:3]] == ["kept"] * 3
     assert got.senders == (0, 1, 2) and got.scales == (1.0, 1.0, 1.0)
     assert got.aggregator is not None
@@ -222,7 +229,7 @@ def test_a_sender_above_the_bound_but_not_far_is_clipped_and_counts_scaled(codec
     m = re.fullmatch(rf"clipped to (\S+) of its norm \({BOUND}\)", fate.reason)
     assert m is not None, fate.reason
     assert float(m[1]) == pytest.approx(scale, rel=1e-2)
-    assert workers[3].standing == Standing()  # clipped, not rejected: no strike
+    assert judged(workers[3]) == Standing()  # clipped, not rejected: no strike
     assert got.senders == (0, 1, 2, 3) and got.count("clipped") == 1
     assert got.scales[:3] == (1.0, 1.0, 1.0) and got.scales[3] == fate.scale
     weights = [8.0, 16.0, 24.0, 16.0]
@@ -266,16 +273,16 @@ def test_bench_after_strikes_benches_a_worker_and_a_good_round_brings_it_back(co
         return got.fates[1].kind, got.fates[1].benched
 
     assert round_at(0, 99) == ("left out", "")
-    assert workers[1].standing == Standing(strikes=1)
+    assert judged(workers[1]) == Standing(strikes=1)
     kind, benched = round_at(1, 99)
     assert kind == "left out" and benched == "2 bad rounds in a row (rejected again): benched until step 7"
-    assert workers[1].standing == Standing(0, 7)
+    assert judged(workers[1]) == Standing(0, 7)
     assert [workers[1].standing.benched(s) for s in (2, 6, 7)] == [True, True, False]
-    assert workers[0].standing == Standing()  # the honest one is never judged otherwise
+    assert judged(workers[0]) == Standing()  # the honest one is never judged otherwise
     # Back at step 7, an honest round clears the benching (the judge's reason says so).
     kind, benched = round_at(7, None)
     assert kind == "kept" and benched == "contribution accepted"
-    assert workers[1].standing == Standing()
+    assert judged(workers[1]) == Standing()
 
 
 def test_a_good_round_clears_strikes_before_the_bench(codec: GradientCodec) -> None:
@@ -288,7 +295,7 @@ def test_a_good_round_clears_strikes_before_the_bench(codec: GradientCodec) -> N
         ]
         got = gather(RoundOutcome(outcomes, 0, 0), step, {0: batch(2), 1: batch(2)}, MEAN)
         assert got.fates[1].benched == ""
-    assert workers[1].standing == Standing(strikes=1)  # strike, cleared, strike: never two in a row
+    assert judged(workers[1]) == Standing(strikes=1)  # strike, cleared, strike: never two in a row
 
 
 def test_the_norms_memory_keeps_kept_senders_clipped_norms(codec: GradientCodec) -> None:
@@ -356,3 +363,66 @@ def test_fates_follow_the_rounds_outcome_order(codec: GradientCodec) -> None:
     got = gatherer(codec)(RoundOutcome(outcomes, 0, 0), 0, {i: batch(2) for i in range(3)}, MEAN)
     assert [(f.slot, f.kind) for f in got.fates] == [(2, "kept"), (0, "failed"), (1, "kept")]
     assert got.senders == (2, 1)
+
+
+def test_a_sender_pointing_away_is_left_out_benched_and_judged_afresh_when_back(codec: GradientCodec) -> None:
+    """A sign flipper at the honest norm (what the clip cannot see): its agreement with the two others is
+    negative round after round, so its score falls below the floor from its second round, when it is left
+    out, and it is benched after ``bench_after`` such rounds; the honest pair agrees with each other (the
+    flipper is peeled off their references) and is never struck."""
+    gather = gatherer(codec, bench_after=3, bench_rounds=5)
+    workers = slots(3)
+
+    def round_at(step: int, flip: bool = True):
+        dense = [gradient(100 * step + i) for i in range(3)]  # fresh gradients every round (repeats are copies)
+        if flip:
+            dense[2] = {k: -v for k, v in dense[2].items()}
+        payloads = [codec.compress(d) for d in dense]
+        active = workers if not workers[2].standing.benched(step) else workers[:2]
+        outcomes = [sent(s, p, 2) for s, p in zip(active, payloads)]
+        return payloads, gather(RoundOutcome(outcomes, 0, 0), step, {i: batch(2) for i in range(3)}, MEAN)
+
+    _, got = round_at(0)  # a fresh score moves only part of the way: no strike yet
+    assert [f.kind for f in got.fates] == ["kept"] * 3 and AGREEMENT_FLOOR < got.scores[2] < 0
+    for step in range(1, 4):
+        payloads, got = round_at(step)
+        assert [f.kind for f in got.fates] == ["kept", "kept", "left out"]
+        m = re.fullmatch(
+            r"points away from the others: agreement (\S+) this round, score (\S+) over (\d) .*", got.fates[2].reason
+        )
+        assert m is not None, got.fates[2].reason
+        assert float(m[1]) < -0.5 and int(m[3]) == step + 1
+        assert got.scores[0] > 0 and got.scores[1] > 0 and got.scores[2] == pytest.approx(float(m[2]), abs=5e-3)
+        assert got.aggregator is not None  # the honest pair's mean, exactly
+        want = aggregate(codec, payloads[:2], [16.0, 16.0], (1.0, 1.0))
+        assert_same_aggregate(got.aggregator.result(), want.result(), exact=True)
+    assert got.fates[2].benched == "3 bad rounds in a row (rejected again): benched until step 9"
+    assert judged(workers[2]) == Standing(0, 9) and workers[2].standing.score == Score()  # its score starts over
+    assert judged(workers[0]) == Standing() and judged(workers[1]) == Standing()
+    assert workers[0].standing.score.rounds == 4 and workers[0].standing.score.value > 0.3
+    # Benched, it sits out; back at step 9 and honest, it starts from a fresh score, and is kept.
+    _, got = round_at(5)
+    assert got.senders == (0, 1) and 2 not in got.scores
+    _, got = round_at(9, flip=False)
+    assert [f.kind for f in got.fates] == ["kept"] * 3 and got.scores[2] > 0
+    assert workers[2].standing.score.rounds == 1
+
+
+def test_a_payload_of_zeros_is_left_out_as_empty(codec: GradientCodec) -> None:
+    workers = slots(3)
+    zeros = codec.compress({k: torch.zeros(s) for k, s in SHAPES.items()})
+    outcomes = [sent(workers[0], codec.compress(gradient(0)), 2), sent(workers[1], codec.compress(gradient(1)), 2)]
+    outcomes.append(sent(workers[2], zeros, 2))
+    got = gatherer(codec)(RoundOutcome(outcomes, 0, 0), 0, {i: batch(2) for i in range(3)}, MEAN)
+    fate = got.fates[2]
+    assert (fate.kind, fate.reason) == ("left out", "sent an empty payload: every value is zero, for 16 tokens")
+    # Two senders left: too few to measure who points away.
+    assert judged(workers[2]) == Standing(strikes=1) and got.senders == (0, 1) and got.scores == {}
+
+
+def test_a_lone_sender_is_not_measured(codec: GradientCodec) -> None:
+    workers = slots(1)
+    got = gatherer(codec)(
+        RoundOutcome([sent(workers[0], codec.compress(gradient(0)), 2)], 0, 0), 0, {0: batch(2)}, MEAN
+    )
+    assert got.fates[0].kind == "kept" and got.scores == {} and workers[0].standing == Standing()

@@ -75,7 +75,7 @@ def a_round() -> tuple[RoundOutcome, Gathered]:
         Fate(3, "w3:1", "left out", "sent 40 x the bound", 0.01),
     )
     return RoundOutcome(outcomes, pushes=2, push_bytes=4000), Gathered(
-        (outcomes[0], outcomes[2]), None, (1.0, 0.5), fates
+        (outcomes[0], outcomes[2]), None, (1.0, 0.5), fates, {0: 0.62, 2: 0.05}
     )
 
 
@@ -107,6 +107,7 @@ def test_round_record_arithmetic(tmp_path: Path) -> None:
         "compression_ratio": DENSE_BYTES * 2 / payload_bytes,
         "bytes_up": bytes_up,
         "bytes_down": bytes_down,
+        "bytes_down_per_worker": (200 + 50 + 100 + 100) / 4,  # the orders, without the pushes
         "step_time": 4.0,
         "dispatch_time": 2.5,
         "aggregate_time": 1.5,
@@ -131,6 +132,7 @@ def test_round_record_arithmetic(tmp_path: Path) -> None:
         "benched": 1,
         "catch_ups": 1,
         "stragglers": 1,
+        "agreement_min": 0.05,  # the senders' lowest agreement score
     }
     assert record == pytest.approx(want)
     assert payload_bytes < DENSE_BYTES * 2 and record["compression_ratio"] > 1

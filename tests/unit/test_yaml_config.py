@@ -216,6 +216,8 @@ def test_the_choices_are_those_of_the_settings() -> None:
         "values",
         "aggregate",
         "replay_precision",
+        "balance",
+        "downlink",
     }
 
 

@@ -1,0 +1,158 @@
+"""Leave-one-out agreement: does a sender's payload point the way the others' do?
+
+Each kept payload is compared with the weighted sum of the *other* kept payloads of its round, by their
+cosine over the coefficients the two share: the sparse coefficients it sent that at least one other sender
+sent too, and every dense value (dense tensors are sent whole by everyone). Coefficients only one side sent
+are left out: top-k sets of honest workers overlap little, and a coefficient one side did not send says
+nothing about direction.
+
+Pure: ``leave_one_out`` computes from the decoded payloads and their weights alone (tokens times clip
+scale, the weights they aggregate with). It scatters every sender into dense (chunks, chunk_numel) sums
+once, a slice of chunks at a time, then per sender gathers the sums at its own indices and takes its own
+part back out: no loop over chunks, and the working memory is a few slices however large the model.
+``agreements`` peels senders that point away off the others' references first (see there).
+
+What payloads look like (gpt-tiny, gradient mode with error feedback, 3 workers of 4 rows of 32 tokens,
+seeds 3 and 4; ``decisions.score`` takes its floor and weights from these):
+- honest: +0.56 to +0.99 per round over the first 60 rounds (median +0.93; the sparse coefficients carry
+  99.8% of the squared norm, and agree as the dense ones do). Once the loss flattens (rounds 150-200) each
+  worker's median falls to +0.23 to +0.58 and single rounds reach -0.91; a score never fell below -0.14.
+- sign flip at the honest norm: -0.90 to -0.99 (median -0.96) early, median -0.68 late, never above +0.01.
+  The honest pair beside it agrees at +0.81 to +1.0 with the flipper peeled off; without peeling, its
+  reference is its peer minus another honest direction and it measured anywhere in -0.81 to +0.96.
+- other rows (each row's tokens rotated by half a row): +0.84 to +0.99 (median +0.94), as honest ones.
+- zeros: no cosine (a zero norm).
+
+Which check catches what:
+- a sign flip at the honest norm, and any payload pointing away from the others round after round: this
+  agreement, through the score (``decisions.score``: left out from its second round, benched after
+  ``--bench-after`` strikes). The norm clip cannot see it.
+- a payload of zeros, with the tokens of its batch: the gather stage's empty-payload check, before this
+  (a cosine with a zero vector is undefined: ``None`` here, no measurement).
+- a gradient honestly computed on rows other than those sent: NOT caught, by this or any check here. Rows
+  from the same distribution give a gradient that agrees with the others as well as an honest one does
+  (it is no copy either); only recomputing some workers' rows elsewhere (spot checks by redundancy) could
+  tell. It does the step no harm, only the data schedule.
+- noise at the honest norm, or a tiny payload: its cosine is near 0, above the floor. The clip bounds what
+  it can do; it dilutes the update by its share of the tokens.
+- a flipper that sends honest payloads every other round: its score averages near 0 and is not struck;
+  its rounds mostly cancel out.
+- colluders: a majority that agrees on a wrong direction scores the honest minority down, and with two
+  senders nobody can tell which one points away (both are struck). Agreement assumes most of each round's
+  senders are honest.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from gradwire.compression.codec import DecodedGradient
+
+SLICE_ELEMENTS = 1 << 21  # chunk elements per slice of the dense sums (16 MB each in float64)
+PEEL_BELOW = 0.0  # a sender agreeing less than this is taken out of the others' references (``agreements``)
+# With two senders that disagree nothing says which one points away (two honest DeMo workers, error
+# feedback 0.999, sat at -0.3 to -0.4 for rounds late in benchmarks.quality): agreement needs three.
+MIN_SENDERS = 3
+
+
+def agreements(
+    decoded: Sequence[DecodedGradient], weights: Sequence[float], chunk_numels: Sequence[int]
+) -> list[float | None]:
+    """``leave_one_out``, with the references cleared of senders that point away: while the sender that
+    agrees least is below ``PEEL_BELOW``, it is taken out of the others' references (it is still measured,
+    against the rest) and everyone is measured again, peeling fewer than half of the senders in all.
+
+    Without it, one sign flipper among two honest senders cancels each honest one's peer in its reference:
+    their agreement falls to anywhere in -0.81 to +0.96, and a run of such rounds would strike them too.
+    With it they agree at +0.81 or more. Fewer than ``MIN_SENDERS`` senders of weight > 0: nothing measured."""
+    w = [float(x) for x in weights]
+    if sum(x > 0 for x in w) < MIN_SENDERS:
+        return [None] * len(decoded)
+    peeled = 0
+    while True:
+        got = leave_one_out(decoded, w, chunk_numels)
+        if 2 * (peeled + 1) >= len(decoded):
+            return got
+        worst = min(((a, i) for i, a in enumerate(got) if a is not None and w[i]), default=None)
+        if worst is None or worst[0] >= PEEL_BELOW:
+            return got
+        w[worst[1]] = 0.0
+        peeled += 1
+
+
+def leave_one_out(
+    decoded: Sequence[DecodedGradient], weights: Sequence[float], chunk_numels: Sequence[int]
+) -> list[float | None]:
+    """Per sender, the cosine of its payload against the ``weights``-weighted sum of the others', over the
+    coefficients they share; ``None`` where there is nothing to measure: a lone sender, others of weight 0,
+    or nothing (a zero norm) on the shared coefficients, on either side. A sender of weight 0 is measured
+    but counts in no other's reference. ``chunk_numels``: each chunk group's chunk size
+    (``codec.plan.groups``)."""
+    n = len(decoded)
+    if len(weights) != n:
+        raise ValueError(f"{n} payloads, {len(weights)} weights")
+    if n < 2:
+        return [None] * n
+    first = decoded[0]
+    device = first.dense[0].device if first.dense else first.indices[0].device if first.indices else "cpu"
+    dot = torch.zeros(n, dtype=torch.float64, device=device)  # per sender, over shared: <own, others>,
+    own_sq = torch.zeros_like(dot)  # |own|^2,
+    others_sq = torch.zeros_like(dot)  # |others|^2
+    w = [float(x) for x in weights]
+    for gi, numel in enumerate(chunk_numels):
+        chunks = decoded[0].indices[gi].shape[0]
+        rows = max(1, SLICE_ELEMENTS // max(1, numel))
+        for lo in range(0, chunks, rows):
+            parts = [(d.indices[gi][lo : lo + rows], d.values[gi][lo : lo + rows].double()) for d in decoded]
+            _add_group_slice(parts, w, numel, dot, own_sq, others_sq)
+    for ti in range(len(decoded[0].dense)):
+        values = [d.dense[ti].double() for d in decoded]  # (numel,) each
+        total = sum(v * wi for v, wi in zip(values, w))
+        for s, own in enumerate(values):
+            others = total - own * w[s]
+            dot[s] += torch.dot(own, others)
+            own_sq[s] += torch.dot(own, own)
+            others_sq[s] += torch.dot(others, others)
+    out: list[float | None] = []
+    for d, o, t in zip(dot.tolist(), own_sq.tolist(), others_sq.tolist()):
+        norm = math.sqrt(o * t)
+        out.append(max(-1.0, min(1.0, d / norm)) if norm > 0 else None)
+    return out
+
+
+def _add_group_slice(
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    weights: Sequence[float],
+    numel: int,
+    dot: torch.Tensor,
+    own_sq: torch.Tensor,
+    others_sq: torch.Tensor,
+) -> None:
+    """Add one slice of one chunk group to the per-sender sums. ``parts``: per sender its (B, k) indices
+    and values of the slice's B chunks."""
+    b = parts[0][0].shape[0]
+    if b == 0 or parts[0][0].shape[1] == 0:
+        return
+    total = torch.zeros(b, numel, dtype=torch.float64, device=dot.device)  # (B, numel): the weighted sum
+    hits = torch.zeros_like(total)  # (B, numel): how many senders of weight > 0 sent each coefficient
+    for (idx, vals), w in zip(parts, weights):
+        if w:
+            total.scatter_add_(1, idx, vals * w)
+            hits.scatter_add_(1, idx, torch.ones_like(vals))
+    own = torch.zeros_like(total)  # (B, numel): one sender's values, put in and taken out again (O(B k) each)
+    own_hits = torch.zeros_like(hits)
+    for s, ((idx, vals), w) in enumerate(zip(parts, weights)):
+        own.scatter_add_(1, idx, vals)
+        own_hits.scatter_add_(1, idx, torch.ones_like(vals))
+        mine, mine_hits = own.gather(1, idx), own_hits.gather(1, idx)  # (B, k): a repeated index sums
+        others = total.gather(1, idx) - mine * w  # (B, k)
+        # A coefficient counts once however often the sender lists it, and only where another sent it too.
+        share = ((hits.gather(1, idx) - (mine_hits if w else 0)) > 0) / mine_hits  # (B, k)
+        dot[s] += (share * mine * others).sum()
+        own_sq[s] += (share * mine * mine).sum()
+        others_sq[s] += (share * others * others).sum()
+        own.scatter_(1, idx, 0.0)
+        own_hits.scatter_(1, idx, 0.0)
