@@ -24,7 +24,7 @@ from gradwire.compression import CodecConfig
 from gradwire.compression.config import VALUE_CODINGS
 from gradwire.compression.robust import AGGREGATIONS, AggregationRule
 from gradwire.coordinator.balance import BALANCE_MODES
-from gradwire.coordinator.decisions import AGREEMENT_FLOOR, DOWNLINKS, REPLAY_PRECISIONS, Grace
+from gradwire.coordinator.decisions import AGREEMENT_FLOOR, DOWNLINK_TOPK_FACTOR, DOWNLINKS, REPLAY_PRECISIONS, Grace
 from gradwire.models import model_names
 from gradwire.optim.inner import INNER_OPTIMIZERS, InnerOptimizerConfig
 from gradwire.optim.outer import OUTER_OPTIMIZERS, UpdateRule
@@ -380,9 +380,16 @@ class TrainConfig:
         help="what each worker receives of a round's update: replay (every other sender's payload: exact, but "
         "it grows with the number of workers), compressed (one payload, the aggregate re-compressed by the "
         "coordinator with its own error feedback: the same size however many workers) or auto (compressed "
-        "once a replay would carry more than 4 compressed aggregates). adamw always sends one compressed delta",
+        "once a replay would carry twice the bytes of one compressed aggregate). adamw always sends one "
+        "compressed delta",
         section=ROUND_POLICY,
         choices=DOWNLINKS,
+    )
+    downlink_topk: int = setting(
+        0,
+        help="coefficients per chunk the compressed downlink keeps of the aggregate (0: 4 x --topk, at most a "
+        "whole chunk): the aggregate of many senders holds more than one sender's top-k",
+        section=ROUND_POLICY,
     )
     clip_factor: float = setting(
         2.0,
@@ -493,6 +500,10 @@ class TrainConfig:
             )
         if not (math.isfinite(self.agreement_floor) and self.agreement_floor < 1):
             raise ValueError(f"--agreement-floor must be below 1 (below -1: off), got {self.agreement_floor}")
+        if self.downlink_topk < 0:
+            raise ValueError(
+                f"--downlink-topk must be >= 0 (0: {DOWNLINK_TOPK_FACTOR} x --topk), got {self.downlink_topk}"
+            )
         if self.downlink not in DOWNLINKS:
             raise ValueError(f"--downlink must be one of {', '.join(DOWNLINKS)}, got {self.downlink!r}")
         if self.downlink == "replay" and self.outer_optimizer == "adamw":
@@ -517,6 +528,7 @@ class TrainConfig:
         self.data = tuple(self.data)
         self.update_rule()  # UpdateRule validates --outer-optimizer, --weight-decay, --momentum
         self.codec_config()  # CodecConfig validates --topk, --target-chunk, --bins, --values
+        self.downlink_codec_config()  # and --downlink-topk
         self.inner_optimizer_config()  # validates the --inner-* optimizer flags
         self.outer_schedule()
         self.inner_schedule()
@@ -535,6 +547,17 @@ class TrainConfig:
             )
         except ValueError as e:
             raise ValueError(f"codec flags (--topk, --target-chunk, --bins, --values): {e}") from None
+
+    def downlink_codec_config(self) -> CodecConfig:
+        """The codec of a compressed downlink: the workers' chunks and value coding, ``--downlink-topk``."""
+        codec = self.codec_config()
+        if self.no_compression:
+            return codec
+        topk = self.downlink_topk or min(DOWNLINK_TOPK_FACTOR * codec.topk, codec.chunk * codec.chunk)
+        try:
+            return dataclasses.replace(codec, topk=topk)
+        except ValueError as e:
+            raise ValueError(f"--downlink-topk: {e}") from None
 
     def grace(self) -> Grace:
         return Grace.parse(self.straggler_grace)

@@ -274,7 +274,8 @@ def replay_precision(setting: str, coordinator_device: str, worker_devices: Sequ
 # ------------------------------------------------------------------------------------------- downlink
 
 DOWNLINKS = ("auto", "replay", "compressed")
-DOWNLINK_MARGIN = 4.0  # auto: compress once a replay would carry this many times one compressed aggregate
+DOWNLINK_MARGIN = 2.0  # auto: compress once a replay would carry this many times one compressed aggregate
+DOWNLINK_TOPK_FACTOR = 4  # a compressed downlink keeps this many times the workers' top-k (--downlink-topk 0)
 
 
 def decide_downlink(setting: str, senders: int, payload_bytes: int, aggregate_bytes: int) -> tuple[bool, str]:

@@ -195,7 +195,10 @@ class Gatherer:
 
     def remember_sent(self, payload: CompressedGradient, step: int) -> None:
         """The update of round ``step`` the workers are sent as one payload (``--downlink compressed``): a
-        worker that sends it back as its own (a free rider) is a copy of it, as of any sender's."""
+        worker that sends it back as its own (a free rider) is a copy of it, as of any sender's. (Of another
+        top-k than the workers', the default, it is a malformed payload to begin with.)"""
+        if payload.settings != self.codec.config:
+            return
         digest = copies.digest(self.codec.decode(payload), [g.chunk_numel for g in self.codec.plan.groups])
         self.seen.append(copies.Seen(SENT, step, digest))
 

@@ -191,9 +191,20 @@ class OuterStrategy(abc.ABC):
 class ReplayOuter(OuterStrategy):
     """Replayed outer steps: the update is the payloads, and every replica steps alike."""
 
-    def __init__(self, model: torch.nn.Module, rule: UpdateRule, codec_config: CodecConfig) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        rule: UpdateRule,
+        codec_config: CodecConfig,
+        downlink_config: CodecConfig | None = None,
+    ) -> None:
+        """``downlink_config``: the codec of a compressed downlink's one payload (default ``codec_config``):
+        the workers' chunks, with a top-k of its own."""
         super().__init__(model, Replica(model, rule), codec_config)
         self._aggregator: Aggregate | None = None  # the pending payloads, already combined
+        self.downlink_codec = self.replica.codec(downlink_config or codec_config)
+        if [g.chunk_shape for g in self.downlink_codec.plan.groups] != [g.chunk_shape for g in self.codec.plan.groups]:
+            raise ValueError("the downlink's codec must cut the model into the workers' chunks")
         # What compressed downlinks have not sent of the aggregates yet (coefficient domain).
         self.downlink_feedback = ErrorFeedback(beta=1.0)
 
@@ -211,9 +222,10 @@ class ReplayOuter(OuterStrategy):
         self._aggregator = None
 
     def downlink(self, aggregator: Aggregate, replay: StateUpdate) -> StateUpdate:
-        """The round's aggregate as one replayed payload: re-compressed in the coefficient domain (top-k,
-        quantization) with ``downlink_feedback``, weight 1, combined in ``replay``'s precision."""
-        payload = self.codec.compress_coefficients(
+        """The round's aggregate as one replayed payload: re-compressed in the coefficient domain with the
+        downlink's codec (its top-k, quantization) and ``downlink_feedback``, weight 1, combined in
+        ``replay``'s precision."""
+        payload = self.downlink_codec.compress_coefficients(
             aggregator.coefficient_groups(), aggregator.dense_values(), self.downlink_feedback
         )
         return StateUpdate(replay.learning_rate, (payload,), (1.0,), rule=AggregationRule(exact=replay.rule.exact))
@@ -286,8 +298,14 @@ class DeltaOuter(OuterStrategy):
 
 
 def make_outer(
-    model: torch.nn.Module, rule: UpdateRule, codec_config: CodecConfig, spec: dict, seed: int
+    model: torch.nn.Module,
+    rule: UpdateRule,
+    codec_config: CodecConfig,
+    spec: dict,
+    seed: int,
+    downlink_config: CodecConfig | None = None,
 ) -> OuterStrategy:
+    """``downlink_config``: the codec of a compressed downlink (replayed rules; default ``codec_config``)."""
     if rule.replayable:
-        return ReplayOuter(model, rule, codec_config)
+        return ReplayOuter(model, rule, codec_config, downlink_config)
     return DeltaOuter(model, rule, codec_config, spec, seed)

@@ -34,7 +34,7 @@ from gradwire.coordinator.gather import Gathered, Gatherer
 from gradwire.coordinator.inputs import load_inputs
 from gradwire.coordinator.membership import MemberSource, Roster
 from gradwire.coordinator.metrics import RunRecorder, progress, round_record
-from gradwire.coordinator.outer import make_outer
+from gradwire.coordinator.outer import ReplayOuter, make_outer
 from gradwire.coordinator.round import RoundDispatcher, RoundOutcome, RoundWork, WorkerSlot
 from gradwire.coordinator.rundir import claim, truncate_metrics
 from gradwire.coordinator.status import StatusBoard, worker_events
@@ -65,7 +65,9 @@ class Trainer:
         self.model, self.spec, self.tokenizer, self.data = inputs.model, inputs.spec, inputs.tokenizer, inputs.data
         self.codec_config = config.codec_config()
         self.planner = WorkPlanner(config, self.data, self.codec_config, inputs.batch_dtype)
-        self.outer = make_outer(self.model, config.update_rule(), self.codec_config, self.spec, config.seed)
+        self.outer = make_outer(
+            self.model, config.update_rule(), self.codec_config, self.spec, config.seed, config.downlink_codec_config()
+        )
         self.outer.set_replay_window(config.replay_window)
         self.run_id = uuid.uuid4().hex
         self.state_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -254,13 +256,14 @@ class Trainer:
         return self.config.aggregation_rule(exact)
 
     def _compressed_downlink(self, payloads: Sequence[CompressedGradient]) -> bool:
-        """Whether this round's update goes out as one re-compressed aggregate (``decisions.decide_downlink``);
-        an aggregate re-compressed with the workers' codec is the size of one of their payloads. adamw's
-        workers follow one compressed delta whatever this says."""
-        if not self.config.update_rule().replayable:
+        """Whether this round's update goes out as one re-compressed aggregate (``decisions.decide_downlink``;
+        every payload of a codec has its plan's size). adamw's workers follow one compressed delta whatever
+        this says."""
+        if not isinstance(self.outer, ReplayOuter):
             return False
-        size = sum(p.nbytes for p in payloads) // max(1, len(payloads))
-        compressed, why = decide_downlink(self.config.downlink, len(payloads), size, size)
+        payload_bytes = self.outer.codec.plan.payload_bytes()
+        aggregate_bytes = self.outer.downlink_codec.plan.payload_bytes()
+        compressed, why = decide_downlink(self.config.downlink, len(payloads), payload_bytes, aggregate_bytes)
         if compressed != self._compressed:
             log.info("downlink: %s", why)
             self._compressed = compressed

@@ -56,7 +56,9 @@ def test_what_a_worker_receives_does_not_grow_with_the_workers(tmp_path):
     per_worker = {}
     for downlink, n in (("compressed", 8), ("compressed", 32), ("replay", 8)):
         out = tmp_path / f"{downlink}-{n}"
-        config = TrainConfig(**TINY, steps=2, outer_optimizer="sgd", downlink=downlink, output_dir=str(out))
+        config = TrainConfig(  # the downlink keeps the workers' top-k: an aggregate is one payload's size
+            **TINY, steps=2, outer_optimizer="sgd", downlink=downlink, downlink_topk=8, output_dir=str(out)
+        )
         run_trainer(config, in_process_clients(n))
         per_worker[downlink, n] = read_metrics(out)[-1]["bytes_down_per_worker"]  # an order with an update
     compressed_8, compressed_32 = per_worker["compressed", 8], per_worker["compressed", 32]
@@ -64,13 +66,24 @@ def test_what_a_worker_receives_does_not_grow_with_the_workers(tmp_path):
     assert per_worker["replay", 8] > 4 * compressed_8  # seven payloads against one
 
 
-def test_a_worker_sending_back_the_compressed_update_is_a_copy(tmp_path, caplog):
-    """A free rider that returns the one payload it was sent (the coordinator's update) as its own."""
-    config = TrainConfig(**TINY, steps=4, outer_optimizer="sgd", downlink="compressed", output_dir=str(tmp_path))
+@pytest.mark.parametrize(("downlink_topk", "why"), [(8, "a copy"), (0, "sent a bad payload")])
+def test_a_worker_sending_back_the_compressed_update_is_left_out(tmp_path, caplog, downlink_topk, why):
+    """A free rider that returns the one payload it was sent (the coordinator's update) as its own: with the
+    workers' top-k a copy of it; with the downlink's own (4 x theirs by default) a payload of another plan."""
+    config = TrainConfig(
+        **TINY,
+        steps=4,
+        outer_optimizer="sgd",
+        downlink="compressed",
+        downlink_topk=downlink_topk,
+        output_dir=str(tmp_path),
+    )
     clients = [*in_process_clients(3), InProcessClient(faulty("copy")(), "in-process-copier")]
     with caplog.at_level(logging.WARNING, logger="gradwire.coordinator"):
         run_trainer(config, clients)
     assert clients[3].engine.injected == [1, 2, 3]  # round 0 had no update to copy
-    copied = [r.message for r in caplog.records if "left out: a copy" in r.message]
-    assert len(copied) == 3 and all("the coordinator's update" in m for m in copied), copied
+    left_out = [r.message for r in caplog.records if "in-process-copier" in r.message and "left out" in r.message]
+    assert len(left_out) == 3 and all(why in m for m in left_out), left_out
+    if why == "a copy":
+        assert all("the coordinator's update" in m for m in left_out)
     assert [r["successful_workers"] for r in read_metrics(tmp_path)] == [4, 3, 3, 3]

@@ -4,6 +4,8 @@ out waits in the coordinator's error feedback; the decision says why."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -89,6 +91,32 @@ def test_the_downlink_is_one_payload_whatever_the_number_of_senders(spec: dict) 
         sizes.append(outer.pending.nbytes)
     one = senders(outer.codec, 1, seed=2)[0].nbytes
     assert sizes == [one] * 3
+
+
+def test_the_downlink_keeps_a_top_k_of_its_own(spec: dict) -> None:
+    """The aggregate of many senders holds more than one sender's top-k: the downlink's codec keeps more,
+    in the workers' chunks, and the replicas still land on the same bits."""
+    rule = UpdateRule(optimizer="signsgd")
+    down = dataclasses.replace(CODEC, topk=64)
+    outer = make_outer(build_from_spec(spec, seed=0), rule, CODEC, spec, 0, down)
+    worker = Replica(build_from_spec(spec, seed=0), rule)
+    outer_round(outer, senders(outer.codec, 4, seed=6), AggregationRule())
+    assert outer.pending is not None
+    (payload,) = outer.pending.payloads
+    assert payload.settings == down and payload.nbytes == outer.downlink_codec.plan.payload_bytes()
+    assert payload.nbytes > outer.codec.plan.payload_bytes()
+    worker.apply(outer.pending)
+    outer.apply_pending()
+    assert all(torch.equal(worker.params[n], p) for n, p in outer.replica.params.items())
+    with pytest.raises(ValueError, match="the workers' chunks"):
+        make_outer(build_from_spec(spec, seed=0), rule, CODEC, spec, 0, dataclasses.replace(CODEC, chunk=32))
+    # The setting: 4 x --topk unless given, at most a whole chunk.
+    config = TrainConfig(topk=32)
+    assert config.downlink_codec_config() == dataclasses.replace(config.codec_config(), topk=128)
+    assert TrainConfig(topk=2000).downlink_codec_config().topk == 4096
+    assert TrainConfig(topk=32, downlink_topk=50).downlink_codec_config().topk == 50
+    with pytest.raises(ValueError, match="--downlink-topk"):
+        TrainConfig(downlink_topk=5000)
 
 
 def test_what_the_downlink_leaves_out_waits_in_its_feedback(spec: dict) -> None:
