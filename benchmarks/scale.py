@@ -44,6 +44,7 @@ from collections.abc import Iterator
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np
+import torch
 
 from gradwire import protocol
 from gradwire.compression import CompressedGradient, Encoding, GradientCodec, ValueFormat
@@ -186,10 +187,7 @@ def run_case(model: str, downlink: str, workers: int, rounds: int, seed: int) ->
         trainer = Trainer(config, sims, progress=False)
         codec = trainer.outer.codec
         rng = np.random.default_rng(seed)
-        grads = {t.name: np.zeros(t.shape, np.float32) for t in codec.plan.tensors}
-        import torch
-
-        template = codec.compress({k: torch.from_numpy(v) + 1e-3 for k, v in grads.items()})
+        template = codec.compress({t.name: torch.full(t.shape, 1e-3) for t in codec.plan.tensors})  # the dense ones
         records, times = [], []
         try:
             trainer.connect()
