@@ -24,7 +24,14 @@ from gradwire.compression import CodecConfig
 from gradwire.compression.config import VALUE_CODINGS
 from gradwire.compression.robust import AGGREGATIONS, AggregationRule
 from gradwire.coordinator.balance import BALANCE_MODES
-from gradwire.coordinator.decisions import AGREEMENT_FLOOR, DOWNLINK_TOPK_FACTOR, DOWNLINKS, REPLAY_PRECISIONS, Grace
+from gradwire.coordinator.decisions import (
+    AGREEMENT_FLOOR,
+    DOWNLINK_TOPK_FACTOR,
+    DOWNLINKS,
+    REPLAY_PRECISIONS,
+    SPOT_TOLERANCE,
+    Grace,
+)
 from gradwire.models import model_names
 from gradwire.optim.inner import INNER_OPTIMIZERS, InnerOptimizerConfig
 from gradwire.optim.outer import OUTER_OPTIMIZERS, UpdateRule
@@ -412,6 +419,20 @@ class TrainConfig:
         "from the others round after round, as a sign flipper does (below -1: off)",
         section=ROUND_POLICY,
     )
+    spot_check_every: int = setting(
+        10,
+        help="spot checks: in about one round in N the coordinator recomputes one sender's first gradient "
+        "from the rows it sent and compares fingerprints; a sender whose gradient was not computed on its "
+        "rows is left out and benched at once. Costs the coordinator one worker's share of compute per check "
+        "(0: off; off by itself for models that draw dropout)",
+        section=ROUND_POLICY,
+    )
+    spot_check_tolerance: float = setting(
+        SPOT_TOLERANCE,
+        help="relative difference allowed between a recomputed gradient's fingerprint and the sender's "
+        "(float noise: ~1e-2 for bf16 workers against a float32 coordinator)",
+        section=ROUND_POLICY,
+    )
 
     # Run directory: outputs, checkpoints, resuming, seed, progress
     output_dir: str = setting("runs/gradwire", help="where metrics.jsonl, checkpoints/ and final/ go", section=RUN)
@@ -498,6 +519,10 @@ class TrainConfig:
             raise ValueError(
                 f"--replay-precision must be one of {', '.join(REPLAY_PRECISIONS)}, got {self.replay_precision!r}"
             )
+        if self.spot_check_every < 0:
+            raise ValueError(f"--spot-check-every must be >= 0 (0: off), got {self.spot_check_every}")
+        if not (math.isfinite(self.spot_check_tolerance) and 0 < self.spot_check_tolerance < 1):
+            raise ValueError(f"--spot-check-tolerance must be in (0, 1), got {self.spot_check_tolerance}")
         if not (math.isfinite(self.agreement_floor) and self.agreement_floor < 1):
             raise ValueError(f"--agreement-floor must be below 1 (below -1: off), got {self.agreement_floor}")
         if self.downlink_topk < 0:

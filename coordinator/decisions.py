@@ -7,6 +7,7 @@ the reason.
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections.abc import Sequence
 from typing import Literal
 
@@ -44,7 +45,7 @@ def decide_sync(
 
 # ------------------------------------------------------------------------------------------- benching
 
-Verdict = Literal["ok", "clipped", "rejected"]
+Verdict = Literal["ok", "clipped", "rejected", "caught"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +77,10 @@ def judge(
     """A worker's standing after round ``step``'s ``verdict``: ``rejected`` (a malformed payload, a false
     token count, a norm the median clip would cut below ``HARD_CLIP`` of itself) is a strike, and so is
     ``clipped`` for callers that count milder clipping, and so is a low agreement ``score``; ``bench_after``
-    strikes in a row bench it for ``bench_rounds`` rounds (0 turns benching off). A good round clears
-    the strikes. Benching starts its score over: back from the bench, it is judged on fresh rounds."""
+    strikes in a row bench it for ``bench_rounds`` rounds (0 turns benching off). ``caught`` (a failed spot
+    check: its gradient was not computed on its rows) is no accident of a round: it benches at once. A good
+    round clears the strikes. Benching starts its score over: back from the bench, it is judged on fresh
+    rounds."""
     if verdict == "ok":
         return (
             Standing(score=standing.score),
@@ -85,9 +88,11 @@ def judge(
             if not standing.strikes
             else f"accepted after {standing.strikes} bad round(s): strikes cleared",
         )
-    strikes = standing.strikes + 1
+    strikes = max(standing.strikes + 1, bench_after if verdict == "caught" else 0)
     if bench_after and strikes >= bench_after:
         until = step + 1 + bench_rounds
+        if verdict == "caught":
+            return Standing(0, until), f"caught by a spot check: benched until step {until}"
         return Standing(0, until), f"{strikes} bad rounds in a row ({verdict} again): benched until step {until}"
     return Standing(strikes, standing.until, standing.score), f"{verdict}: strike {strikes}" + (
         f" of {bench_after}" if bench_after else ""
@@ -123,6 +128,28 @@ def score(previous: Score, agreement: float | None, *, floor: float = AGREEMENT_
             f"{new.rounds} round(s) (below {floor:+g})",
         )
     return new, "ok", f"agreement {agreement:+.2f}, score {value:+.2f} over {new.rounds} round(s)"
+
+
+# Relative, as the replica check's (replica.compare_fingerprints): float noise between a bf16 GPU worker and a
+# float32 CPU recompute is ~1e-2; another batch's gradient moves some tensor's sum of squares by tens of percent.
+SPOT_TOLERANCE = 0.05
+
+
+def spot_check(step: int, senders: Sequence[int], every: int, secret: int) -> tuple[int | None, str]:
+    """The sender round ``step`` checks (one of ``senders``, slot indices), or ``None``, with why: on
+    average one round in ``every`` (0: never; 1: every round), drawn from ``secret`` (the coordinator's,
+    drawn at its start: no worker can tell which rounds are checked). The checked sender goes round the
+    senders in slot order from a secret offset, so every one is checked as often; with ``every`` 1 each of
+    n senders is checked once every n rounds."""
+    if every <= 0:
+        return None, "spot checks are off"
+    if not senders:
+        return None, "no sender to check"
+    if random.Random(f"{secret}:{step}").random() >= 1.0 / every:
+        return None, f"not drawn this round (one round in {every})"
+    order = sorted(senders)
+    chosen = order[(step + secret) % len(order)]
+    return chosen, f"drawn (one round in {every}), sender {chosen} of {len(order)}"
 
 
 # ------------------------------------------------------------------------------------------- failed rounds

@@ -6,7 +6,8 @@ coefficient domain, and one ``Fate`` per worker saying what became of its contri
 
 1. validate: a result's token count must match the batch it was sent, and its payload must decode
    against the codec's plan and hold something (a payload of zeros adds nothing for the tokens it
-   claims); failing any leaves it out.
+   claims); failing any leaves it out. So does a failed spot check (``coordinator.spotcheck``: the sender's
+   gradient, recomputed by the coordinator from the rows it was sent, differs), which benches it at once.
    A payload that repeats another's chunk indices, this round's or a recent round's, or those of an update
    the workers were sent as one payload (``remember_sent``), is a copy (``coordinator.copies``) and is left
    out too.
@@ -103,8 +104,15 @@ class Gatherer:
         self.seen: list[copies.Seen] = []  # the kept payloads of the last COPY_ROUNDS steps, for copies
 
     def __call__(
-        self, round_: RoundOutcome, step: int, batches: Mapping[int, np.ndarray], rule: AggregationRule
+        self,
+        round_: RoundOutcome,
+        step: int,
+        batches: Mapping[int, np.ndarray],
+        rule: AggregationRule,
+        caught: Mapping[int, str] | None = None,
     ) -> Gathered:
+        """``caught``: the senders (by slot) a spot check caught this round, with why."""
+        caught = caught or {}
         fates: dict[int, Fate] = {}
         verdicts: dict[int, Verdict] = {}
         good: list[SlotOutcome] = []
@@ -113,6 +121,10 @@ class Gatherer:
             index, address = o.slot.index, o.slot.client.address
             if o.result is None:
                 fates[index] = Fate(index, address, "failed", o.error)
+                continue
+            if index in caught:
+                fates[index] = Fate(index, address, "left out", caught[index])
+                verdicts[index] = "caught"
                 continue
             reason = _invalid(o.result, batches[index], self.codec, decoded)
             if reason:

@@ -94,6 +94,11 @@ class RoundWork:
     compute_before_update: bool = False  # --overlap
     clip_grad_norm: float = 0.0  # gradient mode (local-SGD rounds clip in ``local_steps``)
     slot_local_steps: Mapping[int, LocalSteps] = dataclasses.field(default_factory=dict)  # a slot's own (--balance)
+    fingerprint_gradient: bool = False  # spot checks are on: every order asks for its gradient's fingerprint
+
+    def local_steps_of(self, slot: int) -> LocalSteps | None:
+        """Worker ``slot``'s inner steps (None: gradient mode)."""
+        return self.slot_local_steps.get(slot, self.local_steps)
 
     def order(
         self,
@@ -116,11 +121,12 @@ class RoundWork:
             feedback_beta=self.feedback_beta,
             micro_batch_size=self.micro_batch_size,
             sync_tolerance=self.sync_tolerance,
-            local_steps=self.slot_local_steps.get(slot, self.local_steps),
+            local_steps=self.local_steps_of(slot),
             catch_up=catch_up,
             compute_before_update=self.compute_before_update,
             next_batch=self.next_batches.get(slot),
             clip_grad_norm=self.clip_grad_norm,
+            fingerprint_gradient=self.fingerprint_gradient,
         )
 
 

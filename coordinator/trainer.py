@@ -3,9 +3,10 @@
 One round (``train_step``):
   membership (``membership.Roster``) -> the round's work: every worker's batch, H inner steps' worth in
   local-SGD rounds (``round.RoundWork``) -> dispatch: orders carrying the last round's update, never the
-  state (``round.RoundDispatcher``) -> gather: validate, clip, judge, aggregate in the coefficient domain
-  (``gather.Gatherer``) -> the outer step (``outer``) -> the metrics record (``metrics.round_record``) and
-  the status page's rows (``status.worker_events``).
+  state (``round.RoundDispatcher``) -> now and then a spot check of one sender (``spotcheck``) -> gather:
+  validate, clip, judge, aggregate in the coefficient domain (``gather.Gatherer``) -> the outer step
+  (``outer``) -> the metrics record (``metrics.round_record``) and the status page's rows
+  (``status.worker_events``).
 The run (``run``) repeats rounds, backs off after failed ones (``decisions.after_failed_round``),
 evaluates, logs, and checkpoints (``checkpointer.RunCheckpointer``). A worker that fails, times out or
 sends a bad payload spoils its own contribution to one round, not the run.
@@ -14,6 +15,7 @@ sends a bad payload spoils its own contribution to one round, not the run.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -28,7 +30,7 @@ from gradwire.compression import CompressedGradient
 from gradwire.compression.robust import AggregationRule
 from gradwire.coordinator.checkpointer import RunCheckpointer, RunPosition
 from gradwire.coordinator.config import TrainConfig
-from gradwire.coordinator.decisions import FailedRounds, decide_downlink, replay_precision
+from gradwire.coordinator.decisions import FailedRounds, decide_downlink, replay_precision, spot_check
 from gradwire.coordinator.export import export_model
 from gradwire.coordinator.gather import Gathered, Gatherer
 from gradwire.coordinator.inputs import load_inputs
@@ -37,6 +39,7 @@ from gradwire.coordinator.metrics import RunRecorder, progress, round_record
 from gradwire.coordinator.outer import ReplayOuter, make_outer
 from gradwire.coordinator.round import RoundDispatcher, RoundOutcome, RoundWork, WorkerSlot
 from gradwire.coordinator.rundir import claim, truncate_metrics
+from gradwire.coordinator.spotcheck import SpotChecker, deterministic
 from gradwire.coordinator.status import StatusBoard, worker_events
 from gradwire.coordinator.tracking import make_tracker
 from gradwire.coordinator.work import WorkPlanner
@@ -64,10 +67,20 @@ class Trainer:
         inputs = load_inputs(config, len(clients))
         self.model, self.spec, self.tokenizer, self.data = inputs.model, inputs.spec, inputs.tokenizer, inputs.data
         self.codec_config = config.codec_config()
-        self.planner = WorkPlanner(config, self.data, self.codec_config, inputs.batch_dtype)
+        self.spot_every = config.spot_check_every
+        if self.spot_every:
+            recomputable, why = deterministic(self.spec)
+            if not recomputable:
+                log.warning("spot checks are off: %s", why)
+                self.spot_every = 0
+        self._spot_secret = secrets.randbits(63)  # which rounds are checked: no worker can tell
+        self.planner = WorkPlanner(
+            config, self.data, self.codec_config, inputs.batch_dtype, fingerprint_gradient=self.spot_every > 0
+        )
         self.outer = make_outer(
             self.model, config.update_rule(), self.codec_config, self.spec, config.seed, config.downlink_codec_config()
         )
+        self.spot = SpotChecker(self.outer.replica, config.spot_check_tolerance)
         self.outer.set_replay_window(config.replay_window)
         self.run_id = uuid.uuid4().hex
         self.state_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -199,7 +212,8 @@ class Trainer:
         self.planner.observe(work, round_)  # each worker's throughput, for the next rounds' shares (--balance)
         t_gathered = time.perf_counter()
         rule = self._aggregation_rule()
-        gathered = self.gather(round_, step, work.batches, rule)
+        caught, spot = self._spot_check(step, round_, work)
+        gathered = self.gather(round_, step, work.batches, rule, caught)
         self._log_fates(step, gathered)
         if gathered.aggregator is None:
             self._report(round_, None, gathered)
@@ -234,11 +248,35 @@ class Trainer:
             clip_grad_norm=0.0 if self.config.local_sgd else self.config.clip_grad_norm,
         )
         record["downlink_compressed"] = int(compressed)
+        if spot:
+            record["spot_check"] = spot
         if compressed and self.pending is not None:  # sent back as a worker's own, it is a copy
             self.gather.remember_sent(self.pending.payloads[0], step)
         record.update(self.planner.record(work))  # each worker's rows, and the throughput they were sized to
         self._report(round_, record, gathered)
         return record
+
+    def _spot_check(self, step: int, round_: RoundOutcome, work: RoundWork) -> tuple[dict[int, str], dict]:
+        """Recompute one sender's first gradient, if this round draws a check (``decisions.spot_check``):
+        the senders caught (slot -> why) and what the metrics record says of the check."""
+        if not work.fingerprint_gradient or work.compute_before_update:  # --overlap: computed a version back
+            return {}, {}
+        senders = {o.slot.index: o for o in round_.outcomes if o.result is not None}
+        chosen, _ = spot_check(step, list(senders), self.spot_every, self._spot_secret)
+        if chosen is None:
+            return {}, {}
+        self.outer.apply_pending()  # the version the round's gradients were computed at
+        o = senders[chosen]
+        assert o.result is not None
+        passed, why = self.spot.check(
+            o.result, work.batches[chosen], work.local_steps_of(chosen), work.micro_batch_size
+        )
+        address = o.slot.client.address
+        if passed is False:
+            log.warning("step %d: worker %d (%s): %s", step, chosen, address, why)
+        else:
+            log.debug("step %d: worker %d (%s): %s", step, chosen, address, why)
+        return ({chosen: why} if passed is False else {}), {"worker": address, "passed": passed, "reason": why}
 
     def round_work(self, step: int, slots: Sequence[WorkerSlot]) -> RoundWork:
         return self.planner.work(step, slots)

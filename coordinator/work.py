@@ -48,8 +48,17 @@ class Plan:
 
 
 class WorkPlanner:
-    def __init__(self, config: TrainConfig, data: TokenSource, codec: CodecConfig, batch_dtype: np.dtype) -> None:
+    def __init__(
+        self,
+        config: TrainConfig,
+        data: TokenSource,
+        codec: CodecConfig,
+        batch_dtype: np.dtype,
+        fingerprint_gradient: bool = False,
+    ) -> None:
+        """``fingerprint_gradient``: spot checks are on, and every order asks for its gradient's fingerprint."""
         self.config, self.data, self.codec, self.batch_dtype = config, data, codec, batch_dtype
+        self.fingerprint_gradient = fingerprint_gradient
         self.estimates: dict[str, Throughput] = {}  # by worker address
         self.current: dict[str, int] = {}  # each worker's share in the last round planned for it
         self.imbalanced = 0  # decisions in a row that found the shares imbalanced (balance.shares)
@@ -97,6 +106,7 @@ class WorkPlanner:
             compute_before_update=cfg.overlap,
             clip_grad_norm=0.0 if cfg.local_sgd else cfg.clip_grad_norm,  # local steps clip every inner step
             slot_local_steps=own_steps,
+            fingerprint_gradient=self.fingerprint_gradient,
         )
 
     def plan(self, step: int, slots: Sequence[WorkerSlot]) -> Plan:

@@ -470,6 +470,7 @@ class WorkOrder:
     compute_before_update: bool = False  # --overlap: the contribution is computed before ``update`` is applied
     next_batch: np.ndarray | None = None  # --overlap, gradient mode: the next round's likely batch (look-ahead)
     clip_grad_norm: float = 0.0  # gradient mode: the gradient's global L2 norm is clipped to this; 0 = off
+    fingerprint_gradient: bool = False  # spot checks: return the round's first gradient's fingerprint
 
     @property
     def inner_steps(self) -> int:
@@ -516,6 +517,7 @@ def order_to_proto(o: WorkOrder) -> pb.WorkOrder:
         compute_before_update=o.compute_before_update,
         next_batch=batch_to_proto(o.next_batch) if o.next_batch is not None else None,
         clip_grad_norm=o.clip_grad_norm,
+        fingerprint_gradient=o.fingerprint_gradient,
     )
 
 
@@ -570,6 +572,7 @@ def order_from_proto(m: pb.WorkOrder) -> WorkOrder:
         m.compute_before_update,
         next_batch,
         m.clip_grad_norm,
+        m.fingerprint_gradient,
     )
 
 
@@ -595,6 +598,7 @@ class RoundResult:
     timings: Mapping[str, float] = dataclasses.field(default_factory=dict)
     node_bytes: int = 0
     grad_norm: float = 0.0  # gradient mode: the gradient's L2 norm before clipping (0 in local-SGD rounds)
+    gradient_fingerprint: Fingerprint | None = None  # what WorkOrder.fingerprint_gradient asked for
 
 
 def result_to_proto(r: RoundResult) -> pb.RoundResult:
@@ -609,6 +613,7 @@ def result_to_proto(r: RoundResult) -> pb.RoundResult:
         timings=pb.Timings(**{f"{k}_seconds": v for k, v in r.timings.items()}),
         node_bytes=r.node_bytes,
         grad_norm=r.grad_norm,
+        gradient_fingerprint=fingerprint_to_proto(r.gradient_fingerprint) if r.gradient_fingerprint else None,
     )
 
 
@@ -622,8 +627,19 @@ def result_from_proto(m: pb.RoundResult) -> RoundResult:
     if not (math.isfinite(m.grad_norm) and m.grad_norm >= 0):
         raise ProtocolError(f"grad_norm must be finite and >= 0, got {m.grad_norm}")
     gradient = codec_serde.gradient_from_proto(m.gradient) if m.HasField("gradient") else None
+    fingerprint = fingerprint_from_proto(m.gradient_fingerprint) if m.HasField("gradient_fingerprint") else None
     return RoundResult(
-        status, m.round, m.reason, gradient, m.loss, m.tokens, m.version, timings, m.node_bytes, m.grad_norm
+        status,
+        m.round,
+        m.reason,
+        gradient,
+        m.loss,
+        m.tokens,
+        m.version,
+        timings,
+        m.node_bytes,
+        m.grad_norm,
+        fingerprint,
     )
 
 

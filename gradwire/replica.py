@@ -291,10 +291,15 @@ class Replica:
         cached = self._fingerprint
         if cached is not None and cached[0] == key:
             return cached[1]
-        fp = fingerprint(list(self.params.values()), self._positions)
+        fp = self.fingerprint_of(self.params)
         if self._writes() == key:  # nothing wrote meanwhile (another thread may take it ahead)
             self._fingerprint = (key, fp)
         return fp
+
+    def fingerprint_of(self, tensors: Mapping[str, torch.Tensor]) -> Fingerprint:
+        """The fingerprint of ``tensors`` shaped like the parameters (a gradient, by parameter name), taken as
+        ``fingerprint`` takes the parameters': what a spot check compares (``coordinator.spotcheck``)."""
+        return fingerprint([tensors[n] for n in self.params], self._positions)
 
     def _writes(self) -> tuple[int, ...]:
         return tuple(p._version for p in self.params.values())

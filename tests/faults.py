@@ -1,7 +1,8 @@
 """Fault injection for tests: workers that misbehave on purpose, at chosen rounds.
 
 ``FaultyEngine`` is the project's own ``WorkerEngine`` (served by the real servicer and server) whose
-answers are tampered with after it computed them honestly, the way a compromised or broken worker would:
+answers are tampered with after it computed them honestly, the way a compromised or broken worker would
+(keeping a tampered payload as the one it sent, so that its replica stays the coordinator's):
 
 * ``scale``       - the payload stands for ``factor`` times the real contribution (x1000, or -x1000 for a
                     sign-flipping attacker): decoded, scaled and encoded again with the run's codec;
@@ -113,7 +114,13 @@ class FaultyEngine(WorkerEngine):
         ):
             return result
         self.injected.append(order.round)
-        return dataclasses.replace(result, **self._tamper(order, result))
+        changes = self._tamper(order, result)
+        session = self.sessions.get(order.run_id)
+        if "gradient" in changes and session is not None:
+            # It keeps what it sent as its own, so that its replays add what the coordinator aggregated: an
+            # attacker that stays in sync (and whose gradients a spot check then finds honest).
+            session.last_sent, session.sent_decoded = (order.round, changes["gradient"]), None
+        return dataclasses.replace(result, **changes)
 
     def _tamper(self, order: WorkOrder, result: RoundResult) -> dict[str, object]:
         plan, gradient = self.plan, result.gradient

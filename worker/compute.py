@@ -36,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from gradwire.errors import Cancelled
 from gradwire.models import lm_loss
 from gradwire.protocol import WorkOrder
+from gradwire.replica import Fingerprint
 from gradwire.worker.pipeline import PipelineRunner
 from gradwire.worker.placement import NODE_MODES, PRECISIONS, IsCancelled, Placement, model_device
 from gradwire.worker.session import Session
@@ -49,6 +50,7 @@ class Contribution:
     loss: float  # mean over every row trained on
     tokens: int  # tokens trained on (every inner step's)
     grad_norm: float = 0.0  # gradient mode: the gradient's global L2 norm before clipping
+    fingerprint: Fingerprint | None = None  # the round's first gradient's, if the order asked (spot checks)
 
 
 class ComputeStrategy(Protocol):
@@ -117,9 +119,11 @@ def gradient_step(
     grads = {n: p.grad for n, p in session.replica.params.items()}
     if placement.apart:
         placement.node.average(grads.values())  # local-sgd among the ranks: one step is one gradient average
+    fingerprint = session.replica.fingerprint_of(grads) if order.fingerprint_gradient else None
     # The norm before clipping; with max_norm inf it only measures.
     norm = placement.clip_grad_norm(session, session.replica.params, order.clip_grad_norm or math.inf)
-    return Contribution(grads, placement.mean(loss), tokens.shape[0] * (tokens.shape[1] - 1), float(norm))
+    tokens_in = tokens.shape[0] * (tokens.shape[1] - 1)
+    return Contribution(grads, placement.mean(loss), tokens_in, float(norm), fingerprint)
 
 
 def local_steps(
@@ -136,11 +140,14 @@ def local_steps(
     rows = tokens.shape[0] // plan.steps  # the protocol checked that the batch splits evenly
     loss_sum = 0.0
     drifted = False  # local-sgd ranks step apart until they average; DDP ranks step alike
+    fingerprint = None
     for h, lr in enumerate(plan.learning_rates):
         batch = placement.share(tokens[h * rows : (h + 1) * rows])  # (rows / ranks, T + 1): step h, this rank
         loss_sum += accumulate_gradient(
             model, batch, order.micro_batch_size, cancelled, f"round {order.round}, inner step {h}", placement.precision
         )
+        if h == 0 and order.fingerprint_gradient:
+            fingerprint = _first_gradient_fingerprint(session, working, placement)
         if plan.clip_grad_norm:
             placement.clip_grad_norm(session, dict(working.named_parameters()), plan.clip_grad_norm)
         placement.step(optimizer, lr)
@@ -154,7 +161,19 @@ def local_steps(
         placement.node.average(working.parameters())  # the node returns one model: its ranks' average
     with torch.no_grad():
         delta = {n: p - w for (n, p), w in zip(session.replica.params.items(), working.parameters())}
-    return Contribution(delta, placement.mean(loss_sum / plan.steps), tokens.shape[0] * (tokens.shape[1] - 1))
+    tokens_in = tokens.shape[0] * (tokens.shape[1] - 1)
+    return Contribution(delta, placement.mean(loss_sum / plan.steps), tokens_in, fingerprint=fingerprint)
+
+
+def _first_gradient_fingerprint(session: Session, working: torch.nn.Module, placement: Placement) -> Fingerprint:
+    """The fingerprint of a local-SGD round's first inner step's gradient (the working copy is the replica
+    then): the node's, so ranks that step apart average a copy of theirs first (one extra all-reduce, in the
+    rounds spot checks ask for it)."""
+    grads = {n: w.grad for n, w in zip(session.replica.params, working.parameters())}
+    if placement.apart:
+        grads = {n: g.clone() for n, g in grads.items()}
+        placement.node.average(grads.values())
+    return session.replica.fingerprint_of(grads)
 
 
 def strategy_for(order: WorkOrder) -> ComputeStrategy:

@@ -570,6 +570,7 @@ class WorkerEngine:
             timings,
             self._bus_bytes() - bus_before,
             contribution.grad_norm,
+            contribution.fingerprint,
         )
 
     def _encode(self, session: Session, order: WorkOrder, contribution: Contribution) -> CompressedGradient | None:

@@ -168,12 +168,19 @@ class ShardedReplica(Replica):
     def _share(self, name: str, full: torch.Tensor) -> torch.Tensor:
         return _rows(full, self._sharded[name])
 
-    @torch.no_grad()
     def fingerprint(self) -> Fingerprint:
-        """The whole replica's fingerprint (as ``replica.fingerprint`` of the full tensors), a collective:
-        per-tensor sums and sums of squares of the shards, and each sampled value from the rank that has it."""
+        """The whole replica's fingerprint (as ``replica.fingerprint`` of the full tensors), a collective."""
+        return self.fingerprint_of(self._sharded)
+
+    @torch.no_grad()
+    def fingerprint_of(self, tensors: Mapping[str, torch.Tensor]) -> Fingerprint:
+        """The fingerprint of whole tensors sharded as the parameters are (DTensors: the parameters, or their
+        gradients), a collective: per-tensor sums and sums of squares of the shards, and each sampled value
+        from the rank that has it."""
         sums, sumsqs, samples = [], [], []
-        for p, positions in zip(self._sharded.values(), self._positions):
+        for name, positions in zip(self._sharded, self._positions):
+            p = tensors[name]
+            assert isinstance(p, DTensor), f"{name}: a sharded replica fingerprints sharded tensors"
             local = p.to_local().reshape(-1)
             total, squares = moments(local)
             sums.append(total)

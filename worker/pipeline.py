@@ -319,16 +319,21 @@ class StageReplica(Replica):
             self._codecs[config] = GradientCodec(self.shapes, config, device=self.device)
         return self._codecs[config]
 
-    @torch.no_grad()
     def fingerprint(self) -> Fingerprint:
-        """The whole model's fingerprint (as ``replica.fingerprint`` of every tensor), a collective: each
-        tensor's sums and samples from the stage that owns it, zeros elsewhere, summed over the node."""
+        """The whole model's fingerprint (as ``replica.fingerprint`` of every tensor), a collective."""
+        return self.fingerprint_of(self.params)
+
+    @torch.no_grad()
+    def fingerprint_of(self, tensors: Mapping[str, torch.Tensor]) -> Fingerprint:
+        """The fingerprint of the whole model's tensors of this kind (``tensors``: this stage's, by name), a
+        collective: each tensor's sums and samples from the stage that owns it, zeros elsewhere, summed over
+        the node."""
         n = len(self.shapes)
         stats = torch.zeros(2 * n + sum(len(p) for p in self._positions), dtype=torch.float64)
         offset = 2 * n
         for i, (name, positions) in enumerate(zip(self.shapes, self._positions)):
             if name in self.owned:
-                flat = self.params[name].detach().reshape(-1)
+                flat = tensors[name].detach().reshape(-1)
                 total, squares = moments(flat)
                 stats[i], stats[n + i] = total.cpu(), squares.cpu()
                 stats[offset : offset + len(positions)] = flat[positions.to(flat.device)].float().double().cpu()

@@ -1,7 +1,8 @@
 """Two honest workers and one bad one (tests/faults.py) against real servers: the run ends within 2% of the
 honest pair's held-out loss, every worker still in the run holds the coordinator's replica bit for bit,
-and the bad worker is clipped, rejected or benched as the log and metrics say (or, for the one fault no
-check can see, goes unnoticed and does no harm)."""
+and the bad worker is clipped, rejected or benched as the log and metrics say. Spot checks run every round
+(``--spot-check-every 1``: each of the three is recomputed every third round), so that a gradient of other
+rows is caught within the rounds the test allows."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ def config(tmp_path: Path, name: str, **changes: object) -> TrainConfig:
         eval_batches=4,
         output_dir=str(tmp_path / name),
         seed=3,
+        spot_check_every=1,
     )
     settings.update(changes)
     return TrainConfig(**settings)
@@ -80,9 +82,9 @@ BEHAVIOURS = {
     "copy-a-peer": (faulty("copy"), "rejected"),  # another's payload of the last round: a copy, left out
     "sign-flip": (faulty("sign-flip"), "rejected"),  # at the honest norm: points away from the others, left out
     "zeros": (faulty("zeros"), "rejected"),  # nothing for the tokens it claims: an empty payload, left out
-    # A gradient of other rows of the same text agrees like an honest one (coordinator.agreement): unseen,
-    # and harmless to the step (it is no copy either: its own gradient).
-    "other-rows": (faulty("other-rows"), None),
+    # A gradient of other rows of the same text agrees like an honest one (coordinator.agreement); the spot
+    # check recomputes it from the rows it was sent: caught, left out and benched at once.
+    "other-rows": (faulty("other-rows"), "rejected"),
 }
 
 

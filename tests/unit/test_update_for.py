@@ -163,6 +163,7 @@ def test_a_gradient_mode_order_carries_the_rounds_values() -> None:
         sync_tolerance=1e-3,
         compute_before_update=True,
         clip_grad_norm=0.5,
+        fingerprint_gradient=True,
     )
     fingerprint = Fingerprint((1.0, 2.0), (3.0, 4.0), (0.5,))
     codec = GradientCodec({"w": (16, 16)}, CODEC)
@@ -181,6 +182,7 @@ def test_a_gradient_mode_order_carries_the_rounds_values() -> None:
         "protocol_version": PROTOCOL_VERSION,
         "compute_before_update": True,
         "clip_grad_norm": 0.5,
+        "fingerprint_gradient": True,
     }
     order = work.order("run-a", 3, 4, update, fingerprint, missed)
     check_fields(
@@ -202,6 +204,7 @@ def test_a_gradient_mode_order_carries_the_rounds_values() -> None:
     back = order_from_proto(order_to_proto(order))  # a valid order on the wire
     assert np.array_equal(back.batch, batches[3]) and np.array_equal(back.next_batch, ahead[3])
     assert (back.round, back.base_version, back.clip_grad_norm, back.feedback_beta) == (5, 4, 0.5, 0.9)
+    assert back.fingerprint_gradient
     assert back.update == update and back.catch_up == missed
 
 
@@ -230,6 +233,7 @@ def test_a_local_sgd_order_carries_its_inner_steps() -> None:
             "compute_before_update": False,
             "next_batch": None,
             "clip_grad_norm": 0.0,
+            "fingerprint_gradient": False,
         },
     )
     assert order.inner_steps == 2

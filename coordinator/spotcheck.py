@@ -1,0 +1,111 @@
+"""Spot checks: now and then the coordinator recomputes one sender's gradient and compares fingerprints.
+
+While checks are on (``--spot-check-every N``) every work order asks for the fingerprint of the round's
+first gradient (``WorkOrder.fingerprint_gradient``): the batch's gradient in gradient mode, the first inner
+step's in a local-SGD round, at the replica and before clipping, summarised as a replica is
+(``replica.Fingerprint``: per tensor its sum and sum of squares, and values at fixed positions). Every order
+asks, so a worker cannot tell which rounds are checked. In about one round in N (``decisions.spot_check``,
+drawn from the run's seed and the step) the coordinator takes one sender at random, computes that gradient itself on its
+own copy of the workers' replica (bit-identical to theirs) from the rows it sent, and compares
+(``compare``). A sender whose fingerprint is missing or differs beyond ``--spot-check-tolerance`` is caught:
+its payload is left out and it is benched at once (``decisions.judge``).
+
+What it catches: a gradient computed on rows other than those sent (a worker saving its data, or training
+on its own), a made-up or stale gradient, a payload of zeros or noise with tokens claimed for it: whatever
+was not computed on the round's rows at the round's replica. What it cannot: a worker that computes the
+honest gradient, reports its fingerprint, and sends another payload (a sign flip, a copy): the fingerprint
+says the work was done, not that the payload is its result; agreement (``coordinator.agreement``) and the
+copy check (``coordinator.copies``) are for those. The inner steps after a local-SGD round's first are not
+checked. A model that draws dropout while training cannot be recomputed (``deterministic``): checks are
+then off, and say why. Rounds that compute before the update (``--overlap``) are computed at the version
+before the coordinator's copy: they are not checked.
+
+Float noise: the same kind of device and precision recomputes the same bits (the tests' case); a GPU worker
+in bf16 against a CPU coordinator in float32 differs by about 1e-2 relative; another batch's gradient
+differs by tens of percent in some tensor's sum of squares and most sampled values.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from gradwire.coordinator.decisions import SPOT_TOLERANCE
+from gradwire.models import lm_loss
+from gradwire.protocol import LocalSteps, RoundResult
+from gradwire.replica import Fingerprint, Replica, compare_fingerprints
+
+
+def deterministic(spec: Mapping[str, Any]) -> tuple[bool, str]:
+    """Can a gradient of this model (``registry`` spec) be recomputed bit for bit (up to float noise) from
+    the rows and the replica? Not if it draws dropout while training."""
+    if spec.get("arch") == "gpt":
+        return True, "the built-in GPT draws no dropout"
+    rates = {k: v for k, v in dict(spec.get("config", {})).items() if ("dropout" in k or "pdrop" in k)}
+    drawn = {k: v for k, v in rates.items() if isinstance(v, int | float) and v > 0}
+    if drawn:
+        names = ", ".join(f"{k} {v:g}" for k, v in sorted(drawn.items()))
+        return False, f"the model draws dropout while training ({names}): its gradients cannot be recomputed"
+    return True, "the model draws no dropout"
+
+
+def first_rows(batch: np.ndarray, local_steps: LocalSteps | None) -> np.ndarray:
+    """The rows of a round's first gradient: the whole batch, or a local-SGD round's first inner step's."""
+    if local_steps is None:
+        return batch
+    return batch[: batch.shape[0] // local_steps.steps]
+
+
+def batch_gradient(model: torch.nn.Module, tokens: torch.Tensor, micro_batch_size: int) -> dict[str, torch.Tensor]:
+    """The mean gradient of the loss over ``tokens`` (rows, T + 1), by micro-batches of ``micro_batch_size``
+    rows (0: all at once) weighted by their share of rows, as a worker computes it; every parameter gets one."""
+    rows = tokens.shape[0]
+    step = micro_batch_size or rows
+    model.zero_grad(set_to_none=True)
+    for start in range(0, rows, step):
+        micro = tokens[start : start + step]
+        (lm_loss(model, micro) * (micro.shape[0] / rows)).backward()
+    return {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
+
+
+class SpotChecker:
+    """Recomputes a sender's first gradient on the coordinator's copy of the workers' replica."""
+
+    def __init__(self, replica: Replica, tolerance: float = SPOT_TOLERANCE) -> None:
+        self.replica, self.tolerance = replica, tolerance
+
+    def expected(self, rows: np.ndarray, micro_batch_size: int) -> Fingerprint:
+        """The fingerprint of the gradient at the replica on ``rows``; the replica's parameters do not move
+        (their ``.grad`` is cleared afterwards)."""
+        model = self.replica.model
+        device = next(iter(self.replica.params.values())).device
+        was_training = model.training
+        model.train()
+        try:
+            grads = batch_gradient(model, torch.from_numpy(rows.astype("int64")).to(device), micro_batch_size)
+            return self.replica.fingerprint_of(grads)
+        finally:
+            model.zero_grad(set_to_none=True)
+            model.train(was_training)
+
+    def check(
+        self, result: RoundResult, batch: np.ndarray, local_steps: LocalSteps | None, micro_batch_size: int
+    ) -> tuple[bool | None, str]:
+        """Did ``result``'s sender compute its first gradient on ``batch`` (the rows it was sent) at this
+        replica? True, False (caught), or None when this result cannot be checked here (another version);
+        with the reason."""
+        if result.version != self.replica.version:
+            return None, f"computed at version {result.version}, the coordinator's copy is at {self.replica.version}"
+        if result.gradient_fingerprint is None:
+            return False, "spot check: no gradient fingerprint returned, though every order asks for one"
+        t0 = time.perf_counter()
+        expected = self.expected(first_rows(batch, local_steps), micro_batch_size)
+        same, why = compare_fingerprints(expected, result.gradient_fingerprint, self.replica.numels, self.tolerance)
+        seconds = time.perf_counter() - t0
+        if same:
+            return True, f"spot check passed: its gradient was recomputed ({seconds:.2f} s)"
+        return False, f"spot check failed: the gradient recomputed from the rows it was sent differs ({why})"
