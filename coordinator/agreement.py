@@ -29,10 +29,10 @@ Which check catches what:
   ``--bench-after`` strikes). The norm clip cannot see it.
 - a payload of zeros, with the tokens of its batch: the gather stage's empty-payload check, before this
   (a cosine with a zero vector is undefined: ``None`` here, no measurement).
-- a gradient honestly computed on rows other than those sent: NOT caught, by this or any check here. Rows
-  from the same distribution give a gradient that agrees with the others as well as an honest one does
-  (it is no copy either); only recomputing some workers' rows elsewhere (spot checks by redundancy) could
-  tell. It does the step no harm, only the data schedule.
+- a gradient honestly computed on rows other than those sent: not by this (rows from the same distribution
+  give a gradient that agrees with the others as well as an honest one does, and it is no copy either), but
+  by the spot checks (``coordinator.spotcheck``), which recompute a sender's gradient from the rows it was
+  sent. Until one catches it, it does the step no harm, only the data schedule.
 - noise at the honest norm, or a tiny payload: its cosine is near 0, above the floor. The clip bounds what
   it can do; it dilutes the update by its share of the tokens.
 - a flipper that sends honest payloads every other round: its score averages near 0 and is not struck;
