@@ -14,7 +14,8 @@ One JSON object:
   norm, a gradient of other rows, zeros) with the default defences (clip to 2x the median norm, the
   agreement score, benching), and once more without them for both sign flippers: held-out loss, its ratio
   to the honest pair's (the target: within 1.02), the rounds in which the bad worker was clipped, left out
-  or benched, the first round it was benched in, and the lowest agreement score of the run.
+  or benched, the first round it was benched in, the lowest agreement score of the run, and the spot checks
+  (``--spot-check-every``, default 10 as in training): how many ran and the rounds whose check failed.
 """
 
 from __future__ import annotations
@@ -185,10 +186,12 @@ def train_with(
         "benched_rounds": sum(r["benched"] > 0 for r in records),
         "first_benched": next((i for i, r in enumerate(records) if r["benched"] > 0), None),
         "lowest_score": min((r["agreement_min"] for r in records if r["agreement_min"] is not None), default=None),
+        "spot_checks": sum("spot_check" in r for r in records),
+        "caught": [i for i, r in enumerate(records) if r.get("spot_check", {}).get("passed") is False],
     }
 
 
-def run_bad_workers(steps: int) -> dict:
+def run_bad_workers(steps: int, spot_check_every: int = 10) -> dict:
     def honest() -> WorkerEngine:
         return WorkerEngine("cpu")
 
@@ -204,10 +207,12 @@ def run_bad_workers(steps: int) -> dict:
         "zeros": faulty("zeros"),
     }
     with tempfile.TemporaryDirectory() as tmp:
-        out = {"steps": steps, "honest_pair": train_with([honest, honest], steps, f"{tmp}/honest")}
+        checks = {"spot_check_every": spot_check_every}
+        out = {"steps": steps, "honest_pair": train_with([honest, honest], steps, f"{tmp}/honest", **checks)}
+        out.update(checks)
         base = out["honest_pair"]["held_out_loss"]
         for name, fault in cases.items():
-            out[name] = train_with([honest, honest, fault], steps, f"{tmp}/{name}")
+            out[name] = train_with([honest, honest, fault], steps, f"{tmp}/{name}", **checks)
         for name in ("minus_x1000", "sign_flip"):
             out[f"{name}_undefended"] = train_with(
                 [honest, honest, cases[name]], steps, f"{tmp}/open-{name}", False, clip_factor=0.0, bench_after=0
@@ -223,9 +228,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=3000)
     parser.add_argument("--seconds", type=float, default=300.0, help="stop fuzzing after this long")
     parser.add_argument("--steps", type=int, default=40, help="rounds of each bad-worker run")
+    parser.add_argument(
+        "--spot-check-every", type=int, default=10, help="the bad-worker runs' --spot-check-every (the default)"
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     args = parser.parse_args(argv)
-    result = {"fuzz": run_fuzz(args.calls, args.seconds), "bad_workers": run_bad_workers(args.steps)}
+    result = {
+        "fuzz": run_fuzz(args.calls, args.seconds),
+        "bad_workers": run_bad_workers(args.steps, args.spot_check_every),
+    }
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 

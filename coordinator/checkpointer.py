@@ -3,8 +3,9 @@
 A checkpoint holds everything the run's trajectory depends on, so that a resumed run continues as if it
 had not stopped: the model and the outer optimizer (``OuterStrategy.checkpoint``), the torch RNG, the
 gather stage's memory of typical norms, where the data stream stood for every worker, and each worker's
-error feedback and inner optimizer state, fetched from the workers in parallel. The files themselves are
-written atomically by ``coordinator.checkpoint``.
+error feedback and inner optimizer state, fetched from the workers in parallel, and how each worker has
+stood (strikes, benching, agreement score, spot checks). The files themselves are written atomically by
+``coordinator.checkpoint``.
 
 A worker's state is saved under its address (``worker_key``); on resume, a worker at a new address (fresh
 ``--local`` workers) takes the state of the one that had its position.
@@ -25,6 +26,7 @@ import torch
 from gradwire.coordinator.checkpoint import keep_last, load_checkpoint, save_checkpoint
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.data import TokenSource
+from gradwire.coordinator.decisions import Score, Standing
 from gradwire.coordinator.gather import Gatherer
 from gradwire.coordinator.outer import OuterStrategy
 from gradwire.coordinator.round import WorkerSlot
@@ -102,6 +104,8 @@ class RunCheckpointer:
             "workers": len(slots),
             "worker_keys": list(futures),
             "data_layouts": [[first, start, list(rows)] for first, start, rows in self.data.layouts],
+            # How each worker has stood: strikes, benching, agreement score, spot checks (the judge's memory).
+            "standings": {worker_key(slot): standing_state(slot) for slot in slots},
         }
         if self.planner is not None:  # the shares the next rounds get: a function of these
             meta["balance"] = self.planner.state(position.step, [slot.client.address for slot in slots])
@@ -135,6 +139,8 @@ class RunCheckpointer:
             slot.feedback = tensors.get(f"feedback-{key}", tensors.get(f"feedback-{slot.index}"))
             slot.inner_optimizer = tensors.get(f"inner-{key}", tensors.get(f"inner-{slot.index}"))
             slot.version = None
+            if key in meta.get("standings", {}):
+                restore_standing(slot, meta["standings"][key])
         if meta.get("workers") != len(slots):
             log.warning(
                 "resuming %d-worker checkpoint with %d workers: worker state restored by slot where it exists",
@@ -153,3 +159,22 @@ class RunCheckpointer:
             log.warning("checkpoint: no error feedback or inner optimizer state from worker %d: %s", slot.index, e)
             return None, None
         return state.feedback, state.inner_optimizer
+
+
+def standing_state(slot: WorkerSlot) -> dict:
+    """What a checkpoint keeps of how ``slot``'s worker has stood (JSON)."""
+    s = slot.standing
+    return {
+        "strikes": s.strikes,
+        "until": s.until,
+        "score": [s.score.value, s.score.rounds],
+        "checks": list(slot.checks),
+    }
+
+
+def restore_standing(slot: WorkerSlot, saved: dict) -> None:
+    """``slot``'s standing as ``standing_state`` saved it: a resumed run benches, scores and counts on."""
+    value, rounds = saved.get("score", [0.0, 0])
+    slot.standing = Standing(int(saved.get("strikes", 0)), int(saved.get("until", 0)), Score(float(value), int(rounds)))
+    passed, failed = saved.get("checks", [0, 0])
+    slot.checks = (int(passed), int(failed))

@@ -55,6 +55,7 @@ class WorkerSlot:
     feedback: dict[str, torch.Tensor] | None = None
     inner_optimizer: dict[str, torch.Tensor] | None = None
     standing: Standing = dataclasses.field(default_factory=Standing)  # strikes and benching (decisions.judge)
+    checks: tuple[int, int] = (0, 0)  # spot checks of its gradients (coordinator.spotcheck): passed, failed
 
 
 @dataclasses.dataclass

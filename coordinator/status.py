@@ -60,6 +60,7 @@ class WorkerRow:
     bytes_down: int = 0
     last_error: str = ""
     score: float | None = None  # its agreement with the others (decisions.Score); None: not measured yet
+    checks: tuple[int, int] = (0, 0)  # spot checks of its gradients (coordinator.spotcheck): passed, failed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +78,7 @@ class WorkerEvent:
     bytes_down: int = 0
     error: str = ""
     score: float | None = None
+    checks: tuple[int, int] = (0, 0)
 
 
 def worker_events(
@@ -92,7 +94,8 @@ def worker_events(
     call itself did not fail (the gather stage left them out); ``step``: the round after this one
     (benching is judged for it). A worker without an outcome sat the round out: benched, receiving the
     state in the background, or waiting (it joined after the round began). ``score``: its agreement score
-    so far (``decisions.Score``), None until it is measured (again, after a bench)."""
+    so far (``decisions.Score``), None until it is measured (again, after a bench); ``checks``: its spot
+    checks so far, passed and failed."""
     by_slot = {o.slot.index: o for o in round_.outcomes}
     events = []
     for slot in slots:
@@ -121,6 +124,7 @@ def worker_events(
                 o.bytes_down + o.first_push_bytes if o else 0,
                 (o.error or (reasons or {}).get(slot.index, "")) if o and state == "failed" else "",
                 slot.standing.score.value if slot.standing.score.rounds else None,
+                slot.checks,
             )
         )
     return events
@@ -177,6 +181,12 @@ class StatusBoard:
             ["worker", "address"],
             registry=self.registry,
         )
+        self._worker_checks = Gauge(
+            "gradwire_worker_spot_checks",
+            "spot checks of each worker's gradients so far (coordinator.spotcheck), by result",
+            ["worker", "address", "result"],
+            registry=self.registry,
+        )
 
     def update(self, record: dict[str, Any] | None, events: list[WorkerEvent]) -> None:
         """A round happened: its metrics record (``None`` if no worker was usable) and, for every worker
@@ -194,13 +204,14 @@ class StatusBoard:
                 row.rounds_done += e.state in ("training", "resyncing")
                 row.rounds_failed += e.state in ("failed", "straggling")
                 row.last_error = e.error[:300] or row.last_error
-                row.score = e.score
+                row.score, row.checks = e.score, e.checks
                 self.workers[e.id] = row
             for wid in [w for w in self.workers if w not in {e.id for e in events}]:
                 self.workers.pop(wid)  # left the run
             self._worker_state.clear()
             self._worker_rounds.clear()
             self._worker_score.clear()
+            self._worker_checks.clear()
             for row in self.workers.values():
                 labels = (str(row.id), row.address)
                 for state in WORKER_STATES:
@@ -209,6 +220,8 @@ class StatusBoard:
                 self._worker_rounds.labels(*labels, "failed").set(row.rounds_failed)
                 if row.score is not None:
                     self._worker_score.labels(*labels).set(row.score)
+                self._worker_checks.labels(*labels, "passed").set(row.checks[0])
+                self._worker_checks.labels(*labels, "failed").set(row.checks[1])
 
     def held_out(self, step: int, loss: float) -> None:
         """A held-out loss, measured after round ``step``."""

@@ -272,6 +272,9 @@ class Trainer:
             o.result, work.batches[chosen], work.local_steps_of(chosen), work.micro_batch_size
         )
         address = o.slot.client.address
+        if passed is not None:
+            ok, failed = o.slot.checks
+            o.slot.checks = (ok + passed, failed + (not passed))
         if passed is False:
             log.warning("step %d: worker %d (%s): %s", step, chosen, address, why)
         else:

@@ -21,6 +21,7 @@ from gradwire.coordinator.checkpoint import load_checkpoint
 from gradwire.coordinator.checkpointer import RunCheckpointer, RunPosition, worker_key
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.data import TokenSource, open_data
+from gradwire.coordinator.decisions import Score, Standing
 from gradwire.coordinator.gather import Gatherer
 from gradwire.coordinator.outer import DeltaOuter, OuterStrategy, make_outer
 from gradwire.coordinator.round import WorkerSlot
@@ -206,6 +207,24 @@ def test_worker_state_follows_the_address_then_the_position(tmp_path: Path, pool
     for slot, state in zip(moved, states):
         assert_tensors_equal(slot.feedback, state.feedback)
         assert_tensors_equal(slot.inner_optimizer, state.inner_optimizer)
+
+
+def test_how_each_worker_stood_is_restored_with_it(tmp_path: Path, pool: ThreadPoolExecutor) -> None:
+    """Strikes, benching, the agreement score and spot checks survive a resume, by address (a benched worker
+    stays benched; a sign flipper keeps its low score)."""
+    run = a_run(config(tmp_path), pool)
+    slots = [worker(0, "10.0.0.1:50051", seed=10), worker(1, "10.0.0.2:50051", seed=11)]
+    slots[0].standing = Standing(2, 0, Score(-0.45, 7))
+    slots[0].checks = (3, 0)
+    slots[1].standing = Standing(0, 29, Score())
+    slots[1].checks = (1, 1)
+    path = run.checkpoints.save(RunPosition(9, 0), slots)
+    swapped = [worker(0, "10.0.0.2:50051", None), worker(1, "10.0.0.1:50051", None), worker(2, "10.0.0.3:1", None)]
+    a_run(config(tmp_path), pool).checkpoints.restore(path, swapped)
+    assert (swapped[0].standing, swapped[0].checks) == (Standing(0, 29, Score()), (1, 1))
+    assert swapped[0].standing.benched(10)
+    assert (swapped[1].standing, swapped[1].checks) == (Standing(2, 0, Score(-0.45, 7)), (3, 0))
+    assert (swapped[2].standing, swapped[2].checks) == (Standing(), (0, 0))  # a worker the save did not have
 
 
 def test_an_unreachable_worker_is_saved_without_its_state(

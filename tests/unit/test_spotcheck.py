@@ -173,6 +173,7 @@ def test_honest_in_process_workers_pass_every_check_and_runs_can_turn_checks_off
         if every:
             assert len(checks) == 6 and all(c["passed"] is True for c in checks), checks
             assert len({c["worker"] for c in checks}) == 3  # each one checked in turn
+            assert [s.checks for s in trainer.slots] == [(2, 0)] * 3  # what the status page shows
         else:
             assert checks == []
         assert all(r["rejected"] == 0 and r["benched"] == 0 for r in records)
