@@ -29,6 +29,7 @@ from gradwire.coordinator.decisions import (
     DOWNLINK_TOPK_FACTOR,
     DOWNLINKS,
     REPLAY_PRECISIONS,
+    SPOT_CHECK_METHODS,
     SPOT_TOLERANCE,
     Grace,
 )
@@ -421,11 +422,19 @@ class TrainConfig:
     )
     spot_check_every: int = setting(
         10,
-        help="spot checks: in about one round in N the coordinator recomputes one sender's first gradient "
-        "from the rows it sent and compares fingerprints; a sender whose gradient was not computed on its "
-        "rows is left out and benched at once. Costs the coordinator one worker's share of compute per check "
-        "(0: off; off by itself for models that draw dropout)",
+        help="spot checks: in about one round in N one sender's first gradient is recomputed from the rows "
+        "it was sent and fingerprints are compared; a sender whose gradient was not computed on its rows is "
+        "left out and benched at once (0: off; off by itself for models that draw dropout)",
         section=ROUND_POLICY,
+    )
+    spot_check_by: str = setting(
+        "auto",
+        help="who recomputes: recompute (the coordinator, on its own copy of the replica: one worker's share "
+        "of a step per check), redundancy (the same rows go to up to 3 workers, whose fingerprints must agree: "
+        "their duplicated work is the cost) or auto (recompute when the coordinator's model is on a GPU or "
+        "has at most 50M parameters, else redundancy)",
+        section=ROUND_POLICY,
+        choices=SPOT_CHECK_METHODS,
     )
     spot_check_tolerance: float = setting(
         SPOT_TOLERANCE,
@@ -518,6 +527,10 @@ class TrainConfig:
         if self.replay_precision not in REPLAY_PRECISIONS:
             raise ValueError(
                 f"--replay-precision must be one of {', '.join(REPLAY_PRECISIONS)}, got {self.replay_precision!r}"
+            )
+        if self.spot_check_by not in SPOT_CHECK_METHODS:
+            raise ValueError(
+                f"--spot-check-by must be one of {', '.join(SPOT_CHECK_METHODS)}, got {self.spot_check_by!r}"
             )
         if self.spot_check_every < 0:
             raise ValueError(f"--spot-check-every must be >= 0 (0: off), got {self.spot_check_every}")

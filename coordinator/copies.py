@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 import torch
@@ -83,10 +83,13 @@ def shared(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.mean(a[both] == b[both])) if both.any() else 0.0
 
 
-def find_copies(current: Sequence[tuple[str, np.ndarray]], earlier: Sequence[Seen], step: int) -> dict[int, str]:
+def find_copies(
+    current: Sequence[tuple[str, np.ndarray]], earlier: Sequence[Seen], step: int, together: Collection[int] = ()
+) -> dict[int, str]:
     """Which of this round's payloads (``current``: sender and digest, in slot order) copy another: a later
     sender repeating an earlier one of this round, or anyone repeating another sender's payload of an
-    earlier round. Returns {position in ``current``: why}.
+    earlier round. Returns {position in ``current``: why}. ``together``: positions of senders that were given
+    the same rows this round (a spot check by redundancy): their payloads may well repeat each other's.
 
     Only pairs that hold the same set in at least one sampled chunk are compared (``_overlapping``: one sort
     of every digest's words), so the cost grows with the payloads, not with their pairs."""
@@ -96,7 +99,7 @@ def find_copies(current: Sequence[tuple[str, np.ndarray]], earlier: Sequence[See
     found: dict[int, str] = {}
     for i, (_, d) in enumerate(current):
         for j in sorted(partners.get(i, ())):  # this round's earlier senders first, then the remembered payloads
-            if j == i or (j < len(current) and j > i):
+            if j == i or (j < len(current) and (j > i or (i in together and j in together))):
                 continue
             share = shared(d, digests[j])
             if share < COPY_SHARE:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Literal
 
 SyncAction = Literal["push", "replay", "current", "catch-up"]
@@ -150,6 +150,79 @@ def spot_check(step: int, senders: Sequence[int], every: int, secret: int) -> tu
     order = sorted(senders)
     chosen = order[(step + secret) % len(order)]
     return chosen, f"drawn (one round in {every}), sender {chosen} of {len(order)}"
+
+
+SPOT_CHECK_METHODS = ("auto", "recompute", "redundancy")
+# auto: the coordinator recomputes a sender's gradient itself when its model is on a GPU or this small (a CPU
+# takes a few seconds for one worker's share of a step of a model this size); else the same rows go to more
+# than one worker.
+RECOMPUTE_PARAMS = 50_000_000
+REDUNDANCY_GROUP = 3  # workers given the same rows in a redundancy check: a majority can say who differs
+
+
+def spot_check_method(setting: str, params: int, device: str, recomputable: bool) -> tuple[str, str]:
+    """How spot checks are made (``--spot-check-by``): ``recompute`` (the coordinator recomputes a sender's
+    gradient) or ``redundancy`` (now and then the same rows go to several workers and their fingerprints
+    are compared), or ``off``, with why. ``recomputable``: whether the model's gradients can be recomputed
+    at all (no dropout drawn)."""
+    if not recomputable:
+        return "off", "the model's gradients cannot be recomputed, by the coordinator or another worker"
+    if setting in ("recompute", "redundancy"):
+        return setting, f"--spot-check-by {setting}"
+    if device.startswith("cuda"):
+        return "recompute", "auto: the coordinator holds the model on a GPU"
+    if params <= RECOMPUTE_PARAMS:
+        return "recompute", f"auto: {params / 1e6:.1f}M parameters, a step's share is cheap on the coordinator's CPU"
+    return "redundancy", f"auto: {params / 1e6:.0f}M parameters is too many to recompute on the coordinator's CPU"
+
+
+def redundancy_group(
+    step: int, candidates: Sequence[tuple[int, Hashable]], every: int, secret: int
+) -> tuple[tuple[int, ...], str]:
+    """The workers (slot indices) that round ``step`` gives the same rows, the first one's, or ``()``, with
+    why: on average one round in ``every`` (a draw of its own from ``secret``), up to ``REDUNDANCY_GROUP``
+    workers whose work has the same shape (``candidates``: slot index and a key of its batch's shape, its
+    inner steps and its ranks), picked round the largest such class from a secret offset."""
+    if every <= 0:
+        return (), "spot checks are off"
+    if random.Random(f"{secret}:redundancy:{step}").random() >= 1.0 / every:
+        return (), f"not drawn this round (one round in {every})"
+    classes: dict[Hashable, list[int]] = {}
+    for slot, key in candidates:
+        classes.setdefault(key, []).append(slot)
+    largest = max(classes.values(), key=len, default=[])
+    if len(largest) < 2:
+        return (), "no two workers have work of the same shape"
+    members = sorted(largest)
+    size = min(REDUNDANCY_GROUP, len(members))
+    first = (step + secret) % len(members)
+    group = tuple(members[(first + i) % len(members)] for i in range(size))
+    return group, f"drawn (one round in {every}): {size} workers on worker {group[0]}'s rows"
+
+
+def redundancy_verdict(members: Sequence[int], agree: Mapping[tuple[int, int], bool]) -> tuple[dict[int, str], str]:
+    """Which members of a redundancy group are caught (slot -> why), and a summary: ``members`` returned a
+    fingerprint of the same rows; ``agree[(a, b)]`` (a < b) says whether two fingerprints agree. A member is
+    caught when it agrees with none of the others while two others agree with each other (a majority that
+    computed the same); two that disagree, with nobody to say which, are a dispute: neither is caught.
+    Assumes most of a group is honest: two colluders that send the same fake outvote one honest worker."""
+    if len(members) < 2:
+        return {}, "fewer than two fingerprints to compare"
+    pairs = [(a, b) for i, a in enumerate(members) for b in members[i + 1 :]]
+    agreeing = [p for p in pairs if agree[p]]
+    if len(agreeing) == len(pairs):
+        return {}, f"{len(members)} workers computed the same gradient"
+    if not agreeing:
+        return {}, f"disputed: none of {len(members)} fingerprints agree with another (nobody can say who differs)"
+    caught = {}
+    for m in members:
+        if not any(m in p for p in agreeing):
+            others = [x for x in members if x != m]
+            caught[m] = (
+                f"spot check failed: its gradient of rows it shared with workers {others} differs from theirs, "
+                "which agree with each other"
+            )
+    return caught, f"{len(caught)} of {len(members)} differ from the others"
 
 
 # ------------------------------------------------------------------------------------------- failed rounds

@@ -28,7 +28,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import numpy as np
@@ -68,6 +68,9 @@ class Gathered:
     scales: tuple[float, ...]
     fates: tuple[Fate, ...]
     scores: Mapping[int, float] = dataclasses.field(default_factory=dict)  # senders' agreement scores, by slot
+    # Each kept contribution's weight in the aggregate (in payload order): its tokens, shared out among the
+    # kept senders that were given the same rows (a spot check by redundancy), so that those rows count once.
+    weights: tuple[float, ...] = ()
 
     @property
     def results(self) -> list[RoundResult]:
@@ -110,8 +113,10 @@ class Gatherer:
         batches: Mapping[int, np.ndarray],
         rule: AggregationRule,
         caught: Mapping[int, str] | None = None,
+        together: Sequence[int] = (),
     ) -> Gathered:
-        """``caught``: the senders (by slot) a spot check caught this round, with why."""
+        """``caught``: the senders (by slot) a spot check caught this round, with why; ``together``: the slots
+        given the same rows (a spot check by redundancy)."""
         caught = caught or {}
         fates: dict[int, Fate] = {}
         verdicts: dict[int, Verdict] = {}
@@ -134,7 +139,10 @@ class Gatherer:
             good.append(o)
         chunk_numels = [g.chunk_numel for g in self.codec.plan.groups]
         digests = [copies.digest(d, chunk_numels) for d in decoded]
-        copied = copies.find_copies([(o.slot.client.address, d) for o, d in zip(good, digests)], self.seen, step)
+        twins = {i for i, o in enumerate(good) if o.slot.index in together}
+        copied = copies.find_copies(
+            [(o.slot.client.address, d) for o, d in zip(good, digests)], self.seen, step, together=twins
+        )
         for position in sorted(copied, reverse=True):
             o = good.pop(position)
             del decoded[position], digests[position]
@@ -170,11 +178,16 @@ class Gatherer:
             copies.Seen(good[i].slot.client.address, step, digests[i]) for i in kept
         ]
         aggregator = None
+        sharing = max(1, sum(o.slot.index in together for o in outcomes))
+        weights = tuple(
+            float(o.result.tokens) / (sharing if o.slot.index in together else 1)
+            for o in outcomes
+            if o.result is not None
+        )
         if outcomes:
-            weights = [float(o.result.tokens) for o in outcomes if o.result is not None]
             aggregator = robust.aggregate(self.codec, [decoded[i] for i in kept], weights, kept_scales, rule)
         order = [o.slot.index for o in round_.outcomes]
-        return Gathered(outcomes, aggregator, kept_scales, tuple(fates[i] for i in order), scores)
+        return Gathered(outcomes, aggregator, kept_scales, tuple(fates[i] for i in order), scores, weights)
 
     def _agree(
         self,

@@ -96,6 +96,7 @@ class RoundWork:
     clip_grad_norm: float = 0.0  # gradient mode (local-SGD rounds clip in ``local_steps``)
     slot_local_steps: Mapping[int, LocalSteps] = dataclasses.field(default_factory=dict)  # a slot's own (--balance)
     fingerprint_gradient: bool = False  # spot checks are on: every order asks for its gradient's fingerprint
+    redundant: tuple[int, ...] = ()  # a spot check by redundancy: these slots got the first one's rows
 
     def local_steps_of(self, slot: int) -> LocalSteps | None:
         """Worker ``slot``'s inner steps (None: gradient mode)."""

@@ -10,6 +10,13 @@ own copy of the workers' replica (bit-identical to theirs) from the rows it sent
 (``compare``). A sender whose fingerprint is missing or differs beyond ``--spot-check-tolerance`` is caught:
 its payload is left out and it is benched at once (``decisions.judge``).
 
+Where the coordinator cannot afford that (``decisions.spot_check_method``: a large model on a CPU), the
+same rows go to up to three workers instead (``decisions.redundancy_group``, drawn as rarely): their
+replicas are bit-identical, so honest fingerprints of the same rows agree to float noise, and one that
+differs from two that agree is caught (``decisions.redundancy_verdict``). Their payloads share those rows'
+weight (the rows count once) and are not taken for copies of each other; their own rows of that round are
+not trained.
+
 What it catches: a gradient computed on rows other than those sent (a worker saving its data, or training
 on its own), a made-up or stale gradient, a payload of zeros or noise with tokens claimed for it: whatever
 was not computed on the round's rows at the round's replica. What it cannot: a worker that computes the

@@ -30,7 +30,14 @@ from gradwire.compression import CompressedGradient
 from gradwire.compression.robust import AggregationRule
 from gradwire.coordinator.checkpointer import RunCheckpointer, RunPosition
 from gradwire.coordinator.config import TrainConfig
-from gradwire.coordinator.decisions import FailedRounds, decide_downlink, replay_precision, spot_check
+from gradwire.coordinator.decisions import (
+    FailedRounds,
+    decide_downlink,
+    redundancy_verdict,
+    replay_precision,
+    spot_check,
+    spot_check_method,
+)
 from gradwire.coordinator.export import export_model
 from gradwire.coordinator.gather import Gathered, Gatherer
 from gradwire.coordinator.inputs import load_inputs
@@ -45,7 +52,7 @@ from gradwire.coordinator.tracking import make_tracker
 from gradwire.coordinator.work import WorkPlanner
 from gradwire.link import WorkerLink
 from gradwire.models import lm_loss
-from gradwire.replica import Replica, StateUpdate
+from gradwire.replica import Replica, StateUpdate, compare_fingerprints
 
 log = logging.getLogger("gradwire.coordinator")
 
@@ -67,15 +74,24 @@ class Trainer:
         inputs = load_inputs(config, len(clients))
         self.model, self.spec, self.tokenizer, self.data = inputs.model, inputs.spec, inputs.tokenizer, inputs.data
         self.codec_config = config.codec_config()
-        self.spot_every = config.spot_check_every
+        self.spot_every, self.spot_method = config.spot_check_every, "off"
         if self.spot_every:
             recomputable, why = deterministic(self.spec)
-            if not recomputable:
+            params = sum(p.numel() for p in self.model.parameters())
+            device = str(next(self.model.parameters()).device)
+            self.spot_method, how = spot_check_method(config.spot_check_by, params, device, recomputable)
+            log.log(logging.INFO if recomputable else logging.WARNING, "spot checks: %s (%s)", self.spot_method, how)
+            if self.spot_method == "off":
                 log.warning("spot checks are off: %s", why)
                 self.spot_every = 0
         self._spot_secret = secrets.randbits(63)  # which rounds are checked: no worker can tell
         self.planner = WorkPlanner(
-            config, self.data, self.codec_config, inputs.batch_dtype, fingerprint_gradient=self.spot_every > 0
+            config,
+            self.data,
+            self.codec_config,
+            inputs.batch_dtype,
+            fingerprint_gradient=self.spot_every > 0,
+            redundancy=(self.spot_every if self.spot_method == "redundancy" else 0, self._spot_secret),
         )
         self.outer = make_outer(
             self.model, config.update_rule(), self.codec_config, self.spec, config.seed, config.downlink_codec_config()
@@ -213,7 +229,7 @@ class Trainer:
         t_gathered = time.perf_counter()
         rule = self._aggregation_rule()
         caught, spot = self._spot_check(step, round_, work)
-        gathered = self.gather(round_, step, work.batches, rule, caught)
+        gathered = self.gather(round_, step, work.batches, rule, caught, work.redundant)
         self._log_fates(step, gathered)
         if gathered.aggregator is None:
             self._report(round_, None, gathered)
@@ -224,7 +240,7 @@ class Trainer:
         grad_norm = self.outer.step(
             gathered.aggregator,
             payloads,
-            tuple(float(r.tokens) for r in usable),
+            gathered.weights,
             lr,
             scales=gathered.scales if any(x < 1 for x in gathered.scales) else (),
             rule=rule,
@@ -232,7 +248,7 @@ class Trainer:
             round=step,
             compressed=compressed,
         )
-        tokens = sum(r.tokens for r in usable)
+        tokens = round(sum(gathered.weights))  # rows given to several workers (a spot check) count once
         self.position = RunPosition(step + 1, self.total_tokens + tokens)
         record = round_record(
             self.step,
@@ -257,9 +273,11 @@ class Trainer:
         return record
 
     def _spot_check(self, step: int, round_: RoundOutcome, work: RoundWork) -> tuple[dict[int, str], dict]:
-        """Recompute one sender's first gradient, if this round draws a check (``decisions.spot_check``):
-        the senders caught (slot -> why) and what the metrics record says of the check."""
-        if not work.fingerprint_gradient or work.compute_before_update:  # --overlap: computed a version back
+        """The round's spot check, if it draws one: the senders caught (slot -> why) and what the metrics
+        record says of the check."""
+        if work.redundant:
+            return self._redundancy_check(step, round_, work)
+        if self.spot_method != "recompute" or work.compute_before_update:  # --overlap: computed a version back
             return {}, {}
         senders = {o.slot.index: o for o in round_.outcomes if o.result is not None}
         chosen, _ = spot_check(step, list(senders), self.spot_every, self._spot_secret)
@@ -279,7 +297,40 @@ class Trainer:
             log.warning("step %d: worker %d (%s): %s", step, chosen, address, why)
         else:
             log.debug("step %d: worker %d (%s): %s", step, chosen, address, why)
-        return ({chosen: why} if passed is False else {}), {"worker": address, "passed": passed, "reason": why}
+        record = {"worker": address, "passed": passed, "reason": why, "by": "recompute"}
+        return ({chosen: why} if passed is False else {}), record
+
+    def _redundancy_check(self, step: int, round_: RoundOutcome, work: RoundWork) -> tuple[dict[int, str], dict]:
+        """Compare the fingerprints of the senders given the same rows (``decisions.redundancy_verdict``)."""
+        given = {o.slot.index: o for o in round_.outcomes if o.result is not None and o.slot.index in work.redundant}
+        caught = {
+            i: "spot check: no gradient fingerprint returned, though every order asks for one"
+            for i, o in given.items()
+            if o.result is not None and o.result.gradient_fingerprint is None
+        }
+        prints = {i: o.result.gradient_fingerprint for i, o in given.items() if i not in caught and o.result}
+        members = sorted(prints)
+        agree = {}
+        for n, a in enumerate(members):
+            for b in members[n + 1 :]:
+                same, _ = compare_fingerprints(
+                    prints[a], prints[b], self.replica.numels, self.config.spot_check_tolerance
+                )
+                agree[(a, b)] = same
+        found, summary = redundancy_verdict(members, agree)
+        caught.update(found)
+        unanimous = len(members) >= 2 and all(agree.values())
+        vouched = {m for pair, same in agree.items() if same for m in pair}  # agrees with another: passed
+        for i, o in given.items():  # a dispute counts for nobody
+            ok, failed = o.slot.checks
+            o.slot.checks = (ok + (i in vouched and i not in caught), failed + (i in caught))
+        for i, why in caught.items():
+            log.warning("step %d: worker %d (%s): %s", step, i, given[i].slot.client.address, why)
+        if not caught and "disputed" in summary:
+            log.warning("step %d: spot check by redundancy: %s", step, summary)
+        addresses = [given[i].slot.client.address for i in sorted(given)]
+        passed = False if caught else True if unanimous else None
+        return caught, {"workers": addresses, "passed": passed, "reason": summary, "by": "redundancy"}
 
     def round_work(self, step: int, slots: Sequence[WorkerSlot]) -> RoundWork:
         return self.planner.work(step, slots)

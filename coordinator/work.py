@@ -30,6 +30,7 @@ from gradwire.compression import CodecConfig
 from gradwire.coordinator.balance import MIN_SAMPLES, Slot, Throughput, measure, shares
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.data import TokenSource
+from gradwire.coordinator.decisions import redundancy_group
 from gradwire.coordinator.round import RoundOutcome, RoundWork, WorkerSlot
 from gradwire.protocol import LocalSteps
 
@@ -55,10 +56,14 @@ class WorkPlanner:
         codec: CodecConfig,
         batch_dtype: np.dtype,
         fingerprint_gradient: bool = False,
+        redundancy: tuple[int, int] = (0, 0),
     ) -> None:
-        """``fingerprint_gradient``: spot checks are on, and every order asks for its gradient's fingerprint."""
+        """``fingerprint_gradient``: spot checks are on, and every order asks for its gradient's fingerprint;
+        ``redundancy``: (every, secret) of spot checks by redundancy (``decisions.redundancy_group``; every 0:
+        none): in the rounds they draw, a few workers get the same rows."""
         self.config, self.data, self.codec, self.batch_dtype = config, data, codec, batch_dtype
         self.fingerprint_gradient = fingerprint_gradient
+        self.redundancy = redundancy
         self.estimates: dict[str, Throughput] = {}  # by worker address
         self.current: dict[str, int] = {}  # each worker's share in the last round planned for it
         self.imbalanced = 0  # decisions in a row that found the shares imbalanced (balance.shares)
@@ -81,6 +86,7 @@ class WorkPlanner:
         if cfg.overlap and not cfg.local_sgd and step + 1 < cfg.steps:
             self.data.set_layout((step + 1) * cfg.inner_steps, self._layout(self.plan(step + 1, slots)))
             next_batches = {s.index: self.batch(step + 1, i, s.ranks) for i, s in enumerate(slots)}
+        redundant = self._redundant(step, slots, batches)
         local_steps, own_steps = None, {}
         if cfg.local_sgd:
             optimizer, lrs = cfg.inner_optimizer_config(), cfg.inner_lrs(step)
@@ -107,7 +113,27 @@ class WorkPlanner:
             clip_grad_norm=0.0 if cfg.local_sgd else cfg.clip_grad_norm,  # local steps clip every inner step
             slot_local_steps=own_steps,
             fingerprint_gradient=self.fingerprint_gradient,
+            redundant=redundant,
         )
+
+    def _redundant(self, step: int, slots: Sequence[WorkerSlot], batches: dict[int, np.ndarray]) -> tuple[int, ...]:
+        """A spot check by redundancy, if round ``step`` draws one: the workers given the first one's rows
+        (``batches`` is changed to say so; their own rows of this round are not trained), else ``()``."""
+        every, secret = self.redundancy
+        if not every:
+            return ()
+        cfg = self.config
+        plan = self.plans[step]
+        inner = {s.index: cfg.inner_steps for s in slots}
+        if cfg.local_sgd and cfg.balance == "steps":  # whole inner steps of the default rows per rank
+            inner = {s.index: r // (cfg.batch_size * s.ranks) for s, r in zip(slots, plan.shares)}
+        candidates = [(s.index, (batches[s.index].shape, inner[s.index], s.ranks)) for s in slots]
+        group, why = redundancy_group(step, candidates, every, secret)
+        if group:
+            log.debug("step %d: spot check by redundancy: %s", step, why)
+            for slot in group[1:]:
+                batches[slot] = batches[group[0]]
+        return group
 
     def plan(self, step: int, slots: Sequence[WorkerSlot]) -> Plan:
         """Round ``step``'s shares for ``slots``: as decided before for these workers (a retried round, or

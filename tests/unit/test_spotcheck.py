@@ -13,8 +13,16 @@ import torch
 
 from gradwire import protocol
 from gradwire.compression import CodecConfig
+from gradwire.coordinator import copies
 from gradwire.coordinator.config import TrainConfig
-from gradwire.coordinator.decisions import Standing, judge, spot_check
+from gradwire.coordinator.decisions import (
+    Standing,
+    judge,
+    redundancy_group,
+    redundancy_verdict,
+    spot_check,
+    spot_check_method,
+)
 from gradwire.coordinator.spotcheck import SpotChecker, deterministic, first_rows
 from gradwire.coordinator.trainer import Trainer
 from gradwire.models import build_from_spec, model_spec
@@ -23,8 +31,10 @@ from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import OK, LocalSteps, ModelState, RoundResult, WorkOrder
 from gradwire.replica import Replica
 from gradwire.worker.compute import gradient_step, local_steps
-from gradwire.worker.inprocess import in_process_clients
+from gradwire.worker.inprocess import InProcessClient, in_process_clients
 from gradwire.worker.session import Session
+
+from ..faults import faulty
 
 SPEC = model_spec("gpt-tiny")
 CODEC = CodecConfig(chunk=16, topk=8)
@@ -177,3 +187,79 @@ def test_honest_in_process_workers_pass_every_check_and_runs_can_turn_checks_off
         else:
             assert checks == []
         assert all(r["rejected"] == 0 and r["benched"] == 0 for r in records)
+
+
+# ------------------------------------------------------------------------------------------- by redundancy
+
+
+def test_how_checks_are_made() -> None:
+    assert spot_check_method("auto", 30_000_000, "cpu", True)[0] == "recompute"
+    assert spot_check_method("auto", 7_000_000_000, "cuda:0", True)[0] == "recompute"
+    method, why = spot_check_method("auto", 125_000_000, "cpu", True)
+    assert method == "redundancy" and "125M" in why
+    assert spot_check_method("redundancy", 1000, "cpu", True)[0] == "redundancy"
+    assert spot_check_method("recompute", 10**10, "cpu", True)[0] == "recompute"
+    assert spot_check_method("redundancy", 1000, "cpu", False)[0] == "off"  # dropout: nobody can recompute
+
+
+def test_which_workers_share_rows() -> None:
+    same = ((8, 33), 1, 1)
+    candidates = [(0, same), (1, same), (2, same), (3, same), (5, ((4, 33), 1, 1))]
+    assert redundancy_group(0, candidates, 0, secret=1) == ((), "spot checks are off")
+    groups = [redundancy_group(step, candidates, 1, secret=5)[0] for step in range(8)]
+    assert all(len(g) == 3 and set(g) <= {0, 1, 2, 3} for g in groups)  # never the one of another shape
+    assert {g[0] for g in groups} == {0, 1, 2, 3}  # whose rows they share goes round
+    assert redundancy_group(0, [(0, same), (5, ((4, 33), 1, 1))], 1, secret=5)[0] == ()  # no two alike
+    assert redundancy_group(3, [(0, same), (1, same)], 1, secret=5)[0] in ((0, 1), (1, 0))
+    drawn = [bool(redundancy_group(step, candidates, 5, secret=9)[0]) for step in range(2000)]
+    assert 0.16 < sum(drawn) / len(drawn) < 0.24
+
+
+def test_the_odd_one_out_is_caught_and_a_pair_that_disagrees_is_a_dispute() -> None:
+    assert redundancy_verdict([1, 4, 7], {(1, 4): True, (1, 7): True, (4, 7): True}) == (
+        {},
+        "3 workers computed the same gradient",
+    )
+    caught, why = redundancy_verdict([1, 4, 7], {(1, 4): True, (1, 7): False, (4, 7): False})
+    assert list(caught) == [7] and "1 of 3" in why
+    assert redundancy_verdict([1, 4], {(1, 4): False})[0] == {}  # two that disagree: nobody can tell who
+    assert "disputed" in redundancy_verdict([1, 4, 7], {(1, 4): False, (1, 7): False, (4, 7): False})[1]
+    assert redundancy_verdict([3], {})[0] == {}
+
+
+def test_workers_given_the_same_rows_are_not_taken_for_copies() -> None:
+    digest = np.arange(1, 301, dtype=np.uint64)
+    current = [("a", digest), ("b", digest.copy())]
+    assert list(copies.find_copies(current, [], 0)) == [1]
+    assert copies.find_copies(current, [], 0, together={0, 1}) == {}
+
+
+def _run(tmp_path, name: str, clients: list, **changes: object) -> tuple[Trainer, list[dict]]:
+    settings = dict(model="gpt-tiny", steps=4, batch_size=4, sequence_length=16, eval_every=0, seed=2)
+    config = TrainConfig(output_dir=str(tmp_path / name), spot_check_by="redundancy", spot_check_every=1)
+    config = dataclasses.replace(config, **{**settings, **changes})
+    trainer = Trainer(config, clients, progress=False)
+    try:
+        return trainer, trainer.run()
+    finally:
+        trainer.close()
+
+
+def test_honest_workers_given_the_same_rows_agree_and_those_rows_count_once(tmp_path) -> None:
+    trainer, records = _run(tmp_path, "honest", in_process_clients(3))
+    checks = [r["spot_check"] for r in records]
+    assert all(c["by"] == "redundancy" and c["passed"] is True and len(c["workers"]) == 3 for c in checks), checks
+    assert all(r["rejected"] == 0 and r["benched"] == 0 for r in records)  # the same rows are no copies
+    assert records[-1]["total_tokens"] == 4 * 4 * 16  # every round, one worker's rows: counted once
+    assert all(r["pushes"] == 0 for r in records[1:])  # the shared-out weights replay alike everywhere
+    assert [s.checks for s in trainer.slots] == [(4, 0)] * 3
+
+
+def test_a_worker_computing_on_other_rows_is_caught_by_the_two_it_shares_rows_with(tmp_path) -> None:
+    clients = in_process_clients(2) + [InProcessClient(faulty("other-rows")(), "in-process-bad")]
+    trainer, records = _run(tmp_path, "bad", clients)
+    first = records[0]["spot_check"]
+    assert first["passed"] is False and "1 of 3" in first["reason"]
+    assert records[0]["rejected"] == 1 and records[1]["benched"] == 1  # left out, benched at once
+    assert [s.checks for s in trainer.slots][:2] == [(4, 0), (4, 0)]  # the honest pair, checked on
+    assert trainer.slots[2].checks == (0, 1)
