@@ -15,7 +15,8 @@ One JSON object:
   agreement score, benching), and once more without them for both sign flippers: held-out loss, its ratio
   to the honest pair's (the target: within 1.02), the rounds in which the bad worker was clipped, left out
   or benched, the first round it was benched in, the lowest agreement score of the run, and the spot checks
-  (``--spot-check-every``, default 10 as in training): how many ran and the rounds whose check failed.
+  (``--spot-check-every``, default 10 as in training, and ``--spot-check-by``): how many ran and the rounds
+  whose check failed.
 """
 
 from __future__ import annotations
@@ -191,7 +192,7 @@ def train_with(
     }
 
 
-def run_bad_workers(steps: int, spot_check_every: int = 10) -> dict:
+def run_bad_workers(steps: int, spot_check_every: int = 10, spot_check_by: str = "auto") -> dict:
     def honest() -> WorkerEngine:
         return WorkerEngine("cpu")
 
@@ -207,7 +208,7 @@ def run_bad_workers(steps: int, spot_check_every: int = 10) -> dict:
         "zeros": faulty("zeros"),
     }
     with tempfile.TemporaryDirectory() as tmp:
-        checks = {"spot_check_every": spot_check_every}
+        checks = {"spot_check_every": spot_check_every, "spot_check_by": spot_check_by}
         out = {"steps": steps, "honest_pair": train_with([honest, honest], steps, f"{tmp}/honest", **checks)}
         out.update(checks)
         base = out["honest_pair"]["held_out_loss"]
@@ -231,11 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--spot-check-every", type=int, default=10, help="the bad-worker runs' --spot-check-every (the default)"
     )
+    parser.add_argument("--spot-check-by", default="auto", help="the bad-worker runs' --spot-check-by")
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     args = parser.parse_args(argv)
     result = {
         "fuzz": run_fuzz(args.calls, args.seconds),
-        "bad_workers": run_bad_workers(args.steps, args.spot_check_every),
+        "bad_workers": run_bad_workers(args.steps, args.spot_check_every, args.spot_check_by),
     }
     print(json.dumps(result, indent=None if args.json else 2))
     return 0

@@ -117,8 +117,12 @@ class WorkPlanner:
         )
 
     def _redundant(self, step: int, slots: Sequence[WorkerSlot], batches: dict[int, np.ndarray]) -> tuple[int, ...]:
-        """A spot check by redundancy, if round ``step`` draws one: the workers given the first one's rows
-        (``batches`` is changed to say so; their own rows of this round are not trained), else ``()``."""
+        """A spot check by redundancy, if round ``step`` draws one: the workers given the same rows, else ``()``.
+
+        The group (``decisions.redundancy_group``) is of workers with as many inner steps and ranks, of one
+        node mode; each is given, per inner step, the first rows of the first one's, as many as the smallest
+        share among them (``batches`` is changed to say so): no one gets more than its share, so no one is
+        made slower. Rows the group's shares held beyond those are not trained this round."""
         every, secret = self.redundancy
         if not every:
             return ()
@@ -127,12 +131,17 @@ class WorkPlanner:
         inner = {s.index: cfg.inner_steps for s in slots}
         if cfg.local_sgd and cfg.balance == "steps":  # whole inner steps of the default rows per rank
             inner = {s.index: r // (cfg.batch_size * s.ranks) for s, r in zip(slots, plan.shares)}
-        candidates = [(s.index, (batches[s.index].shape, inner[s.index], s.ranks)) for s in slots]
+        candidates = [(s.index, (inner[s.index], s.ranks, s.node_mode)) for s in slots]
         group, why = redundancy_group(step, candidates, every, secret)
         if group:
             log.debug("step %d: spot check by redundancy: %s", step, why)
-            for slot in group[1:]:
-                batches[slot] = batches[group[0]]
+            h = inner[group[0]]
+            rows = min(batches[s].shape[0] // h for s in group)  # each a multiple of the (same) ranks
+            first = batches[group[0]]
+            per_step = first.shape[0] // h
+            shared = np.concatenate([first[i * per_step : i * per_step + rows] for i in range(h)])
+            for slot in group:
+                batches[slot] = shared
         return group
 
     def plan(self, step: int, slots: Sequence[WorkerSlot]) -> Plan:

@@ -214,3 +214,34 @@ def test_balance_is_checked_and_steps_needs_local_sgd() -> None:
     with pytest.raises(ValueError, match="--balance steps .*--inner-steps > 1"):
         TrainConfig(balance="steps")
     assert TrainConfig().balance == "rows" and TrainConfig(inner_steps=2, balance="steps").balance == "steps"
+
+
+@pytest.mark.parametrize("local_sgd", [False, True], ids=["gradient", "local-sgd"])
+def test_a_redundancy_check_gives_its_group_the_same_rows_no_more_than_each_ones_share(
+    text: str, tmp_path: Path, local_sgd: bool
+) -> None:
+    """Workers of unequal shares (a fast and a slow one) still share rows: per inner step, the first rows of
+    the first one's, as many as the smaller share; the round's other rows are not sent to anyone twice."""
+    changes = {"inner_steps": 2, "inner_learning_rate": 1e-3} if local_sgd else {}
+    planner = _planner(text, tmp_path, **changes)
+    planner.redundancy = (1, 0)  # every round draws a check
+    slots = [_slot(0, "fast:1"), _slot(1, "slow:1")]
+    _measured(planner, {"fast:1": 3000.0, "slow:1": 1000.0})
+    for _ in range(3):  # shares move only after PATIENCE imbalanced decisions
+        planner.plan(len(planner.plans), slots)
+    step = len(planner.plans)
+    plain = WorkPlanner(planner.config, planner.data, planner.codec, planner.batch_dtype)
+    plain.estimates, plain.current, plain.imbalanced = dict(planner.estimates), dict(planner.current), 0
+    own = plain.work(step, slots).batches  # what each would have got without the check
+    work = planner.work(step, slots)
+    assert set(work.redundant) == {0, 1}
+    shares = [own[0].shape[0], own[1].shape[0]]
+    assert shares[0] != shares[1]  # the shares differ
+    h = 2 if local_sgd else 1
+    rows = min(shares) // h
+    first = own[work.redundant[0]]
+    per = first.shape[0] // h
+    expected = np.concatenate([first[i * per : i * per + rows] for i in range(h)])
+    for slot in (0, 1):
+        assert np.array_equal(work.batches[slot], expected)
+        assert work.batches[slot].shape[0] <= own[slot].shape[0]

@@ -203,13 +203,13 @@ def test_how_checks_are_made() -> None:
 
 
 def test_which_workers_share_rows() -> None:
-    same = ((8, 33), 1, 1)
-    candidates = [(0, same), (1, same), (2, same), (3, same), (5, ((4, 33), 1, 1))]
+    same = (1, 1, "")  # inner steps, ranks, node mode
+    candidates = [(0, same), (1, same), (2, same), (3, same), (5, (1, 2, "ddp"))]
     assert redundancy_group(0, candidates, 0, secret=1) == ((), "spot checks are off")
     groups = [redundancy_group(step, candidates, 1, secret=5)[0] for step in range(8)]
     assert all(len(g) == 3 and set(g) <= {0, 1, 2, 3} for g in groups)  # never the one of another shape
     assert {g[0] for g in groups} == {0, 1, 2, 3}  # whose rows they share goes round
-    assert redundancy_group(0, [(0, same), (5, ((4, 33), 1, 1))], 1, secret=5)[0] == ()  # no two alike
+    assert redundancy_group(0, [(0, same), (5, (1, 2, "ddp"))], 1, secret=5)[0] == ()  # no two alike
     assert redundancy_group(3, [(0, same), (1, same)], 1, secret=5)[0] in ((0, 1), (1, 0))
     drawn = [bool(redundancy_group(step, candidates, 5, secret=9)[0]) for step in range(2000)]
     assert 0.16 < sum(drawn) / len(drawn) < 0.24
