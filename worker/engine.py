@@ -48,6 +48,7 @@ import gradwire
 from gradwire import protocol, statestream
 from gradwire.compression import CompressedGradient, DecodedGradient, NonFiniteInput, serde, shard
 from gradwire.errors import AccessDenied, TooLarge
+from gradwire.memory import give_back_freed_memory
 from gradwire.models import spec_elements
 from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import (
@@ -126,6 +127,7 @@ class WorkerEngine:
         # each new calling thread gets an OpenMP team of its own, and idle teams spinning beside the busy
         # one cost ~5-15% of a CPU step (measured on gpt-10m: 2.21 s on one thread, 2.33-2.56 s on fresh ones).
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradwire-compute")
+        self._giving_back = False  # a split node's rank gives freed memory back (gradwire.memory)
         self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradwire-ahead")  # fingerprints
         self.lookaheads: collections.Counter[str] = (
             collections.Counter()
@@ -323,6 +325,9 @@ class WorkerEngine:
         as ``placement`` says (default: ``_placement_for``). Each rank of a node keeps its own share of it:
         ``Session.load``."""
         placement = placement or self._placement_for(header)
+        if placement.split and not self._giving_back:
+            # A node splits a model because memory is short: its ranks give freed memory back (gradwire.memory).
+            self._giving_back = give_back_freed_memory()
         return Session(header, self.device, owner, self.max_model_params, self.rank_memory, placement)
 
     def _install(self, session: Session) -> tuple[int, Fingerprint]:

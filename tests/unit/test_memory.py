@@ -46,3 +46,31 @@ def test_codec_buffers_are_reused_not_refaulted():
 def test_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("GRADWIRE_KEEP_MEMORY", "0")
     assert keep_freed_memory() is False
+
+
+GIVE_BACK = """
+import sys, torch
+from gradwire.memory import give_back_freed_memory, keep_freed_memory
+
+def rss_mb():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+keep_freed_memory()
+big = torch.ones(256 * 2**20 // 4)  # 256 MB, touched
+del big
+kept = rss_mb()
+took = give_back_freed_memory()
+after = rss_mb()
+big = torch.ones(256 * 2**20 // 4)
+del big
+print(took, kept, after, rss_mb())
+"""
+
+
+def test_a_rank_that_must_save_memory_gives_freed_memory_back():
+    out = subprocess.run([sys.executable, "-c", GIVE_BACK], capture_output=True, text=True, timeout=120, check=True)
+    took, kept, after, again = out.stdout.split()
+    assert took == "True"
+    # Kept, 256 MB freed stay resident; given back, they leave at once, and so does the next 256 MB freed.
+    assert float(kept) - float(after) > 200 and float(again) - float(after) < 50, out.stdout
