@@ -23,14 +23,16 @@ from gradwire.worker.sizing import GB, HEADROOM, state_bytes
 from .conftest import run_trainer
 from .test_node import (
     TIMEOUT,
+    Node,
     _local,
     assert_close,
     batch,
     node,
     node_config,
-    node_rounds,
+    nodes,
     resume_against_straight,
     state,
+    versus_ddp,
 )
 
 
@@ -39,8 +41,7 @@ from .test_node import (
     ("local", "ranks"), [(False, 2), (True, 2), (True, 4)], ids=["gradient", "local-sgd", "local-sgd-4-ranks"]
 )
 def test_a_sharded_node_computes_what_a_ddp_node_computes(tmp_path, local: bool, ranks: int):
-    ddp = node_rounds(tmp_path, "--node-mode", "ddp", local=local, ranks=ranks)
-    fsdp = node_rounds(tmp_path, "--node-mode", "fsdp", local=local, ranks=ranks)
+    fsdp, ddp = versus_ddp(tmp_path, "--node-mode", "fsdp", local=local, ranks=ranks)
     for a, b in zip(fsdp[:2], ddp[:2]):
         assert_close(a, b, atol=1e-4)
     # Compressed: each rank encoded its own tensors; the payload decodes to what the DDP node's does (a
@@ -122,15 +123,15 @@ def test_auto_shards_a_model_that_does_not_fit_a_rank_whole_and_refuses_one_that
     elements = spec_elements(json.loads(st.model_json))
     between = _between()
     order = WorkOrder("run", 0, 0, batch(8), DENSE_CODEC, replica.fingerprint(), local_steps=_local(2, lr=0.05))
-    with node(tmp_path, "--rank-memory-gb", f"{between:.9f}") as (address, _):
+    fits, never = Node(("--rank-memory-gb", f"{between:.9f}")), Node(("--rank-memory-gb", f"{between / 4:.9f}"))
+    with nodes(tmp_path, fits, never) as [(address, _), (small, _)]:
         with WorkerClient(address, timeout=TIMEOUT) as client:
             assert client.describe().node_mode == "auto"  # nothing pushed yet
             client.push_state(st)
             assert client.describe().node_mode == "fsdp"
             result, _ = client.run_round(order)
             assert result.status == OK
-    with node(tmp_path, "--rank-memory-gb", f"{between / 4:.9f}") as (address, _):
-        with WorkerClient(address, timeout=TIMEOUT) as client, pytest.raises(WorkerError) as e:
+        with WorkerClient(small, timeout=TIMEOUT) as client, pytest.raises(WorkerError) as e:
             client.push_state(st)
     assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert f"{elements:,} parameters" in e.value.details and "even sharded over 2 ranks" in e.value.details

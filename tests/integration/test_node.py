@@ -8,6 +8,7 @@ and a node that loses a rank fails its round, restarts, and rejoins.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import grpc
 import numpy as np
@@ -34,7 +36,7 @@ from gradwire.optim.inner import InnerOptimizerConfig
 from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import OK, LocalSteps, ModelState, RoundResult, WorkOrder
 from gradwire.replica import Replica, StateUpdate
-from gradwire.transport import free_port
+from gradwire.transport import free_port, grpc_options
 from gradwire.v1 import worker_pb2 as pb
 from gradwire.v1 import worker_pb2_grpc
 from gradwire.worker.engine import WorkerEngine
@@ -46,11 +48,57 @@ SPEC = model_spec("gpt-tiny")
 TIMEOUT = 60.0
 
 
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """How to start a node: ``node``'s arguments."""
+
+    flags: tuple[str, ...] = ()
+    ranks: int = 2
+    torchrun: bool = False
+    timeout: float = 20.0
+
+
 @contextlib.contextmanager
 def node(
     tmp_path: Path, *flags: str, ranks: int = 2, torchrun: bool = False, timeout: float = 20.0
 ) -> Iterator[tuple[str, subprocess.Popen]]:
     """A node of ``ranks`` CPU ranks serving on a free loopback port; yields its address and process."""
+    with nodes(tmp_path, Node(flags, ranks, torchrun, timeout)) as [started]:
+        yield started
+
+
+@contextlib.contextmanager
+def nodes(tmp_path: Path, *specs: Node) -> Iterator[list[tuple[str, subprocess.Popen]]]:
+    """A node of each of ``specs`` (separate processes, as ``node``'s), started together and stopped
+    together: a node's start-up is mostly one process importing torch, so on a few cores two overlap well.
+    Yields each one's address and process, once all are ready."""
+    started: list[tuple[int, subprocess.Popen, IO[str]]] = []
+    try:
+        for spec in specs:
+            started.append(_launch(tmp_path, spec))
+        for port, proc, _ in started:
+            wait_listening(port, proc, 60.0)
+            with WorkerClient(f"127.0.0.1:{port}", timeout=TIMEOUT) as client:
+                client.wait_ready(timeout=60.0)
+        yield [(f"127.0.0.1:{port}", proc) for port, proc, _ in started]
+    finally:
+        for _, proc, _ in started:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for _, proc, log in started:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            log.seek(0)
+            output = log.read()
+            log.close()
+            print(output)  # shown when a test fails
+
+
+def _launch(tmp_path: Path, spec: Node) -> tuple[int, subprocess.Popen, IO[str]]:
+    """Start a node of ``spec`` on a free loopback port (not yet ready); its port, process and log."""
     port = free_port()
     serve = [
         "serve",
@@ -61,16 +109,16 @@ def node(
         "--device",
         "cpu",
         "--node-timeout",
-        str(timeout),
-        *flags,
+        str(spec.timeout),
+        *spec.flags,
     ]
-    if torchrun:
+    if spec.torchrun:
         cmd = [
             sys.executable,
             "-m",
             "torch.distributed.run",
             "--nproc-per-node",
-            str(ranks),
+            str(spec.ranks),
             "--master-port",
             str(free_port()),
             "-m",
@@ -78,31 +126,18 @@ def node(
             *serve,
         ]
     else:
-        cmd = [sys.executable, "-m", "gradwire.worker", *serve, "--nproc-per-node", str(ranks)]
+        cmd = [sys.executable, "-m", "gradwire.worker", *serve, "--nproc-per-node", str(spec.ranks)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    log = open(tmp_path / f"node-{port}.log", "w+")  # noqa: SIM115 - closed below, after the process
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    address = f"127.0.0.1:{port}"
+    log = open(tmp_path / f"node-{port}.log", "w+")  # noqa: SIM115 - closed by ``nodes``, after the process
     try:
-        _wait_listening(port, proc, 60.0)
-        with WorkerClient(address, timeout=TIMEOUT) as client:
-            client.wait_ready(timeout=60.0)
-        yield address, proc
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.seek(0)
-        output = log.read()
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    except BaseException:
         log.close()
-        print(output)  # shown when a test fails
+        raise
+    return port, proc, log
 
 
-def _wait_listening(port: int, proc: subprocess.Popen, seconds: float) -> None:
+def wait_listening(port: int, proc: subprocess.Popen, seconds: float) -> None:
     """Until something accepts connections on ``port`` (or ``proc`` exits, or ``seconds`` pass). A gRPC
     channel to a port not yet bound backs off between attempts (1 s, 1.6 s, 2.6 s, 4.1 s...), so a node
     that binds ~10 s after it starts was only seen ready ~5 s later; ``wait_ready`` then checks SERVING."""
@@ -146,12 +181,38 @@ def node_rounds(
     """Three rounds of a node of ``flags``: two exact ones, the second replaying the first's payload (so it
     checks the replay on the node's replica and its fingerprint), then a compressed one. Returns each
     round's decoded contribution. ``start``: the coordinator's replica and the state pushed (``state()``)."""
-    replica, st = start or state()
+    (rounds,) = nodes_rounds(tmp_path, flags, local=local, ranks=ranks, starts=[start or state()], clip=clip)
+    return rounds
+
+
+def nodes_rounds(
+    tmp_path: Path,
+    *flag_sets: tuple[str, ...],
+    local: bool,
+    ranks: int = 2,
+    starts: list[tuple[Replica, ModelState]] | None = None,
+    clip: float = 0.0,
+) -> list[list[dict[str, torch.Tensor]]]:
+    """``node_rounds`` of a node of each of ``flag_sets``, the nodes started together (``nodes``), then
+    each one's rounds in turn. ``starts``: each node's ``start`` (default: a ``state()`` each)."""
+    starts = starts or [state() for _ in flag_sets]
+    assert len(starts) == len(flag_sets)
+    with nodes(tmp_path, *(Node(tuple(flags), ranks) for flags in flag_sets)) as started:
+        return [
+            _rounds_on(address, replica, st, local=local, clip=clip)
+            for (address, _), (replica, st) in zip(started, starts)
+        ]
+
+
+def _rounds_on(
+    address: str, replica: Replica, st: ModelState, *, local: bool, clip: float
+) -> list[dict[str, torch.Tensor]]:
+    """``node_rounds``' three rounds on the node at ``address``, from ``replica`` and ``st``."""
     steps = _local(2, lr=0.05) if local else None
     rows = 8 if local else 4
     codec = DENSE_CODEC
     out = []
-    with node(tmp_path, *flags, ranks=ranks) as (address, _), WorkerClient(address, timeout=TIMEOUT) as client:
+    with WorkerClient(address, timeout=TIMEOUT) as client:
         client.push_state(st)
         first, _ = client.run_round(
             WorkOrder("run", 0, 0, batch(rows), codec, replica.fingerprint(), local_steps=steps, clip_grad_norm=clip)
@@ -172,6 +233,24 @@ def node_rounds(
         assert third.status == OK, third.reason
         out.append(replica.codec(CodecConfig()).decompress(third.gradient))
     return out
+
+
+# A DDP node's ``node_rounds`` from ``state()``, by (local, ranks): the same every time, so each is computed
+# once in a session (by whichever test needs it first) and shared by the tests that compare against it.
+_DDP_ROUNDS: dict[tuple[bool, int], list[dict[str, torch.Tensor]]] = {}
+
+
+def versus_ddp(
+    tmp_path: Path, *flags: str, local: bool, ranks: int = 2
+) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
+    """``node_rounds`` from ``state()`` of a node of ``flags`` and of a DDP node of as many ranks (started
+    together, where this session has not computed the DDP node's yet)."""
+    key = (local, ranks)
+    if key in _DDP_ROUNDS:
+        return node_rounds(tmp_path, *flags, local=local, ranks=ranks), _DDP_ROUNDS[key]
+    got, ddp = nodes_rounds(tmp_path, flags, ("--node-mode", "ddp"), local=local, ranks=ranks)
+    _DDP_ROUNDS[key] = ddp
+    return got, ddp
 
 
 def test_a_ddp_node_computes_what_one_worker_computes_on_the_whole_batch(tmp_path):
@@ -241,15 +320,17 @@ def test_local_sgd_among_ranks_is_ddp_at_s1_and_model_averaging_at_s_h(tmp_path)
     h = 3
     order = WorkOrder("run", 0, 0, batch(4 * h), DENSE_CODEC, replica.fingerprint(), local_steps=_local(h))
     results = {}
-    for mode, flags in {
+    modes = {
         "ddp": (),
         "s1": ("--node-mode", "local-sgd", "--node-sync-steps", "1"),
         "sh": ("--node-mode", "local-sgd"),
-    }.items():
-        with node(tmp_path, *flags) as (address, _), WorkerClient(address, timeout=TIMEOUT) as client:
-            client.push_state(st)
-            result, _ = client.run_round(order)
-            results[mode] = contribution(replica, result)
+    }
+    with nodes(tmp_path, *(Node(flags) for flags in modes.values())) as started:
+        for mode, (address, _) in zip(modes, started):
+            with WorkerClient(address, timeout=TIMEOUT) as client:
+                client.push_state(st)
+                result, _ = client.run_round(order)
+                results[mode] = contribution(replica, result)
     assert_close(results["s1"], results["ddp"])
     # S = H: each rank takes H SGD steps on its own rows; the node returns the average model's delta.
     models = []
@@ -304,7 +385,7 @@ def node_config(out: Path, steps: int, **changes: object) -> TrainConfig:
 
 
 def test_a_coordinator_trains_with_two_nodes_one_under_torchrun(tmp_path):
-    with node(tmp_path) as (a, _), node(tmp_path, torchrun=True) as (b, _):
+    with nodes(tmp_path, Node(), Node(torchrun=True)) as [(a, _), (b, _)]:
         config = node_config(tmp_path / "run", 6)
         run_trainer(config, [WorkerClient(a, timeout=TIMEOUT), WorkerClient(b, timeout=TIMEOUT)])
     records = read_metrics(tmp_path / "run")
@@ -315,21 +396,21 @@ def test_a_coordinator_trains_with_two_nodes_one_under_torchrun(tmp_path):
 
 
 def resume_against_straight(tmp_path: Path, *flags: str) -> dict[str, dict[str, torch.Tensor]]:
-    """A node of ``flags`` trains 4 local-SGD rounds straight; a fresh one trains 2, and a third, fresh again
-    (new processes: nothing of the second's state survives), resumes from that checkpoint to 4. Asserts
-    that both end bit for bit alike; returns the checkpoint's tensor groups."""
+    """A node of ``flags`` trains 4 local-SGD rounds straight, then 2 rounds of another run; a second node,
+    fresh (new processes that have served nothing: none of that run's state is in them), resumes from that
+    checkpoint to 4. Asserts that both runs end bit for bit alike; returns the checkpoint's tensor groups.
+    (The runs are separate sessions on the first node; anything one left to the next could only make the
+    straight run or the checkpoint differ from what the fresh node computes.)"""
 
     def config(name: str, steps: int, **changes: object) -> TrainConfig:
         return node_config(tmp_path / name, steps, checkpoint_every=0, **changes)
 
-    with node(tmp_path, *flags) as (address, _):
-        straight = run_trainer(config("straight", 4), [WorkerClient(address, timeout=TIMEOUT)])
-    with node(tmp_path, *flags) as (address, _):
-        first = run_trainer(config("resumed", 2), [WorkerClient(address, timeout=TIMEOUT)])
-    assert first.last_checkpoint is not None
-    with node(tmp_path, *flags) as (address, _):
+    with nodes(tmp_path, Node(flags), Node(flags)) as [(used, _), (fresh, _)]:
+        straight = run_trainer(config("straight", 4), [WorkerClient(used, timeout=TIMEOUT)])
+        first = run_trainer(config("resumed", 2), [WorkerClient(used, timeout=TIMEOUT)])
+        assert first.last_checkpoint is not None
         resumed = run_trainer(
-            config("resumed", 4, resume_from=str(first.last_checkpoint)), [WorkerClient(address, timeout=TIMEOUT)]
+            config("resumed", 4, resume_from=str(first.last_checkpoint)), [WorkerClient(fresh, timeout=TIMEOUT)]
         )
     for (name, p), (_, q) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
         assert torch.equal(p, q), name
@@ -348,15 +429,17 @@ def test_a_node_that_diverges_forgets_the_inner_state_on_every_rank(tmp_path):
         steps = LocalSteps(3, sgd, (lr,) * 3)
         return WorkOrder("run", 0, 0, batch(12), DENSE_CODEC, replica.fingerprint(), local_steps=steps)
 
-    with node(tmp_path, "--node-mode", "local-sgd") as (address, _), WorkerClient(address, timeout=TIMEOUT) as client:
-        client.push_state(st)
-        with pytest.raises(WorkerError) as info:
-            client.run_round(order(1e6))
-        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION and "diverged" in info.value.details
-        after, _ = client.run_round(order(0.05))
-    with node(tmp_path, "--node-mode", "local-sgd") as (address, _), WorkerClient(address, timeout=TIMEOUT) as client:
-        client.push_state(st)
-        fresh, _ = client.run_round(order(0.05))
+    flags = ("--node-mode", "local-sgd")
+    with nodes(tmp_path, Node(flags), Node(flags)) as [(diverging, _), (other, _)]:  # the second: a fresh node
+        with WorkerClient(diverging, timeout=TIMEOUT) as client:
+            client.push_state(st)
+            with pytest.raises(WorkerError) as info:
+                client.run_round(order(1e6))
+            assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION and "diverged" in info.value.details
+            after, _ = client.run_round(order(0.05))
+        with WorkerClient(other, timeout=TIMEOUT) as client:
+            client.push_state(st)
+            fresh, _ = client.run_round(order(0.05))
     assert_close(contribution(replica, after), contribution(replica, fresh), atol=0)
 
 
@@ -382,7 +465,7 @@ def _rank_pid(launcher: subprocess.Popen, rank: int) -> int:
 @pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["dies", "hangs"])
 def test_a_node_that_loses_a_rank_fails_its_round_restarts_and_rejoins(tmp_path, fault):
     # The node's collectives time out after 5 s: a hung rank fails the round well within its 30 s deadline.
-    with node(tmp_path, timeout=5.0) as (a, launcher), node(tmp_path, ranks=1) as (b, _):
+    with nodes(tmp_path, Node(timeout=5.0), Node(ranks=1)) as [(a, launcher), (b, _)]:
         config = TrainConfig(
             model="gpt-tiny",
             steps=12,
@@ -394,7 +477,11 @@ def test_a_node_that_loses_a_rank_fails_its_round_restarts_and_rejoins(tmp_path,
         )
         from gradwire.coordinator.trainer import Trainer
 
-        trainer = Trainer(config, [WorkerClient(a, timeout=30.0), WorkerClient(b, timeout=30.0)], progress=False)
+        # The restarted node is dialled again within a second of listening (the client's own reconnect
+        # backoff grows to 10 s while the node restarts, which would only add to this test's wait).
+        redial = grpc.insecure_channel(a, options=[*grpc_options(), ("grpc.max_reconnect_backoff_ms", 1000)])
+        clients = [WorkerClient(a, timeout=30.0, channel=redial), WorkerClient(b, timeout=30.0)]
+        trainer = Trainer(config, clients, progress=False)
         try:
             trainer.connect()
             records = [trainer.train_step() for _ in range(2)]
@@ -406,7 +493,6 @@ def test_a_node_that_loses_a_rank_fails_its_round_restarts_and_rejoins(tmp_path,
             while time.monotonic() < deadline:  # the launcher restarts the node; it rejoins after a push
                 record = trainer.train_step()
                 records.append(record)
-                print(time.monotonic() - t0, record and (record["step"], record["successful_workers"]), flush=True)
                 if record and record["successful_workers"] == 2 and record["step"] > 3:
                     break
         finally:

@@ -18,7 +18,7 @@ from gradwire.protocol import ModelState
 from gradwire.replica import Replica
 
 from .conftest import run_trainer
-from .test_node import TIMEOUT, assert_close, node, node_config, node_rounds, resume_against_straight
+from .test_node import TIMEOUT, assert_close, node, node_config, nodes_rounds, resume_against_straight
 
 
 def _gpt(layers: int) -> dict:
@@ -49,8 +49,13 @@ def _state(spec: dict) -> tuple[Replica, ModelState]:
     return replica, ModelState("run", 0, json.dumps(spec), params, replica.rule.to_json())
 
 
-def _rounds(tmp_path, *flags: str, spec: dict | None = None, ranks: int = 2, **kwargs) -> list:
-    return node_rounds(tmp_path, *flags, ranks=ranks, start=_state(spec or _gpt(ranks)), **kwargs)
+def _versus_ddp(tmp_path, *flags: str, spec: dict | None = None, ranks: int = 2, **kwargs) -> list[list]:
+    """``node_rounds`` of a node of ``flags`` and of a DDP node, each from its own ``_state(spec)`` (the
+    nodes started together: ``nodes_rounds``)."""
+    spec = spec or _gpt(ranks)
+    return nodes_rounds(
+        tmp_path, flags, ("--node-mode", "ddp"), ranks=ranks, starts=[_state(spec), _state(spec)], **kwargs
+    )
 
 
 def _same_direction(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -81,8 +86,7 @@ def test_a_pipelined_node_computes_what_a_ddp_node_computes(tmp_path, local: boo
     # Gradient mode clips the first round's gradient: by the whole model's norm, over every stage's
     # tensors (the tied embedding once).
     clip = 0.0 if local else 0.05
-    ddp = _rounds(tmp_path, "--node-mode", "ddp", local=local, ranks=ranks, clip=clip)
-    pipe = _rounds(tmp_path, "--node-mode", "pipeline", *flags, local=local, ranks=ranks, clip=clip)
+    pipe, ddp = _versus_ddp(tmp_path, "--node-mode", "pipeline", *flags, local=local, ranks=ranks, clip=clip)
     if clip:
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in pipe[0].values()]))
         assert norm == pytest.approx(clip, rel=1e-4)
@@ -93,8 +97,7 @@ def test_a_pipelined_node_computes_what_a_ddp_node_computes(tmp_path, local: boo
 
 @pytest.mark.slow
 def test_a_pipelined_node_runs_a_llama_family_hf_model(tmp_path):
-    ddp = _rounds(tmp_path, "--node-mode", "ddp", local=False, spec=LLAMA)
-    pipe = _rounds(tmp_path, "--node-mode", "pipeline", local=False, spec=LLAMA)
+    pipe, ddp = _versus_ddp(tmp_path, "--node-mode", "pipeline", local=False, spec=LLAMA)
     for a, b in zip(pipe[:2], ddp[:2]):
         assert_close(a, b, atol=1e-4)
     _same_direction(pipe[2], ddp[2])

@@ -19,6 +19,7 @@ from gradwire.worker.engine import WorkerEngine
 
 from ..faults import faulty
 from .conftest import live_workers, train, worker_process
+from .test_node import wait_listening
 
 STALLED = {2, 3}
 
@@ -80,6 +81,8 @@ def test_a_sigstopped_worker_process_does_not_hold_rounds_and_rejoins_after_sigc
             min_workers=2,
             straggler_grace="0.5",
         )
+        for proc, client in zip(procs, clients):  # listening, before the clients dial (and back off)
+            wait_listening(int(client.address.rpartition(":")[2]), proc, 60.0)
         trainer = Trainer(config, clients, progress=False)
         try:
             trainer.connect()
@@ -119,7 +122,22 @@ def test_a_state_push_in_flight_can_be_cancelled() -> None:
     state = ModelState(
         "run-1", 0, json.dumps(spec), {n: p.detach() for n, p in model.named_parameters()}, '{"optimizer": "signsgd"}'
     )
-    with live_workers(1, faulty("stall-push", factor=4.0)) as (worker,):
+    pushed = threading.Event()  # set once the worker is done with the push, however it ended
+
+    def stalling() -> WorkerEngine:
+        engine = faulty("stall-push", factor=4.0)()
+        push_parts = engine.push_parts
+
+        def push_and_tell(*args: object, **kwargs: object) -> object:
+            try:
+                return push_parts(*args, **kwargs)
+            finally:
+                pushed.set()
+
+        engine.push_parts = push_and_tell  # what the servicer calls
+        return engine
+
+    with live_workers(1, stalling) as (worker,):
         client = worker.client(timeout=30)
         errors: list[WorkerError] = []
 
@@ -136,8 +154,7 @@ def test_a_state_push_in_flight_can_be_cancelled() -> None:
         client.cancel()
         thread.join(10)
         assert time.monotonic() - t0 < 3.0 and [e.code for e in errors] == [grpc.StatusCode.CANCELLED]
-        # The worker itself finishes the push it sat on; let it, before another test shares this process
-        # (building the model draws from torch's global generator, which the next run's seed would meet).
-        deadline = time.monotonic() + 30
-        while "run-1" not in worker.engine.sessions and time.monotonic() < deadline:
-            time.sleep(0.05)
+        # The worker itself sits out the push (4 s) and then ends it (the stream it reads was cancelled);
+        # let it, before another test shares this process (building a model draws from torch's global
+        # generator, which the next run's seed would meet).
+        pushed.wait(30)

@@ -20,13 +20,14 @@ from gradwire.replica import StateUpdate
 from .test_node import (
     SPEC,
     TIMEOUT,
+    Node,
     assert_close,
     batch,
     contribution,
-    node,
-    node_rounds,
+    nodes,
     resume_against_straight,
     state,
+    versus_ddp,
 )
 
 pytestmark = pytest.mark.slow
@@ -34,16 +35,11 @@ pytestmark = pytest.mark.slow
 ZERO = {stage: ("--node-mode", "fsdp", "--node-shard", stage) for stage in ("optimizer", "gradients")}
 
 
-@pytest.fixture(scope="module")
-def ddp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, torch.Tensor]]:
-    """A DDP node's local-SGD rounds (``node_rounds``). (Gradient mode differs from ZeRO-3's, which
-    test_fsdp_node checks, only in when FSDP2 regathers a block's parameters.)"""
-    return node_rounds(tmp_path_factory.mktemp("ddp"), "--node-mode", "ddp", local=True)
-
-
 @pytest.mark.parametrize("shard", ["gradients", "optimizer"], ids=["zero2", "zero1"])
-def test_a_zero_stages_local_sgd_rounds_are_a_ddp_nodes(tmp_path, ddp, shard: str):
-    got = node_rounds(tmp_path, *ZERO[shard], local=True)
+def test_a_zero_stages_local_sgd_rounds_are_a_ddp_nodes(tmp_path, shard: str):
+    # Against a DDP node's local-SGD rounds (computed once a session: versus_ddp). (Gradient mode differs
+    # from ZeRO-3's, which test_fsdp_node checks, only in when FSDP2 regathers a block's parameters.)
+    got, ddp = versus_ddp(tmp_path, *ZERO[shard], local=True)
     for a, b in zip(got[:2], ddp[:2]):
         assert_close(a, b, atol=1e-4)
     # Compressed: a coefficient on the edge of a top-k may tip the other way under float noise.
@@ -52,12 +48,20 @@ def test_a_zero_stages_local_sgd_rounds_are_a_ddp_nodes(tmp_path, ddp, shard: st
         assert cos > 0.99 or g.abs().max() < 1e-7, name
 
 
-def _stateful_rounds(tmp_path: Path, *flags: str) -> dict:
-    """Two exact local-SGD rounds of AdamW and of Muon (one run each, on one node): the second round steps
-    on from the inner state the first left, on every rank's partition of it. Also the node's mode, as its
-    Describe says ("describe")."""
+def _stateful_rounds(tmp_path: Path, *flag_sets: tuple[str, ...]) -> list[dict]:
+    """For a node of each of ``flag_sets`` (two at a time, started together): two exact local-SGD rounds of
+    AdamW and of Muon (one run each, on one node): the second round steps on from the inner state the first
+    left, on every rank's partition of it. Also the node's mode, as its Describe says ("describe")."""
+    out = []
+    for pair in (flag_sets[i : i + 2] for i in range(0, len(flag_sets), 2)):
+        with nodes(tmp_path, *(Node(flags) for flags in pair)) as started:
+            out += [_stateful_rounds_on(address) for address, _ in started]
+    return out
+
+
+def _stateful_rounds_on(address: str) -> dict:
     out = {}
-    with node(tmp_path, *flags) as (address, _), WorkerClient(address, timeout=TIMEOUT) as client:
+    with WorkerClient(address, timeout=TIMEOUT) as client:
         out["describe"] = client.describe().node_mode
         for config in (InnerOptimizerConfig(name="adamw"), InnerOptimizerConfig(name="muon", momentum=0.95)):
             replica, st = state()
@@ -81,10 +85,9 @@ def test_zero_and_pipeline_nodes_step_adamw_and_muon_as_a_ddp_node(tmp_path):
     needs) and a pipeline's each stage's whole matrices: the same steps up to the float noise Newton-Schulz
     magnifies (two pipelines that differ only in their micro-batches differ as much), so only directions
     are compared there."""
-    zero = _stateful_rounds(tmp_path, *ZERO["optimizer"])
-    ddp = _stateful_rounds(tmp_path, "--node-mode", "ddp")
-    full = _stateful_rounds(tmp_path, "--node-mode", "fsdp")
-    pipe = _stateful_rounds(tmp_path, "--node-mode", "pipeline")
+    zero, ddp, full, pipe = _stateful_rounds(
+        tmp_path, ZERO["optimizer"], ("--node-mode", "ddp"), ("--node-mode", "fsdp"), ("--node-mode", "pipeline")
+    )
     assert (zero["describe"], ddp["describe"]) == ("fsdp:optimizer", "ddp")  # Describe names the ZeRO stage
     for name in ("adamw", "muon"):
         for a, b in zip(zero[name], ddp[name]):
