@@ -218,6 +218,7 @@ def test_the_choices_are_those_of_the_settings() -> None:
         "replay_precision",
         "balance",
         "downlink",
+        "spot_check_by",
     }
 
 
