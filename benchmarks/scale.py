@@ -178,6 +178,7 @@ def run_case(model: str, downlink: str, workers: int, rounds: int, seed: int) ->
             sequence_length=128,
             downlink=downlink,
             balance="off",  # simulated workers answer at once: the order they are served in is no speed
+            spot_check_every=0,  # simulated workers compute no gradient to check
             eval_every=0,
             checkpoint_every=0,
             output_dir=out,

@@ -26,7 +26,7 @@ from gradwire.replica import Fingerprint, StateUpdate
 from gradwire.v1 import worker_pb2 as pb
 
 # Bump when a message's meaning changes; both sides refuse to talk across versions.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5  # 5: work orders ask for a gradient fingerprint, and results carry it (spot checks)
 MAX_INNER_STEPS = 100_000  # H beyond this is a mistake, not a schedule (the field syncs every 30-500 steps)
 MAX_LEARNING_RATE = 1e6  # learning rates crossing the wire are finite, non-negative and below this
 MAX_CATCH_UP = 1024  # missed updates one order may carry (--replay-window is far smaller)
