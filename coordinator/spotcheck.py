@@ -34,17 +34,28 @@ differs by tens of percent in some tensor's sum of squares and most sampled valu
 
 from __future__ import annotations
 
+import logging
+import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
-from gradwire.coordinator.decisions import SPOT_TOLERANCE
+from gradwire.coordinator.config import TrainConfig
+from gradwire.coordinator.decisions import (
+    SPOT_TOLERANCE,
+    redundancy_verdict,
+    spot_check,
+    spot_check_method,
+)
+from gradwire.coordinator.round import RoundOutcome, RoundWork
 from gradwire.models import lm_loss
 from gradwire.protocol import LocalSteps, RoundResult
 from gradwire.replica import Fingerprint, Replica, compare_fingerprints
+
+log = logging.getLogger("gradwire.coordinator")
 
 
 def deterministic(spec: Mapping[str, Any]) -> tuple[bool, str]:
@@ -116,3 +127,99 @@ class SpotChecker:
         if same:
             return True, f"spot check passed: its gradient was recomputed ({seconds:.2f} s)"
         return False, f"spot check failed: the gradient recomputed from the rows it was sent differs ({why})"
+
+
+class SpotChecks:
+    """A run's spot checks: how they are made (``decisions.spot_check_method``), which rounds they draw (from
+    a secret drawn here: no worker can tell), and the check of a round once its results are in."""
+
+    def __init__(self, config: TrainConfig, spec: Mapping[str, Any], replica: Replica) -> None:
+        self.every, self.method = config.spot_check_every, "off"
+        self.tolerance = config.spot_check_tolerance
+        self.secret = secrets.randbits(63)
+        self.checker = SpotChecker(replica, self.tolerance)
+        if self.every:
+            recomputable, why = deterministic(spec)
+            params = sum(p.numel() for p in replica.params.values())
+            device = str(next(iter(replica.params.values())).device)
+            self.method, how = spot_check_method(config.spot_check_by, params, device, recomputable)
+            if self.method == "off":
+                log.warning("spot checks are off: %s", why)
+                self.every = 0
+            else:
+                log.info("spot checks: %s (%s)", self.method, how)
+
+    @property
+    def fingerprint_gradient(self) -> bool:
+        """Whether every order asks for its gradient's fingerprint (``WorkOrder.fingerprint_gradient``)."""
+        return self.every > 0
+
+    @property
+    def redundancy(self) -> tuple[int, int]:
+        """(every, secret) for the work planner's redundancy groups; every 0: none."""
+        return (self.every if self.method == "redundancy" else 0, self.secret)
+
+    def __call__(
+        self, step: int, round_: RoundOutcome, work: RoundWork, apply_pending: Callable[[], None]
+    ) -> tuple[dict[int, str], dict]:
+        """Round ``step``'s check, if it draws one: the senders caught (slot -> why), and what the metrics
+        record says of it. ``apply_pending`` brings the coordinator's replica to the round's version."""
+        if work.redundant:
+            return self._redundancy(step, round_, work)
+        if self.method != "recompute" or work.compute_before_update:  # --overlap: computed a version back
+            return {}, {}
+        senders = {o.slot.index: o for o in round_.outcomes if o.result is not None}
+        chosen, _ = spot_check(step, list(senders), self.every, self.secret)
+        if chosen is None:
+            return {}, {}
+        apply_pending()
+        o = senders[chosen]
+        assert o.result is not None
+        passed, why = self.checker.check(
+            o.result, work.batches[chosen], work.local_steps_of(chosen), work.micro_batch_size
+        )
+        if passed is not None:
+            ok, failed = o.slot.checks
+            o.slot.checks = (ok + passed, failed + (not passed))
+        log.log(
+            logging.WARNING if passed is False else logging.DEBUG,
+            "step %d: worker %d (%s): %s",
+            step,
+            chosen,
+            o.slot.client.address,
+            why,
+        )
+        record = {"worker": o.slot.client.address, "passed": passed, "reason": why, "by": "recompute"}
+        return ({chosen: why} if passed is False else {}), record
+
+    def _redundancy(self, step: int, round_: RoundOutcome, work: RoundWork) -> tuple[dict[int, str], dict]:
+        """Compare the fingerprints of the senders given the same rows (``decisions.redundancy_verdict``)."""
+        given = {o.slot.index: o for o in round_.outcomes if o.result is not None and o.slot.index in work.redundant}
+        prints = {i: o.result.gradient_fingerprint for i, o in given.items() if o.result is not None}
+        caught = {
+            i: "spot check: no gradient fingerprint returned, though every order asks for one"
+            for i, fp in prints.items()
+            if fp is None
+        }
+        fingerprints = {i: fp for i, fp in prints.items() if fp is not None}
+        members = sorted(fingerprints)
+        numels = self.checker.replica.numels
+        agree = {
+            (a, b): compare_fingerprints(fingerprints[a], fingerprints[b], numels, self.tolerance)[0]
+            for n, a in enumerate(members)
+            for b in members[n + 1 :]
+        }
+        found, summary = redundancy_verdict(members, agree)
+        caught.update(found)
+        vouched = {m for pair, same in agree.items() if same for m in pair}  # agrees with another: passed
+        for i, o in given.items():  # a dispute counts for nobody
+            ok, failed = o.slot.checks
+            o.slot.checks = (ok + (i in vouched and i not in caught), failed + (i in caught))
+        for i, why in caught.items():
+            log.warning("step %d: worker %d (%s): %s", step, i, given[i].slot.client.address, why)
+        if not caught and "disputed" in summary:
+            log.warning("step %d: spot check by redundancy: %s", step, summary)
+        unanimous = len(members) >= 2 and all(agree.values())
+        passed = False if caught else True if unanimous else None
+        addresses = [given[i].slot.client.address for i in sorted(given)]
+        return caught, {"workers": addresses, "passed": passed, "reason": summary, "by": "redundancy"}

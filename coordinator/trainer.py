@@ -15,7 +15,6 @@ sends a bad payload spoils its own contribution to one round, not the run.
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import time
 import uuid
@@ -30,14 +29,7 @@ from gradwire.compression import CompressedGradient
 from gradwire.compression.robust import AggregationRule
 from gradwire.coordinator.checkpointer import RunCheckpointer, RunPosition
 from gradwire.coordinator.config import TrainConfig
-from gradwire.coordinator.decisions import (
-    FailedRounds,
-    decide_downlink,
-    redundancy_verdict,
-    replay_precision,
-    spot_check,
-    spot_check_method,
-)
+from gradwire.coordinator.decisions import FailedRounds, decide_downlink, replay_precision
 from gradwire.coordinator.export import export_model
 from gradwire.coordinator.gather import Gathered, Gatherer
 from gradwire.coordinator.inputs import load_inputs
@@ -46,13 +38,13 @@ from gradwire.coordinator.metrics import RunRecorder, progress, round_record
 from gradwire.coordinator.outer import ReplayOuter, make_outer
 from gradwire.coordinator.round import RoundDispatcher, RoundOutcome, RoundWork, WorkerSlot
 from gradwire.coordinator.rundir import claim, truncate_metrics
-from gradwire.coordinator.spotcheck import SpotChecker, deterministic
+from gradwire.coordinator.spotcheck import SpotChecks
 from gradwire.coordinator.status import StatusBoard, worker_events
 from gradwire.coordinator.tracking import make_tracker
 from gradwire.coordinator.work import WorkPlanner
 from gradwire.link import WorkerLink
 from gradwire.models import lm_loss
-from gradwire.replica import Replica, StateUpdate, compare_fingerprints
+from gradwire.replica import Replica, StateUpdate
 
 log = logging.getLogger("gradwire.coordinator")
 
@@ -74,29 +66,18 @@ class Trainer:
         inputs = load_inputs(config, len(clients))
         self.model, self.spec, self.tokenizer, self.data = inputs.model, inputs.spec, inputs.tokenizer, inputs.data
         self.codec_config = config.codec_config()
-        self.spot_every, self.spot_method = config.spot_check_every, "off"
-        if self.spot_every:
-            recomputable, why = deterministic(self.spec)
-            params = sum(p.numel() for p in self.model.parameters())
-            device = str(next(self.model.parameters()).device)
-            self.spot_method, how = spot_check_method(config.spot_check_by, params, device, recomputable)
-            log.log(logging.INFO if recomputable else logging.WARNING, "spot checks: %s (%s)", self.spot_method, how)
-            if self.spot_method == "off":
-                log.warning("spot checks are off: %s", why)
-                self.spot_every = 0
-        self._spot_secret = secrets.randbits(63)  # which rounds are checked: no worker can tell
+        self.outer = make_outer(
+            self.model, config.update_rule(), self.codec_config, self.spec, config.seed, config.downlink_codec_config()
+        )
+        self.spot_checks = SpotChecks(config, self.spec, self.outer.replica)
         self.planner = WorkPlanner(
             config,
             self.data,
             self.codec_config,
             inputs.batch_dtype,
-            fingerprint_gradient=self.spot_every > 0,
-            redundancy=(self.spot_every if self.spot_method == "redundancy" else 0, self._spot_secret),
+            fingerprint_gradient=self.spot_checks.fingerprint_gradient,
+            redundancy=self.spot_checks.redundancy,
         )
-        self.outer = make_outer(
-            self.model, config.update_rule(), self.codec_config, self.spec, config.seed, config.downlink_codec_config()
-        )
-        self.spot = SpotChecker(self.outer.replica, config.spot_check_tolerance)
         self.outer.set_replay_window(config.replay_window)
         self.run_id = uuid.uuid4().hex
         self.state_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -228,7 +209,7 @@ class Trainer:
         self.planner.observe(work, round_)  # each worker's throughput, for the next rounds' shares (--balance)
         t_gathered = time.perf_counter()
         rule = self._aggregation_rule()
-        caught, spot = self._spot_check(step, round_, work)
+        caught, spot = self.spot_checks(step, round_, work, self.outer.apply_pending)
         gathered = self.gather(round_, step, work.batches, rule, caught, work.redundant)
         self._log_fates(step, gathered)
         if gathered.aggregator is None:
@@ -271,66 +252,6 @@ class Trainer:
         record.update(self.planner.record(work))  # each worker's rows, and the throughput they were sized to
         self._report(round_, record, gathered)
         return record
-
-    def _spot_check(self, step: int, round_: RoundOutcome, work: RoundWork) -> tuple[dict[int, str], dict]:
-        """The round's spot check, if it draws one: the senders caught (slot -> why) and what the metrics
-        record says of the check."""
-        if work.redundant:
-            return self._redundancy_check(step, round_, work)
-        if self.spot_method != "recompute" or work.compute_before_update:  # --overlap: computed a version back
-            return {}, {}
-        senders = {o.slot.index: o for o in round_.outcomes if o.result is not None}
-        chosen, _ = spot_check(step, list(senders), self.spot_every, self._spot_secret)
-        if chosen is None:
-            return {}, {}
-        self.outer.apply_pending()  # the version the round's gradients were computed at
-        o = senders[chosen]
-        assert o.result is not None
-        passed, why = self.spot.check(
-            o.result, work.batches[chosen], work.local_steps_of(chosen), work.micro_batch_size
-        )
-        address = o.slot.client.address
-        if passed is not None:
-            ok, failed = o.slot.checks
-            o.slot.checks = (ok + passed, failed + (not passed))
-        if passed is False:
-            log.warning("step %d: worker %d (%s): %s", step, chosen, address, why)
-        else:
-            log.debug("step %d: worker %d (%s): %s", step, chosen, address, why)
-        record = {"worker": address, "passed": passed, "reason": why, "by": "recompute"}
-        return ({chosen: why} if passed is False else {}), record
-
-    def _redundancy_check(self, step: int, round_: RoundOutcome, work: RoundWork) -> tuple[dict[int, str], dict]:
-        """Compare the fingerprints of the senders given the same rows (``decisions.redundancy_verdict``)."""
-        given = {o.slot.index: o for o in round_.outcomes if o.result is not None and o.slot.index in work.redundant}
-        caught = {
-            i: "spot check: no gradient fingerprint returned, though every order asks for one"
-            for i, o in given.items()
-            if o.result is not None and o.result.gradient_fingerprint is None
-        }
-        prints = {i: o.result.gradient_fingerprint for i, o in given.items() if i not in caught and o.result}
-        members = sorted(prints)
-        agree = {}
-        for n, a in enumerate(members):
-            for b in members[n + 1 :]:
-                same, _ = compare_fingerprints(
-                    prints[a], prints[b], self.replica.numels, self.config.spot_check_tolerance
-                )
-                agree[(a, b)] = same
-        found, summary = redundancy_verdict(members, agree)
-        caught.update(found)
-        unanimous = len(members) >= 2 and all(agree.values())
-        vouched = {m for pair, same in agree.items() if same for m in pair}  # agrees with another: passed
-        for i, o in given.items():  # a dispute counts for nobody
-            ok, failed = o.slot.checks
-            o.slot.checks = (ok + (i in vouched and i not in caught), failed + (i in caught))
-        for i, why in caught.items():
-            log.warning("step %d: worker %d (%s): %s", step, i, given[i].slot.client.address, why)
-        if not caught and "disputed" in summary:
-            log.warning("step %d: spot check by redundancy: %s", step, summary)
-        addresses = [given[i].slot.client.address for i in sorted(given)]
-        passed = False if caught else True if unanimous else None
-        return caught, {"workers": addresses, "passed": passed, "reason": summary, "by": "redundancy"}
 
     def round_work(self, step: int, slots: Sequence[WorkerSlot]) -> RoundWork:
         return self.planner.work(step, slots)
