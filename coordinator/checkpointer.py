@@ -83,8 +83,13 @@ class RunCheckpointer:
         return None
 
     def save(self, position: RunPosition, slots: Sequence[WorkerSlot]) -> Path:
-        self.outer.apply_pending()  # the checkpoint holds the model after the last round's update
-        tensors = {**self.outer.checkpoint(), "rng": {"torch": torch.get_rng_state()}}
+        if self.config.overlap and self.outer.pending is not None:
+            # The next round computes before the update in flight: keep the replica there, and the update.
+            groups, version = self.outer.checkpoint_behind(), self.outer.base_version
+        else:
+            self.outer.apply_pending()  # the checkpoint holds the model after the last round's update
+            groups, version = self.outer.checkpoint(), self.outer.replica.version
+        tensors = {**groups, "rng": {"torch": torch.get_rng_state()}}
         if self.gather.norms:  # the clip's memory of typical norms: part of the trajectory too
             tensors["robust"] = {"norms": torch.tensor(list(self.gather.norms), dtype=torch.float64)}
         # The workers' error feedback and inner optimizer state are part of the trajectory: without them a
@@ -98,7 +103,7 @@ class RunCheckpointer:
                 tensors[f"inner-{key}"] = inner
         meta = {
             "config": self.config.to_dict(),
-            "version": self.outer.replica.version,
+            "version": version,
             "total_tokens": position.total_tokens,
             "data_step": position.step,
             "workers": len(slots),

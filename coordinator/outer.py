@@ -28,6 +28,7 @@ import logging
 
 import torch
 
+from gradwire import protocol
 from gradwire.compression import CodecConfig, CompressedGradient, ErrorFeedback
 from gradwire.compression.aggregate import Aggregator
 from gradwire.compression.robust import MEAN, AggregationRule, CoordinateAggregate
@@ -35,6 +36,7 @@ from gradwire.models import build_from_spec
 from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import ModelState
 from gradwire.replica import Fingerprint, Replica, StateUpdate
+from gradwire.v1 import worker_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,9 @@ class OuterStrategy(abc.ABC):
         # kept its own payload and is sent the replay without it (``update_for``).
         self._senders: tuple[int, ...] = ()
         self._sent_in = -1
+        # --overlap: the replica at ``base_version`` (parameters, outer momentum), kept when a flush applies
+        # ``pending`` early: the next round computes there, so a checkpoint must hold it (``checkpoint_behind``).
+        self._behind: tuple[dict[str, torch.Tensor], list[torch.Tensor]] | None = None
 
     def set_replay_window(self, n: int) -> None:
         self.history = collections.deque(self.history, maxlen=n)
@@ -94,9 +99,13 @@ class OuterStrategy(abc.ABC):
             return update
         return update.without(self._senders.index(slot), self._sent_in)
 
-    def apply_pending(self) -> None:
-        """Bring the coordinator's replica to ``target_version``, if it is not there yet."""
+    def apply_pending(self, keep_behind: bool = False) -> None:
+        """Bring the coordinator's replica to ``target_version``, if it is not there yet; ``keep_behind``:
+        keep a copy of it at ``base_version`` first (``checkpoint_behind``)."""
         if self.pending is not None and self.replica.version == self.base_version:
+            if keep_behind:
+                params = {n: p.detach().clone() for n, p in self.replica.params.items()}
+                self._behind = (params, [m.clone() for m in self.replica.momentum])
             self._apply(self.pending)
             self._target_fingerprint = self.replica.fingerprint()
 
@@ -124,6 +133,7 @@ class OuterStrategy(abc.ABC):
         if senders and len(senders) != len(payloads):
             raise ValueError(f"{len(senders)} senders for {len(payloads)} payloads")
         self.apply_pending()  # a no-op when the round already did it, as it does while workers compute
+        self._behind = None
         target, target_fingerprint = self.target_version, self.target_fingerprint
         norm = aggregator.norm()
         if self.pending is not None:
@@ -135,9 +145,11 @@ class OuterStrategy(abc.ABC):
         self.base_version, self.base_fingerprint = target, target_fingerprint
         return norm
 
-    def rebase(self) -> None:
-        """After a resume: the replica as loaded is every worker's base, with nothing pending."""
-        self.pending = None
+    def rebase(self, pending: StateUpdate | None = None) -> None:
+        """After a resume: the replica as loaded is every worker's base, with ``pending`` (an --overlap
+        checkpoint's update in flight) or nothing pending."""
+        self.pending = pending
+        self._behind = None
         self._senders, self._sent_in = (), -1
         self.history.clear()
         self.base_version = self.replica.version
@@ -169,12 +181,33 @@ class OuterStrategy(abc.ABC):
             "optimizer": {f"momentum.{i}": m for i, m in enumerate(self.replica.momentum)},
         }
 
+    def checkpoint_behind(self) -> TensorGroups:
+        """--overlap: ``checkpoint`` with the replica at ``base_version``, where the next round computes, and
+        the update in flight (group ``pending``: its StateUpdate message's bytes), which it applies after."""
+        if self.pending is None:
+            raise ValueError("no update in flight: take a plain checkpoint")
+        groups = self.checkpoint()
+        if self._behind is not None:
+            params, momentum = self._behind
+        else:  # not flushed: the replica is there still
+            params, momentum = self.replica.params, self.replica.momentum
+        replica_group = "replica" if "replica" in groups else "model"  # a delta's shadow, or the model itself
+        groups[replica_group] = {n: p.detach() for n, p in params.items()}
+        groups["optimizer"].update({f"momentum.{i}": m for i, m in enumerate(momentum)})
+        message = protocol.update_to_proto(self.pending).SerializeToString()
+        groups["pending"] = {"update": torch.frombuffer(bytearray(message), dtype=torch.uint8)}
+        return groups
+
     def restore(self, tensors: TensorGroups, version: int) -> None:
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 p.copy_(tensors["model"][name])
         self._restore(tensors, version)
-        self.rebase()
+        pending = None
+        if "pending" in tensors:  # an --overlap checkpoint: the first round computes here, then applies it
+            message = protocol.parse(pb.StateUpdate, tensors["pending"]["update"].numpy().tobytes())
+            pending = protocol.update_from_proto(message)
+        self.rebase(pending)
 
     @abc.abstractmethod
     def _next_update(self, aggregator: Aggregate, replay: StateUpdate, compressed: bool) -> StateUpdate:

@@ -97,6 +97,7 @@ class RoundWork:
     slot_local_steps: Mapping[int, LocalSteps] = dataclasses.field(default_factory=dict)  # a slot's own (--balance)
     fingerprint_gradient: bool = False  # spot checks are on: every order asks for its gradient's fingerprint
     redundant: tuple[int, ...] = ()  # a spot check by redundancy: these slots got the first one's rows
+    next_local_steps: Mapping[int, LocalSteps] = dataclasses.field(default_factory=dict)  # with next_batches
 
     def local_steps_of(self, slot: int) -> LocalSteps | None:
         """Worker ``slot``'s inner steps (None: gradient mode)."""
@@ -129,6 +130,7 @@ class RoundWork:
             next_batch=self.next_batches.get(slot),
             clip_grad_norm=self.clip_grad_norm,
             fingerprint_gradient=self.fingerprint_gradient,
+            next_local_steps=self.next_local_steps.get(slot) if slot in self.next_batches else None,
         )
 
 

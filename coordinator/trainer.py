@@ -299,8 +299,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ the model
 
     def flush(self) -> None:
-        """Apply the pending update to the coordinator's replica now (before a checkpoint or the end)."""
-        self.outer.apply_pending()
+        """Apply the pending update to the coordinator's replica now (before an evaluation or the end);
+        with --overlap, keeping the replica as it was for a checkpoint (``OuterStrategy.checkpoint_behind``)."""
+        self.outer.apply_pending(keep_behind=self.config.overlap)
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -79,24 +79,20 @@ class WorkPlanner:
         # nothing skipped, nothing twice.
         self.data.set_layout(step * cfg.inner_steps, self._layout(plan))
         batches = {slot.index: self.batch(step, position, slot.ranks) for position, slot in enumerate(slots)}
-        # --overlap in gradient mode: announce each worker's next batch (the same workers assumed), so that
-        # it can compute that gradient while this round's result travels (worker.lookahead). The next
-        # round's shares are decided now, so that it sends what was announced.
-        next_batches = {}
-        if cfg.overlap and not cfg.local_sgd and step + 1 < cfg.steps:
-            self.data.set_layout((step + 1) * cfg.inner_steps, self._layout(self.plan(step + 1, slots)))
+        # --overlap: announce each worker's next batch (the same workers assumed), and in local-SGD rounds its
+        # next inner steps, so that it can compute the next round's contribution while this round's result
+        # travels (worker.lookahead). The next round's shares are decided now, so that it sends what was
+        # announced.
+        next_batches, next_steps = {}, {}
+        if cfg.overlap and step + 1 < cfg.steps:
+            next_plan = self.plan(step + 1, slots)
+            self.data.set_layout((step + 1) * cfg.inner_steps, self._layout(next_plan))
             next_batches = {s.index: self.batch(step + 1, i, s.ranks) for i, s in enumerate(slots)}
+            if cfg.local_sgd:
+                common, own = self._local_steps(step + 1, next_plan, slots)
+                next_steps = {s.index: own.get(s.index, common) for s in slots}
         redundant = self._redundant(step, slots, batches)
-        local_steps, own_steps = None, {}
-        if cfg.local_sgd:
-            optimizer, lrs = cfg.inner_optimizer_config(), cfg.inner_lrs(step)
-            local_steps = LocalSteps(cfg.inner_steps, optimizer, lrs, cfg.clip_grad_norm)
-            if cfg.balance == "steps":
-                for position, slot in enumerate(slots):
-                    h = plan.shares[position] // (cfg.batch_size * plan.ranks[position])
-                    # h steps over the round's schedule: the learning rates of H steps, spread (or repeated)
-                    own = tuple(lrs[k * cfg.inner_steps // h] for k in range(h))
-                    own_steps[slot.index] = LocalSteps(h, optimizer, own, cfg.clip_grad_norm)
+        local_steps, own_steps = self._local_steps(step, plan, slots) if cfg.local_sgd else (None, {})
         # A share above --batch-size per rank goes through in micro-batches of it: no forward larger than
         # the one the batch size was chosen for (and one micro-batch, the whole batch, up to it).
         micro = cfg.micro_batch_size or (cfg.batch_size if cfg.balance != "off" else 0)
@@ -114,7 +110,24 @@ class WorkPlanner:
             slot_local_steps=own_steps,
             fingerprint_gradient=self.fingerprint_gradient,
             redundant=redundant,
+            next_local_steps=next_steps,
         )
+
+    def _local_steps(
+        self, step: int, plan: Plan, slots: Sequence[WorkerSlot]
+    ) -> tuple[LocalSteps, dict[int, LocalSteps]]:
+        """Round ``step``'s inner steps in local-SGD rounds, and those of the slots whose own differ
+        (``--balance steps``: a share of whole inner steps)."""
+        cfg = self.config
+        optimizer, lrs = cfg.inner_optimizer_config(), cfg.inner_lrs(step)
+        own_steps = {}
+        if cfg.balance == "steps":
+            for position, slot in enumerate(slots):
+                h = plan.shares[position] // (cfg.batch_size * plan.ranks[position])
+                # h steps over the round's schedule: the learning rates of H steps, spread (or repeated)
+                own = tuple(lrs[k * cfg.inner_steps // h] for k in range(h))
+                own_steps[slot.index] = LocalSteps(h, optimizer, own, cfg.clip_grad_norm)
+        return LocalSteps(cfg.inner_steps, optimizer, lrs, cfg.clip_grad_norm), own_steps
 
     def _redundant(self, step: int, slots: Sequence[WorkerSlot], batches: dict[int, np.ndarray]) -> tuple[int, ...]:
         """A spot check by redundancy, if round ``step`` draws one: the workers given the same rows, else ``()``.

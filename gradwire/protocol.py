@@ -26,7 +26,9 @@ from gradwire.replica import Fingerprint, StateUpdate
 from gradwire.v1 import worker_pb2 as pb
 
 # Bump when a message's meaning changes; both sides refuse to talk across versions.
-PROTOCOL_VERSION = 5  # 5: work orders ask for a gradient fingerprint, and results carry it (spot checks)
+# 5: work orders ask for a gradient fingerprint, and results carry it (spot checks); 6: local-SGD orders announce
+# the next round (next_batch, next_local_steps), and results say how long the worker waited
+PROTOCOL_VERSION = 6
 MAX_INNER_STEPS = 100_000  # H beyond this is a mistake, not a schedule (the field syncs every 30-500 steps)
 MAX_LEARNING_RATE = 1e6  # learning rates crossing the wire are finite, non-negative and below this
 MAX_CATCH_UP = 1024  # missed updates one order may carry (--replay-window is far smaller)
@@ -468,9 +470,10 @@ class WorkOrder:
     protocol_version: int = PROTOCOL_VERSION
     catch_up: tuple[StateUpdate, ...] = ()  # missed updates, oldest first, applied before ``update``
     compute_before_update: bool = False  # --overlap: the contribution is computed before ``update`` is applied
-    next_batch: np.ndarray | None = None  # --overlap, gradient mode: the next round's likely batch (look-ahead)
+    next_batch: np.ndarray | None = None  # --overlap: the next round's likely batch (look-ahead)
     clip_grad_norm: float = 0.0  # gradient mode: the gradient's global L2 norm is clipped to this; 0 = off
     fingerprint_gradient: bool = False  # spot checks: return the round's first gradient's fingerprint
+    next_local_steps: LocalSteps | None = None  # --overlap, local-SGD rounds: the next round's inner steps
 
     @property
     def inner_steps(self) -> int:
@@ -518,6 +521,7 @@ def order_to_proto(o: WorkOrder) -> pb.WorkOrder:
         next_batch=batch_to_proto(o.next_batch) if o.next_batch is not None else None,
         clip_grad_norm=o.clip_grad_norm,
         fingerprint_gradient=o.fingerprint_gradient,
+        next_local_steps=local_steps_to_proto(o.next_local_steps) if o.next_local_steps is not None else None,
     )
 
 
@@ -525,15 +529,26 @@ def order_from_proto(m: pb.WorkOrder) -> WorkOrder:
     check_version(m.protocol_version)
     check_run_id(m.run_id, "work order")
     batch = batch_from_proto(m.batch)
-    next_batch = None
+    next_batch, next_local_steps = None, None
+    if m.HasField("next_local_steps") and not (m.HasField("next_batch") and m.HasField("local_steps")):
+        raise ProtocolError("next_local_steps comes only with next_batch, in a local-SGD order")
     if m.HasField("next_batch"):
-        if not m.compute_before_update or m.HasField("local_steps"):
-            raise ProtocolError("next_batch is read only by gradient-mode orders with compute_before_update")
+        if not m.compute_before_update:
+            raise ProtocolError("next_batch is read only by orders with compute_before_update")
         next_batch = batch_from_proto(m.next_batch, "next token batch")
         if next_batch.shape[1] != batch.shape[1]:
             raise ProtocolError(
                 f"next token batch has rows of {next_batch.shape[1]} tokens, the batch {batch.shape[1]}"
             )
+        if m.HasField("local_steps"):
+            if not m.HasField("next_local_steps"):
+                raise ProtocolError("a local-SGD order's next_batch needs next_local_steps")
+            next_local_steps = local_steps_from_proto(m.next_local_steps)
+            if next_batch.shape[0] % next_local_steps.steps:
+                raise ProtocolError(
+                    f"next token batch of {next_batch.shape[0]} rows does not split into "
+                    f"{next_local_steps.steps} equal inner steps"
+                )
     if not 0.0 <= m.feedback_beta <= 1.0:
         raise ProtocolError(f"feedback_beta must be in [0, 1], got {m.feedback_beta}")
     if not 0.0 <= m.sync_tolerance < 1.0:
@@ -573,6 +588,7 @@ def order_from_proto(m: pb.WorkOrder) -> WorkOrder:
         next_batch,
         m.clip_grad_norm,
         m.fingerprint_gradient,
+        next_local_steps,
     )
 
 

@@ -69,7 +69,7 @@ from gradwire.v1 import worker_pb2 as pb
 from gradwire.worker import bus, fsdp, lookahead
 from gradwire.worker.budget import PushBudget
 from gradwire.worker.check import ReplicaView, Verdict, check_order
-from gradwire.worker.compute import Contribution, Placement, gradient_step, strategy_for
+from gradwire.worker.compute import Contribution, Placement, strategy_for
 from gradwire.worker.node import (
     Command,
     NodeGroup,
@@ -366,7 +366,7 @@ class WorkerEngine:
                 raise ProtocolError(f"no replica for run {run_id!r}")
             if not same_owner(session.owner, owner):
                 raise AccessDenied(f"run {run_id!r} belongs to another coordinator")
-            feedback, inner = host_tensors(session.feedback.state_dict()), host_tensors(session.inner_state())
+            feedback, inner = host_tensors(session.feedback.state_dict()), host_tensors(session.committed_inner_state())
             if self.node is not None and (session.placement.own_inner_state or session.placement.split):
                 with _NodeErrors():
                     self.node.send(Command.FETCH_STATE, run_id.encode())
@@ -517,6 +517,8 @@ class WorkerEngine:
         use, why = ahead.serves(order, replica.version) if ahead is not None else (False, "")
         if ahead is not None:
             self.lookaheads["used" if use else "dropped"] += 1
+            if not use and ahead.inner_before is not None:  # its inner steps never happened
+                session.restore_inner(ahead.inner_before)
         # A split node's collectives are torch's own (FSDP2's gathers, a pipeline's sends): counted as issued,
         # around the calls that issue them only (every op under the mode goes through Python).
         counting = bus.CollectiveBytes() if session.placement.split else None
@@ -558,11 +560,18 @@ class WorkerEngine:
         session.sent_decoded = self._ahead.submit(replica.codec(order.codec).decode, payload)
         if self.node is None and (expected := lookahead.preview(order, replica.version)) is not None:
             self._compute.submit(self._look_ahead, session, expected)  # runs once this round's result is out
+        # Where the time since this run's last result went: the wait is what neither the round nor work
+        # done ahead for it filled (``Session.done_at``, ``ahead_seconds``).
+        wall = t_done - session.done_at if session.done_at is not None else t_done - t0
+        wait = max(0.0, t0 - session.done_at - session.ahead_seconds) if session.done_at is not None else 0.0
+        session.done_at, session.ahead_seconds = t_done, 0.0
         timings = {
             "update": update_seconds,
             "compute": compute_seconds,
             "compress": t_done - t_compute,
             "total": t_done - t0,
+            "wait": wait,
+            "wall": wall,
         }
         return RoundResult(
             OK,
@@ -653,14 +662,19 @@ class WorkerEngine:
             ):
                 return
             t0 = time.perf_counter()
+            inner_before = session.inner_state() if expected.local_steps is not None else None
             try:
-                contribution = gradient_step(
+                contribution = strategy_for(expected)(
                     session, expected, self._tokens(expected.batch), lambda: False, self.placement
                 )
             except Exception as e:  # noqa: BLE001 - the round will compute it again, and say what fails
                 log.warning("run %r: computing round %d ahead failed: %s", expected.run_id, expected.round, e)
+                if inner_before is not None:
+                    session.restore_inner(inner_before)
                 return
-            session.lookahead = lookahead.Lookahead(expected, contribution, time.perf_counter() - t0)
+            finally:
+                session.ahead_seconds += time.perf_counter() - t0
+            session.lookahead = lookahead.Lookahead(expected, contribution, time.perf_counter() - t0, inner_before)
 
     def _bus_bytes(self) -> int:
         """Bytes this rank has put on the node's bus so far (0 off a node)."""

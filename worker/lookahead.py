@@ -1,19 +1,20 @@
 """Look-ahead for one-step-delayed rounds (``coordinator train --overlap``). No networking here.
 
 In a delayed round a worker computes its contribution at the replica *before* the round's update (the
-order's ``compute_before_update``), so round r + 1's gradient needs nothing that round r's result
+order's ``compute_before_update``), so round r + 1's contribution needs nothing that round r's result
 decides: it can be computed while round r's result travels and the coordinator aggregates. An order that
-carries ``next_batch`` lets the worker do just that: once the round's result is out, it computes the
-gradient of ``next_batch`` at its replica's version and keeps it as a ``Lookahead``. The next order uses
-it only if it asks for exactly that computation (``serves``): same run, the next round, starting from
-that version with no catch-up, the same batch, micro-batching and clipping, gradient mode. Anything else
-discards it and the round computes afresh, so what a round returns never depends on whether the look-ahead
-ran.
+carries ``next_batch`` (and, in local-SGD rounds, ``next_local_steps``) lets the worker do just that: once
+the round's result is out, it computes the next round's gradient, or takes its H inner steps, at its
+replica's version and keeps the result as a ``Lookahead``. The next order uses it only if it asks for
+exactly that computation (``serves``): same run, the next round, starting from that version with no
+catch-up, the same batch, micro-batching, clipping and inner steps. Anything else discards it and the round
+computes afresh, so what a round returns never depends on whether the look-ahead ran.
 
-Only the gradient is computed ahead, not its encoding: error feedback changes with every encode, and a
-discarded look-ahead must leave nothing behind. Local-SGD rounds are not looked ahead (their inner steps
-move the inner optimizer's state), nor are the rounds of a node of several ranks (whose ranks move in
-lockstep on the coordinator's calls).
+Only the contribution is computed ahead, not its encoding: error feedback changes with every encode, and a
+discarded look-ahead must leave nothing behind. Inner steps move the inner optimizer's state, so a local-SGD
+look-ahead keeps a copy of that state as it was (``inner_before``): a discarded one puts it back, and a
+checkpoint taken while one is held saves it, not the state of a round not yet asked for. The rounds of a
+node of several ranks are not looked ahead (its ranks move in lockstep on the coordinator's calls).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import torch
 
 from gradwire.protocol import WorkOrder
 from gradwire.worker.compute import Contribution
@@ -33,6 +35,7 @@ class Lookahead:
     expected: WorkOrder
     contribution: Contribution
     seconds: float  # the compute it took (reported as the round's compute time when used)
+    inner_before: dict[str, torch.Tensor] | None = None  # local-SGD: the inner optimizer's state before it
 
     def serves(self, order: WorkOrder, version: int) -> tuple[bool, str]:
         """Whether ``order``, with the replica at ``version`` when its compute would start, asks for this
@@ -40,8 +43,10 @@ class Lookahead:
         made = self.expected
         if order.run_id != made.run_id or order.round != made.round:
             return False, f"computed ahead for round {made.round}, the order is round {order.round}"
-        if not order.compute_before_update or order.local_steps is not None:
-            return False, "the order is not a delayed gradient-mode round"
+        if not order.compute_before_update:
+            return False, "the order is not a delayed round"
+        if order.local_steps != made.local_steps:
+            return False, "the order's inner steps differ from those announced"
         if order.catch_up or version != made.base_version:
             return False, f"computed ahead at version {made.base_version}, the order computes at {version}"
         if order.micro_batch_size != made.micro_batch_size:
@@ -56,7 +61,9 @@ class Lookahead:
 def preview(order: WorkOrder, version: int) -> WorkOrder | None:
     """The order the worker expects next after ``order`` (its replica now at ``version``), if ``order``
     announces one that may be looked ahead; else ``None``."""
-    if order.next_batch is None or not order.compute_before_update or order.local_steps is not None:
+    if order.next_batch is None or not order.compute_before_update:
+        return None
+    if order.local_steps is not None and order.next_local_steps is None:
         return None
     return dataclasses.replace(
         order,
@@ -66,4 +73,6 @@ def preview(order: WorkOrder, version: int) -> WorkOrder | None:
         update=None,
         catch_up=(),
         next_batch=None,
+        local_steps=order.next_local_steps,
+        next_local_steps=None,
     )

@@ -116,7 +116,9 @@ class Session:
         self.last_sent: tuple[int, CompressedGradient] | None = None  # (round, payload) of the last result
         self.fingerprint_ahead: Future[Fingerprint] | None = None  # the replica's, being taken after a round
         self.sent_decoded: Future[DecodedGradient] | None = None  # last_sent's payload, decoded after the round
-        self.lookahead: Lookahead | None = None  # --overlap: the next round's gradient, computed ahead
+        self.lookahead: Lookahead | None = None  # --overlap: the next round's contribution, computed ahead
+        self.done_at: float | None = None  # perf_counter at the end of this run's last result here
+        self.ahead_seconds = 0.0  # compute done ahead since then (a look-ahead, used or not)
         self.stale = False  # found out of sync: every round answers NEEDS_STATE until the next push
         self._working: torch.nn.Module | None = None
         self._inner: InnerOptimizer | None = None
@@ -202,7 +204,7 @@ class Session:
         if not feedback:
             self.feedback = previous.feedback
         if not inner:
-            self._inner_restore = previous.inner_state()
+            self._inner_restore = previous.committed_inner_state()
 
     def diverged(self) -> None:
         """Training produced a NaN or infinity: forget the error feedback and the inner optimizer state that
@@ -269,6 +271,18 @@ class Session:
         if self._inner is not None:
             return {k: v.to_local() if isinstance(v, DTensor) else v for k, v in self._inner.state_tensors().items()}
         return dict(self._inner_restore)
+
+    def committed_inner_state(self) -> dict[str, torch.Tensor]:
+        """``inner_state`` as of the last round asked for: a look-ahead's inner steps are not in it."""
+        if self.lookahead is not None and self.lookahead.inner_before is not None:
+            return dict(self.lookahead.inner_before)
+        return self.inner_state()
+
+    def restore_inner(self, state: dict[str, torch.Tensor]) -> None:
+        """Put back the inner optimizer's state as ``inner_state`` returned it (a look-ahead's undone): it
+        is loaded when the optimizer is next asked for."""
+        self._inner = self._inner_config = None
+        self._inner_restore = dict(state)
 
 
 def _vocab_size(model: torch.nn.Module) -> int | None:

@@ -201,7 +201,7 @@ class TokenBatch(_message.Message):
     def __init__(self, rows: _Optional[int] = ..., columns: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class WorkOrder(_message.Message):
-    __slots__ = ("protocol_version", "run_id", "round", "base_version", "update", "fingerprint", "batch", "codec", "feedback_beta", "micro_batch_size", "sync_tolerance", "local_steps", "catch_up", "compute_before_update", "next_batch", "clip_grad_norm", "fingerprint_gradient")
+    __slots__ = ("protocol_version", "run_id", "round", "base_version", "update", "fingerprint", "batch", "codec", "feedback_beta", "micro_batch_size", "sync_tolerance", "local_steps", "catch_up", "compute_before_update", "next_batch", "clip_grad_norm", "fingerprint_gradient", "next_local_steps")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +219,7 @@ class WorkOrder(_message.Message):
     NEXT_BATCH_FIELD_NUMBER: _ClassVar[int]
     CLIP_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_GRADIENT_FIELD_NUMBER: _ClassVar[int]
+    NEXT_LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     run_id: str
     round: int
@@ -236,7 +237,8 @@ class WorkOrder(_message.Message):
     next_batch: TokenBatch
     clip_grad_norm: float
     fingerprint_gradient: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., base_version: _Optional[int] = ..., update: _Optional[_Union[StateUpdate, _Mapping]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., batch: _Optional[_Union[TokenBatch, _Mapping]] = ..., codec: _Optional[_Union[_codec_pb2.CodecSettings, _Mapping]] = ..., feedback_beta: _Optional[float] = ..., micro_batch_size: _Optional[int] = ..., sync_tolerance: _Optional[float] = ..., local_steps: _Optional[_Union[LocalSteps, _Mapping]] = ..., catch_up: _Optional[_Iterable[_Union[StateUpdate, _Mapping]]] = ..., compute_before_update: _Optional[bool] = ..., next_batch: _Optional[_Union[TokenBatch, _Mapping]] = ..., clip_grad_norm: _Optional[float] = ..., fingerprint_gradient: _Optional[bool] = ...) -> None: ...
+    next_local_steps: LocalSteps
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., base_version: _Optional[int] = ..., update: _Optional[_Union[StateUpdate, _Mapping]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., batch: _Optional[_Union[TokenBatch, _Mapping]] = ..., codec: _Optional[_Union[_codec_pb2.CodecSettings, _Mapping]] = ..., feedback_beta: _Optional[float] = ..., micro_batch_size: _Optional[int] = ..., sync_tolerance: _Optional[float] = ..., local_steps: _Optional[_Union[LocalSteps, _Mapping]] = ..., catch_up: _Optional[_Iterable[_Union[StateUpdate, _Mapping]]] = ..., compute_before_update: _Optional[bool] = ..., next_batch: _Optional[_Union[TokenBatch, _Mapping]] = ..., clip_grad_norm: _Optional[float] = ..., fingerprint_gradient: _Optional[bool] = ..., next_local_steps: _Optional[_Union[LocalSteps, _Mapping]] = ...) -> None: ...
 
 class LocalSteps(_message.Message):
     __slots__ = ("steps", "optimizer", "learning_rates", "clip_grad_norm")
@@ -271,16 +273,20 @@ class InnerOptimizer(_message.Message):
     def __init__(self, name: _Optional[str] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., ns_steps: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("update_seconds", "compute_seconds", "compress_seconds", "total_seconds")
+    __slots__ = ("update_seconds", "compute_seconds", "compress_seconds", "total_seconds", "wait_seconds", "wall_seconds")
     UPDATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     COMPRESS_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     update_seconds: float
     compute_seconds: float
     compress_seconds: float
     total_seconds: float
-    def __init__(self, update_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., compress_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ...) -> None: ...
+    wait_seconds: float
+    wall_seconds: float
+    def __init__(self, update_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., compress_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ...) -> None: ...
 
 class RoundResult(_message.Message):
     __slots__ = ("status", "reason", "round", "gradient", "loss", "tokens", "timings", "version", "node_bytes", "grad_norm", "gradient_fingerprint")

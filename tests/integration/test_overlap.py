@@ -92,42 +92,91 @@ def test_a_worker_out_of_sync_is_pushed_the_state_and_the_run_goes_on(tmp_path, 
     assert_in_step(trainer, two_workers[1])
 
 
-def test_local_sgd_rounds_can_be_delayed_too(tmp_path):
-    # Local-SGD rounds start from the replica before the update as well (one-step-delayed outer steps),
-    # with nothing computed ahead. Exact math: H = 2 inner SGD steps from theta[r-1] give the
-    # pseudo-gradient d = theta[r-1] - local; outer SGD at lr 1: theta[r+1] = theta[r] - d.
-    config = _config(
-        tmp_path,
-        steps=3,
+def _local_sgd(tmp_path, **overrides) -> TrainConfig:
+    settings = dict(
+        steps=4,
         inner_steps=2,
         no_compression=True,
         inner_optimizer="sgd",
         inner_learning_rate=0.5,
         outer_optimizer="sgd",
         learning_rate=1.0,
+        balance="off",
     )
-    with live_workers(1) as workers:
-        trainer = train(config, workers)
-        assert not workers[0].engine.lookaheads
+    return _config(tmp_path, **{**settings, **overrides})
+
+
+def test_overlapped_local_sgd_is_delayed_averaging_and_never_waits_for_the_sync(tmp_path):
+    """Two workers in overlapped local-SGD rounds: each takes round r's H inner steps from theta[r-1] (the
+    replica before round r-1's update) as soon as round r-1's result is out, and the outer step (SGD, lr 1,
+    uncompressed) averages what they send. With d_i(x) = x - SGD_H(x; worker i's rows of round r):
+
+        theta[r+1] = theta[r] - (d_0(theta[r-1]) + d_1(theta[r-1])) / 2,    theta[-1] = theta[0]
+
+    Every round after the first is taken ahead and used; the replicas stay bit-identical."""
+    config = _local_sgd(tmp_path)
+    with live_workers(2) as workers:
+        trainer = Trainer(config, [w.client() for w in workers], progress=False)
+        try:
+            trainer.connect()
+            records = [trainer.train_step() for _ in range(config.steps)]
+            assert [w.engine.lookaheads for w in workers] == [{"used": config.steps - 1}] * 2
+            replicas = [next(iter(w.engine.sessions.values())).replica for w in workers]
+            for name, p in replicas[0].params.items():
+                assert torch.equal(replicas[1].params[name], p), name
+            assert_in_step(trainer, workers[0])
+        finally:
+            trainer.close()
+    assert all(r["successful_workers"] == 2 for r in records)
     model = build_from_spec(model_spec("gpt-tiny"), seed=config.seed)
     behind = build_from_spec(model_spec("gpt-tiny"), seed=config.seed)
     local = build_from_spec(model_spec("gpt-tiny"), seed=config.seed)
     for step in range(config.steps):
-        rows = trainer.round_batch(step, 0)
-        local.load_state_dict(behind.state_dict())
-        for h in range(2):
-            grads = _gradient(local, rows[h * 2 : (h + 1) * 2])
+        deltas = []
+        for slot in (0, 1):
+            rows = trainer.round_batch(step, slot)
+            local.load_state_dict(behind.state_dict())
+            for h in range(2):
+                grads = _gradient(local, rows[h * 2 : (h + 1) * 2])
+                with torch.no_grad():
+                    for p, g in zip(local.parameters(), grads):
+                        p.add_(g, alpha=-0.5)
             with torch.no_grad():
-                for p, g in zip(local.parameters(), grads):
-                    p.add_(g, alpha=-0.5)
-        with torch.no_grad():
-            deltas = [b - w for b, w in zip(behind.parameters(), local.parameters())]
+                deltas.append([b - w for b, w in zip(behind.parameters(), local.parameters())])
         behind.load_state_dict(model.state_dict())
         with torch.no_grad():
-            for p, d in zip(model.parameters(), deltas):
-                p.sub_(d)
+            for p, d0, d1 in zip(model.parameters(), *deltas):
+                p.sub_((d0 + d1) / 2)
     for (name, a), b in zip(trainer.model.named_parameters(), model.parameters()):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=name)
+
+
+def test_overlapped_local_sgd_resumed_mid_run_is_the_straight_run(tmp_path):
+    """A checkpoint taken while the workers hold the next round's inner steps, taken ahead, saves the inner
+    optimizer state of the rounds asked for; resumed on fresh workers the run ends on the same bits.
+    Compressed, with inner AdamW (its moments and step count carry over) and outer Nesterov momentum."""
+    settings = dict(
+        no_compression=False,
+        inner_optimizer="adamw",
+        inner_learning_rate=3e-3,
+        outer_optimizer="nesterov",
+        learning_rate=0.5,
+        steps=6,
+        checkpoint_every=3,
+        eval_every=3,  # the evaluation applies the update in flight to the coordinator's replica first
+    )
+    with live_workers(2) as workers:
+        straight = train(_local_sgd(tmp_path / "a", **settings), workers)
+        assert [w.engine.lookaheads for w in workers] == [{"used": 5}] * 2
+    checkpoint = tmp_path / "a" / "run" / "checkpoints" / "step-00000003"
+    assert checkpoint.is_dir()
+    with live_workers(2) as workers:  # fresh workers: their state comes from the checkpoint
+        resumed = train(_local_sgd(tmp_path / "b", resume_from=str(checkpoint), **settings), workers)
+    assert [r["loss"] for r in read_metrics(tmp_path / "b" / "run")] == [
+        r["loss"] for r in read_metrics(tmp_path / "a" / "run")
+    ][3:]
+    for (name, a), (_, b) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.equal(a, b), name
 
 
 def test_streamed_data_announced_ahead_is_the_next_rounds_rows(tmp_path, caplog):

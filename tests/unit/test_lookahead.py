@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import numpy as np
 import pytest
@@ -111,7 +112,7 @@ def test_lookahead_serves_only_the_computation_it_made():
         (dict(round=4), 7, "round"),
         (dict(run_id="other"), 7, "round"),
         (dict(compute_before_update=False), 7, "delayed"),
-        (dict(local_steps=LocalSteps(1, InnerOptimizerConfig(), (1e-3,))), 7, "delayed"),
+        (dict(local_steps=LocalSteps(1, InnerOptimizerConfig(), (1e-3,))), 7, "inner steps"),
         ({}, 8, "version"),
         (dict(micro_batch_size=2), 7, "micro-batching"),
         (dict(batch=_batch(2)), 7, "batch"),
@@ -142,7 +143,7 @@ def test_next_batch_crosses_the_wire_and_is_validated():
     with pytest.raises(ProtocolError, match="next token batch of 3x17"):
         protocol.order_from_proto(m)
     m = protocol.order_to_proto(dataclasses.replace(order, compute_before_update=False))
-    with pytest.raises(ProtocolError, match="only by gradient-mode orders with compute_before_update"):
+    with pytest.raises(ProtocolError, match="only by orders with compute_before_update"):
         protocol.order_from_proto(m)
     m = protocol.order_to_proto(dataclasses.replace(order, next_batch=_batch(2)[:, :9]))
     with pytest.raises(ProtocolError, match="rows of 9 tokens"):
@@ -182,3 +183,84 @@ def test_the_own_payload_decoded_while_waiting_is_what_the_replay_sums(monkeypat
     reference.apply(update)  # the whole replay, every payload decoded as it arrives
     for name, p in session.replica.params.items():
         assert torch.equal(p, reference.params[name]), name
+
+
+# ------------------------------------------------------------------------------------- local-SGD rounds
+
+STEPS = LocalSteps(2, InnerOptimizerConfig(name="adamw"), (1e-3, 5e-4))
+NEXT_STEPS = LocalSteps(2, InnerOptimizerConfig(name="adamw"), (4e-4, 2e-4))  # the schedule moves on
+
+
+def _local(engine: WorkerEngine, round_: int, batch: np.ndarray, **changes: object) -> WorkOrder:
+    return _order(engine, round_, batch, **{"local_steps": STEPS, **changes})
+
+
+def _inner(engine: WorkerEngine) -> dict[str, torch.Tensor]:
+    return engine.worker_state("run").inner_optimizer
+
+
+def _same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_local_sgd_round_taken_ahead_is_used_and_changes_nothing():
+    """The inner steps of round 1, taken while round 0's result travels, give the payload, loss and inner
+    optimizer state the round would have computed when its order came."""
+    ahead, plain = _engine(), _engine()
+    first, second = _batch(1), _batch(2)
+    ahead.run_round(_local(ahead, 0, first, next_batch=second, next_local_steps=NEXT_STEPS))
+    plain.run_round(_local(plain, 0, first))
+    a = ahead.run_round(_local(ahead, 1, second, local_steps=NEXT_STEPS))
+    b = plain.run_round(_local(plain, 1, second, local_steps=NEXT_STEPS))
+    assert a.status == b.status == OK and ahead.lookaheads == {"used": 1}
+    assert _payload_bytes(a) == _payload_bytes(b) and a.loss == b.loss
+    assert a.timings["compute"] > 0 and a.timings["wall"] >= a.timings["total"]
+    assert _same_tensors(_inner(ahead), _inner(plain))
+
+
+@pytest.mark.parametrize("change", ["batch", "local_steps"])
+def test_a_dropped_local_sgd_lookahead_leaves_no_inner_state_behind(change):
+    ahead, plain = _engine(), _engine()
+    first, announced = _batch(1), _batch(2)
+    ahead.run_round(_local(ahead, 0, first, next_batch=announced, next_local_steps=NEXT_STEPS))
+    plain.run_round(_local(plain, 0, first))
+    batch, steps = {"batch": (_batch(3), NEXT_STEPS), "local_steps": (announced, STEPS)}[change]
+    a = ahead.run_round(_local(ahead, 1, batch, local_steps=steps))
+    b = plain.run_round(_local(plain, 1, batch, local_steps=steps))
+    assert ahead.lookaheads == {"dropped": 1}
+    assert _payload_bytes(a) == _payload_bytes(b)
+    assert _same_tensors(_inner(ahead), _inner(plain))
+
+
+def test_a_checkpoint_taken_while_a_round_is_ahead_saves_the_committed_inner_state():
+    ahead, plain = _engine(), _engine()
+    ahead.run_round(_local(ahead, 0, _batch(1), next_batch=_batch(2), next_local_steps=NEXT_STEPS))
+    plain.run_round(_local(plain, 0, _batch(1)))
+    (session,) = ahead.sessions.values()
+    assert session.lookahead is not None and session.lookahead.inner_before  # the round ahead has run
+    assert _same_tensors(_inner(ahead), _inner(plain))  # the state after round 0, not after round 1's steps
+
+
+def test_wait_is_the_time_idle_between_a_result_and_the_next_round():
+    engine = _engine()
+    first = engine.run_round(_order(engine, 0, _batch(1)))
+    assert first.timings["wait"] == 0 and first.timings["wall"] == first.timings["total"]
+    time.sleep(0.2)
+    second = engine.run_round(_order(engine, 1, _batch(2)))
+    assert 0.2 <= second.timings["wait"] < second.timings["wall"]
+    assert second.timings["wall"] >= second.timings["wait"] + second.timings["total"] - 1e-6
+
+
+def test_next_local_steps_cross_the_wire_and_are_validated():
+    engine = _engine()
+    order = _local(engine, 0, _batch(1), next_batch=_batch(2), next_local_steps=NEXT_STEPS)
+    back = protocol.order_from_proto(protocol.order_to_proto(order))
+    assert back.next_local_steps == NEXT_STEPS and np.array_equal(back.next_batch, order.next_batch)
+    nxt = preview(back, 5)
+    assert nxt.local_steps == NEXT_STEPS and nxt.next_local_steps is None
+    with pytest.raises(ProtocolError, match="needs next_local_steps"):
+        protocol.order_from_proto(protocol.order_to_proto(dataclasses.replace(order, next_local_steps=None)))
+    with pytest.raises(ProtocolError, match="does not split into 2 equal inner steps"):
+        protocol.order_from_proto(protocol.order_to_proto(dataclasses.replace(order, next_batch=_batch(2, rows=3))))
+    with pytest.raises(ProtocolError, match="comes only with next_batch"):
+        protocol.order_from_proto(protocol.order_to_proto(dataclasses.replace(order, next_batch=None)))

@@ -183,6 +183,7 @@ def test_a_gradient_mode_order_carries_the_rounds_values() -> None:
         "compute_before_update": True,
         "clip_grad_norm": 0.5,
         "fingerprint_gradient": True,
+        "next_local_steps": None,  # gradient mode
     }
     order = work.order("run-a", 3, 4, update, fingerprint, missed)
     check_fields(
@@ -234,7 +235,28 @@ def test_a_local_sgd_order_carries_its_inner_steps() -> None:
             "next_batch": None,
             "clip_grad_norm": 0.0,
             "fingerprint_gradient": False,
+            "next_local_steps": None,
         },
     )
     assert order.inner_steps == 2
     assert order_from_proto(order_to_proto(order)).local_steps == local
+
+
+def test_an_overlapped_local_sgd_order_announces_the_next_rounds_rows_and_inner_steps() -> None:
+    local = LocalSteps(2, InnerOptimizerConfig(), (1e-3, 5e-4))
+    following = LocalSteps(2, InnerOptimizerConfig(), (4e-4, 3e-4))  # the schedule moves on
+    work = RoundWork(
+        2,
+        CODEC,
+        {1: rows(4, 0), 2: rows(4, 50)},
+        {1: rows(4, 100)},
+        local_steps=local,
+        compute_before_update=True,
+        next_local_steps={1: following, 2: following},
+    )
+    fingerprint = Fingerprint((1.0,), (1.0,), ())
+    order = work.order("run-b", 1, 2, None, fingerprint)
+    assert order.next_local_steps == following and np.array_equal(order.next_batch, rows(4, 100))
+    assert work.order("run-b", 2, 2, None, fingerprint).next_local_steps is None  # no batch announced: nothing
+    back = order_from_proto(order_to_proto(order))
+    assert back.next_local_steps == following and np.array_equal(back.next_batch, order.next_batch)
