@@ -38,6 +38,8 @@ __all__ = [
     "progress",
     "read_metrics",
     "round_record",
+    "utilisation",
+    "waited",
 ]
 
 METRIC_KEYS = (
@@ -276,6 +278,33 @@ def _duration(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}"
 
 
+def _seconds(timings: Mapping[str, float], key: str) -> float | None:
+    value = timings.get(key)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def utilisation(timings: Mapping[str, float]) -> float | None:
+    """The share of a round's span a worker spent computing: ``compute / wall``, clamped to [0, 1]. Pure.
+
+    ``wall`` runs from the worker's previous result's end to this one's, so the idle time between rounds
+    counts against it; ``compute`` may hold work done ahead (a look-ahead), hence the clamp. Without a
+    ``wall`` (a worker that does not report one, or a round with none before it), ``compute / total``.
+    ``None``: nothing to say (no compute time, or no span to divide it by)."""
+    compute = _seconds(timings, "compute")
+    span = next((s for s in (_seconds(timings, k) for k in ("wall", "total")) if s is not None and s > 0), None)
+    if compute is None or span is None:
+        return None
+    return min(1.0, max(0.0, compute / span))
+
+
+def waited(timings: Mapping[str, float]) -> float:
+    """The seconds a worker sat idle before the round's work began (its ``wait`` timing; the wire leaves out
+    a zero, so absent is 0). Pure."""
+    return max(0.0, _seconds(timings, "wait") or 0.0)
+
+
 def round_record(
     step: int,
     round_: RoundOutcome,
@@ -303,6 +332,12 @@ def round_record(
     step_time = done - start
     slowest = {
         key: max((r.timings.get(key, 0.0) for r in usable), default=0.0) for key in ("compute", "update", "compress")
+    }
+    # each sender's utilisation (compute / wall), by address as worker_rows are; unmeasured ones left out
+    shares = {
+        o.slot.client.address: u
+        for o in gathered.outcomes
+        if o.result is not None and (u := utilisation(o.result.timings)) is not None
     }
     return {
         "step": step,
@@ -341,6 +376,11 @@ def round_record(
         "agreement_min": min(gathered.scores.values(), default=None),
         "catch_ups": sum(o.catch_ups for o in round_.outcomes),
         "stragglers": sum(o.straggler for o in round_.outcomes),
+        # where the senders' time went: their mean utilisation (None: none measured) and the seconds they
+        # sat idle, summed over them, before this round's work began
+        "utilisation": sum(shares.values()) / len(shares) if shares else None,
+        "wait_s": sum(waited(r.timings) for r in usable),
+        "worker_utilisation": {w: round(u, 4) for w, u in shares.items()},
     }
 
 

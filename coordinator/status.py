@@ -32,6 +32,7 @@ from urllib.parse import parse_qs, urlsplit
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from gradwire.coordinator.metrics import utilisation, waited
 from gradwire.security import bearer, token_matches
 
 if TYPE_CHECKING:
@@ -61,6 +62,10 @@ class WorkerRow:
     last_error: str = ""
     score: float | None = None  # its agreement with the others (decisions.Score); None: not measured yet
     checks: tuple[int, int] = (0, 0)  # spot checks of its gradients (coordinator.spotcheck): passed, failed
+    # its last measured round's utilisation (compute / wall, metrics.utilisation; None: not measured yet) and
+    # the seconds it sat idle before that round's work began
+    utilisation: float | None = None
+    last_wait_seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +84,8 @@ class WorkerEvent:
     error: str = ""
     score: float | None = None
     checks: tuple[int, int] = (0, 0)
+    utilisation: float | None = None
+    wait: float | None = None  # None: no result this round
 
 
 def worker_events(
@@ -95,7 +102,8 @@ def worker_events(
     (benching is judged for it). A worker without an outcome sat the round out: benched, receiving the
     state in the background, or waiting (it joined after the round began). ``score``: its agreement score
     so far (``decisions.Score``), None until it is measured (again, after a bench); ``checks``: its spot
-    checks so far, passed and failed."""
+    checks so far, passed and failed; ``utilisation`` and ``wait``: from its result's timings
+    (``metrics.utilisation``, ``metrics.waited``), None without one."""
     by_slot = {o.slot.index: o for o in round_.outcomes}
     events = []
     for slot in slots:
@@ -110,7 +118,8 @@ def worker_events(
             state = "resyncing" if o.pushes or o.catch_ups else "training"
         else:
             state = "failed"
-        seconds = o.result.timings.get("total", 0.0) if o is not None and o.result is not None else 0.0
+        timings = o.result.timings if o is not None and o.result is not None else None
+        seconds = timings.get("total", 0.0) if timings is not None else 0.0
         events.append(
             WorkerEvent(
                 slot.index,
@@ -125,6 +134,8 @@ def worker_events(
                 (o.error or (reasons or {}).get(slot.index, "")) if o and state == "failed" else "",
                 slot.standing.score.value if slot.standing.score.rounds else None,
                 slot.checks,
+                utilisation(timings) if timings is not None else None,
+                waited(timings) if timings is not None else None,
             )
         )
     return events
@@ -156,6 +167,8 @@ class StatusBoard:
                 ("communication_seconds", "the last round's time outside worker compute and aggregation"),
                 ("aggregate_seconds", "the coordinator's aggregation and outer step in the last round"),
                 ("successful_workers", "workers whose contribution counted in the last round"),
+                ("utilisation", "mean utilisation (compute / wall) of the workers that counted in the last round"),
+                ("wait_seconds", "seconds the workers that counted sat idle before the last round, summed"),
             )
         }
         self._bytes = Counter(
@@ -187,6 +200,18 @@ class StatusBoard:
             ["worker", "address", "result"],
             registry=self.registry,
         )
+        self._worker_utilisation = Gauge(
+            "gradwire_worker_utilisation",
+            "each worker's utilisation in its last measured round: compute over wall time, 0 to 1",
+            ["worker", "address"],
+            registry=self.registry,
+        )
+        self._worker_wait = Counter(
+            "gradwire_worker_wait_seconds",
+            "seconds each worker sat idle with nothing to compute, before its rounds' work began",
+            ["worker", "address"],
+            registry=self.registry,
+        )
 
     def update(self, record: dict[str, Any] | None, events: list[WorkerEvent]) -> None:
         """A round happened: its metrics record (``None`` if no worker was usable) and, for every worker
@@ -205,13 +230,20 @@ class StatusBoard:
                 row.rounds_failed += e.state in ("failed", "straggling")
                 row.last_error = e.error[:300] or row.last_error
                 row.score, row.checks = e.score, e.checks
+                if e.utilisation is not None:
+                    row.utilisation = e.utilisation
+                if e.wait is not None:
+                    row.last_wait_seconds = e.wait
                 self.workers[e.id] = row
+                self._worker_wait.labels(str(row.id), row.address).inc(e.wait or 0.0)
             for wid in [w for w in self.workers if w not in {e.id for e in events}]:
-                self.workers.pop(wid)  # left the run
+                row = self.workers.pop(wid)  # left the run
+                self._worker_wait.remove(str(row.id), row.address)
             self._worker_state.clear()
             self._worker_rounds.clear()
             self._worker_score.clear()
             self._worker_checks.clear()
+            self._worker_utilisation.clear()
             for row in self.workers.values():
                 labels = (str(row.id), row.address)
                 for state in WORKER_STATES:
@@ -222,6 +254,8 @@ class StatusBoard:
                     self._worker_score.labels(*labels).set(row.score)
                 self._worker_checks.labels(*labels, "passed").set(row.checks[0])
                 self._worker_checks.labels(*labels, "failed").set(row.checks[1])
+                if row.utilisation is not None:
+                    self._worker_utilisation.labels(*labels).set(row.utilisation)
 
     def held_out(self, step: int, loss: float) -> None:
         """A held-out loss, measured after round ``step``."""
@@ -245,6 +279,7 @@ class StatusBoard:
             "compute": compute,
             "communication": communication,
             "aggregate": aggregate,
+            "utilisation": record.get("utilisation"),
         }
         for key, value in point.items():
             if key != "step":
@@ -260,6 +295,8 @@ class StatusBoard:
             ("compression_ratio", "compression_ratio"),
             ("step_time", "step_time_seconds"),
             ("successful_workers", "successful_workers"),
+            ("utilisation", "utilisation"),
+            ("wait_s", "wait_seconds"),
         ):
             if isinstance(record.get(key), (int, float)):
                 self._gauges[gauge_key].set(record[key])

@@ -61,6 +61,11 @@ def test_api_status_matches_metrics_jsonl(run) -> None:
     assert [r["id"] for r in rows] == [0, 1] and all(r["state"] in ("training", "resyncing") for r in rows)
     assert all(r["rounds_done"] == 6 and r["rounds_failed"] == 0 and r["device"] == "cpu" for r in rows)
     assert all((r["ranks"], r["node_mode"]) == (1, "") for r in rows)  # single-device workers: no node mode
+    # each worker's last round's utilisation (compute over its round's span) and wait, and the round's mean
+    assert all(0 < r["utilisation"] <= 1 and r["last_wait_seconds"] >= 0 for r in rows), rows
+    assert snap["latest"]["utilisation"] == records[-1]["utilisation"] and 0 < records[-1]["utilisation"] <= 1
+    assert set(records[-1]["worker_utilisation"]) == {r["address"] for r in rows}
+    assert all(rec["wait_s"] >= 0 for rec in records)
     assert sum(r["bytes_down"] for r in rows) == sum(rec["bytes_down"] for rec in records)  # state pushes included
     assert sum(r["bytes_up"] for r in rows) == sum(rec["bytes_up"] for rec in records)
     assert snap["run"]["run_id"] == trainer.run_id
@@ -83,6 +88,10 @@ def test_metrics_endpoint_is_prometheus_text_with_the_same_figures(run) -> None:
         + value("gradwire_worker_state", worker="0", state="resyncing")
         == 1
     )
+    assert value("gradwire_utilisation") == pytest.approx(records[-1]["utilisation"])
+    assert value("gradwire_wait_seconds") == pytest.approx(records[-1]["wait_s"])
+    assert all(0 < value("gradwire_worker_utilisation", worker=w) <= 1 for w in ("0", "1"))
+    assert all(value("gradwire_worker_wait_seconds_total", worker=w) >= 0 for w in ("0", "1"))
 
 
 def test_every_path_needs_the_token_and_the_page_is_served(run) -> None:
@@ -120,3 +129,60 @@ def test_a_nodes_ranks_and_mode_reach_the_snapshot() -> None:
     board = StatusBoard(run={})
     board.update(None, [WorkerEvent(0, "a:1", "training", "cuda:0", 2, "fsdp"), WorkerEvent(1, "b:2", "training")])
     assert [(r["ranks"], r["node_mode"]) for r in board.snapshot()["workers"]] == [(2, "fsdp"), (1, "")]
+
+
+def test_a_workers_utilisation_and_wait_reach_the_snapshot_and_metrics() -> None:
+    from gradwire.coordinator.status import WorkerEvent
+
+    board = StatusBoard(run={})
+    board.update(
+        {"step": 1, "loss": 5.0, "total_tokens": 10, "utilisation": 0.6, "wait_s": 1.5},
+        [WorkerEvent(0, "a:1", "training", utilisation=0.75, wait=0.0), WorkerEvent(1, "b:2", "training")],
+    )
+    board.update(
+        {"step": 2, "loss": 4.0, "total_tokens": 20, "utilisation": 0.5, "wait_s": 2.0},
+        [WorkerEvent(0, "a:1", "training", utilisation=0.5, wait=2.0), WorkerEvent(1, "b:2", "benched")],
+    )
+    snap = board.snapshot()
+    rows = {r["id"]: r for r in snap["workers"]}
+    assert (rows[0]["utilisation"], rows[0]["last_wait_seconds"]) == (0.5, 2.0)
+    assert (rows[1]["utilisation"], rows[1]["last_wait_seconds"]) == (None, 0.0)  # never measured
+    assert snap["latest"]["utilisation"] == 0.5 and snap["curves"]["utilisation"] == [[1, 0.6], [2, 0.5]]
+    samples = {
+        (s.name, s.labels.get("worker")): s.value
+        for f in text_string_to_metric_families(board.prometheus().decode())
+        for s in f.samples
+    }
+    assert samples[("gradwire_worker_utilisation", "0")] == 0.5 and ("gradwire_worker_utilisation", "1") not in samples
+    assert samples[("gradwire_worker_wait_seconds_total", "0")] == 2.0  # over the rounds
+    assert samples[("gradwire_worker_wait_seconds_total", "1")] == 0.0
+    assert (samples[("gradwire_utilisation", None)], samples[("gradwire_wait_seconds", None)]) == (0.5, 2.0)
+    board.update(None, [WorkerEvent(1, "b:2", "training", utilisation=1.0)])  # a:1 left the run
+    samples = {
+        (s.name, s.labels.get("worker"))
+        for f in text_string_to_metric_families(board.prometheus().decode())
+        for s in f.samples
+    }
+    assert ("gradwire_worker_wait_seconds_total", "0") not in samples
+    assert ("gradwire_worker_utilisation", "1") in samples
+
+
+def test_worker_events_carry_utilisation_and_wait_from_the_timings() -> None:
+    import dataclasses
+
+    from gradwire.coordinator.round import RoundOutcome, SlotOutcome, WorkerSlot
+    from gradwire.coordinator.status import worker_events
+    from gradwire.protocol import OK, RoundResult
+
+    @dataclasses.dataclass
+    class Link:
+        address: str
+
+    slots = [WorkerSlot(i, Link(f"w{i}:1")) for i in range(3)]  # type: ignore[arg-type]
+    timings = {"compute": 1.0, "total": 1.5, "wall": 4.0, "wait": 2.5}
+    outcomes = [
+        SlotOutcome(slots[0], RoundResult(OK, 3, loss=2.0, tokens=64, version=3, timings=timings)),
+        SlotOutcome(slots[1], RoundResult(OK, 3, loss=2.0, tokens=64, version=3, timings={"compute": 1.0})),
+    ]
+    events = worker_events(slots, RoundOutcome(outcomes, 0, 0), {0, 1}, 4)
+    assert [(e.utilisation, e.wait) for e in events] == [(0.25, 2.5), (None, 0.0), (None, None)]

@@ -88,3 +88,23 @@ def test_a_nodes_row_shows_its_ranks_and_mode() -> None:
         server.close()
     cells = {w: re.findall(r"<td>([^<]*)</td>", row) for w, row in re.findall(r'data-worker="(\d+)">(.*?)</tr>', dom)}
     assert cells["0"][4] == "2 ranks, fsdp" and cells["1"][4] == "1", dom[-3000:]
+
+
+def test_a_workers_row_shows_its_utilisation_and_wait() -> None:
+    board = StatusBoard(run={"run_id": "r", "model": "gpt-tiny"})
+    board.update(
+        {"step": 3, "loss": 4.0, "total_tokens": 30, "utilisation": 0.5, "wait_s": 1.5},
+        [WorkerEvent(0, "a:1", "training", utilisation=0.755, wait=1.25), WorkerEvent(1, "b:2", "waiting")],
+    )
+    server = StatusServer(board, port=0)
+    try:
+        dom = browse(f"http://127.0.0.1:{server.port}/")
+    finally:
+        server.close()
+    heads = re.findall(r"<th>([^<]*)</th>", dom)
+    cells = {w: re.findall(r"<td>([^<]*)</td>", row) for w, row in re.findall(r'data-worker="(\d+)">(.*?)</tr>', dom)}
+    column = {name: heads.index(name) for name in ("utilisation", "wait")}
+    assert len(cells["0"]) == len(heads), dom[-3000:]
+    assert (cells["0"][column["utilisation"]], cells["0"][column["wait"]]) == ("76%", "1.25 s"), dom[-3000:]
+    assert (cells["1"][column["utilisation"]], cells["1"][column["wait"]]) == ("-", "0.00 s")  # not measured yet
+    assert '<b id="busy">50% / 1.50 s</b>' in dom

@@ -133,7 +133,10 @@ def test_round_record_arithmetic(tmp_path: Path) -> None:
         "catch_ups": 1,
         "stragglers": 1,
         "agreement_min": 0.05,  # the senders' lowest agreement score
+        "utilisation": 1.0 / 1.6,  # the senders' mean compute / wall (or total); r2 has no span: not measured
+        "wait_s": 0.0,  # none reported a wait: busy all along
     }
+    assert record.pop("worker_utilisation") == {"w0:1": 0.625}  # by address, the measured senders'
     assert record == pytest.approx(want)
     assert payload_bytes < DENSE_BYTES * 2 and record["compression_ratio"] > 1
     with MetricsLog(tmp_path) as log:  # a record the log takes as is

@@ -29,7 +29,9 @@ def test_a_kept_worker_is_training_with_its_bytes_and_seconds() -> None:
     o = SlotOutcome(s, result(2.25), bytes_up=100, bytes_down=700, first_push_bytes=5000)
     (event,) = worker_events([s], RoundOutcome([o], pushes=1, push_bytes=5000), {0}, 4)
     # bytes_down counts the state push before the round, which SlotOutcome.bytes_down does not.
-    assert event == WorkerEvent(0, "w0:50051", "training", "cuda:0", 2, "fsdp", 2.25, 100, 5700, "")
+    assert event == WorkerEvent(
+        0, "w0:50051", "training", "cuda:0", 2, "fsdp", 2.25, 100, 5700, "", utilisation=1.0 / 2.25, wait=0.0
+    )
 
 
 def test_a_kept_worker_that_was_pushed_or_caught_up_is_resyncing() -> None:
