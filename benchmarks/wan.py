@@ -2,6 +2,7 @@
 
     sudo python -m benchmarks.wan --json                               # gpt-10m, 2 workers, 100 Mbit/s, 25 ms: ~10 min
     sudo python -m benchmarks.wan --methods gradwire,gradwire-overlap --json   # with one-step-delayed rounds
+    sudo python -m benchmarks.wan --methods gradwire-local,gradwire-local-overlap --steps 120 --inner-steps 30 --json
     sudo python -m benchmarks.wan --latency 0 --json                    # no added latency (a plain bridge)
     sudo python -m benchmarks.wan --model gpt-tiny --steps 6 --json     # a quick look
     sudo python -m benchmarks.wan --methods gradwire --target-chunk 32 --topk 8 --json   # another codec setting
@@ -17,7 +18,9 @@ kernel has no ``netem``), and on the same hosts, with the same model, batch and 
 * ``gradwire``: a coordinator on host 0 and a ``worker serve`` on each worker host, gradient mode;
 * ``gradwire-overlap``: the same with ``--overlap`` (one-step-delayed rounds: each worker computes its
   next gradient while its last result travels and is aggregated);
-* ``gradwire-local``: the same in local-SGD rounds of ``--inner-steps`` (fewer rounds, equal tokens).
+* ``gradwire-local``: the same in local-SGD rounds of ``--inner-steps`` (fewer rounds, equal tokens);
+* ``gradwire-local-overlap``: those rounds with ``--overlap``: each worker takes the next round's inner steps
+  as soon as its result is out, and the sync (the link, the aggregation, the outer step) runs meanwhile.
 
 ``--baseline-steps`` times the DDP rows over fewer steps than gradwire's (their per-step cost is steady
 after a few): their loss is then not after equal tokens, and is not compared.
@@ -25,7 +28,9 @@ after a few): their loss is then not after equal tokens, and is not compared.
 For each: step time (median), the part of it that is not compute, bytes on the wire per step (the hosts'
 kernel interface counters, summed over hosts, divided by steps - not estimated), tokens/s, held-out loss
 after equal tokens; for gradwire also where its non-compute time goes (replay, encode, aggregation, and the
-rest: the link and the calls). Exits with a clear message, status 0, where namespaces cannot be made.
+rest: the link and the calls), and each worker's utilisation (its compute over its wall time, as it reports
+them) and the share of its wall time it sat waiting with nothing to compute. Exits with a clear message,
+status 0, where namespaces cannot be made.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from benchmarks.wire import tun_available
 
 # The defaults (20 steps of gpt-10m, 2 workers, 100 Mbit/s, 25 ms) finish in under 10 minutes on 2 cores;
 # DDP's 240 MB per step take most of it. --overlap's row is one flag away.
-METHODS = ("ddp", "ddp-powersgd", "gradwire", "gradwire-overlap", "gradwire-local")
+METHODS = ("ddp", "ddp-powersgd", "gradwire", "gradwire-overlap", "gradwire-local", "gradwire-local-overlap")
 DEFAULT_METHODS = ("ddp", "ddp-powersgd", "gradwire", "gradwire-local")
 MASTER_PORT = 29517
 WORKER_PORT = 50051
@@ -196,6 +201,12 @@ def run_gradwire(lab: Lab, args: argparse.Namespace, inner_steps: int, overlap: 
         statistics.median(r[k] for r in timed) / inner_steps
         for k in ("worker_update_time", "worker_compress_time", "aggregate_time")
     )
+    # Each worker's own account of the rounds: compute over wall (work done ahead counts), and idle seconds.
+    per_worker: dict[str, list[float]] = {}
+    for r in timed:
+        for address, share in r["worker_utilisation"].items():
+            per_worker.setdefault(address, []).append(share)
+    waiting = [r["wait_s"] / workers / r["step_time"] for r in timed]
     return {
         "step_time": step,
         "compute_time": compute,
@@ -214,6 +225,10 @@ def run_gradwire(lab: Lab, args: argparse.Namespace, inner_steps: int, overlap: 
         "rounds_replay_time": [r["worker_update_time"] / inner_steps for r in timed],
         "rounds_encode_time": [r["worker_compress_time"] / inner_steps for r in timed],
         "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in timed),
+        "utilisation": statistics.median(statistics.mean(u) for u in per_worker.values()) if per_worker else None,
+        "worker_utilisation": {a: statistics.mean(u) for a, u in per_worker.items()},
+        "wait_fraction": statistics.median(waiting),
+        "rounds_wait_fraction": waiting,
         "eval_loss": run["eval_loss"],
         "train_loss": records[-1]["loss"],
         "tokens": records[-1]["total_tokens"],
@@ -319,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
                 results[method] = run_gradwire(lab, args, 1, overlap=True)
             elif method == "gradwire-local":
                 results[method] = run_gradwire(lab, args, args.inner_steps)
+            elif method == "gradwire-local-overlap":
+                results[method] = run_gradwire(lab, args, args.inner_steps, overlap=True)
     compare_with_ddp(results)
     out = {
         "bandwidth": args.bandwidth,

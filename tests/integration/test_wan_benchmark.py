@@ -46,7 +46,7 @@ def test_every_method_runs_over_the_shaped_links(capsys: pytest.CaptureFixture) 
     )
     result = json.loads(capsys.readouterr().out)
     methods = result["methods"]
-    assert set(methods) == {"ddp", "ddp-powersgd", "gradwire", "gradwire-overlap", "gradwire-local"}
+    assert set(methods) == set(wan.METHODS)
     for name, r in methods.items():
         assert r["bytes_per_step"] > 0 and math.isfinite(r["eval_loss"]) and r["step_time"] > 0, name
     assert (
@@ -54,6 +54,7 @@ def test_every_method_runs_over_the_shaped_links(capsys: pytest.CaptureFixture) 
         == methods["gradwire"]["tokens"]
         == methods["gradwire-overlap"]["tokens"]
         == methods["gradwire-local"]["tokens"]
+        == methods["gradwire-local-overlap"]["tokens"]
     )
     assert methods["gradwire"]["bytes_per_step"] < methods["ddp"]["bytes_per_step"]
     for name in ("gradwire", "gradwire-overlap"):  # where gradwire's non-compute time goes, in parts that add up
@@ -68,6 +69,7 @@ def test_every_method_runs_over_the_shaped_links(capsys: pytest.CaptureFixture) 
         ("gradwire", 3),
         ("gradwire-overlap", 3),
         ("gradwire-local", 1),
+        ("gradwire-local-overlap", 1),
     ):  # round by round, round 1 left out
         r = methods[name]
         assert (
@@ -76,6 +78,10 @@ def test_every_method_runs_over_the_shaped_links(capsys: pytest.CaptureFixture) 
         assert all(t > 0 for t in r["rounds_replay_time"] + r["rounds_encode_time"]), name
     local = methods["gradwire-local"]
     assert math.isclose(local["rounds_non_compute_time"][0], local["non_compute_time"], rel_tol=1e-9)
+    for name in ("gradwire", "gradwire-local", "gradwire-local-overlap"):  # each worker's own account of its time
+        r = methods[name]
+        assert 0 < r["utilisation"] <= 1 and len(r["worker_utilisation"]) == 2, name
+        assert 0 <= r["wait_fraction"] < 1 and len(r["rounds_wait_fraction"]) == len(r["rounds_replay_time"]), name
 
 
 def test_without_namespaces_it_says_why_and_exits_0(
