@@ -22,6 +22,7 @@ from typing import Any
 
 from gradwire.compression import CodecConfig
 from gradwire.compression.config import VALUE_CODINGS
+from gradwire.compression.fragment import MAX_FRAGMENTS
 from gradwire.compression.robust import AGGREGATIONS, AggregationRule
 from gradwire.coordinator.balance import BALANCE_MODES
 from gradwire.coordinator.decisions import (
@@ -239,6 +240,13 @@ class TrainConfig:
         1,
         help="local-SGD rounds: inner optimizer steps on every worker between syncs "
         "(1: gradient mode, one compressed gradient per step)",
+        section=INNER,
+    )
+    fragments: int = setting(
+        1,
+        help="streamed fragments (Streaming DiLoCo): split the model's tensors into F groups of about equal size; "
+        "a round is H/F inner steps and syncs one group, in turn, so every tensor syncs once every H inner steps "
+        "and the link carries 1/F of the payload at a time (1: the whole model every H steps)",
         section=INNER,
     )
     inner_optimizer: str = setting(
@@ -480,7 +488,15 @@ class TrainConfig:
     wandb_run_name: str | None = setting(None, help="the Weights & Biases run name", section=TRACKING)
 
     def __post_init__(self) -> None:
-        positive = ("steps", "batch_size", "sequence_length", "max_failed_rounds", "eval_batches", "inner_steps")
+        positive = (
+            "steps",
+            "batch_size",
+            "sequence_length",
+            "max_failed_rounds",
+            "eval_batches",
+            "inner_steps",
+            "fragments",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -556,6 +572,8 @@ class TrainConfig:
                 "--balance steps sizes the inner steps of local-SGD rounds (--inner-steps > 1); "
                 "in gradient mode use --balance rows"
             )
+        if self.fragments > 1:
+            self._check_fragments()
         self.grace()  # validates --straggler-grace
         if not (math.isfinite(self.max_failed_seconds) and self.max_failed_seconds >= 0):
             raise ValueError(f"--max-failed-seconds must be >= 0, got {self.max_failed_seconds}")
@@ -571,10 +589,29 @@ class TrainConfig:
         self.outer_schedule()
         self.inner_schedule()
 
+    def _check_fragments(self) -> None:
+        if not self.local_sgd or self.inner_steps % self.fragments:
+            raise ValueError(
+                f"--fragments {self.fragments} splits local-SGD rounds: --inner-steps must be a multiple of it "
+                f"(a round is H / F inner steps), got {self.inner_steps}"
+            )
+        if self.outer_optimizer == "adamw" or self.downlink == "compressed":
+            raise ValueError(
+                "--fragments replays each fragment's payloads: it needs an outer optimizer replicas replay (sgd, "
+                "nesterov, signsgd) and --downlink replay or auto"
+            )
+        if MAX_FRAGMENTS < self.fragments:
+            raise ValueError(f"--fragments must be at most {MAX_FRAGMENTS}, got {self.fragments}")
+
     @property
     def local_sgd(self) -> bool:
         """Local-SGD rounds (H > 1 inner steps between syncs) rather than one gradient per step."""
         return self.inner_steps > 1
+
+    @property
+    def round_steps(self) -> int:
+        """Inner steps in a round: H, or H / F with streamed fragments (each fragment syncs every H)."""
+        return self.inner_steps // self.fragments
 
     def codec_config(self) -> CodecConfig:
         if self.no_compression:
@@ -625,11 +662,11 @@ class TrainConfig:
         )
 
     def inner_schedule(self) -> Schedule:
-        # Inner steps are counted across rounds: round r's step h is inner step r * H + h.
+        # Inner steps are counted across rounds: round r's step h is inner step r * H + h (H / F with fragments).
         return Schedule(
             kind=self.inner_lr_schedule,
             warmup=self.inner_warmup_steps,
-            total=self.steps * self.inner_steps,
+            total=self.steps * self.round_steps,
             min_ratio=self.inner_min_lr_ratio,
             cycles=self.inner_lr_cycles,
             flag_prefix="inner-",
@@ -640,8 +677,8 @@ class TrainConfig:
         return lr_at(self.learning_rate, self.outer_schedule(), step)
 
     def inner_lrs(self, step: int) -> tuple[float, ...]:
-        """The inner learning rate of each of round ``step``'s H inner steps."""
-        schedule, h = self.inner_schedule(), self.inner_steps
+        """The inner learning rate of each of round ``step``'s inner steps (H, or H / F with fragments)."""
+        schedule, h = self.inner_schedule(), self.round_steps
         return tuple(lr_at(self.inner_learning_rate, schedule, step * h + i) for i in range(h))
 
     def to_dict(self) -> dict:

@@ -114,10 +114,12 @@ class Gatherer:
         rule: AggregationRule,
         caught: Mapping[int, str] | None = None,
         together: Sequence[int] = (),
+        codec: GradientCodec | None = None,
     ) -> Gathered:
         """``caught``: the senders (by slot) a spot check caught this round, with why; ``together``: the slots
-        given the same rows (a spot check by redundancy)."""
-        caught = caught or {}
+        given the same rows (a spot check by redundancy); ``codec``: the round's, if not the run's (a round of
+        streamed fragments sends one fragment's tensors)."""
+        caught, codec = caught or {}, codec or self.codec
         fates: dict[int, Fate] = {}
         verdicts: dict[int, Verdict] = {}
         good: list[SlotOutcome] = []
@@ -131,13 +133,13 @@ class Gatherer:
                 fates[index] = Fate(index, address, "left out", caught[index])
                 verdicts[index] = "caught"
                 continue
-            reason = _invalid(o.result, batches[index], self.codec, decoded)
+            reason = _invalid(o.result, batches[index], codec, decoded)
             if reason:
                 fates[index] = Fate(index, address, "left out", reason)
                 verdicts[index] = "rejected"
                 continue
             good.append(o)
-        chunk_numels = [g.chunk_numel for g in self.codec.plan.groups]
+        chunk_numels = [g.chunk_numel for g in codec.plan.groups]
         digests = [copies.digest(d, chunk_numels) for d in decoded]
         twins = {i for i, o in enumerate(good) if o.slot.index in together}
         copied = copies.find_copies(
@@ -162,7 +164,7 @@ class Gatherer:
             else:
                 fates[index] = Fate(index, address, "kept", "", scale)
         kept = [i for i, scale in enumerate(scales) if scale >= HARD_CLIP]
-        kept, scores = self._agree(good, decoded, scales, kept, fates, verdicts)
+        kept, scores = self._agree(good, decoded, scales, kept, fates, verdicts, codec)
         self.norms.extend(norms[i] * scales[i] for i in kept)
         for o in round_.outcomes:
             if o.slot.index in verdicts:
@@ -185,7 +187,7 @@ class Gatherer:
             if o.result is not None
         )
         if outcomes:
-            aggregator = robust.aggregate(self.codec, [decoded[i] for i in kept], weights, kept_scales, rule)
+            aggregator = robust.aggregate(codec, [decoded[i] for i in kept], weights, kept_scales, rule)
         order = [o.slot.index for o in round_.outcomes]
         return Gathered(outcomes, aggregator, kept_scales, tuple(fates[i] for i in order), scores, weights)
 
@@ -197,6 +199,7 @@ class Gatherer:
         kept: list[int],
         fates: dict[int, Fate],
         verdicts: dict[int, Verdict],
+        codec: GradientCodec,
     ) -> tuple[list[int], dict[int, float]]:
         """Measure the ``kept`` senders' agreement, move their scores, and leave out those whose score says
         they point away; returns the senders still kept and the scores measured, by slot."""
@@ -204,7 +207,7 @@ class Gatherer:
             return kept, {}
         slots = [good[i].slot for i in kept]
         weights = [float(good[i].result.tokens) * scales[i] for i in kept if good[i].result is not None]
-        chunk_numels = [g.chunk_numel for g in self.codec.plan.groups]
+        chunk_numels = [g.chunk_numel for g in codec.plan.groups]
         still, scores = [], {}
         for i, slot, agreement in zip(kept, slots, agreements([decoded[i] for i in kept], weights, chunk_numels)):
             new, verdict, why = score(slot.standing.score, agreement, floor=self.agreement_floor)

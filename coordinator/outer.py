@@ -29,8 +29,9 @@ import logging
 import torch
 
 from gradwire import protocol
-from gradwire.compression import CodecConfig, CompressedGradient, ErrorFeedback
+from gradwire.compression import CodecConfig, CompressedGradient, ErrorFeedback, GradientCodec
 from gradwire.compression.aggregate import Aggregator
+from gradwire.compression.fragment import Fragment
 from gradwire.compression.robust import MEAN, AggregationRule, CoordinateAggregate
 from gradwire.models import build_from_spec
 from gradwire.optim.outer import UpdateRule
@@ -121,11 +122,13 @@ class OuterStrategy(abc.ABC):
         senders: tuple[int, ...] = (),
         round: int = -1,
         compressed: bool = False,
+        fragment: Fragment | None = None,
     ) -> float:
         """Turn a round's validated, combined contributions (``compression.robust.aggregate`` of
         ``payloads`` with ``weights``, clip ``scales`` and ``rule``) into the next ``pending`` update.
         ``senders`` are the slots that sent ``payloads``, in order, in round ``round`` (``update_for``).
-        ``compressed``: the update is the aggregate, re-compressed (``downlink``), not the payloads.
+        ``compressed``: the update is the aggregate, re-compressed (``downlink``), not the payloads;
+        ``fragment``: the payloads are of that fragment's tensors, and the update moves those alone.
 
         The round's version (the one its contributions were computed at) becomes the new base. Returns
         the aggregate's L2 norm.
@@ -138,7 +141,9 @@ class OuterStrategy(abc.ABC):
         norm = aggregator.norm()
         if self.pending is not None:
             self.history.append((self.base_version, self.base_fingerprint, self.pending))
-        replay = StateUpdate(lr, payloads, weights, scales=scales, rule=rule)
+        if compressed and fragment is not None:
+            raise ValueError("a fragment's update is a replay of its payloads, not a compressed aggregate")
+        replay = StateUpdate(lr, payloads, weights, scales=scales, rule=rule, fragment=fragment)
         self.pending = self._next_update(aggregator, replay, compressed)
         # A sender keeps its own payload and is sent the others; a compressed update goes whole to everyone.
         self._senders, self._sent_in = (() if compressed else tuple(senders)), round
@@ -173,6 +178,10 @@ class OuterStrategy(abc.ABC):
             feedback,
             inner_optimizer,
         )
+
+    def codec_of(self, fragment: Fragment | None) -> GradientCodec:
+        """The codec of a round's payloads: the run's, or a fragment's (``--fragments``)."""
+        return self.codec if fragment is None else self.replica.codec(self.codec.config, fragment)
 
     def checkpoint(self) -> TensorGroups:
         """Tensor groups for a checkpoint (after ``apply_pending``): the model and the outer optimizer's state."""

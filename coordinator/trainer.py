@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from gradwire.compression import CompressedGradient
+from gradwire.compression.fragment import of_round
 from gradwire.compression.robust import AggregationRule
 from gradwire.coordinator.checkpointer import RunCheckpointer, RunPosition
 from gradwire.coordinator.config import TrainConfig
@@ -210,14 +211,16 @@ class Trainer:
         t_gathered = time.perf_counter()
         rule = self._aggregation_rule()
         caught, spot = self.spot_checks(step, round_, work, self.outer.apply_pending)
-        gathered = self.gather(round_, step, work.batches, rule, caught, work.redundant)
+        fragment = of_round(step, self.config.fragments)
+        codec = self.outer.codec_of(fragment)
+        gathered = self.gather(round_, step, work.batches, rule, caught, work.redundant, codec)
         self._log_fates(step, gathered)
         if gathered.aggregator is None:
             self._report(round_, None, gathered)
             return None
         usable = gathered.results
         payloads = tuple(r.gradient for r in usable if r.gradient is not None)
-        compressed = self._compressed_downlink(payloads)
+        compressed = self._compressed_downlink(payloads) if fragment is None else False
         grad_norm = self.outer.step(
             gathered.aggregator,
             payloads,
@@ -228,6 +231,7 @@ class Trainer:
             senders=gathered.senders,
             round=step,
             compressed=compressed,
+            fragment=fragment,
         )
         tokens = round(sum(gathered.weights))  # rows given to several workers (a spot check) count once
         self.position = RunPosition(step + 1, self.total_tokens + tokens)
@@ -239,8 +243,8 @@ class Trainer:
             lr=lr,
             times=(t0, t_gathered, time.perf_counter()),
             total_tokens=self.total_tokens,
-            dense_bytes=4 * self.outer.codec.plan.numel,
-            inner_steps=self.config.inner_steps,
+            dense_bytes=4 * codec.plan.numel,  # of what the round syncs: the model, or a fragment of it
+            inner_steps=self.config.round_steps,
             benched=sum(s.standing.benched(self.step) for s in self.slots),
             clip_grad_norm=0.0 if self.config.local_sgd else self.config.clip_grad_norm,
         )

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from gradwire.compression import CodecConfig
+from gradwire.compression.fragment import of_round
 from gradwire.coordinator.balance import MIN_SAMPLES, Slot, Throughput, measure, shares
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.data import TokenSource
@@ -77,7 +78,7 @@ class WorkPlanner:
         plan = self.plan(step, slots)
         # A stream lays each step out by the workers' rows and goes on from where it was when they change:
         # nothing skipped, nothing twice.
-        self.data.set_layout(step * cfg.inner_steps, self._layout(plan))
+        self.data.set_layout(step * cfg.round_steps, self._layout(plan))
         batches = {slot.index: self.batch(step, position, slot.ranks) for position, slot in enumerate(slots)}
         # --overlap: announce each worker's next batch (the same workers assumed), and in local-SGD rounds its
         # next inner steps, so that it can compute the next round's contribution while this round's result
@@ -86,7 +87,7 @@ class WorkPlanner:
         next_batches, next_steps = {}, {}
         if cfg.overlap and step + 1 < cfg.steps:
             next_plan = self.plan(step + 1, slots)
-            self.data.set_layout((step + 1) * cfg.inner_steps, self._layout(next_plan))
+            self.data.set_layout((step + 1) * cfg.round_steps, self._layout(next_plan))
             next_batches = {s.index: self.batch(step + 1, i, s.ranks) for i, s in enumerate(slots)}
             if cfg.local_sgd:
                 common, own = self._local_steps(step + 1, next_plan, slots)
@@ -120,14 +121,15 @@ class WorkPlanner:
         (``--balance steps``: a share of whole inner steps)."""
         cfg = self.config
         optimizer, lrs = cfg.inner_optimizer_config(), cfg.inner_lrs(step)
+        fragment = of_round(step, cfg.fragments)
         own_steps = {}
         if cfg.balance == "steps":
             for position, slot in enumerate(slots):
                 h = plan.shares[position] // (cfg.batch_size * plan.ranks[position])
                 # h steps over the round's schedule: the learning rates of H steps, spread (or repeated)
-                own = tuple(lrs[k * cfg.inner_steps // h] for k in range(h))
-                own_steps[slot.index] = LocalSteps(h, optimizer, own, cfg.clip_grad_norm)
-        return LocalSteps(cfg.inner_steps, optimizer, lrs, cfg.clip_grad_norm), own_steps
+                own = tuple(lrs[k * cfg.round_steps // h] for k in range(h))
+                own_steps[slot.index] = LocalSteps(h, optimizer, own, cfg.clip_grad_norm, fragment)
+        return LocalSteps(cfg.round_steps, optimizer, lrs, cfg.clip_grad_norm, fragment), own_steps
 
     def _redundant(self, step: int, slots: Sequence[WorkerSlot], batches: dict[int, np.ndarray]) -> tuple[int, ...]:
         """A spot check by redundancy, if round ``step`` draws one: the workers given the same rows, else ``()``.
@@ -141,7 +143,7 @@ class WorkPlanner:
             return ()
         cfg = self.config
         plan = self.plans[step]
-        inner = {s.index: cfg.inner_steps for s in slots}
+        inner = {s.index: cfg.round_steps for s in slots}
         if cfg.local_sgd and cfg.balance == "steps":  # whole inner steps of the default rows per rank
             inner = {s.index: r // (cfg.batch_size * s.ranks) for s, r in zip(slots, plan.shares)}
         candidates = [(s.index, (inner[s.index], s.ranks, s.node_mode)) for s in slots]
@@ -167,7 +169,7 @@ class WorkPlanner:
         if known is not None and (known.workers, known.ranks) == (workers, ranks):
             return known
         steps = cfg.balance == "steps"
-        defaults = [cfg.batch_size * r * (cfg.inner_steps if steps else 1) for r in ranks]
+        defaults = [cfg.batch_size * r * (cfg.round_steps if steps else 1) for r in ranks]
         if cfg.balance == "off":
             plan = Plan(workers, ranks, tuple(defaults))
         else:
@@ -203,7 +205,7 @@ class WorkPlanner:
         gradient mode's batch. Without a plan for the round (one not worked yet), the default share:
         ``batch_size`` rows per rank (``--batch-size`` is per GPU).
         """
-        cfg, h = self.config, self.config.inner_steps
+        cfg, h = self.config, self.config.round_steps
         plan = self.plans.get(step)
         if plan is None or slot >= len(plan.shares):
             rows = [self.data.batch(step * h + i, slot, cfg.batch_size * ranks, cfg.sequence_length) for i in range(h)]
@@ -297,7 +299,7 @@ class WorkPlanner:
         step by step (a stream keeps only its last two steps: position by position, H > 2 would re-read it)."""
         key = (step, plan)
         if key not in self._cut:
-            cfg, h = self.config, self.config.inner_steps
+            cfg, h = self.config, self.config.round_steps
             sizes = self._layout(plan)
             rows = [
                 [self.data.batch(step * h + i, p, n, cfg.sequence_length) for p, n in enumerate(sizes)]

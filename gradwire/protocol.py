@@ -20,6 +20,7 @@ from google.protobuf.message import DecodeError, Message
 
 from gradwire.compression import CodecConfig, CompressedGradient, PayloadError
 from gradwire.compression import serde as codec_serde
+from gradwire.compression.fragment import Fragment
 from gradwire.compression.robust import MEAN, AggregationRule
 from gradwire.optim.inner import InnerOptimizerConfig
 from gradwire.replica import Fingerprint, StateUpdate
@@ -27,7 +28,8 @@ from gradwire.v1 import worker_pb2 as pb
 
 # Bump when a message's meaning changes; both sides refuse to talk across versions.
 # 5: work orders ask for a gradient fingerprint, and results carry it (spot checks); 6: local-SGD orders announce
-# the next round (next_batch, next_local_steps), and results say how long the worker waited
+# the next round (next_batch, next_local_steps), results say how long the worker waited, and local-SGD rounds
+# and replays may be of one fragment of the model (--fragments)
 PROTOCOL_VERSION = 6
 MAX_INNER_STEPS = 100_000  # H beyond this is a mistake, not a schedule (the field syncs every 30-500 steps)
 MAX_LEARNING_RATE = 1e6  # learning rates crossing the wire are finite, non-negative and below this
@@ -337,6 +339,8 @@ def update_to_proto(u: StateUpdate) -> pb.StateUpdate:
         exact=u.rule.exact,
         own_position=u.own[0] + 1 if u.own is not None else 0,
         own_round=u.own[1] if u.own is not None else 0,
+        fragment=u.fragment.index if u.fragment is not None else 0,
+        fragments=u.fragment.count if u.fragment is not None else 0,
     )
     return pb.StateUpdate(replay=replay, learning_rate=u.learning_rate)
 
@@ -372,6 +376,7 @@ def update_from_proto(m: pb.StateUpdate) -> StateUpdate:
             )
         except ValueError as e:
             raise ProtocolError(f"replay aggregation: {e}") from None
+        fragment = fragment_from_proto(m.replay.fragment, m.replay.fragments, "replay")
         payloads = tuple(codec_serde.gradient_from_proto(p) for p in m.replay.payloads)
         own_payload = (m.replay.own_position - 1, m.replay.own_round) if own else None
         return StateUpdate(
@@ -381,8 +386,21 @@ def update_from_proto(m: pb.StateUpdate) -> StateUpdate:
             scales=tuple(m.replay.scales),
             rule=rule,
             own=own_payload,
+            fragment=fragment,
         )
     raise ProtocolError("state update carries neither a replay nor a delta")
+
+
+def fragment_from_proto(index: int, count: int, what: str) -> Fragment | None:
+    """The fragment a message names (``fragments`` 0 or 1: none, the whole model)."""
+    if count <= 1:
+        if index:
+            raise ProtocolError(f"{what}: fragment {index} of a whole model")
+        return None
+    try:
+        return Fragment(index, count)
+    except ValueError as e:
+        raise ProtocolError(f"{what}: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -393,6 +411,7 @@ class LocalSteps:
     optimizer: InnerOptimizerConfig
     learning_rates: tuple[float, ...]
     clip_grad_norm: float = 0.0
+    fragment: Fragment | None = None  # --fragments: the working model carries on; send this fragment alone
 
     def __post_init__(self) -> None:
         if not 1 <= self.steps <= MAX_INNER_STEPS:
@@ -442,13 +461,18 @@ def local_steps_to_proto(ls: LocalSteps) -> pb.LocalSteps:
         optimizer=inner_optimizer_to_proto(ls.optimizer),
         learning_rates=ls.learning_rates,
         clip_grad_norm=ls.clip_grad_norm,
+        fragment=ls.fragment.index if ls.fragment is not None else 0,
+        fragments=ls.fragment.count if ls.fragment is not None else 0,
     )
 
 
 def local_steps_from_proto(m: pb.LocalSteps) -> LocalSteps:
     if not m.HasField("optimizer"):
         raise ProtocolError("local steps: optimizer missing")
-    return LocalSteps(m.steps, inner_optimizer_from_proto(m.optimizer), tuple(m.learning_rates), m.clip_grad_norm)
+    fragment = fragment_from_proto(m.fragment, m.fragments, "local steps")
+    return LocalSteps(
+        m.steps, inner_optimizer_from_proto(m.optimizer), tuple(m.learning_rates), m.clip_grad_norm, fragment
+    )
 
 
 _BATCH_DTYPES = {pb.DTYPE_UINT16: np.dtype("<u2"), pb.DTYPE_INT32: np.dtype("<i4")}

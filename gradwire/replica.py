@@ -25,7 +25,9 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from gradwire.compression import CodecConfig, CompressedGradient, DecodedGradient, GradientCodec, robust
+from gradwire.compression import fragment as fragments
 from gradwire.compression.aggregate import Aggregator
+from gradwire.compression.fragment import Fragment
 from gradwire.compression.robust import MEAN, AggregationRule
 from gradwire.optim.outer import UpdateRule, outer_step
 
@@ -48,6 +50,8 @@ class StateUpdate:
     # (position, round): the receiver's own payload of ``round`` is left out of ``payloads`` and belongs at
     # ``position`` among the senders (it holds it: it sent it); ``weights``/``scales`` count it. None: whole.
     own: tuple[int, int] | None = None
+    # --fragments: the payloads are of this fragment's tensors, and the step moves those alone. None: all.
+    fragment: Fragment | None = None
 
     @property
     def nbytes(self) -> int:
@@ -207,16 +211,29 @@ class Replica:
         self.numels = [p.numel() for p in self.params.values()]
         self._positions = sample_positions(named_shapes)
         self._codecs: dict[CodecConfig, GradientCodec] = {}
+        self._fragment_codecs: dict[tuple[CodecConfig, Fragment], GradientCodec] = {}
         self._fingerprint: tuple[tuple[int, ...], Fingerprint] | None = None  # (write counts, fingerprint)
 
-    def codec(self, config: CodecConfig) -> GradientCodec:
-        """The codec for this replica's tensors under ``config`` (cached: its plan is not free)."""
+    def codec(self, config: CodecConfig, fragment: Fragment | None = None) -> GradientCodec:
+        """The codec for this replica's tensors under ``config`` (cached: its plan is not free); with
+        ``fragment``, the codec of that fragment's tensors (``compression.fragment``)."""
+        if fragment is not None:
+            key = (config, fragment)
+            if key not in self._fragment_codecs:
+                shapes = {n: self.shapes[n] for n in self.fragment_names(fragment)}
+                device = self.codec(config).device
+                self._fragment_codecs[key] = GradientCodec(shapes, config, device=device)
+            return self._fragment_codecs[key]
         if config not in self._codecs:
             device = next(iter(self.params.values())).device
             self._codecs[config] = GradientCodec(
                 {n: tuple(p.shape) for n, p in self.params.items()}, config, device=device
             )
         return self._codecs[config]
+
+    def fragment_names(self, fragment: Fragment) -> tuple[str, ...]:
+        """The whole model's tensors ``fragment`` holds, in the model's order."""
+        return fragments.split(self.shapes, fragment.count)[fragment.index]
 
     @torch.no_grad()
     def apply(
@@ -255,13 +272,23 @@ class Replica:
         if not self.rule.replayable:
             raise ValueError(f"update rule {self.rule.optimizer} expects deltas, got a replay")
         if aggregator is None:
-            codec = self.codec(update.payloads[0].settings)
+            codec = self.codec(update.payloads[0].settings, update.fragment)
             weights = update.weights or (1.0,) * len(update.payloads)
             senders = [known[1] if known is not None and p is known[0] else p for p in update.payloads]
             aggregator = robust.aggregate(codec, senders, weights, update.scales, update.rule)
         shares = self._shares(aggregator.parts(), update.learning_rate)
-        steps = [shares[n] for n in self.params]
-        outer_step(self._step_tensors(), steps, self.rule, update.learning_rate, self.momentum)
+        tensors, momentum = self._step_tensors(), self.momentum
+        if update.fragment is None:
+            steps = [shares[n] for n in self.params]
+        else:  # the fragment's tensors alone step, each with its own momentum
+            moving = [i for i, n in enumerate(self.params) if n in shares]
+            if self.rule.has_momentum and len(momentum) < len(tensors):
+                # buffers of every tensor first, zeros (0 x mu + g is g: as a buffer made on first use)
+                momentum.extend(torch.zeros_like(t, dtype=torch.float32) for t in tensors[len(momentum) :])
+            names = list(self.params)
+            tensors, steps = [tensors[i] for i in moving], [shares[names[i]] for i in moving]
+            momentum = [momentum[i] for i in moving] if self.rule.has_momentum else momentum
+        outer_step(tensors, steps, self.rule, update.learning_rate, momentum)
         self.version += 1
         return shares
 

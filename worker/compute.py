@@ -7,7 +7,10 @@ Two strategies, picked by the work order (``strategy_for``):
 * ``LocalSteps`` (local-SGD rounds, DiLoCo / SparseLoCo): the working model is reloaded from the replica,
   takes H inner optimizer steps on H consecutive slices of the batch, and the contribution is the
   pseudo-gradient ``replica - working``: the direction an outer SGD step with learning rate 1 would move
-  the replica to land on this worker's model.
+  the replica to land on this worker's model. With streamed fragments (Streaming DiLoCo) the working model
+  carries on from round to round, only what the replica's updates moved is reloaded, and the contribution
+  is one fragment's ``replica - working``: each fragment's tensors have trained for F rounds since its
+  last sync.
 
 Either one hands the engine a ``Contribution``; error feedback and encoding come after, the same for both.
 
@@ -133,7 +136,7 @@ def local_steps(
     placement = placement or Placement()
     plan = order.local_steps
     assert plan is not None
-    working = session.working_model()
+    working = session.working_model(carry_on=plan.fragment is not None)
     model = placement.wrap(session, working)
     optimizer = session.inner_optimizer(plan.optimizer)
     cancelled = placement.cancellable(cancelled)
@@ -159,8 +162,13 @@ def local_steps(
                 drifted = False
     if drifted:
         placement.node.average(working.parameters())  # the node returns one model: its ranks' average
+    sent = set(session.replica.fragment_names(plan.fragment)) if plan.fragment is not None else None
     with torch.no_grad():
-        delta = {n: p - w for (n, p), w in zip(session.replica.params.items(), working.parameters())}
+        delta = {
+            n: p - w
+            for (n, p), w in zip(session.replica.params.items(), working.parameters())
+            if sent is None or n in sent
+        }
     tokens_in = tokens.shape[0] * (tokens.shape[1] - 1)
     return Contribution(delta, placement.mean(loss_sum / plan.steps), tokens_in, fingerprint=fingerprint)
 

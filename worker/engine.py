@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor
 import gradwire
 from gradwire import protocol, statestream
 from gradwire.compression import CompressedGradient, DecodedGradient, NonFiniteInput, serde, shard
+from gradwire.compression.fragment import Fragment, scoped
 from gradwire.errors import AccessDenied, TooLarge
 from gradwire.memory import give_back_freed_memory
 from gradwire.models import spec_elements
@@ -557,7 +558,7 @@ class WorkerEngine:
         if not session.placement.split:  # a split replica's fingerprint is a collective: taken in the check
             session.fingerprint_ahead = self._ahead.submit(replica.fingerprint)
         # Its replay sums this payload too: decode it now, while the CPU would wait (1/N of the replay's decoding).
-        session.sent_decoded = self._ahead.submit(replica.codec(order.codec).decode, payload)
+        session.sent_decoded = self._ahead.submit(replica.codec(order.codec, _fragment(order)).decode, payload)
         if self.node is None and (expected := lookahead.preview(order, replica.version)) is not None:
             self._compute.submit(self._look_ahead, session, expected)  # runs once this round's result is out
         # Where the time since this run's last result went: the wait is what neither the round nor work
@@ -593,8 +594,10 @@ class WorkerEngine:
         the node alike (they all trained the same way into it)."""
         payload, failure = None, None
         if self.node is None or self.node.info.leader:
+            fragment = _fragment(order)
             try:
-                payload = session.replica.codec(order.codec).compress(contribution.tensors, session.feedback)
+                codec = session.replica.codec(order.codec, fragment)
+                payload = codec.compress(contribution.tensors, scoped(session.feedback, fragment))
             except NonFiniteInput as e:
                 failure = e
         if self.node is not None:
@@ -616,7 +619,10 @@ class WorkerEngine:
         The gathers to the encoding ranks count in ``counting``."""
         assert self.node is not None
         codec = session.replica.codec(order.codec)
-        mine = session.owned(order.codec)
+        fragment = _fragment(order)
+        mine = session.owned(order.codec)  # of the whole model, so that a rank encodes the same tensors each round
+        if fragment is not None:  # ... of those this round sends
+            mine = tuple(n for n in mine if n in contribution.tensors)
         if session.placement.sharded:
             # Each tensor is gathered to the rank that encodes it, one at a time, every rank in the same order.
             owners = shard.owners(codec.plan, self.node.world_size)
@@ -630,7 +636,8 @@ class WorkerEngine:
         else:  # a pipeline stage holds its tensors whole
             whole = {name: contribution.tensors[name] for name in mine}
         try:
-            part, ok = session.shard_codec(order.codec, mine).compress(whole, session.feedback), True
+            feedback = scoped(session.feedback, fragment)
+            part, ok = (session.shard_codec(order.codec, mine).compress(whole, feedback) if mine else None), True
         except NonFiniteInput:
             part, ok = None, False
         with _NodeErrors():
@@ -643,7 +650,8 @@ class WorkerEngine:
             return None
         if not self.node.info.leader:
             return None
-        return shard.assemble(codec.plan, [serde.gradient_from_bytes(p) for p in parts])
+        sent = session.replica.codec(order.codec, fragment).plan
+        return shard.assemble(sent, [serde.gradient_from_bytes(p) for p in parts if p])  # b"": a rank with none
 
     def _tokens(self, batch: np.ndarray) -> torch.Tensor:
         tokens = torch.from_numpy(batch.astype("int64"))  # (rows, T + 1)
@@ -687,6 +695,11 @@ def _elements(header: statestream.StateHeader) -> int:
         return spec_elements(json.loads(header.model_json))
     except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
         raise ProtocolError(f"model state: {e}") from None
+
+
+def _fragment(order: WorkOrder) -> Fragment | None:
+    """The fragment a local-SGD round sends (``--fragments``); ``None``: the whole model."""
+    return order.local_steps.fragment if order.local_steps is not None else None
 
 
 def _view(session: Session | None) -> ReplicaView | None:

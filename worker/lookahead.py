@@ -14,7 +14,8 @@ Only the contribution is computed ahead, not its encoding: error feedback change
 discarded look-ahead must leave nothing behind. Inner steps move the inner optimizer's state, so a local-SGD
 look-ahead keeps a copy of that state as it was (``inner_before``): a discarded one puts it back, and a
 checkpoint taken while one is held saves it, not the state of a round not yet asked for. The rounds of a
-node of several ranks are not looked ahead (its ranks move in lockstep on the coordinator's calls).
+node of several ranks are not looked ahead (its ranks move in lockstep on the coordinator's calls), nor are
+streamed fragments' (their working model carries on from round to round: a dropped look-ahead would move it).
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ def preview(order: WorkOrder, version: int) -> WorkOrder | None:
     announces one that may be looked ahead; else ``None``."""
     if order.next_batch is None or not order.compute_before_update:
         return None
-    if order.local_steps is not None and order.next_local_steps is None:
-        return None
+    if order.local_steps is not None and (order.next_local_steps is None or order.local_steps.fragment is not None):
+        return None  # streamed fragments: the working model carries on, and a dropped look-ahead would move it
     return dataclasses.replace(
         order,
         round=order.round + 1,

@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from gradwire.compression import CodecConfig, GradientCodec
+from gradwire.compression.fragment import Fragment
 from gradwire.models import GPT
 from gradwire.models.gpt import rope_tables
 from gradwire.optim.outer import UpdateRule
@@ -313,8 +314,11 @@ class StageReplica(Replica):
         self._positions = sample_positions(list(self.shapes.items()))
         self.device = next(model.parameters()).device
 
-    def codec(self, config: CodecConfig) -> GradientCodec:
-        """The whole model's codec (payloads and replays are the whole model's), on this stage's device."""
+    def codec(self, config: CodecConfig, fragment: Fragment | None = None) -> GradientCodec:
+        """The whole model's codec (payloads and replays are the whole model's), on this stage's device; with
+        ``fragment``, that fragment's."""
+        if fragment is not None:
+            return super().codec(config, fragment)
         if config not in self._codecs:
             self._codecs[config] = GradientCodec(self.shapes, config, device=self.device)
         return self._codecs[config]

@@ -121,12 +121,14 @@ class Session:
         self.ahead_seconds = 0.0  # compute done ahead since then (a look-ahead, used or not)
         self.stale = False  # found out of sync: every round answers NEEDS_STATE until the next push
         self._working: torch.nn.Module | None = None
+        self._loaded: dict[str, int] = {}  # the write count of each replica tensor when the working copy took it
         self._inner: InnerOptimizer | None = None
         self._inner_config: InnerOptimizerConfig | None = None
         self._inner_restore: dict[str, torch.Tensor] = {}
         self.restored = (False, False)  # whether the push brought this rank error feedback, inner state
         self.wrappers: dict[int, torch.nn.Module] = {}  # a node's DDP wrappers of this session's models
-        self._shard_codecs: dict[CodecConfig, GradientCodec] = {}  # a split node: this rank's own tensors' codec
+        # a split node: the codecs of this rank's own tensors (a fragment's round: those of the fragment)
+        self._shard_codecs: dict[tuple[CodecConfig, tuple[str, ...]], GradientCodec] = {}
         # a pipelined node: the group of the ranks that hold a tied embedding (every rank creates it alike)
         self.tied_group = pipeline.tied_group(self.stage.count) if self.stage is not None else None
 
@@ -191,12 +193,14 @@ class Session:
         return shard.owners(self.replica.codec(config).plan, self.placement.ranks)[self.placement.node.rank]
 
     def shard_codec(self, config: CodecConfig, names: Collection[str]) -> GradientCodec:
-        """A split node: the codec of the tensors this rank encodes (``compression.shard``), cached."""
-        if config not in self._shard_codecs:
+        """A split node: the codec of the tensors this rank encodes (``compression.shard``; a fragment's
+        round: those of the fragment), cached."""
+        key = (config, tuple(names))
+        if key not in self._shard_codecs:
             shapes = {t.name: tuple(t.shape) for t in self.replica.codec(config).plan.tensors}  # whole tensors
             owned = [n for n in shapes if n in names]
-            self._shard_codecs[config] = GradientCodec(shard.subset(shapes, owned), config, device=self.device)
-        return self._shard_codecs[config]
+            self._shard_codecs[key] = GradientCodec(shard.subset(shapes, owned), config, device=self.device)
+        return self._shard_codecs[key]
 
     def carry_over(self, previous: Session) -> None:
         """A resync push of a run this worker already serves keeps what the push did not bring this rank."""
@@ -223,16 +227,22 @@ class Session:
         if not ok:
             raise TooLarge(f"{why} (worker serve --rank-memory-gb): a smaller model, or more memory per rank")
 
-    def working_model(self) -> torch.nn.Module:
-        """The model local steps train: a copy of the replica at its current version. Refused
-        (``TooLarge``) where a local-SGD round's state would not fit the rank's memory."""
+    def working_model(self, carry_on: bool = False) -> torch.nn.Module:
+        """The model local steps train: a copy of the replica at its current version; with ``carry_on``
+        (streamed fragments), the working model as the last round left it, but for the tensors the replica's
+        updates have written since, reloaded from it. Refused (``TooLarge``) where a local-SGD round's state
+        would not fit the rank's memory."""
         if self._working is None:
             self._check_memory(local_sgd=True)
             self._working = self._build()  # this rank's part, as the replica's: the same rows, or the same stage
+            self._loaded = {}
         sharded = self.placement.sharded
         with torch.no_grad():
-            for w, p in zip(self._working.parameters(), self.replica.params.values()):
-                (w.to_local() if sharded else w).copy_(p.to_local() if sharded else p)
+            for (name, p), w in zip(self.replica.params.items(), self._working.parameters()):
+                source, target = (p.to_local(), w.to_local()) if sharded else (p, w)
+                if not carry_on or self._loaded.get(name) != source._version:  # torch counts in-place writes
+                    target.copy_(source)
+                    self._loaded[name] = source._version
         self._working.train()
         return self._working
 

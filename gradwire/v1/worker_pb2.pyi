@@ -169,7 +169,7 @@ class StateUpdate(_message.Message):
     def __init__(self, replay: _Optional[_Union[Replay, _Mapping]] = ..., delta: _Optional[_Union[_codec_pb2.CompressedGradient, _Mapping]] = ..., learning_rate: _Optional[float] = ...) -> None: ...
 
 class Replay(_message.Message):
-    __slots__ = ("payloads", "weights", "scales", "aggregation", "trim", "exact", "own_position", "own_round")
+    __slots__ = ("payloads", "weights", "scales", "aggregation", "trim", "exact", "own_position", "own_round", "fragment", "fragments")
     PAYLOADS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     SCALES_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +178,8 @@ class Replay(_message.Message):
     EXACT_FIELD_NUMBER: _ClassVar[int]
     OWN_POSITION_FIELD_NUMBER: _ClassVar[int]
     OWN_ROUND_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     payloads: _containers.RepeatedCompositeFieldContainer[_codec_pb2.CompressedGradient]
     weights: _containers.RepeatedScalarFieldContainer[float]
     scales: _containers.RepeatedScalarFieldContainer[float]
@@ -186,7 +188,9 @@ class Replay(_message.Message):
     exact: bool
     own_position: int
     own_round: int
-    def __init__(self, payloads: _Optional[_Iterable[_Union[_codec_pb2.CompressedGradient, _Mapping]]] = ..., weights: _Optional[_Iterable[float]] = ..., scales: _Optional[_Iterable[float]] = ..., aggregation: _Optional[str] = ..., trim: _Optional[float] = ..., exact: _Optional[bool] = ..., own_position: _Optional[int] = ..., own_round: _Optional[int] = ...) -> None: ...
+    fragment: int
+    fragments: int
+    def __init__(self, payloads: _Optional[_Iterable[_Union[_codec_pb2.CompressedGradient, _Mapping]]] = ..., weights: _Optional[_Iterable[float]] = ..., scales: _Optional[_Iterable[float]] = ..., aggregation: _Optional[str] = ..., trim: _Optional[float] = ..., exact: _Optional[bool] = ..., own_position: _Optional[int] = ..., own_round: _Optional[int] = ..., fragment: _Optional[int] = ..., fragments: _Optional[int] = ...) -> None: ...
 
 class TokenBatch(_message.Message):
     __slots__ = ("rows", "columns", "dtype", "data")
@@ -241,16 +245,20 @@ class WorkOrder(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., base_version: _Optional[int] = ..., update: _Optional[_Union[StateUpdate, _Mapping]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., batch: _Optional[_Union[TokenBatch, _Mapping]] = ..., codec: _Optional[_Union[_codec_pb2.CodecSettings, _Mapping]] = ..., feedback_beta: _Optional[float] = ..., micro_batch_size: _Optional[int] = ..., sync_tolerance: _Optional[float] = ..., local_steps: _Optional[_Union[LocalSteps, _Mapping]] = ..., catch_up: _Optional[_Iterable[_Union[StateUpdate, _Mapping]]] = ..., compute_before_update: _Optional[bool] = ..., next_batch: _Optional[_Union[TokenBatch, _Mapping]] = ..., clip_grad_norm: _Optional[float] = ..., fingerprint_gradient: _Optional[bool] = ..., next_local_steps: _Optional[_Union[LocalSteps, _Mapping]] = ...) -> None: ...
 
 class LocalSteps(_message.Message):
-    __slots__ = ("steps", "optimizer", "learning_rates", "clip_grad_norm")
+    __slots__ = ("steps", "optimizer", "learning_rates", "clip_grad_norm", "fragment", "fragments")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATES_FIELD_NUMBER: _ClassVar[int]
     CLIP_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     steps: int
     optimizer: InnerOptimizer
     learning_rates: _containers.RepeatedScalarFieldContainer[float]
     clip_grad_norm: float
-    def __init__(self, steps: _Optional[int] = ..., optimizer: _Optional[_Union[InnerOptimizer, _Mapping]] = ..., learning_rates: _Optional[_Iterable[float]] = ..., clip_grad_norm: _Optional[float] = ...) -> None: ...
+    fragment: int
+    fragments: int
+    def __init__(self, steps: _Optional[int] = ..., optimizer: _Optional[_Union[InnerOptimizer, _Mapping]] = ..., learning_rates: _Optional[_Iterable[float]] = ..., clip_grad_norm: _Optional[float] = ..., fragment: _Optional[int] = ..., fragments: _Optional[int] = ...) -> None: ...
 
 class InnerOptimizer(_message.Message):
     __slots__ = ("name", "weight_decay", "beta1", "beta2", "eps", "momentum", "nesterov", "ns_steps")
