@@ -20,7 +20,9 @@ kernel has no ``netem``), and on the same hosts, with the same model, batch and 
   next gradient while its last result travels and is aggregated);
 * ``gradwire-local``: the same in local-SGD rounds of ``--inner-steps`` (fewer rounds, equal tokens);
 * ``gradwire-local-overlap``: those rounds with ``--overlap``: each worker takes the next round's inner steps
-  as soon as its result is out, and the sync (the link, the aggregation, the outer step) runs meanwhile.
+  as soon as its result is out, and the sync (the link, the aggregation, the outer step) runs meanwhile;
+* ``gradwire-fragments``: local-SGD rounds as streamed fragments (``--fragments``, default 2): rounds of
+  H / F inner steps, each syncing 1/F of the model.
 
 ``--baseline-steps`` times the DDP rows over fewer steps than gradwire's (their per-step cost is steady
 after a few): their loss is then not after equal tokens, and is not compared.
@@ -50,7 +52,15 @@ from benchmarks.wire import tun_available
 
 # The defaults (20 steps of gpt-10m, 2 workers, 100 Mbit/s, 25 ms) finish in under 10 minutes on 2 cores;
 # DDP's 240 MB per step take most of it. --overlap's row is one flag away.
-METHODS = ("ddp", "ddp-powersgd", "gradwire", "gradwire-overlap", "gradwire-local", "gradwire-local-overlap")
+METHODS = (
+    "ddp",
+    "ddp-powersgd",
+    "gradwire",
+    "gradwire-overlap",
+    "gradwire-local",
+    "gradwire-local-overlap",
+    "gradwire-fragments",
+)
 DEFAULT_METHODS = ("ddp", "ddp-powersgd", "gradwire", "gradwire-local")
 MASTER_PORT = 29517
 WORKER_PORT = 50051
@@ -113,7 +123,9 @@ def run_ddp(lab: Lab, args: argparse.Namespace, hook: str) -> dict:
     }
 
 
-def run_gradwire(lab: Lab, args: argparse.Namespace, inner_steps: int, overlap: bool = False) -> dict:
+def run_gradwire(
+    lab: Lab, args: argparse.Namespace, inner_steps: int, overlap: bool = False, fragments: int = 1
+) -> dict:
     workers = len(lab.hosts) - 1
     env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // workers)), "HF_HUB_OFFLINE": "1"}
     procs = [
@@ -137,7 +149,8 @@ def run_gradwire(lab: Lab, args: argparse.Namespace, inner_steps: int, overlap: 
         )
         for r in range(workers)
     ]
-    rounds = max(1, args.steps // inner_steps)
+    per_round = inner_steps // fragments  # inner steps in a round (fragments: each syncs every inner_steps)
+    rounds = max(1, args.steps // per_round)
     try:
         with tempfile.TemporaryDirectory() as out:
             addresses = ",".join(f"{lab.hosts[1 + r].address}:{WORKER_PORT}" for r in range(workers))
@@ -162,6 +175,7 @@ def run_gradwire(lab: Lab, args: argparse.Namespace, inner_steps: int, overlap: 
                 *(["--target-chunk", str(args.target_chunk)] if args.target_chunk else []),
                 *(["--topk", str(args.topk)] if args.topk else []),
                 *(["--overlap"] if overlap else []),
+                *(["--fragments", str(fragments)] if fragments > 1 else []),
             ]
             before = total_bytes(lab)
             coordinator = lab.popen(
@@ -192,13 +206,13 @@ def run_gradwire(lab: Lab, args: argparse.Namespace, inner_steps: int, overlap: 
         for p in procs:
             p.terminate()
             p.wait(30)
-    step = statistics.median(r["step_time"] for r in timed) / inner_steps
-    compute = statistics.median(r["worker_compute_time"] for r in timed) / inner_steps
-    steps = rounds * inner_steps
+    step = statistics.median(r["step_time"] for r in timed) / per_round
+    compute = statistics.median(r["worker_compute_time"] for r in timed) / per_round
+    steps = rounds * per_round
     # Where the rest goes (medians, per step): the slowest worker's replay of the last update and its
     # encode, the coordinator's validation, aggregation and outer step; the remainder is the link and RPCs.
     replay, encode, aggregate = (
-        statistics.median(r[k] for r in timed) / inner_steps
+        statistics.median(r[k] for r in timed) / per_round
         for k in ("worker_update_time", "worker_compress_time", "aggregate_time")
     )
     # Each worker's own account of the rounds: compute over wall (work done ahead counts), and idle seconds.
@@ -221,9 +235,9 @@ def run_gradwire(lab: Lab, args: argparse.Namespace, inner_steps: int, overlap: 
         "bytes_per_step_with_push": wire / steps,
         # Round by round (per step), the first round's state push left out: later rounds no longer pay first-use
         # costs (the replay's buffers are first allocated in round 2), which a median over few rounds still shows.
-        "rounds_non_compute_time": [(r["step_time"] - r["worker_compute_time"]) / inner_steps for r in timed],
-        "rounds_replay_time": [r["worker_update_time"] / inner_steps for r in timed],
-        "rounds_encode_time": [r["worker_compress_time"] / inner_steps for r in timed],
+        "rounds_non_compute_time": [(r["step_time"] - r["worker_compute_time"]) / per_round for r in timed],
+        "rounds_replay_time": [r["worker_update_time"] / per_round for r in timed],
+        "rounds_encode_time": [r["worker_compress_time"] / per_round for r in timed],
         "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in timed),
         "utilisation": statistics.median(statistics.mean(u) for u in per_worker.values()) if per_worker else None,
         "worker_utilisation": {a: statistics.mean(u) for a, u in per_worker.items()},
@@ -286,6 +300,12 @@ def main(argv: list[str] | None = None) -> int:
         help="steps the DDP baselines run (default: --steps). Their per-step cost is steady after a few steps, so "
         "fewer let local SGD run long rounds in less time; their loss is then not at equal tokens and is not compared",
     )
+    parser.add_argument(
+        "--fragments",
+        type=int,
+        default=2,
+        help="gradwire-fragments: streamed fragments, rounds of --inner-steps / F (a divisor of --inner-steps)",
+    )
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--timeout", type=float, default=1200.0)
@@ -306,8 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     args.baseline_steps = args.baseline_steps or args.steps
-    if min(args.steps, args.baseline_steps, args.inner_steps) < 1:
-        parser.error("--steps, --baseline-steps and --inner-steps must be >= 1")
+    if min(args.steps, args.baseline_steps, args.inner_steps, args.fragments) < 1:
+        parser.error("--steps, --baseline-steps, --inner-steps and --fragments must be >= 1")
+    if args.inner_steps % args.fragments:
+        parser.error(f"--fragments {args.fragments} must divide --inner-steps {args.inner_steps}")
     unknown = [m for m in args.methods.split(",") if m not in METHODS]
     if unknown:
         parser.error(f"unknown method {unknown[0]!r} (choose from {', '.join(METHODS)})")
@@ -336,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
                 results[method] = run_gradwire(lab, args, args.inner_steps)
             elif method == "gradwire-local-overlap":
                 results[method] = run_gradwire(lab, args, args.inner_steps, overlap=True)
+            elif method == "gradwire-fragments":
+                results[method] = run_gradwire(lab, args, args.inner_steps, fragments=args.fragments)
     compare_with_ddp(results)
     out = {
         "bandwidth": args.bandwidth,

@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-chunk", type=int, default=None, help="default: the mode's (as coordinator train)")
     parser.add_argument("--topk", type=int, default=None, help="default: the mode's (as coordinator train)")
     parser.add_argument("--overlap", action="store_true", help="one-step-delayed rounds (coordinator train --overlap)")
+    parser.add_argument("--fragments", type=int, default=1, help="streamed fragments (coordinator train --fragments)")
     args = parser.parse_args(argv)
     keep_freed_memory()  # as `coordinator train` does
     config = TrainConfig(
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         target_chunk=args.target_chunk,
         topk=args.topk,
         overlap=args.overlap,
+        fragments=args.fragments,
     )
     clients = [WorkerClient(a, timeout=config.round_timeout) for a in args.workers.split(",")]
     trainer = Trainer(config, clients, progress=False)

@@ -150,3 +150,19 @@ def test_one_fragment_is_todays_rounds(tmp_path):
 def test_fragments_refuse_what_they_cannot_do(tmp_path, settings, match):
     with pytest.raises(ValueError, match=match):
         _config(tmp_path, **settings)
+
+
+def test_fragments_with_overlap_train_in_step_without_looking_ahead(tmp_path):
+    """Delayed rounds of fragments: each round computes before the last fragment's update and applies it
+    after; nothing is computed ahead (the working model carries on), and the replicas stay in step."""
+    config = _config(tmp_path, overlap=True, steps=5)
+    with live_workers(2) as workers:
+        trainer = Trainer(config, [w.client() for w in workers], progress=False)
+        try:
+            trainer.connect()
+            records = [trainer.train_step() for _ in range(config.steps)]
+            assert all(not w.engine.lookaheads for w in workers)
+            assert_in_step(trainer, workers[1])
+        finally:
+            trainer.close()
+    assert all(r["successful_workers"] == 2 and np.isfinite(r["loss"]) for r in records)

@@ -55,6 +55,7 @@ def test_every_method_runs_over_the_shaped_links(capsys: pytest.CaptureFixture) 
         == methods["gradwire-overlap"]["tokens"]
         == methods["gradwire-local"]["tokens"]
         == methods["gradwire-local-overlap"]["tokens"]
+        == methods["gradwire-fragments"]["tokens"]
     )
     assert methods["gradwire"]["bytes_per_step"] < methods["ddp"]["bytes_per_step"]
     for name in ("gradwire", "gradwire-overlap"):  # where gradwire's non-compute time goes, in parts that add up
@@ -70,6 +71,7 @@ def test_every_method_runs_over_the_shaped_links(capsys: pytest.CaptureFixture) 
         ("gradwire-overlap", 3),
         ("gradwire-local", 1),
         ("gradwire-local-overlap", 1),
+        ("gradwire-fragments", 3),  # rounds of H / F = 1 step
     ):  # round by round, round 1 left out
         r = methods[name]
         assert (
@@ -78,6 +80,9 @@ def test_every_method_runs_over_the_shaped_links(capsys: pytest.CaptureFixture) 
         assert all(t > 0 for t in r["rounds_replay_time"] + r["rounds_encode_time"]), name
     local = methods["gradwire-local"]
     assert math.isclose(local["rounds_non_compute_time"][0], local["non_compute_time"], rel_tol=1e-9)
+    fragments, local = methods["gradwire-fragments"], methods["gradwire-local"]
+    # each tensor syncs once every H steps either way: about the same bytes per step, in rounds of 1/F of them
+    assert 0.5 < fragments["bytes_per_step"] / local["bytes_per_step"] < 2
     for name in ("gradwire", "gradwire-local", "gradwire-local-overlap"):  # each worker's own account of its time
         r = methods[name]
         assert 0 < r["utilisation"] <= 1 and len(r["worker_utilisation"]) == 2, name
