@@ -212,6 +212,7 @@ class Replica:
         self._positions = sample_positions(named_shapes)
         self._codecs: dict[CodecConfig, GradientCodec] = {}
         self._fragment_codecs: dict[tuple[CodecConfig, Fragment], GradientCodec] = {}
+        self._splits: dict[int, tuple[tuple[str, ...], ...]] = {}  # the model's tensors in F fragments, by F
         self._fingerprint: tuple[tuple[int, ...], Fingerprint] | None = None  # (write counts, fingerprint)
 
     def codec(self, config: CodecConfig, fragment: Fragment | None = None) -> GradientCodec:
@@ -233,7 +234,9 @@ class Replica:
 
     def fragment_names(self, fragment: Fragment) -> tuple[str, ...]:
         """The whole model's tensors ``fragment`` holds, in the model's order."""
-        return fragments.split(self.shapes, fragment.count)[fragment.index]
+        if fragment.count not in self._splits:
+            self._splits[fragment.count] = fragments.split(self.shapes, fragment.count)
+        return self._splits[fragment.count][fragment.index]
 
     @torch.no_grad()
     def apply(
