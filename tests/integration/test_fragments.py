@@ -166,3 +166,23 @@ def test_fragments_with_overlap_train_in_step_without_looking_ahead(tmp_path):
         finally:
             trainer.close()
     assert all(r["successful_workers"] == 2 and np.isfinite(r["loss"]) for r in records)
+
+
+@pytest.mark.slow
+def test_nodes_of_every_split_send_their_fragments(tmp_path):
+    """An fsdp and a pipeline node of 2 ranks each (real processes, gloo): every rank encodes its own
+    tensors of the round's fragment (a rank may hold none of it), rank 0 assembles the fragment's payload,
+    and the nodes stay in step with the coordinator: every round counts both, and no state is pushed again."""
+    from gradwire.coordinator.client import WorkerClient
+
+    from .conftest import run_trainer
+    from .test_node import TIMEOUT, Node, node_config, nodes
+
+    with nodes(tmp_path, Node(("--node-mode", "fsdp")), Node(("--node-mode", "pipeline"))) as started:
+        clients = [WorkerClient(address, timeout=TIMEOUT) for address, _ in started]
+        config = node_config(tmp_path / "run", 6, inner_steps=4, fragments=2, checkpoint_every=0, balance="off")
+        run_trainer(config, clients)
+    records = read_metrics(tmp_path / "run")
+    assert all(r["successful_workers"] == 2 and r["inner_steps"] == 2 for r in records)
+    assert sum(r["pushes"] for r in records) == 2  # each node's first push, none after
+    assert records[-1]["loss"] < records[0]["loss"]
