@@ -24,7 +24,10 @@ class Aggregator:
     ``add`` validates the whole payload before it accumulates anything, so a malformed payload raises
     ``PayloadError`` and leaves the running sum exactly as it was. ``normalize="mean"`` divides by the
     total weight; ``"per_coordinate"`` divides each coefficient by the weight of the senders that sent it
-    (dense tensors are sent whole by everyone, so both agree there).
+    (dense tensors are sent whole by everyone, so both agree there): the mean over the senders that kept
+    it, as templar's ``scatter_reduce(reduce="mean", include_self=False)``. Either way a clip ``scale``
+    shrinks that sender's values but not the weight divided by: a clipped sender counts for less, it does
+    not make the others count for more. ``per_coordinate`` always sums into dense coefficient buffers.
 
     With few senders the sum is sparse: K = senders x k coefficients per chunk. Then the inverse DCT is
     computed straight from the coefficients, ``X = (D_r[u] * vals)^T @ D_c[v]``: 2rcK FLOPs per chunk
@@ -73,9 +76,11 @@ class Aggregator:
             self._held.append((d, effective))
         else:
             self._spill()
-            self._scatter(d, effective)
+            self._scatter(d, effective, weight)
         for acc, vals in zip(self._dense, d.dense):
-            acc.add_(vals.to(self.dtype), alpha=effective)
+            # The product rounded first, as the coefficient sums do (not fused into the add): then the sum
+            # of two senders is the same bits in either order.
+            acc.add_(vals.to(self.dtype) * effective)
         self.total_weight += weight
         self.senders += 1
 
@@ -86,17 +91,19 @@ class Aggregator:
         plan, device = self.codec.plan, self.codec.device
         self._sums = [torch.zeros(g.num_chunks, g.chunk_numel, device=device, dtype=self.dtype) for g in plan.groups]
         self._hits = [torch.zeros_like(s) for s in self._sums] if self.normalize == "per_coordinate" else None
-        for d, weight in self._held:
-            self._scatter(d, weight)
+        for d, weight in self._held:  # only "mean" holds senders, and it counts no hits
+            self._scatter(d, weight, weight)
         self._held = []
 
-    def _scatter(self, d: DecodedGradient, weight: float) -> None:
+    def _scatter(self, d: DecodedGradient, weight: float, hit_weight: float) -> None:
+        """Add ``weight`` x the sender's values, and ``hit_weight`` (its unclipped weight) to the weight of
+        every coefficient it sent (``per_coordinate``)."""
         assert self._sums is not None
         for gi, (idx, vals) in enumerate(zip(d.indices, d.values)):
             vals = vals.to(self.dtype)
             self._sums[gi].scatter_add_(1, idx, vals * weight)
             if self._hits is not None:
-                self._hits[gi].scatter_add_(1, idx, torch.full_like(vals, weight))
+                self._hits[gi].scatter_add_(1, idx, torch.full_like(vals, hit_weight))
 
     def _coefficients(self, gi: int) -> torch.Tensor:
         """Group ``gi``'s normalised coefficient sums, (B, chunk_numel)."""

@@ -1,5 +1,5 @@
 """Robust aggregation: clip each sender to a multiple of the round's median norm, then combine by mean,
-coordinate-wise trimmed mean or coordinate-wise median, all in the DCT-coefficient domain.
+kept-mean, coordinate-wise trimmed mean or coordinate-wise median, all in the DCT-coefficient domain.
 
 Pure functions of the senders' payloads, their weights (token counts) and the rule, so the coordinator
 and every worker that replays an update compute the same aggregate from the same bytes:
@@ -11,7 +11,11 @@ and every worker that replays an update compute the same aggregate from the same
 * ``aggregate`` - the combined update as an ``Aggregator``-like object (``norm()``, ``result()``).
 
 ``mean`` is the weighted mean of the clipped senders (normalised by the unclipped weights: a clipped
-sender counts for less, it does not make the others count for more). ``trimmed-mean`` and ``median`` are
+sender counts for less, it does not make the others count for more). ``kept-mean`` is the same weighted
+mean taken per coefficient over the senders that sent it (a coefficient only one of two equal senders kept
+is that sender's value, not half of it; dense tensors, sent whole by all, are the plain mean): what
+templar/SparseLoCo apply (``scatter_reduce(reduce="mean", include_self=False)``); the clipped values over
+the unclipped weights again. ``trimmed-mean`` and ``median`` are
 unweighted, per coefficient, over the senders' dense coefficient tensors (a coefficient a sender did not
 send is 0 for it): they defend against a minority that sends large values in the same places, and suit
 payloads whose kept coefficients overlap (dense rounds, error-fed top-k late in training); with sparse,
@@ -31,7 +35,7 @@ from gradwire.compression.aggregate import Aggregator, in_plan_order, unchunk_gr
 from gradwire.compression.codec import CompressedGradient, DecodedGradient, GradientCodec
 from gradwire.compression.dct import idct_chunks
 
-AGGREGATIONS: tuple[str, ...] = ("mean", "trimmed-mean", "median")
+AGGREGATIONS: tuple[str, ...] = ("mean", "kept-mean", "trimmed-mean", "median")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -39,7 +43,8 @@ class AggregationRule:
     """How a round's senders combine.
 
     Attributes:
-        mode: ``mean`` (weighted by tokens), ``trimmed-mean`` or ``median`` (per coefficient, unweighted).
+        mode: ``mean`` (weighted by tokens), ``kept-mean`` (weighted by tokens, per coefficient over the
+            senders that sent it), ``trimmed-mean`` or ``median`` (per coefficient, unweighted).
         trim: ``trimmed-mean`` drops this fraction of the senders from each end of every coefficient's
             sorted values (at least one each side once there are three senders).
         exact: combine and transform in float64, rounding once to float32 at the end, so that replicas on
@@ -99,8 +104,8 @@ def aggregate(
         if not (math.isfinite(s) and 0 <= s <= 1):
             raise ValueError(f"clip scales must be in [0, 1], got {s}")
     decoded = [d if isinstance(d, DecodedGradient) else codec.decode(d) for d in senders]
-    if rule.mode == "mean":
-        agg = codec.aggregator(dtype=rule.dtype)
+    if rule.mode in ("mean", "kept-mean"):
+        agg = codec.aggregator("mean" if rule.mode == "mean" else "per_coordinate", dtype=rule.dtype)
         for d, w, s in zip(decoded, weights, scales):
             agg.add(d, float(w), scale=float(s))
         return agg

@@ -379,7 +379,8 @@ class TrainConfig:
     aggregate: str = setting(
         "mean",
         help="how the workers' contributions combine, in the DCT-coefficient domain: mean (weighted by "
-        "tokens), or per coefficient trimmed-mean or median",
+        "tokens), kept-mean (the same, per coefficient over the workers that sent it, as templar), or per "
+        "coefficient trimmed-mean or median",
         section=ROUND_POLICY,
         choices=AGGREGATIONS,
     )

@@ -11,11 +11,12 @@ import torch
 from gradwire import protocol
 from gradwire.compression import CodecConfig, GradientCodec
 from gradwire.compression.aggregate import Aggregator
-from gradwire.compression.robust import MEAN, AggregationRule, aggregate, clip_scales, payload_norm
+from gradwire.compression.robust import AGGREGATIONS, MEAN, AggregationRule, aggregate, clip_scales, payload_norm
 from gradwire.coordinator.decisions import Standing, judge
 from gradwire.replica import StateUpdate
 
 SHAPES = {"w": (64, 48), "b": (48,), "v": (4096,)}
+KEPT = AggregationRule(mode="kept-mean")
 
 
 def grads(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -68,7 +69,7 @@ def test_coordinate_rules_without_dct_are_elementwise_over_senders(mode: str) ->
 def test_rules_do_not_depend_on_sender_order() -> None:
     codec = GradientCodec(SHAPES, CodecConfig(topk=64))
     ps = payloads(codec, grads(4, seed=5))
-    for rule in (MEAN, AggregationRule(mode="median"), AggregationRule(mode="trimmed-mean")):
+    for rule in (MEAN, KEPT, AggregationRule(mode="median"), AggregationRule(mode="trimmed-mean")):
         results = [
             aggregate(codec, [ps[i] for i in order], [1.0] * 4, (), rule).result()
             for order in itertools.permutations(range(4), 4)
@@ -161,7 +162,7 @@ def test_exact_aggregation_gives_the_same_bits_whichever_way_it_is_summed() -> N
         torch.testing.assert_close(fast[k], combine(True, torch.float32)[k], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["mean", "median", "trimmed-mean"])
+@pytest.mark.parametrize("mode", ["mean", "kept-mean", "median", "trimmed-mean"])
 def test_an_exact_rule_travels_in_the_replay_and_combines_in_float64(mode: str) -> None:
     codec = GradientCodec(SHAPES, CodecConfig())
     ps = tuple(payloads(codec, grads(3)))
@@ -200,3 +201,165 @@ def test_a_replay_can_leave_out_the_receivers_own_payload() -> None:
         protocol.update_from_proto(msg)
     with pytest.raises(ValueError, match="cannot leave out"):
         update.without(3, 7)
+
+
+# ----------------------------------------------------------------------------------------------- kept-mean
+# templar's aggregate: each coefficient the (weighted) mean over the senders that kept it.
+RAW = CodecConfig(topk=256, use_dct=False, bins=0)  # raw float32 values, no transform: coefficients are values
+
+
+def kept_mean_by_hand(codec: GradientCodec, ps, weights, scales) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per group the (B, chunk_numel) coefficients, and the dense tensors, one coefficient at a time from
+    the decoded payloads: sum of weight x scale x value over the senders that sent it, over their weights."""
+    decoded = [codec.decode(p) for p in ps]
+    groups = []
+    for gi, g in enumerate(codec.plan.groups):
+        num = torch.zeros(g.num_chunks, g.chunk_numel, dtype=torch.float64)
+        den = torch.zeros_like(num)
+        for d, w, s in zip(decoded, weights, scales):
+            for b in range(g.num_chunks):
+                for i, v in zip(d.indices[gi][b].tolist(), d.values[gi][b].tolist()):
+                    num[b, i] += w * s * v
+                    den[b, i] += w
+        groups.append(torch.where(den > 0, num / den.clamp_min(1e-30), 0.0))
+    dense = [
+        sum(w * s * d.dense[ti].double() for d, w, s in zip(decoded, weights, scales)) / sum(weights)
+        for ti in range(len(codec.plan.dense))
+    ]
+    return groups, dense
+
+
+def shared_and_alone(codec: GradientCodec, ps) -> tuple[int, int]:
+    """How many coefficients both of two senders kept, and how many only one of them did."""
+    a, b = (codec.decode(p) for p in ps)
+    both = sum(len(set(x.tolist()) & set(y.tolist())) for ia, ib in zip(a.indices, b.indices) for x, y in zip(ia, ib))
+    total = sum(i.numel() for i in (*a.indices, *b.indices))
+    return both, total - 2 * both
+
+
+@pytest.mark.parametrize(
+    "config",
+    [RAW, CodecConfig(topk=256, bins=4), CodecConfig(topk=4, bins=4)],
+    ids=["raw", "dct-2bit", "dct-2bit-few"],  # few: so few kept that mean sums two senders sparse, not kept-mean
+)
+@pytest.mark.parametrize("overlap", ["disjoint", "overlapping"])
+def test_kept_mean_is_the_mean_over_the_senders_that_kept_each_coefficient(config, overlap: str) -> None:
+    codec = GradientCodec(SHAPES, config)
+    a, b = grads(2, seed=7)
+    if overlap == "disjoint":  # raw: b is 0 where a sent, so keeps none of a's; DCT: independent, few shared
+        if not config.use_dct:
+            sent_a = codec.decompress(codec.compress(a))
+            b = {k: torch.where(sent_a[k] != 0, 0.0, v) if k != "b" else v for k, v in b.items()}
+    else:  # b is a plus noise: much the same coefficients, not all
+        b = {k: a[k] + 0.5 * v for k, v in b.items()}
+    ps = payloads(codec, [a, b])
+    both, alone = shared_and_alone(codec, ps)
+    assert alone > 0
+    if overlap == "disjoint" and not config.use_dct:
+        assert both == 0
+    if overlap == "overlapping":
+        assert both > 0
+    weights, scales = (1.0, 3.0), (1.0, 0.5)
+    agg = aggregate(codec, ps, weights, scales, KEPT)
+    assert agg._sums is not None and not agg._held  # per coefficient needs the dense sums and their weights
+    if config.topk == 4:
+        assert aggregate(codec, ps, weights, scales, MEAN)._held  # the control: mean holds them sparse
+    want_groups, want_dense = kept_mean_by_hand(codec, ps, weights, scales)
+    for got, want in zip(agg.coefficient_groups(), want_groups):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    for got, want in zip(agg.dense_values(), want_dense):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    norm = float(torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in (*want_groups, *want_dense)])))
+    assert agg.norm() == pytest.approx(norm, rel=1e-5)
+    result = agg.result()
+    assert list(result) == list(SHAPES)
+    assert float(torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in result.values()]))) == pytest.approx(
+        norm, rel=1e-4
+    )  # the transform is orthonormal: the same norm in the parameter domain
+    if not config.use_dct:  # and there, by hand in the parameter domain too: sent values are never 0
+        dec = [codec.decompress(p) for p in ps]
+        for k in SHAPES:
+            num = sum(w * s * d[k].double() for d, w, s in zip(dec, weights, scales))
+            den = sum(w * (d[k] != 0).double() for d, w in zip(dec, weights)) if k != "b" else sum(weights)
+            want = torch.where(torch.as_tensor(den) > 0, num / torch.as_tensor(den).clamp_min(1e-30), 0.0)
+            torch.testing.assert_close(result[k].double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_kept_mean_keeps_a_lone_senders_value_and_shrinks_it_by_its_clip_scale_only() -> None:
+    """Two senders that kept disjoint coefficients: kept-mean applies each one's values whole (mean halves
+    them); a clip scale shrinks its sender's values, the weight does not matter where it is alone."""
+    codec = GradientCodec(SHAPES, RAW)
+    a, b = grads(2, seed=11)
+    sent_a = codec.decompress(codec.compress(a))
+    b = {k: torch.where(sent_a[k] != 0, 0.0, v) if k != "b" else v for k, v in b.items()}
+    pa, pb = payloads(codec, [a, b])
+    da, db = codec.decompress(pa), codec.decompress(pb)
+    assert shared_and_alone(codec, [pa, pb])[0] == 0
+    kept = aggregate(codec, [pa, pb], (1.0, 3.0), (1.0, 0.5), KEPT).result()
+    mean = aggregate(codec, [pa, pb], (1.0, 3.0), (1.0, 0.5), MEAN).result()
+    for k in ("w", "v"):  # sparse: each coefficient from one sender
+        torch.testing.assert_close(kept[k], da[k] + 0.5 * db[k], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(mean[k], (da[k] + 3.0 * 0.5 * db[k]) / 4.0, rtol=1e-6, atol=1e-7)
+    # dense tensors are sent whole by both: the weighted mean of the clipped values, as mean
+    torch.testing.assert_close(kept["b"], (da["b"] + 3.0 * 0.5 * db["b"]) / 4.0, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(kept["b"], mean["b"])
+    # one sender alone: its decompression, clipped
+    alone = aggregate(codec, [pb], (3.0,), (0.5,), KEPT).result()
+    for k in SHAPES:
+        torch.testing.assert_close(alone[k], 0.5 * db[k], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_kept_mean_replays_to_the_same_bits_in_either_order_of_two_senders(exact: bool) -> None:
+    codec = GradientCodec(SHAPES, CodecConfig(topk=64, bins=4))
+    ps = payloads(codec, grads(3, seed=13))
+    rule = AggregationRule(mode="kept-mean", exact=exact)
+
+    def combine(order, weights=(2.0, 5.0, 3.0), scales=(1.0, 0.75, 1.0)):
+        return aggregate(codec, [ps[i] for i in order], [weights[i] for i in order], [scales[i] for i in order], rule)
+
+    once, again = combine([0, 1]).result(), combine([0, 1]).result()
+    swapped = combine([1, 0]).result()
+    for k in SHAPES:  # two senders: every sum has two terms, and a + b == b + a in floating point
+        assert torch.equal(once[k], again[k]) and torch.equal(once[k], swapped[k]), k
+    three = [combine(order).result() for order in itertools.permutations(range(3))]
+    for r in three[1:]:  # three or more: equal up to rounding; replicas replay in the coordinator's order
+        for k in SHAPES:
+            torch.testing.assert_close(r[k], three[0][k], rtol=1e-5, atol=1e-7)
+    for k in SHAPES:
+        assert torch.equal(combine([2, 0, 1]).result()[k], combine([2, 0, 1]).result()[k])
+
+
+def test_replicas_replaying_a_kept_mean_update_stay_identical() -> None:
+    """The coordinator's aggregate and every worker's replay of the update off the wire: the same bits."""
+    from gradwire.models import build_from_spec, model_spec
+    from gradwire.optim.outer import UpdateRule
+    from gradwire.replica import Replica
+
+    spec = model_spec("gpt-tiny")
+    replicas = [Replica(build_from_spec(spec, seed=0), UpdateRule(optimizer="sgd")) for _ in range(3)]
+    codec = replicas[0].codec(CodecConfig(topk=64, bins=4))
+    g = torch.Generator().manual_seed(3)
+    senders = [{n: torch.randn(p.shape, generator=g) for n, p in replicas[0].params.items()} for _ in range(2)]
+    ps = tuple(codec.compress(s) for s in senders)
+    update = StateUpdate(0.5, ps, (2.0, 1.0), scales=(1.0, 0.5), rule=KEPT)
+    before = {n: p.detach().clone() for n, p in replicas[0].params.items()}
+    replicas[0].apply(update, aggregator=aggregate(codec, ps, (2.0, 1.0), (1.0, 0.5), KEPT))  # the coordinator
+    replicas[1].apply(protocol.update_from_proto(protocol.update_to_proto(update)))  # a worker, off the wire
+    replicas[2].apply(update.without(1, round=4).with_own(ps[1]))  # a worker that sent the second payload
+    for n in before:
+        assert not torch.equal(replicas[0].params[n], before[n]), n
+        assert torch.equal(replicas[0].params[n], replicas[1].params[n]), n
+        assert torch.equal(replicas[0].params[n], replicas[2].params[n]), n
+    mean = Replica(build_from_spec(spec, seed=0), UpdateRule(optimizer="sgd"))
+    mean.apply(dataclasses.replace(update, rule=MEAN))
+    assert any(not torch.equal(mean.params[n], replicas[0].params[n]) for n in before)
+
+
+def test_kept_mean_is_a_choice_of_the_aggregate_setting() -> None:
+    from gradwire.coordinator.config import TrainConfig
+
+    assert "kept-mean" in AGGREGATIONS
+    assert TrainConfig(aggregate="kept-mean").aggregation_rule(exact=True) == AggregationRule(
+        mode="kept-mean", exact=True
+    )
