@@ -3,12 +3,25 @@
     python -m benchmarks.quality --json                                  # gpt-5m, 2 workers, every method
     python -m benchmarks.quality --methods dense,sparseloco --steps-total 300 --inner-steps 15
     python -m benchmarks.quality --set sparseloco.topk=64 --set demo.learning_rate=2e-3   # tuning
+    python -m benchmarks.quality --methods dense,averaging,sparseloco,peer --steps-total 300 --inner-steps 30
+                                                                         # codec gaps, ours and templar's
 
-Trains the same model from the same seed on the embedded Shakespeare corpus once per method, with
-``--workers`` (2) workers simulated in this process (``worker.inprocess``: the service's own ``Trainer``, engine and
-codec, every message serialized as on the wire, no gRPC). Every method trains on the same number of tokens
-(``--steps-total`` inner steps per worker of ``--batch-size`` x ``--sequence-length`` tokens; local-SGD
-methods take them as ``steps-total / H`` rounds of H) and is evaluated on the same held-out batches.
+Trains the same model from the same seed once per method, with ``--workers`` (2) workers simulated in this
+process (``worker.inprocess``: the service's own ``Trainer``, engine and codec, every message serialized as on
+the wire, no gRPC). Every method trains on the same tokens (``--steps-total`` inner steps per worker of
+``--batch-size`` x ``--sequence-length`` tokens; local-SGD methods take them as ``steps-total / H`` rounds of H)
+and is evaluated on the same held-out batches.
+
+The data: Shakespeare's complete works (42 works, 5.06 MB, 1.60M tokens of the models' bpe-8k
+tokenizer; CC BY 2.5, the Open Knowledge Foundation: see ``benchmarks/data/LICENSE-shakespeare_complete.txt``),
+shipped gzipped as ``benchmarks/data/shakespeare_complete.txt.gz`` and decompressed once into
+``<output-dir>/data/`` (the trainer reads plain text; ``--data PATH`` trains on another text file or .gz). The
+trainer streams it (``streaming=True``): consecutive windows in the file's order, the first
+``EVAL_BATCHES x --batch-size`` windows held out for evaluation and never trained on. The default run reads
+1.23M of its 1.59M training tokens: no token is trained on twice, so the gaps below are what each method
+costs, not how it overfits (the embedded 1 MB corpus, drawn at random, was seen about 4 times). The JSON's
+``data`` says how many tokens each method read of how many (``each_token_at_most_once``); the benchmark warns
+when a run would wrap into a second pass.
 
   dense            gradient mode, no compression, the coordinator's AdamW on the exact mean gradient (DDP's
                    math): the reference.
@@ -20,14 +33,31 @@ methods take them as ``steps-total / H`` rounds of H) and is evaluated on the sa
   sparseloco       H = 120 inner AdamW steps, pseudo-gradients through error feedback (0.95), DCT + top-360 of
                    4096 (8.8%: 3 H, the most that stays >= 3000x fewer bytes per token) + 2-bit values, outer SGD
                    at lr 1 (H 120 trained best of 30/60/120/240 at equal bytes per token; --inner-steps 30 is
-                   the field's H, with top-90).
+                   the field's H, with top-90), aggregated by the service's default ``mean`` (``--set
+                   sparseloco.aggregate=kept-mean``: each coefficient the mean over the workers that sent it).
   sparseloco-sign  the same with 1-bit sign values.
+  sparseloco-overlap, sparseloco-fragments
+                   sparseloco with ``--overlap`` (each round's inner steps start from the replica before the last
+                   round's update, so they can run while it syncs) and with ``--fragments 2`` (rounds of H / 2
+                   steps, each syncing half the model): ``cost_vs_sparseloco_points`` is their loss gap less
+                   sparseloco's, what hiding or spreading the sync costs.
   demo-down, sparseloco-down
                    demo and sparseloco with ``--downlink compressed``: each worker receives the round's aggregate
                    re-compressed by the coordinator (one payload, whatever the number of workers) instead of
                    every other worker's payload; the rows above replay them (``--downlink replay``). Their
                    gap to demo and sparseloco is what a downlink independent of the number of workers costs:
                    run at ``--workers 2`` and ``--workers 8``.
+  peer             templar's SparseLoCo compressor as it runs (one-covenant/templar): no DCT, top-64 of every
+                   64x64 chunk, 2-bit values, error feedback 0.95, clipping to the median norm
+                   (--clip-factor 1), outer SGD at lr 1, each coefficient averaged over the workers that kept
+                   it (``aggregate="kept-mean"``, templar's rule), at sparseloco's H: the same rounds through
+                   another codec.
+
+``--inner-steps`` sets the H of every local-SGD method, so ``averaging`` runs at the compressed methods' H: the
+**codec gap** of sparseloco, sparseloco-sign, sparseloco-down and peer is their loss gap to dense less
+averaging's, in points (``codec_gap_points``, in the table's "codec gap" column and, by method, at the JSON's top
+level): what the compression costs beyond what local SGD itself does. It needs ``dense`` and ``averaging`` in the
+same run at the same H.
 
 Reports per method the held-out loss at the end, the last round's training loss, uplink bytes per worker per
 trained token (the serialized round results, summed over rounds and workers, over the tokens trained by all
@@ -41,8 +71,11 @@ JSON object with ``--json`` (the markdown table then goes to stderr), and writes
 from __future__ import annotations
 
 import argparse
+import gzip
+import hashlib
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -55,12 +88,18 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
 from gradwire.coordinator.config import TrainConfig
+from gradwire.coordinator.data.streaming import text_pieces
+from gradwire.coordinator.data.tokens import Encoder
 from gradwire.coordinator.trainer import Trainer
 from gradwire.memory import keep_freed_memory
 from gradwire.models import model_names
+from gradwire.models.registry import tokenizer_for
 from gradwire.worker.inprocess import in_process_clients
 
 WORKERS = 2
+# The complete works (5.06 MB, 1.60M tokens of bpe-8k), shipped gzipped with its license next to it
+# (LICENSE-shakespeare_complete.txt): the default run trains on each token at most once.
+CORPUS = Path(__file__).resolve().parent / "data" / "shakespeare_complete.txt.gz"
 EVAL_BATCHES = 16
 EVAL_POINTS = 10  # held-out evaluations along each run, at the same token counts for every method
 # The issue's targets: (largest relative loss gap, smallest uplink reduction) against dense fp32 gradients.
@@ -122,14 +161,94 @@ METHODS: dict[str, dict[str, Any]] = {
         feedback_beta=0.95,
         downlink="replay",
     ),
+    # templar's SparseLoCo compressor as it runs (one-covenant/templar: hparams/hparams.json, tplr.compress,
+    # tplr.neurons): no DCT, top-64 of every 64x64 chunk, 2-bit values (4 bins, per-tensor lookup table of
+    # bin means), error feedback 0.95, clipping to the median norm (templar clips each tensor to its median
+    # over the senders; --clip-factor 1 is the closest: the whole payload's), outer SGD at lr 1, each
+    # coefficient averaged over the senders that kept it (templar's scatter_reduce "mean", include_self=False).
+    "peer": dict(
+        _LOCAL,
+        inner_steps=120,
+        outer_optimizer="sgd",
+        learning_rate=1.0,
+        use_dct=False,
+        topk=64,
+        target_chunk=64,
+        bins=4,
+        values="lut",
+        feedback_beta=0.95,
+        clip_factor=1.0,
+        aggregate="kept-mean",
+        downlink="replay",
+    ),
 }
 METHODS["demo-down"] = dict(METHODS["demo"], downlink="compressed")
 METHODS["sparseloco-down"] = dict(METHODS["sparseloco"], downlink="compressed")
-LOCAL_METHODS = ("diloco", "averaging", "sparseloco", "sparseloco-sign", "sparseloco-down")
+METHODS["sparseloco-overlap"] = dict(METHODS["sparseloco"], overlap=True)
+METHODS["sparseloco-fragments"] = dict(METHODS["sparseloco"], fragments=2)
+LOCAL_METHODS = (
+    "diloco",
+    "averaging",
+    "sparseloco",
+    "sparseloco-sign",
+    "sparseloco-down",
+    "sparseloco-overlap",
+    "sparseloco-fragments",
+    "peer",
+)
+# What a way of hiding or spreading the sync costs: its loss gap less sparseloco's, in points.
+SYNC_METHODS = ("sparseloco-overlap", "sparseloco-fragments")
+# Compressed local-SGD methods: their codec gap is their loss gap less averaging's at the same H.
+CODEC_METHODS = ("sparseloco", "sparseloco-sign", "sparseloco-down", "peer")
 
 
-def method_config(name: str, args: argparse.Namespace, overrides: dict[str, Any]) -> TrainConfig:
-    """The run of one method: ``steps_total`` inner steps per worker, as rounds of 1 or of H."""
+def corpus_file(path: Path, cache: Path) -> Path:
+    """``path`` itself, or for a ``.gz`` its text decompressed into ``cache`` (once: kept while the
+    ``.gz``'s digest, written next to it, still matches): the trainer reads plain text files only."""
+    if path.suffix != ".gz":
+        return path
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    out, stamp = cache / path.name[: -len(".gz")], cache / (path.name[: -len(".gz")] + ".sha256")
+    if out.is_file() and stamp.is_file() and stamp.read_text().strip() == digest:
+        return out
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    with gzip.open(path, "rb") as src, open(tmp, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    tmp.replace(out)
+    stamp.write_text(digest + "\n")
+    return out
+
+
+def corpus_tokens(path: Path, model: str) -> int:
+    """Tokens of the text file ``path`` as the trainer's stream cuts them (``--streaming``: the model's
+    tokenizer over ``text_pieces``)."""
+    encoder = Encoder(tokenizer_for(model))
+    return sum(len(c) for c in encoder.chunks(text_pieces([path])))
+
+
+def data_budget(args: argparse.Namespace, corpus: Path) -> dict[str, Any]:
+    """How many of the corpus's tokens every method trains on: the stream holds out its first
+    ``EVAL_BATCHES x --batch-size`` windows, then each step takes ``workers x batch`` consecutive windows of
+    ``sequence-length`` targets, and its last window one token more. Within ``train_tokens`` no token is
+    trained on twice (the stream does not wrap into a second epoch)."""
+    total = corpus_tokens(corpus, args.model)
+    held_out = EVAL_BATCHES * args.batch_size * (args.sequence_length + 1)
+    read = args.workers * args.steps_total * args.batch_size * args.sequence_length + 1
+    return {
+        "corpus": str(corpus),
+        "corpus_tokens": total,
+        "held_out_tokens": held_out,
+        "train_tokens": total - held_out,
+        "tokens_read_per_method": read,
+        "passes": read / max(1, total - held_out),
+        "each_token_at_most_once": read <= total - held_out,
+    }
+
+
+def method_config(name: str, args: argparse.Namespace, overrides: dict[str, Any], corpus: Path) -> TrainConfig:
+    """The run of one method: ``steps_total`` inner steps per worker, as rounds of 1 or of H, in stream order
+    through ``corpus``."""
     settings = dict(METHODS[name])
     if name in LOCAL_METHODS and args.inner_steps is not None:
         settings["inner_steps"] = args.inner_steps
@@ -148,6 +267,8 @@ def method_config(name: str, args: argparse.Namespace, overrides: dict[str, Any]
         eval_batches=EVAL_BATCHES,
         output_dir=str(Path(args.output_dir) / name),
         overwrite=True,
+        data=(str(corpus),),
+        streaming=True,
         **settings,
     )
 
@@ -188,7 +309,8 @@ def run_method(name: str, config: TrainConfig, workers: int = WORKERS) -> dict[s
         "settings": {
             k: getattr(config, k)
             for k in sorted(
-                METHODS[name].keys() | {"inner_steps", "steps", "warmup_steps", "inner_warmup_steps", "topk"}
+                METHODS[name].keys()
+                | {"inner_steps", "steps", "warmup_steps", "inner_warmup_steps", "topk", "aggregate", "clip_factor"}
             )
         },
         "curve": curve,
@@ -196,11 +318,23 @@ def run_method(name: str, config: TrainConfig, workers: int = WORKERS) -> dict[s
 
 
 def compare(results: dict[str, dict[str, Any]], dense_bytes_per_token: float) -> None:
-    """Add the ratios against dense fp32 gradients and the ``dense`` run, and the targets where set."""
+    """Add the ratios against dense fp32 gradients and the ``dense`` run, the targets where set, and each
+    compressed local-SGD method's codec gap: its loss gap less ``averaging``'s at the same H, in points (what
+    the compression costs beyond what local SGD itself does)."""
     dense = results.get("dense")
-    for name, r in results.items():
+    for r in results.values():
         r["uplink_reduction_vs_dense"] = dense_bytes_per_token / r["bytes_up_per_token"]
         r["loss_gap_vs_dense"] = (r["eval_loss"] - dense["eval_loss"]) / dense["eval_loss"] if dense else None
+    averaging = results.get("averaging")
+    for name, r in results.items():
+        if name in CODEC_METHODS:
+            same_h = averaging is not None and dense is not None and averaging["inner_steps"] == r["inner_steps"]
+            r["codec_gap_points"] = (
+                100 * (r["loss_gap_vs_dense"] - averaging["loss_gap_vs_dense"]) if same_h and averaging else None
+            )
+        if name in SYNC_METHODS and dense is not None and "sparseloco" in results:
+            r["cost_vs_sparseloco_points"] = 100 * (r["loss_gap_vs_dense"] - results["sparseloco"]["loss_gap_vs_dense"])
+    for name, r in results.items():
         if name in TARGETS and dense:
             gap, reduction = TARGETS[name]
             r["target"] = {"max_loss_gap": gap, "min_uplink_reduction": reduction}
@@ -209,14 +343,15 @@ def compare(results: dict[str, dict[str, Any]], dense_bytes_per_token: float) ->
 
 def table(results: dict[str, dict[str, Any]]) -> str:
     lines = [
-        "| method | H | held-out loss | gap vs dense | train loss | uplink B/token/worker | x fewer than dense fp32 | "
-        "downlink B/token/worker | rounds | tokens | wall |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | H | held-out loss | gap vs dense | codec gap | train loss | uplink B/token/worker | "
+        "x fewer than dense fp32 | downlink B/token/worker | rounds | tokens | wall |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         gap = f"{100 * r['loss_gap_vs_dense']:+.2f}%" if r["loss_gap_vs_dense"] is not None else "-"
+        codec = f"{r['codec_gap_points']:+.2f} pt" if r.get("codec_gap_points") is not None else "-"
         lines.append(
-            f"| {name} | {r['inner_steps']} | {r['eval_loss']:.4f} | {gap} | {r['train_loss']:.4f} | "
+            f"| {name} | {r['inner_steps']} | {r['eval_loss']:.4f} | {gap} | {codec} | {r['train_loss']:.4f} | "
             f"{r['bytes_up_per_token']:.4g} "
             f"| {r['uplink_reduction_vs_dense']:,.0f}x | {r['bytes_down_per_token']:.4g} | {r['rounds']} | "
             f"{r['tokens']:,} | {r['wall_s']:.0f} s |"
@@ -277,7 +412,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--inner-steps",
         type=int,
         default=None,
-        help="H of every local-SGD method (default: each its own, diloco 30, averaging and sparseloco 120)",
+        help="H of every local-SGD method (default: each its own, diloco 30, the others 120)",
+    )
+    parser.add_argument(
+        "--data",
+        default=str(CORPUS),
+        metavar="PATH",
+        help="text file to train on in stream order, or its .gz (decompressed once into --output-dir/data) "
+        "(default: the shipped complete works, benchmarks/data/shakespeare_complete.txt.gz)",
     )
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ", ".join(METHODS))
     parser.add_argument(
@@ -312,11 +454,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if not Path(args.data).is_file():
+        parser.error(f"--data {args.data}: no such file")
+    corpus = corpus_file(Path(args.data), out / "data")
+    data = data_budget(args, corpus)
+    if not data["each_token_at_most_once"]:
+        print(
+            f"warning: each method reads {data['tokens_read_per_method']:,} tokens of the {data['train_tokens']:,} "
+            f"the corpus trains on ({data['passes']:.2f} passes): tokens are seen more than once",
+            file=sys.stderr,
+        )
 
     configs = {}
     for name in methods:
         try:
-            configs[name] = method_config(name, args, overrides[name])
+            configs[name] = method_config(name, args, overrides[name], corpus)
         except (ValueError, TypeError) as e:
             parser.error(f"method {name}: {e}")
         if args.steps_total % configs[name].inner_steps:
@@ -344,6 +496,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "sequence_length": args.sequence_length,
         "inner_steps": args.inner_steps,
         "tokens_per_method": args.workers * args.steps_total * args.batch_size * args.sequence_length,
+        "data": data,
+        "codec_gap_points": {
+            name: r["codec_gap_points"] for name, r in results.items() if r.get("codec_gap_points") is not None
+        },
         "eval_batches": EVAL_BATCHES,
         "seed": args.seed,
         "dense_fp32_bytes_per_token": dense_bytes_per_token,
@@ -417,3 +573,28 @@ if __name__ == "__main__":
 #   sparseloco at H 120, still 4.82: inner muon (lr 1e-3, momentum 0.95, float32 Newton-Schulz) 4.8127 |
 #                      feedback beta 1.0 4.8231 | inner cosine to 0 instead of 0.1 4.8823 (the last rounds
 #                      move too little to drain the error feedback)
+# Everything above trained on the embedded 1 MB corpus at random (the 1200-step run saw it ~4 times). From here
+# on (issue 24): the complete works in stream order, no token trained twice; --steps-total 300 --inner-steps 30
+# (10 rounds of H 30, 307k tokens per method) unless said, one process at a time, --threads 1; "codec" is the
+# codec gap (the loss gap to dense less averaging's, in points), "mean" the service's default aggregation,
+# "kept" kept-mean (each coefficient the mean over the workers that sent it, as templar):
+#   dense 5.4790 | averaging 5.5551 (+1.39%, 30x) | sparseloco mean 5.7316 (+4.61%, codec 3.22 pt, 3076x) | kept
+#                      5.7234 (+4.46%, 3.07 pt; but worse at 600 steps, below: mean stays)
+#                      | peer (templar's settings) mean 6.3492 (+15.88%, 14.49 pt, 4301x) | kept 6.1598 (+12.43%,
+#                      11.04 pt) | sparseloco-sign mean 5.7216 (+4.43%, 3.04 pt, 3316x), kept 5.7889 (4.27 pt)
+#   what costs the peer's settings here (all kept): with the DCT 5.7410 (3.39 pt): selecting raw values costs
+#                      ~8 points over 10 rounds | --clip-factor 2 instead of 1 6.2205 (12.14 pt) | tensors of
+#                      <= 256 elements (the norm gains) sent whole, as templar's top-64 of a 64-vector does
+#                      (CodecConfig.min_sparse_numel 257, patched in process; not a setting): peer 6.2066,
+#                      sparseloco 5.7270 | quantizer window +-3 sigma instead of 6 (range_sigmas 3, patched):
+#                      peer 6.1690, sparseloco 5.7581
+#   sparseloco kept: feedback beta 1.0 5.7241 | outer lr 1.25 5.8312
+#   at 600 steps (20 rounds): dense 5.3321 | averaging 5.3880 (+1.05%) | sparseloco mean 5.5737 (+4.53%,
+#                      3.48 pt) | kept 5.5907 (+4.85%, 3.80 pt) | peer kept 5.8872 (+10.41%, 9.36 pt)
+# Kept-mean helps templar's raw selection a lot (the workers' top-k sets overlap least there, and mean halves
+# every coefficient one worker sent: 3.4 points), ours with the DCT not reliably (-0.15 point at 10 rounds,
+# +0.32 at 20; sign values +1.2): sparseloco keeps mean, peer runs kept-mean as templar does. Ours stays far
+# below the peer's settings (3.0-3.5 against 9-11 points) but nowhere near half of its own: none of the
+# levers above (aggregation, feedback beta, outer lr, quantizer window, whole norm gains) lowered it by more
+# than 0.15 point. The compressed runs trail averaging most in the first rounds (round 1: 7.07 against 6.33)
+# and the gap narrows to 0.18 by round 10, yet 20 rounds end no closer than 10 (3.5 against 3.2 points).
