@@ -253,9 +253,9 @@ def method_config(name: str, args: argparse.Namespace, overrides: dict[str, Any]
     if name in LOCAL_METHODS and args.inner_steps is not None:
         settings["inner_steps"] = args.inner_steps
     settings.update(overrides)
-    h = settings["inner_steps"]
+    h = settings["inner_steps"] // settings.get("fragments", 1)  # inner steps per round
     warmup = int(WARMUP_FRACTION * args.steps_total)
-    settings.setdefault("inner_warmup_steps" if h > 1 else "warmup_steps", warmup)
+    settings.setdefault("inner_warmup_steps" if settings["inner_steps"] > 1 else "warmup_steps", warmup)
     settings.setdefault("balance", "off")  # every method trains the same rows, whatever the timings
     return TrainConfig(
         model=args.model,
@@ -471,7 +471,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             configs[name] = method_config(name, args, overrides[name], corpus)
         except (ValueError, TypeError) as e:
             parser.error(f"method {name}: {e}")
-        if args.steps_total % configs[name].inner_steps:
+        if args.steps_total % configs[name].inner_steps:  # (a round of fragments is H / F: H divides it too)
             parser.error(
                 f"--steps-total {args.steps_total} is not a multiple of {name}'s H = {configs[name].inner_steps}: "
                 "tokens would differ"
