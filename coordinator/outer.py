@@ -37,7 +37,6 @@ from gradwire.models import build_from_spec
 from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import ModelState
 from gradwire.replica import Fingerprint, Replica, StateUpdate
-from gradwire.v1 import worker_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +202,7 @@ class OuterStrategy(abc.ABC):
         replica_group = "replica" if "replica" in groups else "model"  # a delta's shadow, or the model itself
         groups[replica_group] = {n: p.detach() for n, p in params.items()}
         groups["optimizer"].update({f"momentum.{i}": m for i, m in enumerate(momentum)})
-        message = protocol.update_to_proto(self.pending).SerializeToString()
+        message = protocol.update_to_bytes(self.pending)
         groups["pending"] = {"update": torch.frombuffer(bytearray(message), dtype=torch.uint8)}
         return groups
 
@@ -214,8 +213,7 @@ class OuterStrategy(abc.ABC):
         self._restore(tensors, version)
         pending = None
         if "pending" in tensors:  # an --overlap checkpoint: the first round computes here, then applies it
-            message = protocol.parse(pb.StateUpdate, tensors["pending"]["update"].numpy().tobytes())
-            pending = protocol.update_from_proto(message)
+            pending = protocol.update_from_bytes(tensors["pending"]["update"].numpy().tobytes())
         self.rebase(pending)
 
     @abc.abstractmethod

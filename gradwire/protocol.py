@@ -391,6 +391,16 @@ def update_from_proto(m: pb.StateUpdate) -> StateUpdate:
     raise ProtocolError("state update carries neither a replay nor a delta")
 
 
+def update_to_bytes(u: StateUpdate) -> bytes:
+    """``u`` as its StateUpdate message's bytes (an --overlap checkpoint keeps the update in flight so)."""
+    return update_to_proto(u).SerializeToString()
+
+
+def update_from_bytes(data: bytes) -> StateUpdate:
+    """The inverse of ``update_to_bytes``, validated as an update off the wire is."""
+    return update_from_proto(parse(pb.StateUpdate, data))
+
+
 def fragment_from_proto(index: int, count: int, what: str) -> Fragment | None:
     """The fragment a message names (``fragments`` 0 or 1: none, the whole model)."""
     if count <= 1:
