@@ -378,7 +378,9 @@ DOWNLINK_MARGIN = 2.0  # auto: compress once a replay would carry this many time
 DOWNLINK_TOPK_FACTOR = 4  # a compressed downlink keeps this many times the workers' top-k (--downlink-topk 0)
 
 
-def decide_downlink(setting: str, senders: int, payload_bytes: int, aggregate_bytes: int) -> tuple[bool, str]:
+def decide_downlink(
+    setting: str, senders: int, payload_bytes: int, aggregate_bytes: int, fragments: int = 1
+) -> tuple[bool, str]:
     """Whether the round's update goes to the workers as one re-compressed aggregate (``True``) rather than as
     a replay of its ``senders``' payloads (of ``payload_bytes`` on average), and why.
 
@@ -387,10 +389,13 @@ def decide_downlink(setting: str, senders: int, payload_bytes: int, aggregate_by
     compressed aggregate (``aggregate_bytes``) costs the same whatever the number of senders, and loses what
     its top-k and quantization leave in the coordinator's error feedback until a later round sends it.
     ``auto`` compresses once a sender's replay (the others' payloads) would exceed ``DOWNLINK_MARGIN`` x one
-    compressed aggregate.
+    compressed aggregate. Streamed fragments (``fragments`` > 1) always replay: each round's update is one
+    fragment's payloads.
     """
     if setting == "replay":
         return False, "--downlink replay"
+    if fragments > 1:
+        return False, f"--fragments {fragments}: each round replays one fragment's payloads"
     if setting == "compressed":
         return True, "--downlink compressed"
     replay = max(0, senders - 1) * payload_bytes

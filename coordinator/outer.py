@@ -47,6 +47,8 @@ Aggregate = Aggregator | CoordinateAggregate
 class OuterStrategy(abc.ABC):
     """The outer optimizer, the workers' replica, and the update in flight between them."""
 
+    _replica_group = "model"  # the checkpoint group the workers' replica is saved in
+
     def __init__(self, model: torch.nn.Module, replica: Replica, codec_config: CodecConfig) -> None:
         self.model = model  # what is trained, evaluated and exported
         self.replica = replica  # what every worker holds a copy of
@@ -199,8 +201,7 @@ class OuterStrategy(abc.ABC):
             params, momentum = self._behind
         else:  # not flushed: the replica is there still
             params, momentum = self.replica.params, self.replica.momentum
-        replica_group = "replica" if "replica" in groups else "model"  # a delta's shadow, or the model itself
-        groups[replica_group] = {n: p.detach() for n, p in params.items()}
+        groups[self._replica_group] = {n: p.detach() for n, p in params.items()}
         groups["optimizer"].update({f"momentum.{i}": m for i, m in enumerate(momentum)})
         message = protocol.update_to_bytes(self.pending)
         groups["pending"] = {"update": torch.frombuffer(bytearray(message), dtype=torch.uint8)}
@@ -286,6 +287,8 @@ class ReplayOuter(OuterStrategy):
 
 class DeltaOuter(OuterStrategy):
     """AdamW on the coordinator; workers follow a shadow replica through compressed deltas."""
+
+    _replica_group = "replica"  # the shadow; "model" is the coordinator's own, AdamW-stepped
 
     def __init__(
         self, model: torch.nn.Module, rule: UpdateRule, codec_config: CodecConfig, spec: dict, seed: int

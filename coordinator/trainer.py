@@ -220,7 +220,7 @@ class Trainer:
             return None
         usable = gathered.results
         payloads = tuple(r.gradient for r in usable if r.gradient is not None)
-        compressed = self._compressed_downlink(payloads) if fragment is None else False
+        compressed = self._compressed_downlink(payloads)
         grad_norm = self.outer.step(
             gathered.aggregator,
             payloads,
@@ -280,7 +280,8 @@ class Trainer:
             return False
         payload_bytes = self.outer.codec.plan.payload_bytes()
         aggregate_bytes = self.outer.downlink_codec.plan.payload_bytes()
-        compressed, why = decide_downlink(self.config.downlink, len(payloads), payload_bytes, aggregate_bytes)
+        cfg = self.config
+        compressed, why = decide_downlink(cfg.downlink, len(payloads), payload_bytes, aggregate_bytes, cfg.fragments)
         if compressed != self._compressed:
             log.info("downlink: %s", why)
             self._compressed = compressed

@@ -9,6 +9,7 @@ worker that falls out of sync is pushed the state and carries on.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from gradwire.coordinator.config import TrainConfig
@@ -151,16 +152,18 @@ def test_overlapped_local_sgd_is_delayed_averaging_and_never_waits_for_the_sync(
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=name)
 
 
-def test_overlapped_local_sgd_resumed_mid_run_is_the_straight_run(tmp_path):
+@pytest.mark.parametrize("outer", ["nesterov", "adamw"])  # a replay, and the deltas of an AdamW shadow
+def test_overlapped_local_sgd_resumed_mid_run_is_the_straight_run(tmp_path, outer):
     """A checkpoint taken while the workers hold the next round's inner steps, taken ahead, saves the inner
     optimizer state of the rounds asked for; resumed on fresh workers the run ends on the same bits.
-    Compressed, with inner AdamW (its moments and step count carry over) and outer Nesterov momentum."""
+    Compressed, with inner AdamW (its moments and step count carry over) and outer Nesterov momentum, or
+    outer AdamW (the workers follow its shadow replica by deltas)."""
     settings = dict(
         no_compression=False,
         inner_optimizer="adamw",
         inner_learning_rate=3e-3,
-        outer_optimizer="nesterov",
-        learning_rate=0.5,
+        outer_optimizer=outer,
+        learning_rate=0.5 if outer == "nesterov" else 1e-3,
         steps=6,
         checkpoint_every=3,
         eval_every=3,  # the evaluation applies the update in flight to the coordinator's replica first

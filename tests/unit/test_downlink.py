@@ -180,6 +180,8 @@ def test_auto_compresses_once_a_replay_outgrows_the_margin() -> None:
     assert decide_downlink("auto", 100, size, 200 * size)[0] is False  # a dearer aggregate: still replays
     assert decide_downlink("replay", 100, size, size) == (False, "--downlink replay")
     assert decide_downlink("compressed", 1, size, size) == (True, "--downlink compressed")
+    replayed, why = decide_downlink("auto", 100, size, size, fragments=3)  # a fragment's round replays
+    assert replayed is False and "--fragments 3" in why
 
 
 def test_the_setting_is_checked() -> None:
