@@ -122,7 +122,9 @@ class SimulatedWorker:
         size = sum(t.numel() * t.element_size() for t in state.parameters.values())
         return (state.version, Fingerprint((), (), ())), Traffic(size, 0)
 
-    def run_round(self, order: WorkOrder, timeout: float | None = None) -> tuple[RoundResult, Traffic]:
+    def run_round(
+        self, order: WorkOrder, timeout: float | None = None, on_piece: object = None
+    ) -> tuple[RoundResult, Traffic]:
         down = sum(len(p.data) for p in protocol.to_parts(protocol.order_to_proto(order)))  # as a client sends it
         version = order.base_version + len(order.catch_up) + (order.update is not None)
         rows, columns = order.batch.shape

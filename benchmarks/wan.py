@@ -2,6 +2,7 @@
 
     sudo python -m benchmarks.wan --json                               # gpt-10m, 2 workers, 100 Mbit/s, 25 ms: ~10 min
     sudo python -m benchmarks.wan --methods gradwire,gradwire-overlap --json   # with one-step-delayed rounds
+    sudo python -m benchmarks.wan --methods ddp-powersgd,gradwire,gradwire-stream --json   # streamed gradients
     sudo python -m benchmarks.wan --methods gradwire-local,gradwire-local-overlap --steps 120 --inner-steps 30 --json
     sudo python -m benchmarks.wan --latency 0 --json                    # no added latency (a plain bridge)
     sudo python -m benchmarks.wan --model gpt-tiny --steps 6 --json     # a quick look
@@ -18,6 +19,8 @@ kernel has no ``netem``), and on the same hosts, with the same model, batch and 
 * ``gradwire``: a coordinator on host 0 and a ``worker serve`` on each worker host, gradient mode;
 * ``gradwire-overlap``: the same with ``--overlap`` (one-step-delayed rounds: each worker computes its
   next gradient while its last result travels and is aggregated);
+* ``gradwire-stream``: gradient mode with the gradient streamed as the backward produces it
+  (``--stream-buckets``, default 4): each bucket travels while the backward goes on;
 * ``gradwire-local``: the same in local-SGD rounds of ``--inner-steps`` (fewer rounds, equal tokens);
 * ``gradwire-local-overlap``: those rounds with ``--overlap``: each worker takes the next round's inner steps
   as soon as its result is out, and the sync (the link, the aggregation, the outer step) runs meanwhile;
@@ -57,6 +60,7 @@ METHODS = (
     "ddp-powersgd",
     "gradwire",
     "gradwire-overlap",
+    "gradwire-stream",
     "gradwire-local",
     "gradwire-local-overlap",
     "gradwire-fragments",
@@ -124,7 +128,12 @@ def run_ddp(lab: Lab, args: argparse.Namespace, hook: str) -> dict:
 
 
 def run_gradwire(
-    lab: Lab, args: argparse.Namespace, inner_steps: int, overlap: bool = False, fragments: int = 1
+    lab: Lab,
+    args: argparse.Namespace,
+    inner_steps: int,
+    overlap: bool = False,
+    fragments: int = 1,
+    stream_buckets: int = 0,
 ) -> dict:
     workers = len(lab.hosts) - 1
     env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // workers)), "HF_HUB_OFFLINE": "1"}
@@ -176,6 +185,7 @@ def run_gradwire(
                 *(["--topk", str(args.topk)] if args.topk else []),
                 *(["--overlap"] if overlap else []),
                 *(["--fragments", str(fragments)] if fragments > 1 else []),
+                *(["--stream-buckets", str(stream_buckets)] if stream_buckets > 1 else []),
             ]
             before = total_bytes(lab)
             coordinator = lab.popen(
@@ -306,6 +316,12 @@ def main(argv: list[str] | None = None) -> int:
         default=2,
         help="gradwire-fragments: streamed fragments, rounds of --inner-steps / F (a divisor of --inner-steps)",
     )
+    parser.add_argument(
+        "--stream-buckets",
+        type=int,
+        default=4,
+        help="gradwire-stream: the pieces each worker's gradient streams in (coordinator train --stream-buckets)",
+    )
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--timeout", type=float, default=1200.0)
@@ -354,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
                 results[method] = run_gradwire(lab, args, 1)
             elif method == "gradwire-overlap":
                 results[method] = run_gradwire(lab, args, 1, overlap=True)
+            elif method == "gradwire-stream":
+                results[method] = run_gradwire(lab, args, 1, stream_buckets=args.stream_buckets)
             elif method == "gradwire-local":
                 results[method] = run_gradwire(lab, args, args.inner_steps)
             elif method == "gradwire-local-overlap":

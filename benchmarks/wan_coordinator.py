@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--topk", type=int, default=None, help="default: the mode's (as coordinator train)")
     parser.add_argument("--overlap", action="store_true", help="one-step-delayed rounds (coordinator train --overlap)")
     parser.add_argument("--fragments", type=int, default=1, help="streamed fragments (coordinator train --fragments)")
+    parser.add_argument("--stream-buckets", type=int, default=0, help="coordinator train --stream-buckets")
     args = parser.parse_args(argv)
     keep_freed_memory()  # as `coordinator train` does
     config = TrainConfig(
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         topk=args.topk,
         overlap=args.overlap,
         fragments=args.fragments,
+        stream_buckets=args.stream_buckets,
     )
     clients = [WorkerClient(a, timeout=config.round_timeout) for a in args.workers.split(",")]
     trainer = Trainer(config, clients, progress=False)

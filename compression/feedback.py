@@ -37,3 +37,19 @@ class ErrorFeedback:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.buffers = {k: v.detach().float().clone() for k, v in state.items()}
+
+
+class ScopedFeedback:
+    """A view of a sender's ``ErrorFeedback`` whose keys carry a prefix (a fragment's, a bucket's): one
+    object, one state to checkpoint, holds every codec's buffers, each codec's apart (every codec numbers
+    its chunk groups from 0)."""
+
+    def __init__(self, feedback: ErrorFeedback | ScopedFeedback, prefix: str) -> None:
+        self.feedback, self.prefix = feedback, prefix
+
+    @property
+    def beta(self) -> float:
+        return self.feedback.beta
+
+    def accumulate(self, key: str, update: torch.Tensor) -> torch.Tensor:
+        return self.feedback.accumulate(self.prefix + key, update)

@@ -13,9 +13,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
-import torch
-
-from gradwire.compression.feedback import ErrorFeedback
+from gradwire.compression.feedback import ErrorFeedback, ScopedFeedback
 
 MAX_FRAGMENTS = 1024
 
@@ -59,21 +57,6 @@ def split(shapes: Mapping[str, Sequence[int]], count: int) -> tuple[tuple[str, .
     return tuple(tuple(n for n in shapes if owner[n] == f) for f in range(count))
 
 
-class ScopedFeedback:
-    """A view of a sender's ``ErrorFeedback`` whose keys carry a fragment's prefix: one object (one state to
-    checkpoint) holds every fragment's buffers, each fragment's apart."""
-
-    def __init__(self, feedback: ErrorFeedback, fragment: Fragment) -> None:
-        self.feedback, self.prefix = feedback, fragment.key
-
-    @property
-    def beta(self) -> float:
-        return self.feedback.beta
-
-    def accumulate(self, key: str, update: torch.Tensor) -> torch.Tensor:
-        return self.feedback.accumulate(self.prefix + key, update)
-
-
 def scoped(feedback: ErrorFeedback, fragment: Fragment | None) -> ErrorFeedback | ScopedFeedback:
     """``feedback`` as ``fragment``'s codec uses it (itself for the whole model)."""
-    return feedback if fragment is None else ScopedFeedback(feedback, fragment)
+    return feedback if fragment is None else ScopedFeedback(feedback, fragment.key)

@@ -22,7 +22,7 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gradwire import protocol, statestream
-from gradwire.link import Traffic, WorkerError
+from gradwire.link import OnPiece, Traffic, WorkerError
 from gradwire.protocol import PROTOCOL_VERSION, ModelState, RoundResult, WorkerInfo, WorkerState, WorkOrder
 from gradwire.replica import Fingerprint
 from gradwire.security import ClientSecurity
@@ -117,19 +117,37 @@ class WorkerClient:
         answer = (reply.version, protocol.fingerprint_from_proto(reply.fingerprint))
         return answer, Traffic(down.nbytes, reply.ByteSize())
 
-    def run_round(self, order: WorkOrder, timeout: float | None = None) -> tuple[RoundResult, Traffic]:
+    def run_round(
+        self, order: WorkOrder, timeout: float | None = None, on_piece: OnPiece | None = None
+    ) -> tuple[RoundResult, Traffic]:
         """One round and its bytes; the result's gradient is structurally checked (the aggregator checks it
-        against its plan).
+        against its plan). A streamed gradient's pieces go to ``on_piece`` as they arrive; together with the
+        result they may hold at most the client's message limit, and there are at most ``stream_buckets``.
 
         A malformed ``order`` is the caller's bug and raises ``ProtocolError`` before anything is sent.
         """
         down, up = _Counter(), _Counter()
         parts = down.count(protocol.to_parts(protocol.order_to_proto(order)))
+
+        def read(stream: Iterator[pb.Part]) -> pb.RoundResult:
+            """The pieces, each to ``on_piece``, then the result."""
+            budget, pieces = self.max_bytes, 0
+            while (message := protocol.parse(pb.RoundResult, data := protocol.join_parts(stream, budget))).piece:
+                budget -= len(data)
+                pieces += 1
+                if on_piece is None or pieces > order.stream_buckets:
+                    raise protocol.ProtocolError(f"more than the {order.stream_buckets} pieces the order asked")
+                if message.round != order.round:
+                    raise protocol.ProtocolError(f"a piece of round {message.round} in round {order.round}")
+                on_piece(protocol.piece_from_proto(message))
+            return message
+
         result = self._framed(
             lambda: self._stub.RunRound(parts, timeout=self._timeout(timeout), metadata=self.call_metadata),
             up,
             pb.RoundResult,
             protocol.result_from_proto,
+            read,
         )
         if result.round != order.round:
             raise WorkerError(
@@ -212,14 +230,24 @@ class WorkerClient:
         except grpc.RpcError as e:
             raise WorkerError(self.address, _code(e), _details(e)) from None
 
-    def _framed(self, start: Callable[[], Any], up: _Counter, cls: type[Message], from_proto: Callable[[Any], T]) -> T:
-        """Run a call whose reply is a framed message; join, parse and check it."""
+    def _framed(
+        self,
+        start: Callable[[], Any],
+        up: _Counter,
+        cls: type[Message],
+        from_proto: Callable[[Any], T],
+        read: Callable[[Iterator[pb.Part]], Message] | None = None,
+    ) -> T:
+        """Run a call whose reply is a framed message; join, parse and check it. ``read`` reads the reply's
+        parts into its message (default: one framed ``cls``); what is malformed (``ProtocolError``,
+        ``PayloadError``) ends the call as a ``WorkerError`` (DATA_LOSS)."""
 
-        def receive() -> bytes:
+        def receive() -> Message:
             responses = start()
             self._in_flight = responses
             try:
-                data = protocol.join_parts(up.count(responses), self.max_bytes)
+                stream = up.count(responses)
+                message = read(stream) if read else protocol.parse(cls, protocol.join_parts(stream, self.max_bytes))
                 for _ in responses:  # also surfaces a status the worker sent after the parts
                     raise protocol.ProtocolError("parts after the last one")
             except ValueError:
@@ -227,11 +255,11 @@ class WorkerClient:
                 raise
             finally:
                 self._in_flight = None
-            return data
+            return message
 
         try:
-            return from_proto(protocol.parse(cls, self._call(receive)))
-        except ValueError as e:  # ProtocolError, PayloadError: the worker sent something malformed
+            return from_proto(self._call(receive))
+        except ValueError as e:
             raise WorkerError(
                 self.address, grpc.StatusCode.DATA_LOSS, f"sent a malformed {cls.__name__}: {e}"
             ) from None

@@ -24,6 +24,7 @@ from gradwire.compression import CodecConfig
 from gradwire.compression.config import VALUE_CODINGS
 from gradwire.compression.fragment import MAX_FRAGMENTS
 from gradwire.compression.robust import AGGREGATIONS, AggregationRule
+from gradwire.compression.stream import MAX_BUCKETS
 from gradwire.coordinator.balance import BALANCE_MODES
 from gradwire.coordinator.decisions import (
     AGREEMENT_FLOOR,
@@ -247,6 +248,13 @@ class TrainConfig:
         help="streamed fragments (Streaming DiLoCo): split the model's tensors into F groups of about equal size; "
         "a round is H/F inner steps and syncs one group, in turn, so every tensor syncs once every H inner steps "
         "and the link carries 1/F of the payload at a time (1: the whole model every H steps)",
+        section=INNER,
+    )
+    stream_buckets: int = setting(
+        0,
+        help="gradient mode: send each worker's gradient in B pieces of about equal size, each as soon as the "
+        "backward has produced it, so that the link works while the backward does (the payload is the same, "
+        f"byte for byte; at most {MAX_BUCKETS}; 0 or 1: in one message after the backward)",
         section=INNER,
     )
     inner_optimizer: str = setting(
@@ -575,6 +583,13 @@ class TrainConfig:
             )
         if self.fragments > 1:
             self._check_fragments()
+        if not 0 <= self.stream_buckets <= MAX_BUCKETS:
+            raise ValueError(f"--stream-buckets must be in [0, {MAX_BUCKETS}], got {self.stream_buckets}")
+        if self.stream_buckets > 1 and self.local_sgd:
+            raise ValueError(
+                "--stream-buckets streams gradient mode's gradient as the backward produces it; a local-SGD round "
+                "sends one pseudo-gradient after its inner steps (--fragments spreads that one over the round)"
+            )
         self.grace()  # validates --straggler-grace
         if not (math.isfinite(self.max_failed_seconds) and self.max_failed_seconds >= 0):
             raise ValueError(f"--max-failed-seconds must be >= 0, got {self.max_failed_seconds}")

@@ -133,7 +133,7 @@ class Gatherer:
                 fates[index] = Fate(index, address, "left out", caught[index])
                 verdicts[index] = "caught"
                 continue
-            reason = _invalid(o.result, batches[index], codec, decoded)
+            reason = _invalid(o, batches[index], codec, decoded)
             if reason:
                 fates[index] = Fate(index, address, "left out", reason)
                 verdicts[index] = "rejected"
@@ -234,13 +234,18 @@ class Gatherer:
 SENT = "the coordinator's update"  # who sent a payload the workers were sent (``Gatherer.remember_sent``)
 
 
-def _invalid(result: RoundResult, batch: np.ndarray, codec: GradientCodec, decoded: list[DecodedGradient]) -> str:
-    """Why ``result`` cannot be used ("" if it can; its payload, decoded, then joins ``decoded``)."""
+def _invalid(outcome: SlotOutcome, batch: np.ndarray, codec: GradientCodec, decoded: list[DecodedGradient]) -> str:
+    """Why ``outcome``'s result cannot be used ("" if it can; its payload, decoded, then joins ``decoded``).
+    A payload decoded as it arrived (``round.RoundDispatcher.run``) is not decoded again."""
+    result = outcome.result
+    assert result is not None
     expected = batch.shape[0] * (batch.shape[1] - 1)
     if result.tokens != expected:
         return f"reports {result.tokens} tokens for a batch of {expected}"
+    if outcome.invalid:
+        return outcome.invalid
     try:
-        d = codec.decode(result.gradient)  # validate before anything is combined
+        d = outcome.decoded if outcome.decoded is not None else codec.decode(result.gradient)  # validate first
     except PayloadError as e:
         return f"sent a bad payload: {e}"
     if not any(bool(v.any()) for v in (*d.values, *d.dense)):  # stops at the first value; the norm comes later

@@ -30,7 +30,8 @@ import grpc
 import numpy as np
 import torch
 
-from gradwire.compression import CodecConfig
+from gradwire.compression import CodecConfig, CompressedGradient, DecodedGradient, PayloadError
+from gradwire.compression.stream import Pieces, StreamPlan
 from gradwire.coordinator.decisions import Grace, Standing, decide_close, decide_first_push, decide_sync
 from gradwire.coordinator.outer import OuterStrategy
 from gradwire.link import WorkerError, WorkerLink
@@ -70,6 +71,10 @@ class SlotOutcome:
     straggler: bool = False  # cut off after the round had its quorum and the grace ran out
     first_push_bytes: int = 0  # the state push before the round (a worker new to the run); not in bytes_down
     seconds: float = 0.0  # from the round's dispatch until its answer came in, or it was cut off
+    # The result's payload decoded as it arrived (``run``'s ``stream``), or why it could not be.
+    decoded: DecodedGradient | None = None
+    invalid: str = ""
+    pieces: int = 0  # streamed pieces of its gradient received, of its last call (it may have failed after)
 
 
 @dataclasses.dataclass
@@ -98,6 +103,7 @@ class RoundWork:
     fingerprint_gradient: bool = False  # spot checks are on: every order asks for its gradient's fingerprint
     redundant: tuple[int, ...] = ()  # a spot check by redundancy: these slots got the first one's rows
     next_local_steps: Mapping[int, LocalSteps] = dataclasses.field(default_factory=dict)  # with next_batches
+    stream_buckets: int = 0  # gradient mode: the gradient streams in this many pieces (compression.stream)
 
     def local_steps_of(self, slot: int) -> LocalSteps | None:
         """Worker ``slot``'s inner steps (None: gradient mode)."""
@@ -131,6 +137,7 @@ class RoundWork:
             clip_grad_norm=self.clip_grad_norm,
             fingerprint_gradient=self.fingerprint_gradient,
             next_local_steps=self.next_local_steps.get(slot) if slot in self.next_batches else None,
+            stream_buckets=self.stream_buckets if self.local_steps_of(slot) is None else 0,
         )
 
 
@@ -197,8 +204,10 @@ class RoundDispatcher:
             return RoundPlan([s for s in slots if s not in new], len(new), landed)
         return RoundPlan(slots, 0, landed)
 
-    def run(self, plan: RoundPlan, work: RoundWork) -> RoundOutcome:
-        """The round of ``plan``'s slots, each asked for its share of ``work``."""
+    def run(self, plan: RoundPlan, work: RoundWork, stream: StreamPlan | None = None) -> RoundOutcome:
+        """The round of ``plan``'s slots, each asked for its share of ``work``. With ``stream`` (the buckets of
+        the round's codec), every result's payload is checked and decoded on its worker's thread as it
+        arrives, a streamed one piece by piece (``SlotOutcome.decoded``)."""
         step = work.round
         outer, slots = self.outer, plan.slots
         to_push = [s for s in slots if s.version is None and s.guess is None]  # never had the state: the run's start
@@ -209,7 +218,7 @@ class RoundDispatcher:
         cut_off = {slot.index: threading.Event() for slot in slots}  # set for a straggler: make no further call
         start = time.monotonic()
         futures = [
-            self.pool.submit(self._work, slot, work, pushed.get(slot.index), applied, cut_off[slot.index])
+            self.pool.submit(self._work, slot, work, pushed.get(slot.index), applied, cut_off[slot.index], stream)
             for slot in slots
         ]
         try:
@@ -277,6 +286,7 @@ class RoundDispatcher:
         push: _Push | None,
         applied: threading.Event,
         cut_off: threading.Event,
+        stream: StreamPlan | None = None,
     ) -> SlotOutcome:
         """Everything one worker does this round; runs on the dispatch pool. Never raises.
 
@@ -307,7 +317,8 @@ class RoundDispatcher:
                     continue
                 order = self._order(slot, work, action, version, applied)
                 outcome.catch_ups += action == "catch-up"
-                result, traffic = slot.client.run_round(order, timeout=self.timeout)
+                receiver = _Receiver(stream, outcome)
+                result, traffic = slot.client.run_round(order, timeout=self.timeout, on_piece=receiver.take)
                 outcome.bytes_down += traffic.down
                 outcome.bytes_up += traffic.up
                 if result.status == OK:
@@ -315,7 +326,7 @@ class RoundDispatcher:
                         raise ProtocolError(
                             f"result for round {result.round} at version {result.version}, expected {step} at {target}"
                         )
-                    outcome.result = result
+                    outcome.result = receiver.finish(result)
                     return outcome
                 log.info(
                     "step %d: worker %d is %s (%s)",
@@ -372,6 +383,41 @@ class RoundDispatcher:
             except WorkerError:
                 pass  # only the status page's; the next push asks again
         return _Push(bytes_down=traffic.down)
+
+
+class _Receiver:
+    """One call's payload, decoded as it arrives (``compression.stream.Pieces``). What is wrong with it is
+    noted in the outcome (``invalid``), for the gather stage to judge, not raised: a bad payload is the
+    sender's strike, not a failed call."""
+
+    def __init__(self, stream: StreamPlan | None, outcome: SlotOutcome) -> None:
+        self.pieces = Pieces(stream) if stream is not None else None
+        self.outcome, self.error = outcome, ""
+        outcome.pieces, outcome.decoded, outcome.invalid = 0, None, ""
+
+    def take(self, piece: CompressedGradient) -> None:
+        self.outcome.pieces += 1
+        if self.pieces is None:
+            raise ProtocolError("a streamed piece in a round that asked for none")
+        if not self.error:
+            try:
+                self.pieces.take(piece)
+            except PayloadError as e:
+                self.error = f"sent a bad payload: {e}"
+
+    def finish(self, result: RoundResult) -> RoundResult:
+        """``result`` with the whole payload its pieces make; the outcome gets its decoding, or why not."""
+        if self.pieces is None or result.gradient is None:
+            return result
+        if self.error:
+            self.outcome.invalid = self.error
+            return result
+        try:
+            payload, self.outcome.decoded = self.pieces.finish(result.gradient)
+        except PayloadError as e:
+            self.outcome.invalid = f"sent a bad payload: {e}"
+            return result
+        return dataclasses.replace(result, gradient=payload)
 
 
 def _note_version(outcome: SlotOutcome, target: int) -> None:

@@ -25,9 +25,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gradwire.compression import CompressedGradient
+from gradwire.compression import CompressedGradient, GradientCodec
 from gradwire.compression.fragment import of_round
 from gradwire.compression.robust import AggregationRule
+from gradwire.compression.stream import StreamPlan
 from gradwire.coordinator.checkpointer import RunCheckpointer, RunPosition
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.decisions import FailedRounds, decide_downlink, replay_precision
@@ -83,6 +84,7 @@ class Trainer:
         self.run_id = uuid.uuid4().hex
         self.state_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="dispatch")  # threads start as needed
+        self._stream_plans: dict[GradientCodec, StreamPlan] = {}  # by codec (the run's, each fragment's)
         self.rounds = RoundDispatcher(
             self.outer,
             self._pool,
@@ -206,13 +208,13 @@ class Trainer:
         self.roster.update(step)
         plan = self.rounds.prepare(self.roster.active(step), step)  # less those getting the state meanwhile
         work = self.round_work(step, plan.slots)
-        round_ = self.rounds.run(plan, work)
+        fragment = of_round(step, self.config.fragments)
+        codec = self.outer.codec_of(fragment)
+        round_ = self.rounds.run(plan, work, self._stream_plan(codec))
         self.planner.observe(work, round_)  # each worker's throughput, for the next rounds' shares (--balance)
         t_gathered = time.perf_counter()
         rule = self._aggregation_rule()
         caught, spot = self.spot_checks(step, round_, work, self.outer.apply_pending)
-        fragment = of_round(step, self.config.fragments)
-        codec = self.outer.codec_of(fragment)
         gathered = self.gather(round_, step, work.batches, rule, caught, work.redundant, codec)
         self._log_fates(step, gathered)
         if gathered.aggregator is None:
@@ -256,6 +258,13 @@ class Trainer:
         record.update(self.planner.record(work))  # each worker's rows, and the throughput they were sized to
         self._report(round_, record, gathered)
         return record
+
+    def _stream_plan(self, codec: GradientCodec) -> StreamPlan:
+        """The buckets a round's results stream in (``--stream-buckets``; one, the whole payload, if off),
+        for decoding each result as it arrives; one per codec (a fragment's), built once."""
+        if codec not in self._stream_plans:
+            self._stream_plans[codec] = StreamPlan(codec, max(1, self.config.stream_buckets))
+        return self._stream_plans[codec]
 
     def round_work(self, step: int, slots: Sequence[WorkerSlot]) -> RoundWork:
         return self.planner.work(step, slots)

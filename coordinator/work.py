@@ -112,6 +112,7 @@ class WorkPlanner:
             fingerprint_gradient=self.fingerprint_gradient,
             redundant=redundant,
             next_local_steps=next_steps,
+            stream_buckets=cfg.stream_buckets,
         )
 
     def _local_steps(

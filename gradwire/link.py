@@ -11,12 +11,16 @@ worker's state for one round, never as a crash.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Protocol
 
 import grpc
 
+from gradwire.compression import CompressedGradient
 from gradwire.protocol import ModelState, RoundResult, WorkerInfo, WorkerState, WorkOrder
 from gradwire.replica import Fingerprint
+
+OnPiece = Callable[[CompressedGradient], None]  # takes each piece of a streamed gradient as it arrives
 
 
 class WorkerError(Exception):
@@ -59,8 +63,12 @@ class WorkerLink(Protocol):
     def push_state(self, state: ModelState, timeout: float | None = None) -> tuple[tuple[int, Fingerprint], Traffic]:
         """Replace the worker's replica of ``state.run_id``: its version and fingerprint, and the bytes."""
 
-    def run_round(self, order: WorkOrder, timeout: float | None = None) -> tuple[RoundResult, Traffic]:
-        """One round: the worker's result, and the bytes both ways."""
+    def run_round(
+        self, order: WorkOrder, timeout: float | None = None, on_piece: OnPiece | None = None
+    ) -> tuple[RoundResult, Traffic]:
+        """One round: the worker's result, and the bytes both ways. A streamed gradient's pieces
+        (``WorkOrder.stream_buckets``) go to ``on_piece`` as they arrive, and the result's gradient holds
+        no tensors then; an error ``on_piece`` raises ends the call with it."""
 
     def fetch_worker_state(self, run_id: str, timeout: float | None = None) -> tuple[WorkerState, Traffic]:
         """The worker's error feedback and inner optimizer state of ``run_id`` (for checkpoints)."""

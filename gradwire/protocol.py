@@ -22,6 +22,7 @@ from gradwire.compression import CodecConfig, CompressedGradient, PayloadError
 from gradwire.compression import serde as codec_serde
 from gradwire.compression.fragment import Fragment
 from gradwire.compression.robust import MEAN, AggregationRule
+from gradwire.compression.stream import MAX_BUCKETS
 from gradwire.optim.inner import InnerOptimizerConfig
 from gradwire.replica import Fingerprint, StateUpdate
 from gradwire.v1 import worker_pb2 as pb
@@ -508,6 +509,7 @@ class WorkOrder:
     clip_grad_norm: float = 0.0  # gradient mode: the gradient's global L2 norm is clipped to this; 0 = off
     fingerprint_gradient: bool = False  # spot checks: return the round's first gradient's fingerprint
     next_local_steps: LocalSteps | None = None  # --overlap, local-SGD rounds: the next round's inner steps
+    stream_buckets: int = 0  # gradient mode: stream the gradient in this many pieces (compression.stream)
 
     @property
     def inner_steps(self) -> int:
@@ -556,6 +558,7 @@ def order_to_proto(o: WorkOrder) -> pb.WorkOrder:
         clip_grad_norm=o.clip_grad_norm,
         fingerprint_gradient=o.fingerprint_gradient,
         next_local_steps=local_steps_to_proto(o.next_local_steps) if o.next_local_steps is not None else None,
+        stream_buckets=o.stream_buckets,
     )
 
 
@@ -604,6 +607,10 @@ def order_from_proto(m: pb.WorkOrder) -> WorkOrder:
         raise ProtocolError(f"work order carries {len(m.catch_up)} catch-up updates, more than {MAX_CATCH_UP}")
     if m.catch_up and not m.HasField("update"):
         raise ProtocolError("catch-up updates come before a round's update, and this order has none")
+    if m.stream_buckets > MAX_BUCKETS:
+        raise ProtocolError(f"stream_buckets is at most {MAX_BUCKETS}, got {m.stream_buckets}")
+    if m.stream_buckets and local_steps is not None:
+        raise ProtocolError("a local-SGD order sends one pseudo-gradient at the end: stream_buckets must be 0")
     return WorkOrder(
         m.run_id,
         m.round,
@@ -623,6 +630,7 @@ def order_from_proto(m: pb.WorkOrder) -> WorkOrder:
         m.clip_grad_norm,
         m.fingerprint_gradient,
         next_local_steps,
+        m.stream_buckets,
     )
 
 
@@ -667,7 +675,21 @@ def result_to_proto(r: RoundResult) -> pb.RoundResult:
     )
 
 
+def piece_to_proto(round_: int, piece: CompressedGradient) -> pb.RoundResult:
+    """One bucket of a streamed gradient (``WorkOrder.stream_buckets``), framed on its own before the result."""
+    return pb.RoundResult(round=round_, gradient=codec_serde.gradient_to_proto(piece), piece=True)
+
+
+def piece_from_proto(m: pb.RoundResult) -> CompressedGradient:
+    """A piece's gradient; ``ProtocolError`` for a piece that carries more than a round and a gradient."""
+    if not m.HasField("gradient") or m.status or m.HasField("timings") or m.tokens or m.reason:
+        raise ProtocolError("a streamed piece carries its round and a gradient, nothing else")
+    return codec_serde.gradient_from_proto(m.gradient)
+
+
 def result_from_proto(m: pb.RoundResult) -> RoundResult:
+    if m.piece:
+        raise ProtocolError("a streamed piece where the round's result was expected")
     status = {v: k for k, v in _STATUS.items()}.get(m.status)
     if status is None:
         raise ProtocolError(f"unknown round status {m.status}")

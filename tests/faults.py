@@ -25,6 +25,8 @@ answers are tampered with after it computed them honestly, the way a compromised
 * ``other-rows``  - the worker computes on rows other than those it was sent (each row's tokens rotated by
                     half its length: the same text cut elsewhere) and reports the tokens of the batch it
                     was sent;
+* ``die-mid-stream`` - in a streamed round (``WorkOrder.stream_buckets``) the worker sends its first piece
+                    and then fails, as a process that dies mid-stream: the call ends with an error;
 * ``zeros``       - a valid payload whose values are all zero, with the tokens of the batch it was sent (a
                     free rider that computes nothing).
 
@@ -45,11 +47,13 @@ from gradwire.replica import Fingerprint
 from gradwire.v1 import worker_pb2 as pb
 from gradwire.worker.compute import Cancelled
 from gradwire.worker.engine import WorkerEngine
+from gradwire.worker.streaming import Emit
 
 ACTIONS = (
     *("scale", "nan", "wrong-shape", "lie-tokens", "drop", "stall", "stall-push", "copy"),
     *("sign-flip", "other-rows", "zeros"),  # honest-looking payloads that do not help (coordinator.agreement)
     "slow",  # an honest worker that is slower than the others (coordinator.balance)
+    "die-mid-stream",  # a streamed gradient cut off after its first piece (compression.stream)
 )
 
 
@@ -88,7 +92,11 @@ class FaultyEngine(WorkerEngine):
         return super().push_parts(parts, max_bytes, limit_reason, owner)
 
     def run_round(
-        self, order: WorkOrder, cancelled: Callable[[], bool] = lambda: False, owner: bytes = b""
+        self,
+        order: WorkOrder,
+        cancelled: Callable[[], bool] = lambda: False,
+        owner: bytes = b"",
+        emit: Emit | None = None,
     ) -> RoundResult:
         if self.plan.action == "drop" and self.plan.applies(order.round):
             self.injected.append(order.round)
@@ -99,14 +107,17 @@ class FaultyEngine(WorkerEngine):
         if self.plan.action == "other-rows" and self.plan.applies(order.round):
             self.injected.append(order.round)
             order = dataclasses.replace(order, batch=np.roll(order.batch, order.batch.shape[1] // 2, axis=1))
-        result = super().run_round(order, cancelled, owner)
+        if self.plan.action == "die-mid-stream" and self.plan.applies(order.round) and emit is not None:
+            self.injected.append(order.round)
+            emit = _dying(emit, order.round)
+        result = super().run_round(order, cancelled, owner, emit)
         if self.plan.action == "slow" and self.plan.applies(order.round) and result.status == OK:
             self.injected.append(order.round)
             seconds = (self.plan.factor - 1) * result.timings.get("compute", 0.0)
             _sit(seconds, cancelled, f"round {order.round} cancelled while slowed")
             return result
         if (
-            self.plan.action in ("drop", "stall", "stall-push", "other-rows")
+            self.plan.action in ("drop", "stall", "stall-push", "other-rows", "die-mid-stream")
             or result.status != OK
             or result.gradient is None
             or not self.plan.applies(order.round)
@@ -151,6 +162,19 @@ def _sit(seconds: float, cancelled: Callable[[], bool], why: str) -> None:
         if cancelled():
             raise Cancelled(why)
         time.sleep(min(0.02, left))
+
+
+def _dying(emit: Emit, round_: int) -> Emit:
+    """``emit`` that sends one piece and then fails the round (the pieces before it are on their way)."""
+    sent = []
+
+    def once(piece: CompressedGradient) -> None:
+        if sent:
+            raise ConnectionAbortedError(f"round {round_}: the worker died mid-stream (fault injection)")
+        sent.append(piece)
+        emit(piece)
+
+    return once
 
 
 def _with_first(gradient: CompressedGradient, first: object, rest: list) -> CompressedGradient:

@@ -69,11 +69,14 @@ def accumulate_gradient(
     cancelled: IsCancelled,
     what: str,
     precision: str = "fp32",
+    last_backward: contextlib.AbstractContextManager | None = None,
 ) -> float:
     """Mean loss over ``tokens`` (rows, T + 1) with its gradient in ``.grad``, by micro-batches if asked.
 
     Every parameter ends with a gradient (zeros where the loss does not reach), so the codec sees them all.
-    A DDP-wrapped model all-reduces once, on the last micro-batch (``no_sync`` before it).
+    A DDP-wrapped model all-reduces once, on the last micro-batch (``no_sync`` before it). The last
+    micro-batch's backward, which leaves the final gradients, runs inside ``last_backward`` (a streamed
+    round's hooks, ``worker.streaming``).
     """
     if isinstance(model, PipelineRunner):  # the pipeline's own micro-batches, through its stages
         if cancelled():
@@ -95,7 +98,8 @@ def accumulate_gradient(
             with torch.autocast(device_type, dtype=torch.bfloat16, enabled=precision == "bf16"):
                 loss = lm_loss(model, micro)
             # Weight each micro-batch by its share of rows: the sum is the full batch's mean loss.
-            (loss * (micro.shape[0] / rows)).backward()
+            with last_backward if last and last_backward is not None else contextlib.nullcontext():
+                (loss * (micro.shape[0] / rows)).backward()
         total += loss.item() * micro.shape[0]
     for p in model.parameters():
         if p.grad is None:
@@ -104,10 +108,16 @@ def accumulate_gradient(
 
 
 def gradient_step(
-    session: Session, order: WorkOrder, tokens: torch.Tensor, cancelled: IsCancelled, placement: Placement | None = None
+    session: Session,
+    order: WorkOrder,
+    tokens: torch.Tensor,
+    cancelled: IsCancelled,
+    placement: Placement | None = None,
+    last_backward: contextlib.AbstractContextManager | None = None,
 ) -> Contribution:
     """Gradient mode: the batch's mean gradient at the replica's parameters, clipped to the order's
-    ``clip_grad_norm`` (on every rank of a node alike: after the all-reduce or the average)."""
+    ``clip_grad_norm`` (on every rank of a node alike: after the all-reduce or the average). The final
+    backward runs inside ``last_backward`` (``accumulate_gradient``)."""
     placement = placement or Placement()
     session.replica.model.train()
     model = placement.wrap(session, session.replica.model)
@@ -118,6 +128,7 @@ def gradient_step(
         placement.cancellable(cancelled),
         f"round {order.round}",
         placement.precision,
+        last_backward,
     )
     grads = {n: p.grad for n, p in session.replica.params.items()}
     if placement.apart:

@@ -70,7 +70,7 @@ from gradwire.v1 import worker_pb2 as pb
 from gradwire.worker import bus, fsdp, lookahead
 from gradwire.worker.budget import PushBudget
 from gradwire.worker.check import ReplicaView, Verdict, check_order
-from gradwire.worker.compute import Contribution, Placement, strategy_for
+from gradwire.worker.compute import Contribution, Placement, gradient_step, strategy_for
 from gradwire.worker.node import (
     Command,
     NodeGroup,
@@ -79,6 +79,7 @@ from gradwire.worker.node import (
 )
 from gradwire.worker.session import Session, host_tensors
 from gradwire.worker.sizing import choose_node_mode, device_memory, physical_memory
+from gradwire.worker.streaming import BucketStream, Emit
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -130,6 +131,8 @@ class WorkerEngine:
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradwire-compute")
         self._giving_back = False  # a split node's rank gives freed memory back (gradwire.memory)
         self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradwire-ahead")  # fingerprints
+        # A streamed round's buckets are compressed here while the backward goes on (``worker.streaming``).
+        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradwire-encode")
         self.lookaheads: collections.Counter[str] = (
             collections.Counter()
         )  # --overlap: gradients computed ahead "used" / "dropped"
@@ -394,12 +397,18 @@ class WorkerEngine:
         self.node.gather_bytes(protocol.worker_state_to_proto(state).SerializeToString())
 
     def run_round(
-        self, order: WorkOrder, cancelled: Callable[[], bool] = lambda: False, owner: bytes = b""
+        self,
+        order: WorkOrder,
+        cancelled: Callable[[], bool] = lambda: False,
+        owner: bytes = b"",
+        emit: Emit | None = None,
     ) -> RoundResult:
-        """One round of ``order``'s run; ``AccessDenied`` if that run is another owner's."""
-        return self._compute.submit(self._owned, order.run_id, owner, self._own_round, order, cancelled).result()
+        """One round of ``order``'s run; ``AccessDenied`` if that run is another owner's. A streamed order
+        (``stream_buckets``) hands each piece of the gradient to ``emit`` as it is ready, from another
+        thread; the result still holds the whole payload (the pieces put together)."""
+        return self._compute.submit(self._owned, order.run_id, owner, self._own_round, order, cancelled, emit).result()
 
-    def _own_round(self, order: WorkOrder, cancelled: Callable[[], bool]) -> RoundResult:
+    def _own_round(self, order: WorkOrder, cancelled: Callable[[], bool], emit: Emit | None = None) -> RoundResult:
         """Put this worker's own payload back into the order's replay (left out on the wire), then run it;
         on a node, the other ranks get the whole order."""
         session = self.sessions.get(order.run_id)
@@ -421,12 +430,12 @@ class WorkerEngine:
                 catch_up=tuple(u.with_own(sent[1]) for u in order.catch_up),
             )
         return self._lead(
-            Command.RUN_ROUND, lambda: protocol.order_to_proto(order), self._locked_round, order, cancelled
+            Command.RUN_ROUND, lambda: protocol.order_to_proto(order), self._locked_round, order, cancelled, emit
         )
 
-    def _locked_round(self, order: WorkOrder, cancelled: Callable[[], bool]) -> RoundResult:
+    def _locked_round(self, order: WorkOrder, cancelled: Callable[[], bool], emit: Emit | None = None) -> RoundResult:
         with self._lock, _NodeErrors(active=self.node is not None):
-            return self._run_round(order, cancelled)
+            return self._run_round(order, cancelled, emit)
 
     def follow(self) -> None:
         """Ranks > 0 of a node: make every call rank 0 hands over, until it says stop (or the node fails).
@@ -486,7 +495,7 @@ class WorkerEngine:
             except Exception as e:  # noqa: BLE001 - shutting down anyway
                 log.warning("could not tell the node's ranks to stop: %s", e)
 
-    def _run_round(self, order: WorkOrder, cancelled: Callable[[], bool]) -> RoundResult:
+    def _run_round(self, order: WorkOrder, cancelled: Callable[[], bool], emit: Emit | None = None) -> RoundResult:
         t0 = time.perf_counter()
         session = self.sessions.get(order.run_id)
         # 1. check: may this replica serve the order? On a node, only if it may on every rank.
@@ -523,27 +532,43 @@ class WorkerEngine:
         # A split node's collectives are torch's own (FSDP2's gathers, a pipeline's sends): counted as issued,
         # around the calls that issue them only (every op under the mode goes through Python).
         counting = bus.CollectiveBytes() if session.placement.split else None
-        with counting or contextlib.nullcontext():
-            if use:
-                contribution, compute_seconds = ahead.contribution, ahead.seconds
-            else:
-                if ahead is not None:
-                    log.info(
-                        "run %r round %d: the gradient computed ahead is dropped: %s", order.run_id, order.round, why
-                    )
-                contribution = strategy_for(order)(
-                    session, order, self._tokens(order.batch), cancelled, session.placement
-                )
-                compute_seconds = time.perf_counter() - t_update
+        session.feedback.beta = order.feedback_beta
+        stream = self._stream(session, order, emit)
+        try:
+            with counting or contextlib.nullcontext():
+                if use:
+                    contribution, compute_seconds = ahead.contribution, ahead.seconds
+                else:
+                    if ahead is not None:
+                        log.info(
+                            "run %r round %d: the gradient computed ahead is dropped: %s",
+                            order.run_id,
+                            order.round,
+                            why,
+                        )
+                    tokens = self._tokens(order.batch)
+                    if (
+                        stream is not None and not order.clip_grad_norm
+                    ):  # each bucket goes once the backward is done with it
+                        hooks = stream.hooks(replica.params)
+                        contribution = gradient_step(session, order, tokens, cancelled, session.placement, hooks)
+                    else:
+                        contribution = strategy_for(order)(session, order, tokens, cancelled, session.placement)
+                    compute_seconds = time.perf_counter() - t_update
+        except BaseException:
+            if stream is not None:
+                stream.settle()  # nothing writes to the error feedback once the round is over
+            raise
         t_computed = time.perf_counter()
         for update in updates[before:]:
             replica.apply(update, known=known)
         t_compute = time.perf_counter()  # the encode starts
         update_seconds = (t_update - t0) + (t_compute - t_computed)
         # 4. encode: error feedback and the codec, on rank 0 of a node (a split node: on every rank, each its
-        # own tensors; rank 0 assembles the payload).
-        session.feedback.beta = order.feedback_beta
-        if counting is not None:
+        # own tensors; rank 0 assembles the payload); a streamed round's buckets not sent yet.
+        if stream is not None:
+            payload = self._finish_stream(session, stream, contribution)
+        elif counting is not None:
             payload = self._encode_shards(session, order, contribution, counting)
             session.placement.bus.bytes += counting.bytes
             session.placement.bus.calls += counting.calls
@@ -587,6 +612,22 @@ class WorkerEngine:
             contribution.grad_norm,
             contribution.fingerprint,
         )
+
+    def _stream(self, session: Session, order: WorkOrder, emit: Emit | None) -> BucketStream | None:
+        """A streamed order's pieces (``worker.streaming``), on a single device; a node sends its gradient
+        whole, in the result (which the order allows)."""
+        if order.stream_buckets < 2 or order.local_steps is not None or self.node is not None:
+            return None
+        plan = session.stream_plan(order.codec, order.stream_buckets)
+        return BucketStream(plan, session.feedback, emit, self._encoder)
+
+    def _finish_stream(self, session: Session, stream: BucketStream, contribution: Contribution) -> CompressedGradient:
+        """The streamed round's whole payload, once every bucket is out; a NaN resets the error feedback."""
+        try:
+            return stream.finish(contribution.tensors)
+        except NonFiniteInput:
+            session.diverged()
+            raise
 
     def _encode(self, session: Session, order: WorkOrder, contribution: Contribution) -> CompressedGradient | None:
         """Rank 0 (or a single device) compresses the contribution (``None`` on other ranks). A NaN or

@@ -8,6 +8,7 @@ of the serialized messages the wire would carry (without the gRPC framing).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 import threading
@@ -17,9 +18,10 @@ from typing import TypeVar
 from google.protobuf.message import Message
 
 from gradwire import protocol, statestream
+from gradwire.compression import CompressedGradient
 from gradwire.errors import status_for
-from gradwire.link import Traffic, WorkerError
-from gradwire.protocol import ModelState, RoundResult, WorkerInfo, WorkerState, WorkOrder
+from gradwire.link import OnPiece, Traffic, WorkerError
+from gradwire.protocol import ModelState, ProtocolError, RoundResult, WorkerInfo, WorkerState, WorkOrder
 from gradwire.replica import Fingerprint
 from gradwire.v1 import worker_pb2 as pb
 from gradwire.worker.engine import WorkerEngine
@@ -47,13 +49,27 @@ class InProcessClient:
         answer = self._served(lambda: self.engine.push_parts(itertools.chain([first], parts), sys.maxsize))
         return answer, Traffic(first.total_bytes, 0)
 
-    def run_round(self, order: WorkOrder, timeout: float | None = None) -> tuple[RoundResult, Traffic]:
+    def run_round(
+        self, order: WorkOrder, timeout: float | None = None, on_piece: OnPiece | None = None
+    ) -> tuple[RoundResult, Traffic]:
         down = protocol.order_to_proto(order)
         self._cancelled.clear()
         order = protocol.order_from_proto(_wire(down, pb.WorkOrder))
-        result = self._served(lambda: self.engine.run_round(order, cancelled=self._cancelled.is_set))
+        pieces = []  # a streamed gradient's, as the wire carries them
+
+        def emit(piece: CompressedGradient) -> None:
+            pieces.append(_wire(protocol.piece_to_proto(order.round, piece), pb.RoundResult))
+
+        result = self._served(lambda: self.engine.run_round(order, cancelled=self._cancelled.is_set, emit=emit))
+        if pieces and result.gradient is not None:  # the last message leaves out what the pieces carried
+            result = dataclasses.replace(result, gradient=dataclasses.replace(result.gradient, tensors=()))
         up = protocol.result_to_proto(result)
-        return protocol.result_from_proto(_wire(up, pb.RoundResult)), Traffic(down.ByteSize(), up.ByteSize())
+        for piece in pieces:
+            if on_piece is None:
+                raise ProtocolError("a streamed gradient for a caller that takes no pieces")
+            on_piece(protocol.piece_from_proto(piece))
+        up_bytes = up.ByteSize() + sum(p.ByteSize() for p in pieces)
+        return protocol.result_from_proto(_wire(up, pb.RoundResult)), Traffic(down.ByteSize(), up_bytes)
 
     def fetch_worker_state(self, run_id: str, timeout: float | None = None) -> tuple[WorkerState, Traffic]:
         up = protocol.worker_state_to_proto(self._served(lambda: self.engine.worker_state(run_id)))

@@ -18,15 +18,19 @@ runs apart.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Iterator
+import queue
+import threading
+from collections.abc import Callable, Iterator
 from typing import NoReturn
 
 import grpc
 
 from gradwire import protocol
+from gradwire.compression import CompressedGradient
 from gradwire.errors import MAX_DETAILS, status_for
-from gradwire.protocol import PROTOCOL_VERSION
+from gradwire.protocol import PROTOCOL_VERSION, RoundResult, WorkOrder
 from gradwire.security import caller
 from gradwire.transport import DEFAULT_MESSAGE_MB
 from gradwire.v1 import worker_pb2 as pb
@@ -67,12 +71,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             owner = caller(context)
             msg = protocol.parse(pb.WorkOrder, self._join(request_iterator, owner, "order"))
             order = protocol.order_from_proto(msg)
-            # Checked between micro-batches: a cancelled call, a passed deadline or a stopping server
-            # all make the call inactive, and the engine abandons the round.
-            result = self.engine.run_round(order, cancelled=lambda: not context.is_active(), owner=owner)
+        except Exception as e:
+            self._fail(context, "RunRound", e)
+        # Checked between micro-batches: a cancelled call, a passed deadline or a stopping server all make the
+        # call inactive, and the engine abandons the round.
+        round_ = _StreamedRound(self.engine, order, lambda: not context.is_active(), owner)
+        try:
+            for piece in round_.pieces():  # a streamed gradient's buckets, framed as the backward produces them
+                yield from protocol.to_parts(protocol.piece_to_proto(order.round, piece))
+            result = round_.result()
             if result.status != protocol.OK:
                 log.info("round %d of run %r: %s (%s)", order.round, order.run_id, result.status, result.reason)
-            parts = list(protocol.to_parts(protocol.result_to_proto(result)))
+            parts = list(protocol.to_parts(protocol.result_to_proto(round_.rest(result))))
         except Exception as e:
             self._fail(context, "RunRound", e)
         yield from parts
@@ -119,6 +129,42 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.engine.on_node_failure()  # a node without a rank cannot serve: stop, so that it restarts
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{method}: {e}")
         _fail(context, method, e)
+
+
+class _StreamedRound:
+    """A round run on its own thread while the call's thread frames the pieces ``emit`` hands over."""
+
+    def __init__(self, engine: WorkerEngine, order: WorkOrder, cancelled: Callable[[], bool], owner: bytes) -> None:
+        self._queue: queue.SimpleQueue[CompressedGradient | None] = queue.SimpleQueue()
+        self._sent = 0
+        self._outcome: RoundResult | BaseException | None = None
+
+        def run() -> None:
+            try:
+                self._outcome = engine.run_round(order, cancelled, owner, emit=self._queue.put)
+            except BaseException as e:  # noqa: BLE001 - handed to the call's thread, which answers with it
+                self._outcome = e
+            finally:
+                self._queue.put(None)
+
+        threading.Thread(target=run, name="gradwire-round", daemon=True).start()
+
+    def pieces(self) -> Iterator[CompressedGradient]:
+        while (piece := self._queue.get()) is not None:
+            self._sent += 1
+            yield piece
+
+    def result(self) -> RoundResult:
+        if isinstance(self._outcome, BaseException):
+            raise self._outcome
+        assert self._outcome is not None
+        return self._outcome
+
+    def rest(self, result: RoundResult) -> RoundResult:
+        """The result as the last message sends it: without the tensors its pieces carried."""
+        if not self._sent or result.gradient is None:
+            return result
+        return dataclasses.replace(result, gradient=dataclasses.replace(result.gradient, tensors=()))
 
 
 _LOGGED_AS = {grpc.StatusCode.PERMISSION_DENIED: "refused", grpc.StatusCode.INVALID_ARGUMENT: "rejected"}

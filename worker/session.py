@@ -24,6 +24,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from gradwire.compression import CodecConfig, CompressedGradient, DecodedGradient, ErrorFeedback, GradientCodec, shard
+from gradwire.compression.stream import StreamPlan
 from gradwire.errors import TooLarge
 from gradwire.models import build_from_spec, spec_elements
 from gradwire.optim.inner import InnerOptimizer, InnerOptimizerConfig
@@ -129,6 +130,7 @@ class Session:
         self.wrappers: dict[int, torch.nn.Module] = {}  # a node's DDP wrappers of this session's models
         # a split node: the codecs of this rank's own tensors (a fragment's round: those of the fragment)
         self._shard_codecs: dict[tuple[CodecConfig, tuple[str, ...]], GradientCodec] = {}
+        self._stream_plans: dict[tuple[CodecConfig, int], StreamPlan] = {}
         # a pipelined node: the group of the ranks that hold a tied embedding (every rank creates it alike)
         self.tied_group = pipeline.tied_group(self.stage.count) if self.stage is not None else None
 
@@ -201,6 +203,13 @@ class Session:
             owned = [n for n in shapes if n in names]
             self._shard_codecs[key] = GradientCodec(shard.subset(shapes, owned), config, device=self.device)
         return self._shard_codecs[key]
+
+    def stream_plan(self, config: CodecConfig, count: int) -> StreamPlan:
+        """A streamed gradient's buckets and their codecs (``compression.stream``), cached."""
+        key = (config, count)
+        if key not in self._stream_plans:
+            self._stream_plans[key] = StreamPlan(self.replica.codec(config), count)
+        return self._stream_plans[key]
 
     def carry_over(self, previous: Session) -> None:
         """A resync push of a run this worker already serves keeps what the push did not bring this rank."""

@@ -205,7 +205,7 @@ class TokenBatch(_message.Message):
     def __init__(self, rows: _Optional[int] = ..., columns: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class WorkOrder(_message.Message):
-    __slots__ = ("protocol_version", "run_id", "round", "base_version", "update", "fingerprint", "batch", "codec", "feedback_beta", "micro_batch_size", "sync_tolerance", "local_steps", "catch_up", "compute_before_update", "next_batch", "clip_grad_norm", "fingerprint_gradient", "next_local_steps")
+    __slots__ = ("protocol_version", "run_id", "round", "base_version", "update", "fingerprint", "batch", "codec", "feedback_beta", "micro_batch_size", "sync_tolerance", "local_steps", "catch_up", "compute_before_update", "next_batch", "clip_grad_norm", "fingerprint_gradient", "next_local_steps", "stream_buckets")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +224,7 @@ class WorkOrder(_message.Message):
     CLIP_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_GRADIENT_FIELD_NUMBER: _ClassVar[int]
     NEXT_LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     run_id: str
     round: int
@@ -242,7 +243,8 @@ class WorkOrder(_message.Message):
     clip_grad_norm: float
     fingerprint_gradient: bool
     next_local_steps: LocalSteps
-    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., base_version: _Optional[int] = ..., update: _Optional[_Union[StateUpdate, _Mapping]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., batch: _Optional[_Union[TokenBatch, _Mapping]] = ..., codec: _Optional[_Union[_codec_pb2.CodecSettings, _Mapping]] = ..., feedback_beta: _Optional[float] = ..., micro_batch_size: _Optional[int] = ..., sync_tolerance: _Optional[float] = ..., local_steps: _Optional[_Union[LocalSteps, _Mapping]] = ..., catch_up: _Optional[_Iterable[_Union[StateUpdate, _Mapping]]] = ..., compute_before_update: _Optional[bool] = ..., next_batch: _Optional[_Union[TokenBatch, _Mapping]] = ..., clip_grad_norm: _Optional[float] = ..., fingerprint_gradient: _Optional[bool] = ..., next_local_steps: _Optional[_Union[LocalSteps, _Mapping]] = ...) -> None: ...
+    stream_buckets: int
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., base_version: _Optional[int] = ..., update: _Optional[_Union[StateUpdate, _Mapping]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., batch: _Optional[_Union[TokenBatch, _Mapping]] = ..., codec: _Optional[_Union[_codec_pb2.CodecSettings, _Mapping]] = ..., feedback_beta: _Optional[float] = ..., micro_batch_size: _Optional[int] = ..., sync_tolerance: _Optional[float] = ..., local_steps: _Optional[_Union[LocalSteps, _Mapping]] = ..., catch_up: _Optional[_Iterable[_Union[StateUpdate, _Mapping]]] = ..., compute_before_update: _Optional[bool] = ..., next_batch: _Optional[_Union[TokenBatch, _Mapping]] = ..., clip_grad_norm: _Optional[float] = ..., fingerprint_gradient: _Optional[bool] = ..., next_local_steps: _Optional[_Union[LocalSteps, _Mapping]] = ..., stream_buckets: _Optional[int] = ...) -> None: ...
 
 class LocalSteps(_message.Message):
     __slots__ = ("steps", "optimizer", "learning_rates", "clip_grad_norm", "fragment", "fragments")
@@ -297,7 +299,7 @@ class Timings(_message.Message):
     def __init__(self, update_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., compress_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ...) -> None: ...
 
 class RoundResult(_message.Message):
-    __slots__ = ("status", "reason", "round", "gradient", "loss", "tokens", "timings", "version", "node_bytes", "grad_norm", "gradient_fingerprint")
+    __slots__ = ("status", "reason", "round", "gradient", "loss", "tokens", "timings", "version", "node_bytes", "grad_norm", "gradient_fingerprint", "piece")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATUS_UNSPECIFIED: _ClassVar[RoundResult.Status]
@@ -319,6 +321,7 @@ class RoundResult(_message.Message):
     NODE_BYTES_FIELD_NUMBER: _ClassVar[int]
     GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PIECE_FIELD_NUMBER: _ClassVar[int]
     status: RoundResult.Status
     reason: str
     round: int
@@ -330,4 +333,5 @@ class RoundResult(_message.Message):
     node_bytes: int
     grad_norm: float
     gradient_fingerprint: Fingerprint
-    def __init__(self, status: _Optional[_Union[RoundResult.Status, str]] = ..., reason: _Optional[str] = ..., round: _Optional[int] = ..., gradient: _Optional[_Union[_codec_pb2.CompressedGradient, _Mapping]] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., version: _Optional[int] = ..., node_bytes: _Optional[int] = ..., grad_norm: _Optional[float] = ..., gradient_fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ...) -> None: ...
+    piece: bool
+    def __init__(self, status: _Optional[_Union[RoundResult.Status, str]] = ..., reason: _Optional[str] = ..., round: _Optional[int] = ..., gradient: _Optional[_Union[_codec_pb2.CompressedGradient, _Mapping]] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., version: _Optional[int] = ..., node_bytes: _Optional[int] = ..., grad_norm: _Optional[float] = ..., gradient_fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., piece: _Optional[bool] = ...) -> None: ...

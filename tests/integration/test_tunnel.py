@@ -200,9 +200,9 @@ class CancelRecorder(FaultyEngine):
         super().__init__(FaultPlan("stall", factor=60.0, rounds={1}))
         self.abandoned: list[int] = []
 
-    def run_round(self, order, cancelled=lambda: False, owner=b""):  # noqa: ANN001, ANN201 - FaultyEngine's signature
+    def run_round(self, order, cancelled=lambda: False, owner=b"", emit=None):  # noqa: ANN001, ANN201 - FaultyEngine's signature
         try:
-            return super().run_round(order, cancelled, owner)
+            return super().run_round(order, cancelled, owner, emit)
         except Cancelled:
             self.abandoned.append(order.round)
             raise

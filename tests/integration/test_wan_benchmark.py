@@ -53,12 +53,17 @@ def test_every_method_runs_over_the_shaped_links(capsys: pytest.CaptureFixture) 
         methods["ddp"]["tokens"]
         == methods["gradwire"]["tokens"]
         == methods["gradwire-overlap"]["tokens"]
+        == methods["gradwire-stream"]["tokens"]
         == methods["gradwire-local"]["tokens"]
         == methods["gradwire-local-overlap"]["tokens"]
         == methods["gradwire-fragments"]["tokens"]
     )
     assert methods["gradwire"]["bytes_per_step"] < methods["ddp"]["bytes_per_step"]
-    for name in ("gradwire", "gradwire-overlap"):  # where gradwire's non-compute time goes, in parts that add up
+    # The streamed gradient is the same payload in pieces: the same training, about the same bytes.
+    stream, whole = methods["gradwire-stream"], methods["gradwire"]
+    assert math.isclose(stream["eval_loss"], whole["eval_loss"], rel_tol=1e-3)
+    assert 0.9 < stream["bytes_per_step"] / whole["bytes_per_step"] < 1.2
+    for name in ("gradwire", "gradwire-overlap", "gradwire-stream"):  # non-compute time, in parts that add up
         r = methods[name]
         assert r["replay_time"] > 0 and r["encode_time"] > 0 and r["aggregate_time"] > 0, name
         assert math.isclose(
@@ -69,6 +74,7 @@ def test_every_method_runs_over_the_shaped_links(capsys: pytest.CaptureFixture) 
     for name, timed in (
         ("gradwire", 3),
         ("gradwire-overlap", 3),
+        ("gradwire-stream", 3),
         ("gradwire-local", 1),
         ("gradwire-local-overlap", 1),
         ("gradwire-fragments", 3),  # rounds of H / F = 1 step

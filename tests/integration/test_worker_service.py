@@ -60,9 +60,9 @@ class SpyEngine(WorkerEngine):
         super().__init__("cpu")
         self.cancelled_rounds: list[int] = []
 
-    def run_round(self, order: WorkOrder, cancelled=lambda: False, owner: bytes = b"") -> RoundResult:
+    def run_round(self, order: WorkOrder, cancelled=lambda: False, owner: bytes = b"", emit=None) -> RoundResult:
         try:
-            return super().run_round(order, cancelled, owner)
+            return super().run_round(order, cancelled, owner, emit)
         except Cancelled:
             self.cancelled_rounds.append(order.round)
             raise

@@ -164,6 +164,7 @@ def test_a_gradient_mode_order_carries_the_rounds_values() -> None:
         compute_before_update=True,
         clip_grad_norm=0.5,
         fingerprint_gradient=True,
+        stream_buckets=4,
     )
     fingerprint = Fingerprint((1.0, 2.0), (3.0, 4.0), (0.5,))
     codec = GradientCodec({"w": (16, 16)}, CODEC)
@@ -184,6 +185,7 @@ def test_a_gradient_mode_order_carries_the_rounds_values() -> None:
         "clip_grad_norm": 0.5,
         "fingerprint_gradient": True,
         "next_local_steps": None,  # gradient mode
+        "stream_buckets": 4,
     }
     order = work.order("run-a", 3, 4, update, fingerprint, missed)
     check_fields(
@@ -205,14 +207,14 @@ def test_a_gradient_mode_order_carries_the_rounds_values() -> None:
     back = order_from_proto(order_to_proto(order))  # a valid order on the wire
     assert np.array_equal(back.batch, batches[3]) and np.array_equal(back.next_batch, ahead[3])
     assert (back.round, back.base_version, back.clip_grad_norm, back.feedback_beta) == (5, 4, 0.5, 0.9)
-    assert back.fingerprint_gradient
+    assert back.fingerprint_gradient and back.stream_buckets == 4
     assert back.update == update and back.catch_up == missed
 
 
 def test_a_local_sgd_order_carries_its_inner_steps() -> None:
     local = LocalSteps(2, InnerOptimizerConfig(), (1e-3, 5e-4), clip_grad_norm=1.0)
     batches = {1: rows(4, 0)}
-    work = RoundWork(2, CODEC, batches, local_steps=local)
+    work = RoundWork(2, CODEC, batches, local_steps=local, stream_buckets=4)  # not for a local-SGD round
     fingerprint = Fingerprint((1.0,), (1.0,), ())
     order = work.order("run-b", 1, 2, None, fingerprint)
     check_fields(
@@ -236,6 +238,7 @@ def test_a_local_sgd_order_carries_its_inner_steps() -> None:
             "clip_grad_norm": 0.0,
             "fingerprint_gradient": False,
             "next_local_steps": None,
+            "stream_buckets": 0,
         },
     )
     assert order.inner_steps == 2
