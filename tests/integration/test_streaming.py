@@ -70,8 +70,8 @@ def _run(config: TrainConfig, factories=None):  # noqa: ANN001, ANN202
 
 @pytest.mark.parametrize(
     "flags",
-    [{}, {"micro_batch_size": 2}, {"clip_grad_norm": 0.5}],
-    ids=["whole-batch", "micro-batches", "clipped"],
+    [{}, {"micro_batch_size": 2}, {"clip_grad_norm": 0.5}, {"overlap": True}],
+    ids=["whole-batch", "micro-batches", "clipped", "computed-ahead"],
 )
 def test_a_streamed_run_is_the_run_sent_whole_bit_for_bit(tmp_path, flags) -> None:
     streamed, clients, sessions = _run(_config(tmp_path, "streamed", **flags))
