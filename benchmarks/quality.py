@@ -36,11 +36,13 @@ when a run would wrap into a second pass.
                    the field's H, with top-90), aggregated by the service's default ``mean`` (``--set
                    sparseloco.aggregate=kept-mean``: each coefficient the mean over the workers that sent it).
   sparseloco-sign  the same with 1-bit sign values.
-  sparseloco-overlap, sparseloco-fragments
+  sparseloco-overlap, sparseloco-eager, sparseloco-fragments
                    sparseloco with ``--overlap`` (each round's inner steps start from the replica before the last
-                   round's update, so they can run while it syncs) and with ``--fragments 2`` (rounds of H / 2
-                   steps, each syncing half the model): ``cost_vs_sparseloco_points`` is their loss gap less
-                   sparseloco's, what hiding or spreading the sync costs.
+                   round's update, so they can run while it syncs), with ``--overlap --overlap-update eager``
+                   (they start from each worker's guess at that update: its own last payload taken as the
+                   aggregate) and with ``--fragments 2`` (rounds of H / 2 steps, each syncing half the model):
+                   ``cost_vs_sparseloco_points`` is their loss gap less sparseloco's, what hiding or spreading
+                   the sync costs.
   demo-down, sparseloco-down
                    demo and sparseloco with ``--downlink compressed``: each worker receives the round's aggregate
                    re-compressed by the coordinator (one payload, whatever the number of workers) instead of
@@ -185,6 +187,7 @@ METHODS: dict[str, dict[str, Any]] = {
 METHODS["demo-down"] = dict(METHODS["demo"], downlink="compressed")
 METHODS["sparseloco-down"] = dict(METHODS["sparseloco"], downlink="compressed")
 METHODS["sparseloco-overlap"] = dict(METHODS["sparseloco"], overlap=True)
+METHODS["sparseloco-eager"] = dict(METHODS["sparseloco-overlap"], overlap_update="eager")
 METHODS["sparseloco-fragments"] = dict(METHODS["sparseloco"], fragments=2)
 LOCAL_METHODS = (
     "diloco",
@@ -193,11 +196,12 @@ LOCAL_METHODS = (
     "sparseloco-sign",
     "sparseloco-down",
     "sparseloco-overlap",
+    "sparseloco-eager",
     "sparseloco-fragments",
     "peer",
 )
 # What a way of hiding or spreading the sync costs: its loss gap less sparseloco's, in points.
-SYNC_METHODS = ("sparseloco-overlap", "sparseloco-fragments")
+SYNC_METHODS = ("sparseloco-overlap", "sparseloco-eager", "sparseloco-fragments")
 # Compressed local-SGD methods: their codec gap is their loss gap less averaging's at the same H.
 CODEC_METHODS = ("sparseloco", "sparseloco-sign", "sparseloco-down", "peer")
 

@@ -40,6 +40,8 @@ from gradwire.optim.inner import INNER_OPTIMIZERS, InnerOptimizerConfig
 from gradwire.optim.outer import OUTER_OPTIMIZERS, UpdateRule
 from gradwire.optim.schedule import SCHEDULES, Schedule, lr_at
 
+OVERLAP_UPDATES = ("delayed", "eager")
+
 # --no-compression: every tensor dense, raw float32 - the codec's exact path, no special case elsewhere.
 DENSE_CODEC = CodecConfig(min_sparse_numel=2**62, bins=0)
 
@@ -376,6 +378,14 @@ class TrainConfig:
         "is aggregated (hides the link's time at the cost of one step of staleness)",
         section=ROUND_POLICY,
     )
+    overlap_update: str = setting(
+        "delayed",
+        help="with --overlap in local-SGD rounds, where each round's inner steps start: delayed (from the replica "
+        "before the update in flight, DiLoCoX) or eager (from each worker's guess at that update, its own last "
+        "payload taken as the aggregate: Streaming DiLoCo's eager update)",
+        section=ROUND_POLICY,
+        choices=OVERLAP_UPDATES,
+    )
     balance: str = setting(
         "rows",
         help="size each worker's work to its measured throughput so that all finish together, the global batch "
@@ -583,6 +593,15 @@ class TrainConfig:
             )
         if self.fragments > 1:
             self._check_fragments()
+        if self.overlap_update not in OVERLAP_UPDATES:
+            raise ValueError(
+                f"--overlap-update must be one of {', '.join(OVERLAP_UPDATES)}, got {self.overlap_update!r}"
+            )
+        if self.eager and (self.fragments > 1 or not self.update_rule().replayable):
+            raise ValueError(
+                "--overlap-update eager guesses the update in flight with the run's outer step on each worker: it "
+                "needs an outer optimizer replicas replay (sgd, nesterov, signsgd) and no --fragments"
+            )
         if not 0 <= self.stream_buckets <= MAX_BUCKETS:
             raise ValueError(f"--stream-buckets must be in [0, {MAX_BUCKETS}], got {self.stream_buckets}")
         if self.stream_buckets > 1 and self.local_sgd:
@@ -618,6 +637,11 @@ class TrainConfig:
             )
         if MAX_FRAGMENTS < self.fragments:
             raise ValueError(f"--fragments must be at most {MAX_FRAGMENTS}, got {self.fragments}")
+
+    @property
+    def eager(self) -> bool:
+        """Eager overlapped local-SGD rounds (``--overlap --overlap-update eager``)."""
+        return self.overlap and self.local_sgd and self.overlap_update == "eager"
 
     @property
     def local_sgd(self) -> bool:

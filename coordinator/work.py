@@ -123,14 +123,15 @@ class WorkPlanner:
         cfg = self.config
         optimizer, lrs = cfg.inner_optimizer_config(), cfg.inner_lrs(step)
         fragment = of_round(step, cfg.fragments)
+        eager_lr = cfg.lr_at(step - 1) if cfg.eager and step > 0 else 0.0  # the update in flight's
         own_steps = {}
         if cfg.balance == "steps":
             for position, slot in enumerate(slots):
                 h = plan.shares[position] // (cfg.batch_size * plan.ranks[position])
                 # h steps over the round's schedule: the learning rates of H steps, spread (or repeated)
                 own = tuple(lrs[k * cfg.round_steps // h] for k in range(h))
-                own_steps[slot.index] = LocalSteps(h, optimizer, own, cfg.clip_grad_norm, fragment)
-        return LocalSteps(cfg.round_steps, optimizer, lrs, cfg.clip_grad_norm, fragment), own_steps
+                own_steps[slot.index] = LocalSteps(h, optimizer, own, cfg.clip_grad_norm, fragment, eager_lr)
+        return LocalSteps(cfg.round_steps, optimizer, lrs, cfg.clip_grad_norm, fragment, eager_lr), own_steps
 
     def _redundant(self, step: int, slots: Sequence[WorkerSlot], batches: dict[int, np.ndarray]) -> tuple[int, ...]:
         """A spot check by redundancy, if round ``step`` draws one: the workers given the same rows, else ``()``.

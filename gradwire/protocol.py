@@ -423,6 +423,7 @@ class LocalSteps:
     learning_rates: tuple[float, ...]
     clip_grad_norm: float = 0.0
     fragment: Fragment | None = None  # --fragments: the working model carries on; send this fragment alone
+    eager_lr: float = 0.0  # --overlap-update eager: start from the replica moved by the own last payload
 
     def __post_init__(self) -> None:
         if not 1 <= self.steps <= MAX_INNER_STEPS:
@@ -436,6 +437,10 @@ class LocalSteps:
                 )
         if not (math.isfinite(self.clip_grad_norm) and self.clip_grad_norm >= 0):
             raise ProtocolError(f"local steps: clip_grad_norm must be finite and >= 0, got {self.clip_grad_norm}")
+        if not (math.isfinite(self.eager_lr) and 0 <= self.eager_lr <= MAX_LEARNING_RATE):
+            raise ProtocolError(f"local steps: eager_lr must be finite and in [0, {MAX_LEARNING_RATE:g}]")
+        if self.eager_lr and self.fragment is not None:
+            raise ProtocolError("local steps: a fragment's working model carries on; it takes no eager start")
 
 
 def inner_optimizer_to_proto(c: InnerOptimizerConfig) -> pb.InnerOptimizer:
@@ -474,6 +479,7 @@ def local_steps_to_proto(ls: LocalSteps) -> pb.LocalSteps:
         clip_grad_norm=ls.clip_grad_norm,
         fragment=ls.fragment.index if ls.fragment is not None else 0,
         fragments=ls.fragment.count if ls.fragment is not None else 0,
+        eager_lr=ls.eager_lr,
     )
 
 
@@ -482,7 +488,12 @@ def local_steps_from_proto(m: pb.LocalSteps) -> LocalSteps:
         raise ProtocolError("local steps: optimizer missing")
     fragment = fragment_from_proto(m.fragment, m.fragments, "local steps")
     return LocalSteps(
-        m.steps, inner_optimizer_from_proto(m.optimizer), tuple(m.learning_rates), m.clip_grad_norm, fragment
+        m.steps,
+        inner_optimizer_from_proto(m.optimizer),
+        tuple(m.learning_rates),
+        m.clip_grad_norm,
+        fragment,
+        m.eager_lr,
     )
 
 
@@ -599,6 +610,8 @@ def order_from_proto(m: pb.WorkOrder) -> WorkOrder:
     except PayloadError as e:
         raise ProtocolError(f"work order codec settings: {e.reason}") from None
     local_steps = local_steps_from_proto(m.local_steps) if m.HasField("local_steps") else None
+    if local_steps is not None and local_steps.eager_lr and not m.compute_before_update:
+        raise ProtocolError("eager_lr guesses the update in flight: it comes only with compute_before_update")
     if local_steps is not None and batch.shape[0] % local_steps.steps:
         raise ProtocolError(
             f"token batch of {batch.shape[0]} rows does not split into {local_steps.steps} equal inner steps"

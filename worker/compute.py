@@ -10,7 +10,8 @@ Two strategies, picked by the work order (``strategy_for``):
   the replica to land on this worker's model. With streamed fragments (Streaming DiLoCo) the working model
   carries on from round to round, only what the replica's updates moved is reloaded, and the contribution
   is one fragment's ``replica - working``: each fragment's tensors have trained for F rounds since its
-  last sync.
+  last sync. In eager overlapped rounds the working model starts from the worker's guess at the update in
+  flight (``eager_start``), and the contribution is ``start - working``.
 
 Either one hands the engine a ``Contribution``; error feedback and encoding come after, the same for both.
 
@@ -38,7 +39,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradwire.errors import Cancelled
 from gradwire.models import lm_loss
-from gradwire.protocol import WorkOrder
+from gradwire.optim.outer import outer_step
+from gradwire.protocol import LocalSteps, WorkOrder
 from gradwire.replica import Fingerprint
 from gradwire.worker.pipeline import PipelineRunner
 from gradwire.worker.placement import NODE_MODES, PRECISIONS, IsCancelled, Placement, model_device
@@ -148,6 +150,11 @@ def local_steps(
     plan = order.local_steps
     assert plan is not None
     working = session.working_model(carry_on=plan.fragment is not None)
+    start = eager_start(session, plan, order.round, placement)
+    if start is not None:
+        with torch.no_grad():
+            for w, s in zip(working.parameters(), start.values()):
+                w.copy_(s)
     model = placement.wrap(session, working)
     optimizer = session.inner_optimizer(plan.optimizer)
     cancelled = placement.cancellable(cancelled)
@@ -177,11 +184,31 @@ def local_steps(
     with torch.no_grad():
         delta = {
             n: p - w
-            for (n, p), w in zip(session.replica.params.items(), working.parameters())
+            for (n, p), w in zip((start or session.replica.params).items(), working.parameters())
             if sent is None or n in sent
         }
     tokens_in = tokens.shape[0] * (tokens.shape[1] - 1)
     return Contribution(delta, placement.mean(loss_sum / plan.steps), tokens_in, fingerprint=fingerprint)
+
+
+def eager_start(
+    session: Session, plan: LocalSteps, round_: int, placement: Placement
+) -> dict[str, torch.Tensor] | None:
+    """Eager overlapped rounds (``LocalSteps.eager_lr``): where the update in flight would move the replica
+    if it were this worker's own last payload alone - the run's outer step at that learning rate, on copies
+    of the replica's parameters and momentum. ``None``: start from the replica (no ``eager_lr``; no payload
+    sent the round before; a node of several ranks, whose other ranks hold none; an outer rule that is not
+    replayed)."""
+    sent, replica = session.last_sent, session.replica
+    if not plan.eager_lr or sent is None or sent[0] != round_ - 1 or placement.ranks > 1:
+        return None
+    if not replica.rule.replayable or plan.fragment is not None:
+        return None
+    own = replica.codec(sent[1].settings).decompress(sent[1])  # the mean of one sender: its own step
+    params = [p.detach().clone() for p in replica.params.values()]
+    momentum = [m.clone() for m in replica.momentum]
+    outer_step(params, [own[n] for n in replica.params], replica.rule, plan.eager_lr, momentum)
+    return dict(zip(replica.params, params))
 
 
 def _first_gradient_fingerprint(session: Session, working: torch.nn.Module, placement: Placement) -> Fingerprint:

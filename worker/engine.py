@@ -527,8 +527,10 @@ class WorkerEngine:
         use, why = ahead.serves(order, replica.version) if ahead is not None else (False, "")
         if ahead is not None:
             self.lookaheads["used" if use else "dropped"] += 1
-            if not use and ahead.inner_before is not None:  # its inner steps never happened
-                session.restore_inner(ahead.inner_before)
+            if not use:
+                log.info("run %r round %d: the work computed ahead is dropped: %s", order.run_id, order.round, why)
+                if ahead.inner_before is not None:  # its inner steps never happened
+                    session.restore_inner(ahead.inner_before)
         # A split node's collectives are torch's own (FSDP2's gathers, a pipeline's sends): counted as issued,
         # around the calls that issue them only (every op under the mode goes through Python).
         counting = bus.CollectiveBytes() if session.placement.split else None
@@ -536,25 +538,9 @@ class WorkerEngine:
         stream = self._stream(session, order, emit)
         try:
             with counting or contextlib.nullcontext():
-                if use:
-                    contribution, compute_seconds = ahead.contribution, ahead.seconds
-                else:
-                    if ahead is not None:
-                        log.info(
-                            "run %r round %d: the gradient computed ahead is dropped: %s",
-                            order.run_id,
-                            order.round,
-                            why,
-                        )
-                    tokens = self._tokens(order.batch)
-                    if (
-                        stream is not None and not order.clip_grad_norm
-                    ):  # each bucket goes once the backward is done with it
-                        hooks = stream.hooks(replica.params)
-                        contribution = gradient_step(session, order, tokens, cancelled, session.placement, hooks)
-                    else:
-                        contribution = strategy_for(order)(session, order, tokens, cancelled, session.placement)
-                    compute_seconds = time.perf_counter() - t_update
+                contribution, compute_seconds = self._contribution(
+                    session, order, ahead if use else None, cancelled, stream
+                )
         except BaseException:
             if stream is not None:
                 stream.settle()  # nothing writes to the error feedback once the round is over
@@ -612,6 +598,28 @@ class WorkerEngine:
             contribution.grad_norm,
             contribution.fingerprint,
         )
+
+    def _contribution(
+        self,
+        session: Session,
+        order: WorkOrder,
+        ahead: lookahead.Lookahead | None,
+        cancelled: Callable[[], bool],
+        stream: BucketStream | None,
+    ) -> tuple[Contribution, float]:
+        """The round's contribution and its compute seconds: the one computed ahead, or one computed now. A
+        streamed round's buckets leave as the backward finishes them, where the backward's gradient is the
+        one sent (not clipped after it)."""
+        if ahead is not None:
+            return ahead.contribution, ahead.seconds
+        t0 = time.perf_counter()
+        tokens = self._tokens(order.batch)
+        if stream is not None and not order.clip_grad_norm:
+            hooks = stream.hooks(session.replica.params)
+            contribution = gradient_step(session, order, tokens, cancelled, session.placement, hooks)
+        else:
+            contribution = strategy_for(order)(session, order, tokens, cancelled, session.placement)
+        return contribution, time.perf_counter() - t0
 
     def _stream(self, session: Session, order: WorkOrder, emit: Emit | None) -> BucketStream | None:
         """A streamed order's pieces (``worker.streaming``), on a single device; a node sends its gradient

@@ -247,20 +247,22 @@ class WorkOrder(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., base_version: _Optional[int] = ..., update: _Optional[_Union[StateUpdate, _Mapping]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., batch: _Optional[_Union[TokenBatch, _Mapping]] = ..., codec: _Optional[_Union[_codec_pb2.CodecSettings, _Mapping]] = ..., feedback_beta: _Optional[float] = ..., micro_batch_size: _Optional[int] = ..., sync_tolerance: _Optional[float] = ..., local_steps: _Optional[_Union[LocalSteps, _Mapping]] = ..., catch_up: _Optional[_Iterable[_Union[StateUpdate, _Mapping]]] = ..., compute_before_update: _Optional[bool] = ..., next_batch: _Optional[_Union[TokenBatch, _Mapping]] = ..., clip_grad_norm: _Optional[float] = ..., fingerprint_gradient: _Optional[bool] = ..., next_local_steps: _Optional[_Union[LocalSteps, _Mapping]] = ..., stream_buckets: _Optional[int] = ...) -> None: ...
 
 class LocalSteps(_message.Message):
-    __slots__ = ("steps", "optimizer", "learning_rates", "clip_grad_norm", "fragment", "fragments")
+    __slots__ = ("steps", "optimizer", "learning_rates", "clip_grad_norm", "fragment", "fragments", "eager_lr")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATES_FIELD_NUMBER: _ClassVar[int]
     CLIP_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    EAGER_LR_FIELD_NUMBER: _ClassVar[int]
     steps: int
     optimizer: InnerOptimizer
     learning_rates: _containers.RepeatedScalarFieldContainer[float]
     clip_grad_norm: float
     fragment: int
     fragments: int
-    def __init__(self, steps: _Optional[int] = ..., optimizer: _Optional[_Union[InnerOptimizer, _Mapping]] = ..., learning_rates: _Optional[_Iterable[float]] = ..., clip_grad_norm: _Optional[float] = ..., fragment: _Optional[int] = ..., fragments: _Optional[int] = ...) -> None: ...
+    eager_lr: float
+    def __init__(self, steps: _Optional[int] = ..., optimizer: _Optional[_Union[InnerOptimizer, _Mapping]] = ..., learning_rates: _Optional[_Iterable[float]] = ..., clip_grad_norm: _Optional[float] = ..., fragment: _Optional[int] = ..., fragments: _Optional[int] = ..., eager_lr: _Optional[float] = ...) -> None: ...
 
 class InnerOptimizer(_message.Message):
     __slots__ = ("name", "weight_decay", "beta1", "beta2", "eps", "momentum", "nesterov", "ns_steps")

@@ -107,15 +107,9 @@ def _local_sgd(tmp_path, **overrides) -> TrainConfig:
     return _config(tmp_path, **{**settings, **overrides})
 
 
-def test_overlapped_local_sgd_is_delayed_averaging_and_never_waits_for_the_sync(tmp_path):
-    """Two workers in overlapped local-SGD rounds: each takes round r's H inner steps from theta[r-1] (the
-    replica before round r-1's update) as soon as round r-1's result is out, and the outer step (SGD, lr 1,
-    uncompressed) averages what they send. With d_i(x) = x - SGD_H(x; worker i's rows of round r):
-
-        theta[r+1] = theta[r] - (d_0(theta[r-1]) + d_1(theta[r-1])) / 2,    theta[-1] = theta[0]
-
-    Every round after the first is taken ahead and used; the replicas stay bit-identical."""
-    config = _local_sgd(tmp_path)
+def _two_workers_ahead(config: TrainConfig) -> Trainer:
+    """``config``'s rounds on two workers, each taking every round after the first ahead; their replicas
+    stay bit-identical, and the coordinator's."""
     with live_workers(2) as workers:
         trainer = Trainer(config, [w.client() for w in workers], progress=False)
         try:
@@ -129,21 +123,88 @@ def test_overlapped_local_sgd_is_delayed_averaging_and_never_waits_for_the_sync(
         finally:
             trainer.close()
     assert all(r["successful_workers"] == 2 for r in records)
+    return trainer
+
+
+def _inner_sgd(model: torch.nn.Module, rows: np.ndarray) -> None:
+    """A worker's round in ``_local_sgd``'s settings: two inner SGD steps (lr 0.5) on halves of ``rows``."""
+    for h in range(2):
+        grads = _gradient(model, rows[h * 2 : (h + 1) * 2])
+        with torch.no_grad():
+            for p, g in zip(model.parameters(), grads):
+                p.add_(g, alpha=-0.5)
+
+
+def test_overlapped_local_sgd_is_delayed_averaging_and_never_waits_for_the_sync(tmp_path):
+    """Two workers in overlapped local-SGD rounds: each takes round r's H inner steps from theta[r-1] (the
+    replica before round r-1's update) as soon as round r-1's result is out, and the outer step (SGD, lr 1,
+    uncompressed) averages what they send. With d_i(x) = x - SGD_H(x; worker i's rows of round r):
+
+        theta[r+1] = theta[r] - (d_0(theta[r-1]) + d_1(theta[r-1])) / 2,    theta[-1] = theta[0]
+
+    Every round after the first is taken ahead and used; the replicas stay bit-identical."""
+    config = _local_sgd(tmp_path)
+    trainer = _two_workers_ahead(config)
     model = build_from_spec(model_spec("gpt-tiny"), seed=config.seed)
     behind = build_from_spec(model_spec("gpt-tiny"), seed=config.seed)
     local = build_from_spec(model_spec("gpt-tiny"), seed=config.seed)
     for step in range(config.steps):
         deltas = []
         for slot in (0, 1):
-            rows = trainer.round_batch(step, slot)
             local.load_state_dict(behind.state_dict())
-            for h in range(2):
-                grads = _gradient(local, rows[h * 2 : (h + 1) * 2])
-                with torch.no_grad():
-                    for p, g in zip(local.parameters(), grads):
-                        p.add_(g, alpha=-0.5)
+            _inner_sgd(local, trainer.round_batch(step, slot))
             with torch.no_grad():
                 deltas.append([b - w for b, w in zip(behind.parameters(), local.parameters())])
+        behind.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            for p, d0, d1 in zip(model.parameters(), *deltas):
+                p.sub_((d0 + d1) / 2)
+    for (name, a), b in zip(trainer.model.named_parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("outer", ["sgd", "nesterov"])
+def test_eager_overlap_with_one_worker_is_the_run_without_overlap(tmp_path, outer):
+    """One worker's own payload is the aggregate: its eager guess at the update in flight is that update, so
+    each round's inner steps start where the straight run's do (outer momentum included)."""
+    settings = dict(outer_optimizer=outer, learning_rate=0.7)
+    with live_workers(1) as workers:
+        eager = train(_local_sgd(tmp_path / "eager", overlap_update="eager", **settings), workers)
+        assert workers[0].engine.lookaheads == {"used": 3}
+    with live_workers(1) as workers:
+        plain = train(_local_sgd(tmp_path / "plain", overlap=False, **settings), workers)
+    for (name, a), b in zip(eager.model.named_parameters(), plain.model.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=name)
+
+
+def test_eager_overlapped_local_sgd_starts_from_each_workers_guess(tmp_path):
+    """Two workers, eager: each starts round r's inner steps from theta[r-1] moved by its own last
+    contribution as if it were the round's aggregate (outer SGD, lr 1, uncompressed), and the outer step
+    adds the average of what they send to theta[r], undelayed. With D_i(x) = x - SGD_H(x; worker i's rows):
+
+        start_i[r] = theta[r-1] - d_i[r-1]  (start_i[0] = theta[0]),   d_i[r] = D_i(start_i[r])
+        theta[r+1] = theta[r] - (d_0[r] + d_1[r]) / 2
+
+    Every round after the first is taken ahead and used; the replicas stay bit-identical."""
+    config = _local_sgd(tmp_path, overlap_update="eager")
+    trainer = _two_workers_ahead(config)
+    model = build_from_spec(model_spec("gpt-tiny"), seed=config.seed)
+    behind = build_from_spec(model_spec("gpt-tiny"), seed=config.seed)  # theta[r-1]
+    local = build_from_spec(model_spec("gpt-tiny"), seed=config.seed)
+    last: list[list[torch.Tensor] | None] = [None, None]  # d_i[r-1]
+    for step in range(config.steps):
+        deltas = []
+        for slot in (0, 1):
+            local.load_state_dict(behind.state_dict())
+            with torch.no_grad():
+                if last[slot] is not None:
+                    for p, d in zip(local.parameters(), last[slot]):
+                        p.sub_(d)
+                start = [p.clone() for p in local.parameters()]
+            _inner_sgd(local, trainer.round_batch(step, slot))
+            with torch.no_grad():
+                deltas.append([s - w for s, w in zip(start, local.parameters())])
+        last = deltas
         behind.load_state_dict(model.state_dict())
         with torch.no_grad():
             for p, d0, d1 in zip(model.parameters(), *deltas):

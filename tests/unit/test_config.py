@@ -91,6 +91,14 @@ def test_schedules_are_evaluated_per_round_and_per_inner_step() -> None:
         ({"values": "float"}, "--values"),
         ({"bins": 1}, "--bins"),
         ({"log_every": -1.0}, "--log-every"),
+        ({"stream_buckets": 65}, "--stream-buckets"),
+        ({"stream_buckets": 4, "inner_steps": 30}, "--stream-buckets"),
+        ({"overlap_update": "soon"}, "--overlap-update"),
+        (
+            {"overlap": True, "inner_steps": 30, "overlap_update": "eager", "outer_optimizer": "adamw"},
+            "--overlap-update",
+        ),
+        ({"overlap": True, "inner_steps": 30, "overlap_update": "eager", "fragments": 2}, "--overlap-update"),
     ],
 )
 def test_bad_values_name_the_flag(changes: dict, flag: str) -> None:

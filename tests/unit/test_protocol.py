@@ -14,6 +14,7 @@ import torch
 
 from gradwire import protocol
 from gradwire.compression import CodecConfig, CompressedGradient, GradientCodec, PayloadError
+from gradwire.compression.fragment import Fragment
 from gradwire.optim.inner import InnerOptimizerConfig
 from gradwire.protocol import (
     PROTOCOL_VERSION,
@@ -384,3 +385,27 @@ def test_worker_state_round_trip() -> None:
     )
     assert torch.equal(back.feedback["w"], ws.feedback["w"])
     assert all(torch.equal(back.inner_optimizer[k], v) for k, v in ws.inner_optimizer.items())
+
+
+def test_eager_starts_and_streamed_gradients_are_refused_where_they_mean_nothing() -> None:
+    optimizer = InnerOptimizerConfig()
+    with pytest.raises(ProtocolError, match="eager_lr must be finite"):
+        protocol.LocalSteps(1, optimizer, (0.1,), eager_lr=-1.0)
+    with pytest.raises(ProtocolError, match="no eager start"):
+        protocol.LocalSteps(2, optimizer, (0.1, 0.1), fragment=Fragment(0, 2), eager_lr=1.0)
+    eager = protocol.LocalSteps(1, optimizer, (0.1,), eager_lr=0.5)
+    assert protocol.local_steps_from_proto(protocol.local_steps_to_proto(eager)) == eager
+    order = protocol.WorkOrder(
+        "run", 1, 1, np.zeros((1, 9), np.uint16), CodecConfig(), Fingerprint((), (), ()), local_steps=eager
+    )
+    with pytest.raises(ProtocolError, match="only with compute_before_update"):
+        protocol.order_from_proto(protocol.order_to_proto(order))
+    overlapped = dataclasses.replace(order, compute_before_update=True)
+    assert protocol.order_from_proto(protocol.order_to_proto(overlapped)).local_steps == eager
+    with pytest.raises(ProtocolError, match="stream_buckets must be 0"):
+        protocol.order_from_proto(protocol.order_to_proto(dataclasses.replace(overlapped, stream_buckets=2)))
+    gradient = dataclasses.replace(order, local_steps=None, stream_buckets=65)
+    with pytest.raises(ProtocolError, match="stream_buckets is at most 64"):
+        protocol.order_from_proto(protocol.order_to_proto(gradient))
+    with pytest.raises(ProtocolError, match="where the round's result was expected"):
+        protocol.result_from_proto(pb.RoundResult(round=1, piece=True))

@@ -219,6 +219,7 @@ def test_the_choices_are_those_of_the_settings() -> None:
         "balance",
         "downlink",
         "spot_check_by",
+        "overlap_update",
     }
 
 
