@@ -37,10 +37,11 @@ when a run would wrap into a second pass.
                    sparseloco.aggregate=kept-mean``: each coefficient the mean over the workers that sent it).
   sparseloco-sign  the same with 1-bit sign values.
   sparseloco-overlap, sparseloco-eager, sparseloco-fragments
-                   sparseloco with ``--overlap`` (each round's inner steps start from the replica before the last
-                   round's update, so they can run while it syncs), with ``--overlap --overlap-update eager``
-                   (they start from each worker's guess at that update: its own last payload taken as the
-                   aggregate) and with ``--fragments 2`` (rounds of H / 2 steps, each syncing half the model):
+                   sparseloco with ``--overlap --overlap-update delayed`` (each round's inner steps start from
+                   the replica before the last round's update, so they can run while it syncs), with
+                   ``--overlap`` eager, the default (they start from each worker's guess at that update: its own
+                   last payload taken as the aggregate) and with ``--fragments 2`` (rounds of H / 2 steps, each
+                   syncing half the model):
                    ``cost_vs_sparseloco_points`` is their loss gap less sparseloco's, what hiding or spreading
                    the sync costs.
   demo-down, sparseloco-down
@@ -186,8 +187,8 @@ METHODS: dict[str, dict[str, Any]] = {
 }
 METHODS["demo-down"] = dict(METHODS["demo"], downlink="compressed")
 METHODS["sparseloco-down"] = dict(METHODS["sparseloco"], downlink="compressed")
-METHODS["sparseloco-overlap"] = dict(METHODS["sparseloco"], overlap=True)
-METHODS["sparseloco-eager"] = dict(METHODS["sparseloco-overlap"], overlap_update="eager")
+METHODS["sparseloco-overlap"] = dict(METHODS["sparseloco"], overlap=True, overlap_update="delayed")
+METHODS["sparseloco-eager"] = dict(METHODS["sparseloco"], overlap=True, overlap_update="eager")
 METHODS["sparseloco-fragments"] = dict(METHODS["sparseloco"], fragments=2)
 LOCAL_METHODS = (
     "diloco",

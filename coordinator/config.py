@@ -40,7 +40,7 @@ from gradwire.optim.inner import INNER_OPTIMIZERS, InnerOptimizerConfig
 from gradwire.optim.outer import OUTER_OPTIMIZERS, UpdateRule
 from gradwire.optim.schedule import SCHEDULES, Schedule, lr_at
 
-OVERLAP_UPDATES = ("delayed", "eager")
+OVERLAP_UPDATES = ("auto", "eager", "delayed")
 
 # --no-compression: every tensor dense, raw float32 - the codec's exact path, no special case elsewhere.
 DENSE_CODEC = CodecConfig(min_sparse_numel=2**62, bins=0)
@@ -379,10 +379,11 @@ class TrainConfig:
         section=ROUND_POLICY,
     )
     overlap_update: str = setting(
-        "delayed",
-        help="with --overlap in local-SGD rounds, where each round's inner steps start: delayed (from the replica "
-        "before the update in flight, DiLoCoX) or eager (from each worker's guess at that update, its own last "
-        "payload taken as the aggregate: Streaming DiLoCo's eager update)",
+        "auto",
+        help="with --overlap in local-SGD rounds, where each round's inner steps start: eager (from each worker's "
+        "guess at the update in flight, its own last payload taken as the aggregate: Streaming DiLoCo's eager "
+        "update), delayed (from the replica before that update, DiLoCoX), or auto: eager where it can be (a "
+        "replayed outer optimizer, no --fragments), else delayed",
         section=ROUND_POLICY,
         choices=OVERLAP_UPDATES,
     )
@@ -597,7 +598,7 @@ class TrainConfig:
             raise ValueError(
                 f"--overlap-update must be one of {', '.join(OVERLAP_UPDATES)}, got {self.overlap_update!r}"
             )
-        if self.eager and (self.fragments > 1 or not self.update_rule().replayable):
+        if self.overlap_update == "eager" and not self._eager_possible():
             raise ValueError(
                 "--overlap-update eager guesses the update in flight with the run's outer step on each worker: it "
                 "needs an outer optimizer replicas replay (sgd, nesterov, signsgd) and no --fragments"
@@ -640,8 +641,14 @@ class TrainConfig:
 
     @property
     def eager(self) -> bool:
-        """Eager overlapped local-SGD rounds (``--overlap --overlap-update eager``)."""
-        return self.overlap and self.local_sgd and self.overlap_update == "eager"
+        """Eager overlapped local-SGD rounds (``--overlap``, ``--overlap-update`` eager or auto where it can be)."""
+        if not (self.overlap and self.local_sgd) or self.overlap_update == "delayed":
+            return False
+        return self.overlap_update == "eager" or self._eager_possible()
+
+    def _eager_possible(self) -> bool:
+        """Workers can guess the update in flight: they replay the outer step, on the whole model."""
+        return self.fragments == 1 and self.update_rule().replayable
 
     @property
     def local_sgd(self) -> bool:
