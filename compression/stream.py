@@ -69,9 +69,14 @@ class StreamPlan:
         self.codec = codec
         self.buckets = buckets(codec.plan, count)
         shapes = {t.name: t.shape for t in codec.plan.tensors}
-        self.codecs = tuple(
-            GradientCodec(subset(shapes, names), codec.config, codec.device, codec.transform_dtype)
-            for names in self.buckets
+        whole = (tuple(shapes),)
+        self.codecs = (  # one bucket, the whole plan (nothing streams): the codec itself, not a second one
+            (codec,)
+            if self.buckets == whole
+            else tuple(
+                GradientCodec(subset(shapes, names), codec.config, codec.device, codec.transform_dtype)
+                for names in self.buckets
+            )
         )
         self._index = {names: b for b, names in enumerate(self.buckets)}
         # Where each bucket's decoded rows go in the whole plan's layout.

@@ -37,6 +37,7 @@ from typing import Protocol
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from gradwire.compression import robust
 from gradwire.errors import Cancelled
 from gradwire.models import lm_loss
 from gradwire.optim.outer import outer_step
@@ -204,7 +205,11 @@ def eager_start(
         return None
     if not replica.rule.replayable or plan.fragment is not None:
         return None
-    own = replica.codec(sent[1].settings).decompress(sent[1])  # the mean of one sender: its own step
+    # The mean of one sender: its own step. Decoded once: while the result travelled (``sent_decoded``, which
+    # the next round's replay uses too), unless that is gone or failed.
+    decoded = session.sent_decoded
+    sender = decoded.result() if decoded is not None and decoded.exception() is None else sent[1]
+    own = robust.aggregate(replica.codec(sent[1].settings), [sender], (1.0,)).result()
     params = [p.detach().clone() for p in replica.params.values()]
     momentum = [m.clone() for m in replica.momentum]
     outer_step(params, [own[n] for n in replica.params], replica.rule, plan.eager_lr, momentum)

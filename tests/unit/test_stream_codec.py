@@ -58,6 +58,7 @@ def test_a_payload_sent_whole_is_decoded_whole() -> None:
     payload = whole.compress({n: torch.randn(s) for n, s in SHAPES.items()})
     got, decoded = Pieces(StreamPlan(whole, 3)).finish(payload)
     assert got is payload
+    assert StreamPlan(whole, 1).codecs == (whole,)  # nothing streams: no second codec of the whole model
     assert all(torch.equal(a, b) for a, b in zip(decoded.values, whole.decode(payload).values))
 
 
