@@ -36,6 +36,7 @@ from gradwire.coordinator.decisions import (
     Grace,
 )
 from gradwire.models import model_names
+from gradwire.optim.demuon import MSGN
 from gradwire.optim.inner import INNER_OPTIMIZERS, InnerOptimizerConfig
 from gradwire.optim.outer import OUTER_OPTIMIZERS, UpdateRule
 from gradwire.optim.schedule import SCHEDULES, Schedule, lr_at
@@ -144,7 +145,7 @@ def mode_defaults(
         "bins": 4 if local else 256,
         "target_chunk": chunk,
         "topk": max(1, round(density * chunk * chunk)),
-        "inner_momentum": 0.95 if inner_optimizer == "muon" else 0.0,
+        "inner_momentum": {"muon": 0.95, "demuon": 0.8}.get(inner_optimizer, 0.0),
     }
 
 
@@ -261,8 +262,9 @@ class TrainConfig:
     )
     inner_optimizer: str = setting(
         "adamw",
-        help="the workers' inner optimizer in local-SGD rounds: adamw, sgd or muon "
-        "(Newton-Schulz orthogonalised momentum for hidden matrices, AdamW for the rest)",
+        help="the workers' inner optimizer in local-SGD rounds: adamw, sgd, muon "
+        "(Newton-Schulz orthogonalised momentum for hidden matrices, AdamW for the rest) or demuon "
+        "(the matrix sign of the momentum for every matrix, by --msgn; the momentum for vectors)",
         section=INNER,
         choices=INNER_OPTIMIZERS,
     )
@@ -271,9 +273,18 @@ class TrainConfig:
     inner_beta1: float = setting(0.9, help="inner AdamW beta1 (muon: for its AdamW part)", section=INNER)
     inner_beta2: float = setting(0.95, help="inner AdamW beta2 (muon: for its AdamW part)", section=INNER)
     inner_momentum: float | None = setting(
-        None, help="momentum of the inner sgd or muon (auto: 0.95 for muon, else 0)", section=INNER
+        None,
+        help="momentum of the inner sgd, muon or demuon (auto: 0.95 for muon, 0.8 for demuon, else 0)",
+        section=INNER,
     )
     inner_nesterov: bool = setting(False, help="Nesterov momentum for the inner sgd", section=INNER)
+    msgn: str = setting(
+        "newton-schulz",
+        help="demuon: the matrix sign of the matrices' momentum by newton-schulz (Muon's iteration), "
+        "svd (exact, slower) or none (momentum SGD)",
+        section=INNER,
+        choices=MSGN,
+    )
     clip_grad_norm: float = setting(
         0.0,
         help="clip each worker's gradient to this global L2 norm before it is compressed (gradient mode), "
@@ -697,6 +708,7 @@ class TrainConfig:
             betas=(self.inner_beta1, self.inner_beta2),
             momentum=self.inner_momentum,
             nesterov=self.inner_nesterov,
+            msgn=self.msgn,
         )
 
     def outer_schedule(self) -> Schedule:

@@ -453,6 +453,7 @@ def inner_optimizer_to_proto(c: InnerOptimizerConfig) -> pb.InnerOptimizer:
         momentum=c.momentum,
         nesterov=c.nesterov,
         ns_steps=c.ns_steps,
+        msgn=c.msgn,
     )
 
 
@@ -466,6 +467,7 @@ def inner_optimizer_from_proto(m: pb.InnerOptimizer) -> InnerOptimizerConfig:
             momentum=m.momentum,
             nesterov=m.nesterov,
             ns_steps=m.ns_steps,
+            msgn=m.msgn or "newton-schulz",
         )
     except ValueError as e:  # the config names the setting; say where it came from
         raise ProtocolError(f"local steps: inner optimizer: {e}") from None

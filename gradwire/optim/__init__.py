@@ -1,8 +1,8 @@
 """Optimizers: inner (worker-side local steps), outer (coordinator's step, replayed by workers), and
 learning-rate schedules.
 
-``inner`` wraps the torch optimizer a worker runs for its local steps between syncs (AdamW, SGD, or Muon
-for hidden matrices with AdamW for the rest), with its state as named tensors; ``outer`` is the
+``inner`` wraps the torch optimizer a worker runs for its local steps between syncs (AdamW, SGD, Muon for
+hidden matrices with AdamW for the rest, or DeMuon: ``demuon``), with its state as named tensors; ``outer`` is the
 coordinator's step on the aggregate (``sgd``, ``nesterov``, ``signsgd`` replayed by every replica;
 ``adamw`` on the coordinator alone); ``schedule`` gives the learning-rate multiplier as a pure function of
 the step. Nothing here touches the network.

@@ -1,12 +1,14 @@
 """The inner optimizer: what a worker runs for H local steps between two syncs (DiLoCo / SparseLoCo style).
 
 ``InnerOptimizer`` wraps the torch optimizer(s) for one model: ``adamw`` (decoupled weight decay), ``sgd``
-(optionally heavy-ball or Nesterov momentum), or ``muon`` as MuLoCo and DeMuon run it: ``torch.optim.Muon``
+(optionally heavy-ball or Nesterov momentum), ``muon`` as MuLoCo runs it: ``torch.optim.Muon``
 (momentum, then Newton-Schulz orthogonalization; ``optim.muon`` runs it in float32 on CPUs that would
 emulate bfloat16) on the hidden 2-D weight matrices and AdamW on everything
-else (embeddings, the output head, norms, biases). ``muon_parameters`` is the one rule deciding which is
-which. On a node's ranks that compute alike it may be partitioned (ZeRO-1, torch's
-``ZeroRedundancyOptimizer``): each rank keeps and steps the state of its own share of the parameters.
+else (embeddings, the output head, norms, biases; ``muon_parameters`` is the one rule deciding which is
+which), or ``demuon`` (``optim.demuon``): every 2-D parameter steps by the matrix sign of its momentum
+(Newton-Schulz, SVD or none), every vector by that momentum. On a node's ranks that compute alike it may
+be partitioned (ZeRO-1, torch's ``ZeroRedundancyOptimizer``): each rank keeps and steps the state of its
+own share of the parameters.
 
 A worker keeps this state for a training run across rounds, and it must cross the network and go into
 safetensors checkpoints, so it leaves and enters only as named tensors, never pickles:
@@ -25,9 +27,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradwire.optim.demuon import MSGN, DeMuon
 from gradwire.optim.muon import Muon
 
-INNER_OPTIMIZERS = ("adamw", "sgd", "muon")
+INNER_OPTIMIZERS = ("adamw", "sgd", "muon", "demuon")
 
 # The state each torch optimizer keeps per parameter (for the settings used here: no amsgrad, no
 # capturable/fused). The exact key set is what load_state_tensors accepts for a parameter with state.
@@ -47,11 +50,12 @@ class InnerOptimizerConfig:
         eps: AdamW's epsilon; under muon, that of the AdamW group (Muon's own Newton-Schulz epsilon stays
             at torch's default).
         momentum: sgd: heavy-ball momentum, 0 for plain SGD. muon: its momentum, which must be in (0, 1);
-            no default is hidden here, the coordinator's default for muon is 0.95. adamw: must be 0
-            (AdamW's momentum is beta1).
+            no default is hidden here, the coordinator's default for muon is 0.95. demuon: in [0, 1) (the
+            coordinator's default 0.8, the seed's). adamw: must be 0 (AdamW's momentum is beta1).
         nesterov: sgd only, and only with momentum: Nesterov momentum. Muon always uses Nesterov (torch's
             default for it).
-        ns_steps: muon: Newton-Schulz iterations per step.
+        ns_steps: muon, and demuon with ``msgn="newton-schulz"``: Newton-Schulz iterations per step.
+        msgn: demuon only: how the matrices' momentum becomes their step, one of ``demuon.MSGN``.
     """
 
     name: str = "adamw"
@@ -61,6 +65,7 @@ class InnerOptimizerConfig:
     momentum: float = 0.0
     nesterov: bool = False
     ns_steps: int = 5
+    msgn: str = "newton-schulz"
 
     def __post_init__(self) -> None:
         if self.name not in INNER_OPTIMIZERS:
@@ -89,6 +94,12 @@ class InnerOptimizerConfig:
             raise ValueError(
                 f"--inner-momentum must be in (0, 1) for --inner-optimizer muon (0.95 is usual), got {self.momentum}"
             )
+        if self.name == "demuon" and not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"--inner-momentum must be in [0, 1) for --inner-optimizer demuon, got {self.momentum}")
+        if self.msgn not in MSGN:
+            raise ValueError(f"--msgn must be one of {', '.join(MSGN)}, got {self.msgn!r}")
+        if self.msgn != "newton-schulz" and self.name != "demuon":
+            raise ValueError(f"--msgn applies to --inner-optimizer demuon only, not {self.name}")
         if type(self.nesterov) is not bool:  # 1 or "yes" from a config file is a mistake
             raise ValueError(f"--inner-nesterov must be true or false, got {self.nesterov!r}")
         if self.nesterov and self.name != "sgd":
@@ -190,6 +201,25 @@ class InnerOptimizer:
             # Plain SGD (momentum 0) keeps no state at all.
             keys = _MOMENTUM_KEYS if c.momentum > 0 else frozenset()
             self._expected = {name: keys for name in self._params}
+        elif c.name == "demuon":
+            groups = (
+                ([p for p in self._params.values() if p.ndim == 2], c.msgn),
+                ([p for p in self._params.values() if p.ndim != 2], "none"),
+            )
+            self._optimizers = [
+                self._build(
+                    DeMuon,
+                    params,
+                    lr=0.0,
+                    momentum=c.momentum,
+                    msgn=msgn,
+                    ns_steps=c.ns_steps,
+                    weight_decay=c.weight_decay,
+                )
+                for params, msgn in groups
+                if params
+            ]
+            self._expected = {name: _MOMENTUM_KEYS for name in self._params}
         else:
             hidden = set(muon_parameters(model))
             self._optimizers = []

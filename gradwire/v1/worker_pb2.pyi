@@ -265,7 +265,7 @@ class LocalSteps(_message.Message):
     def __init__(self, steps: _Optional[int] = ..., optimizer: _Optional[_Union[InnerOptimizer, _Mapping]] = ..., learning_rates: _Optional[_Iterable[float]] = ..., clip_grad_norm: _Optional[float] = ..., fragment: _Optional[int] = ..., fragments: _Optional[int] = ..., eager_lr: _Optional[float] = ...) -> None: ...
 
 class InnerOptimizer(_message.Message):
-    __slots__ = ("name", "weight_decay", "beta1", "beta2", "eps", "momentum", "nesterov", "ns_steps")
+    __slots__ = ("name", "weight_decay", "beta1", "beta2", "eps", "momentum", "nesterov", "ns_steps", "msgn")
     NAME_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
     BETA1_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +274,7 @@ class InnerOptimizer(_message.Message):
     MOMENTUM_FIELD_NUMBER: _ClassVar[int]
     NESTEROV_FIELD_NUMBER: _ClassVar[int]
     NS_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MSGN_FIELD_NUMBER: _ClassVar[int]
     name: str
     weight_decay: float
     beta1: float
@@ -282,7 +283,8 @@ class InnerOptimizer(_message.Message):
     momentum: float
     nesterov: bool
     ns_steps: int
-    def __init__(self, name: _Optional[str] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., ns_steps: _Optional[int] = ...) -> None: ...
+    msgn: str
+    def __init__(self, name: _Optional[str] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., ns_steps: _Optional[int] = ..., msgn: _Optional[str] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("update_seconds", "compute_seconds", "compress_seconds", "total_seconds", "wait_seconds", "wall_seconds")

@@ -39,6 +39,10 @@ def test_local_sgd_defaults_follow_sparseloco_and_diloco() -> None:
     dense = TrainConfig(inner_steps=30, no_compression=True)
     assert (dense.outer_optimizer, dense.learning_rate, dense.momentum) == ("nesterov", 0.7, 0.9)
     assert TrainConfig(inner_steps=30, inner_optimizer="muon").inner_momentum == 0.95
+    demuon = TrainConfig(inner_steps=30, inner_optimizer="demuon", msgn="svd").inner_optimizer_config()
+    assert (demuon.momentum, demuon.msgn) == (0.8, "svd")  # the seed's momentum
+    with pytest.raises(ValueError, match="--msgn applies to --inner-optimizer demuon only"):
+        TrainConfig(inner_steps=30, msgn="svd")
 
 
 def test_the_chunk_follows_the_mode_and_topk_keeps_the_density_at_any_chunk() -> None:

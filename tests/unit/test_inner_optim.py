@@ -23,8 +23,9 @@ CONFIGS = {
     "adamw": InnerOptimizerConfig(name="adamw", weight_decay=0.1),
     "sgd": InnerOptimizerConfig(name="sgd", momentum=0.9, nesterov=True, weight_decay=0.01),
     "muon": InnerOptimizerConfig(name="muon", momentum=0.95, weight_decay=0.1),
+    "demuon": InnerOptimizerConfig(name="demuon", momentum=0.8, msgn="svd", weight_decay=0.01),
 }
-LR = {"adamw": 1e-2, "sgd": 0.5, "muon": 1e-2}
+LR = {"adamw": 1e-2, "sgd": 0.5, "muon": 1e-2, "demuon": 0.1}
 
 
 @pytest.fixture(scope="module")
@@ -314,6 +315,9 @@ BAD_CONFIGS = [
     ({"nesterov": 1}, "--inner-nesterov"),
     ({"name": "muon", "momentum": 0.95, "ns_steps": 0}, "--inner-ns-steps"),
     ({"name": "muon", "momentum": 0.95, "ns_steps": 100}, "--inner-ns-steps"),
+    ({"name": "demuon", "momentum": 1.0}, "--inner-momentum"),
+    ({"name": "demuon", "momentum": 0.8, "msgn": "polar"}, "--msgn"),
+    ({"name": "muon", "momentum": 0.95, "msgn": "svd"}, "--msgn"),  # demuon's setting only
 ]
 
 
