@@ -1,2 +1,3 @@
 """Decentralized (gossip) training's pure pieces: the graphs workers mix over (``topology``) and the
-compressed mixing step every node takes with its neighbours (``choco``). Nothing here touches the network."""
+compressed mixing step every node takes with its neighbours (``choco``) and what a node keeps between
+rounds (``node``). Nothing here touches the network."""
