@@ -49,7 +49,7 @@ def test_the_worker_survives_fuzzing_and_serves_a_round_afterwards(tmp_path) -> 
             client.channel,
             protocol.state_to_proto(state),
             protocol.order_to_proto(order),
-            calls=2000,
+            calls=1200,
             seconds=150,
             seed=1,
             metadata=client.call_metadata,
@@ -58,7 +58,7 @@ def test_the_worker_survives_fuzzing_and_serves_a_round_afterwards(tmp_path) -> 
         elapsed = time.monotonic() - t0
         total = sum(sum(c.values()) for c in counts.values())
         assert worker.proc.poll() is None, "the worker died"
-        assert total >= 1000, f"only {total} calls in {elapsed:.0f} s"
+        assert total >= 800, f"only {total} calls in {elapsed:.0f} s"
         for rpc, answers in counts.items():
             assert "INTERNAL" not in answers and "UNKNOWN" not in answers, (
                 rpc,

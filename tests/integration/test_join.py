@@ -80,7 +80,7 @@ def test_workers_join_a_listening_coordinator_one_after_the_other(tmp_path: Path
         "--model",
         "gpt-tiny",
         "--steps",
-        "300",
+        "200",
         "--batch-size",
         "2",
         "--sequence-length",
@@ -111,5 +111,5 @@ def test_workers_join_a_listening_coordinator_one_after_the_other(tmp_path: Path
             w.terminate()
             w.wait(30)
     counts = [r["successful_workers"] for r in read_metrics(out)]
-    assert counts[0] == 1 and counts[-1] == 2 and len(counts) == 300  # the second joined mid-run and stayed
+    assert counts[0] == 1 and counts[-1] == 2 and len(counts) == 200  # the second joined mid-run and stayed
     assert "joins the run" in stderr

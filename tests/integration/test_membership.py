@@ -212,7 +212,7 @@ def test_coordinator_train_with_a_workers_file_picks_up_a_new_worker(tmp_path: P
                 "--model",
                 "gpt-tiny",
                 "--steps",
-                "200",
+                "100",
                 "--batch-size",
                 "2",
                 "--sequence-length",
