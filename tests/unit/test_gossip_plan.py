@@ -6,7 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gradwire.compression.codec import GradientCodec
+from gradwire.compression.config import CodecConfig
 from gradwire.coordinator.gossip import PublicCopies, plan_links
+from gradwire.gossip.choco import consensus_distance
+from gradwire.gossip.node import GossipNode
 from gradwire.gossip.topology import graph
 
 
@@ -47,9 +51,6 @@ def test_public_copies_take_messages_and_average_into_the_consensus() -> None:
 def _ring_run(rounds: int, codec, gamma: float, members: list[str], seed: int = 0):
     """Nodes on a ring, no training: each round every node sends, the coordinator relays, every node
     receives its neighbours' messages and mixes. Returns the nodes, their models and the coordinator's copies."""
-    from gradwire.gossip.choco import consensus_distance
-    from gradwire.gossip.node import GossipNode
-
     g = torch.Generator().manual_seed(seed)
     models = {m: {"w": torch.randn(64, 64, generator=g), "b": torch.randn(64, generator=g)} for m in members}
     ring = graph("ring", members)
@@ -75,9 +76,6 @@ def _ring_run(rounds: int, codec, gamma: float, members: list[str], seed: int = 
 
 
 def test_compressed_gossip_keeps_every_holders_copies_identical_and_agrees() -> None:
-    from gradwire.compression.codec import GradientCodec
-    from gradwire.compression.config import CodecConfig
-
     members = ["a", "b", "c", "d"]
     codec = GradientCodec({"w": (64, 64), "b": (64,)}, CodecConfig(topk=512, bins=16, min_sparse_numel=65))
     nodes, models, coordinator, distances = _ring_run(40, codec, 0.5, members)
@@ -90,10 +88,6 @@ def test_compressed_gossip_keeps_every_holders_copies_identical_and_agrees() -> 
 
 
 def test_gossip_node_state_round_trips_and_refuses_bad_state() -> None:
-    from gradwire.compression.codec import GradientCodec
-    from gradwire.compression.config import CodecConfig
-    from gradwire.gossip.node import GossipNode
-
     codec = GradientCodec({"w": (64, 64), "b": (64,)}, CodecConfig(topk=512, bins=16, min_sparse_numel=65))
     nodes, models, _, _ = _ring_run(3, codec, 0.5, ["a", "b", "c"])
     state = nodes["a"].state_tensors()
