@@ -54,8 +54,7 @@ def test_one_worker_is_delayed_sgd_on_the_same_batches(tmp_path):
         with torch.no_grad():
             for p, g in zip(model.parameters(), grads):
                 p.add_(g, alpha=-config.learning_rate)
-    for (name, a), b in zip(trainer.model.named_parameters(), model.parameters()):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=name)
+    _assert_same_model(trainer, model)
     # ... and not the undelayed run: the delay is real.
     with live_workers(1) as workers:
         plain = train(
@@ -138,6 +137,19 @@ def _inner_sgd(model: torch.nn.Module, rows: np.ndarray) -> None:
                 p.add_(g, alpha=-0.5)
 
 
+def _average_step(model: torch.nn.Module, behind: torch.nn.Module, deltas: list[list[torch.Tensor]]) -> None:
+    """theta[r+1] = theta[r] - (d_0 + d_1) / 2 (outer SGD, lr 1), keeping theta[r] in ``behind``."""
+    behind.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for p, d0, d1 in zip(model.parameters(), *deltas):
+            p.sub_((d0 + d1) / 2)
+
+
+def _assert_same_model(trainer: Trainer, model: torch.nn.Module) -> None:
+    for (name, a), b in zip(trainer.model.named_parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=name)
+
+
 def test_overlapped_local_sgd_is_delayed_averaging_and_never_waits_for_the_sync(tmp_path):
     """Two workers in overlapped local-SGD rounds: each takes round r's H inner steps from theta[r-1] (the
     replica before round r-1's update) as soon as round r-1's result is out, and the outer step (SGD, lr 1,
@@ -158,12 +170,8 @@ def test_overlapped_local_sgd_is_delayed_averaging_and_never_waits_for_the_sync(
             _inner_sgd(local, trainer.round_batch(step, slot))
             with torch.no_grad():
                 deltas.append([b - w for b, w in zip(behind.parameters(), local.parameters())])
-        behind.load_state_dict(model.state_dict())
-        with torch.no_grad():
-            for p, d0, d1 in zip(model.parameters(), *deltas):
-                p.sub_((d0 + d1) / 2)
-    for (name, a), b in zip(trainer.model.named_parameters(), model.parameters()):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=name)
+        _average_step(model, behind, deltas)
+    _assert_same_model(trainer, model)
 
 
 @pytest.mark.parametrize("outer", ["sgd", "nesterov"])
@@ -208,12 +216,8 @@ def test_eager_overlapped_local_sgd_starts_from_each_workers_guess(tmp_path):
             with torch.no_grad():
                 deltas.append([s - w for s, w in zip(start, local.parameters())])
         last = deltas
-        behind.load_state_dict(model.state_dict())
-        with torch.no_grad():
-            for p, d0, d1 in zip(model.parameters(), *deltas):
-                p.sub_((d0 + d1) / 2)
-    for (name, a), b in zip(trainer.model.named_parameters(), model.parameters()):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=name)
+        _average_step(model, behind, deltas)
+    _assert_same_model(trainer, model)
 
 
 @pytest.mark.parametrize("outer", ["nesterov", "adamw"])  # a replay, and the deltas of an AdamW shadow
