@@ -101,8 +101,9 @@ def judge(
 
 HARD_CLIP = 0.25  # a sender the median-norm clip would scale below this is left out, with a strike
 
-# From gpt-tiny runs of 200 rounds (coordinator.agreement): an honest worker's score never fell below -0.14,
-# a sign flipper's sat at -0.9 from its fourth round.
+# From gpt-tiny runs of 200 rounds (coordinator.agreement): an honest worker's score mostly stayed above
+# -0.14, a sign flipper's sat at -0.9 from its fourth round. Once the loss flattens an honest worker can point
+# away for a dozen rounds running (one CI run: agreements down to -0.63, its score to -0.41 at round 162).
 AGREEMENT_FLOOR = -0.3  # a score below this (pointing away from the others, over rounds) is a strike
 AGREEMENT_WEIGHT = 0.25  # this round's share of the score; the rest is the score so far (0 to start)
 
@@ -110,7 +111,11 @@ AGREEMENT_WEIGHT = 0.25  # this round's share of the score; the rest is the scor
 def score(previous: Score, agreement: float | None, *, floor: float = AGREEMENT_FLOOR) -> tuple[Score, Verdict, str]:
     """A worker's agreement score after a round in which its payload agreed ``agreement`` with the others'
     (``None``: not measured, e.g. alone in the round: the score stands). The verdict is ``rejected`` (a
-    strike, for ``judge``) while the score is below ``floor``.
+    strike, for ``judge``) while the score is below ``floor`` *and* this round's agreement is too: it has
+    pointed away over rounds and still does. One whose payload comes back towards the others is kept that
+    round, even before its score recovers: an honest worker's drift late in training ends in a round like
+    that, and then its strikes stop, short of the bench; a sign flipper's rounds almost never do (its
+    agreement stayed below +0.01, median -0.68 late).
 
     Each round moves the score ``AGREEMENT_WEIGHT`` of the way to its agreement, from 0 for a new worker
     or one back from the bench (``judge`` starts its score over): neither trusted nor distrusted, it is not
@@ -120,7 +125,7 @@ def score(previous: Score, agreement: float | None, *, floor: float = AGREEMENT_
         return previous, "ok", "no agreement measured"
     value = (1 - AGREEMENT_WEIGHT) * previous.value + AGREEMENT_WEIGHT * agreement
     new = Score(value, previous.rounds + 1)
-    if value < floor:
+    if value < floor and agreement < floor:
         return (
             new,
             "rejected",

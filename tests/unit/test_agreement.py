@@ -212,6 +212,21 @@ def test_honest_agreement_never_strikes() -> None:
             assert verdict == "ok", s
 
 
+def test_a_drifting_honest_worker_is_struck_only_while_it_still_points_away_and_is_not_benched() -> None:
+    """An honest worker late in a CI run: its score drifted to -0.38 (-0.41 at its lowest), with -0.63, -0.49
+    and then -0.28 this round. The last round points away less than the floor: kept, so three strikes in a
+    row never come, and it is not benched."""
+    standing, verdicts = Standing(score=Score(-0.30, 159)), []
+    for step, a in enumerate([-0.63, -0.49, -0.28, -0.45, -0.1], start=160):
+        new, verdict, why = score(standing.score, a)
+        standing = dataclasses.replace(standing, score=new)
+        verdicts.append(verdict)
+        standing, _ = judge(standing, step, verdict, bench_after=3, bench_rounds=20)
+        assert not standing.benched(step + 1)
+    assert verdicts == ["rejected", "rejected", "ok", "rejected", "ok"]
+    assert standing.score.value < AGREEMENT_FLOOR and standing.strikes == 0
+
+
 def test_judge_keeps_the_score_and_benching_starts_it_over() -> None:
     held = Score(-0.5, 4)
     standing, _ = judge(Standing(score=held), 3, "ok", bench_after=3, bench_rounds=5)
