@@ -16,8 +16,8 @@ What payloads look like (gpt-tiny, gradient mode with error feedback, 3 workers 
 seeds 3 and 4; ``decisions.score`` takes its floor and weights from these):
 - honest: +0.56 to +0.99 per round over the first 60 rounds (median +0.93; the sparse coefficients carry
   99.8% of the squared norm, and agree as the dense ones do). Once the loss flattens (rounds 150-200) each
-  worker's median falls to +0.23 to +0.58 and single rounds reach -0.91; a score mostly stayed above -0.14, but one CI run
-  drifted to -0.41 for a few rounds (``decisions.score`` strikes only while the round points away too).
+  worker's median falls to +0.23 to +0.58 and single rounds reach -0.91; a score mostly stayed above -0.14, but in
+  one CI run it drifted to -0.41 for a few rounds (``decisions.score`` strikes only while the round points away too).
 - sign flip at the honest norm: -0.90 to -0.99 (median -0.96) early, median -0.68 late, never above +0.01.
   The honest pair beside it agrees at +0.81 to +1.0 with the flipper peeled off; without peeling, its
   reference is its peer minus another honest direction and it measured anywhere in -0.81 to +0.96.
