@@ -30,11 +30,13 @@ from gradwire.v1 import worker_pb2 as pb
 # Bump when a message's meaning changes; both sides refuse to talk across versions.
 # 5: work orders ask for a gradient fingerprint, and results carry it (spot checks); 6: local-SGD orders announce
 # the next round (next_batch, next_local_steps), results say how long the worker waited, and local-SGD rounds
-# and replays may be of one fragment of the model (--fragments)
-PROTOCOL_VERSION = 6
+# and replays may be of one fragment of the model (--fragments); 7: gossip rounds (WorkOrder.gossip), whose
+# results report the worker's gossip residual
+PROTOCOL_VERSION = 7
 MAX_INNER_STEPS = 100_000  # H beyond this is a mistake, not a schedule (the field syncs every 30-500 steps)
 MAX_LEARNING_RATE = 1e6  # learning rates crossing the wire are finite, non-negative and below this
 MAX_CATCH_UP = 1024  # missed updates one order may carry (--replay-window is far smaller)
+MAX_NEIGHBOURS = 4096  # a gossip worker's neighbours (a complete graph of this many workers is already slow)
 MAX_WEIGHT = 1e12  # a sender's weight is its token count (or a clip-scaled share of it)
 PART_BYTES = 2 << 20  # well under gRPC's default 4 MB message limit
 
@@ -499,6 +501,91 @@ def local_steps_from_proto(m: pb.LocalSteps) -> LocalSteps:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class GossipLinks:
+    """One worker's part of a gossip round (``WorkOrder.gossip``; its meaning is in worker.proto).
+    ``fresh`` maps a member to its whole public copy, or to ``None``: the run's starting state."""
+
+    member: str
+    weights: Mapping[str, float]  # neighbour -> W_ij
+    gamma: float
+    own_accepted: bool = False
+    relays: Mapping[str, CompressedGradient] = dataclasses.field(default_factory=dict)
+    fresh: Mapping[str, Mapping[str, torch.Tensor] | None] = dataclasses.field(default_factory=dict)
+    drop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _member(self.member)
+        if not (math.isfinite(self.gamma) and 0 < self.gamma <= 1):
+            raise ProtocolError(f"gossip: gamma must be in (0, 1], got {self.gamma}")
+        if len(self.weights) > MAX_NEIGHBOURS:
+            raise ProtocolError(f"gossip: {len(self.weights)} neighbours, more than {MAX_NEIGHBOURS}")
+        for j, w in self.weights.items():
+            _member(j)
+            if j == self.member:
+                raise ProtocolError("gossip: a worker is not its own neighbour")
+            if not (math.isfinite(w) and 0 < w <= 1):
+                raise ProtocolError(f"gossip: the weight of neighbour {j!r} must be in (0, 1], got {w}")
+        if sum(self.weights.values()) > 1 + 1e-9:
+            raise ProtocolError(f"gossip: the neighbours' weights sum to {sum(self.weights.values()):g}, above 1")
+        if stray := [j for j in self.relays if j not in self.weights]:
+            raise ProtocolError(f"gossip: messages relayed from non-neighbours {stray}")
+        if stray := [j for j in self.fresh if j not in self.weights and j != self.member]:
+            raise ProtocolError(f"gossip: public copies sent of non-neighbours {stray}")
+        if both := [j for j in self.relays if j in self.fresh]:
+            raise ProtocolError(f"gossip: {both} come both whole and as a message")
+        if len(set(self.drop)) != len(self.drop) or [j for j in self.drop if j in self.weights]:
+            raise ProtocolError("gossip: drop names each former neighbour once, and no present one")
+
+
+MAX_MEMBER = 128  # a member's name on a gossip graph: short, printable
+
+
+def _member(name: str) -> str:
+    if not name or len(name) > MAX_MEMBER or not name.isprintable():
+        raise ProtocolError(f"gossip: a member name is 1-{MAX_MEMBER} printable characters, got {name[:40]!r}")
+    return name
+
+
+def gossip_to_proto(g: GossipLinks) -> pb.GossipLinks:
+    return pb.GossipLinks(
+        member=g.member,
+        neighbours=[pb.GossipNeighbour(member=j, weight=w) for j, w in g.weights.items()],
+        gamma=g.gamma,
+        own_accepted=g.own_accepted,
+        relays=[pb.GossipRelay(member=j, message=codec_serde.gradient_to_proto(q)) for j, q in g.relays.items()],
+        fresh=[
+            pb.PublicCopy(member=j, start=True) if c is None else pb.PublicCopy(member=j, tensors=tensors_to_proto(c))
+            for j, c in g.fresh.items()
+        ],
+        drop=list(g.drop),
+    )
+
+
+def gossip_from_proto(m: pb.GossipLinks) -> GossipLinks:
+    def unique(names: list[str], what: str) -> None:
+        if len(set(names)) != len(names):
+            raise ProtocolError(f"gossip: a member appears twice among the {what}")
+
+    if len(m.neighbours) > MAX_NEIGHBOURS or len(m.drop) > MAX_NEIGHBOURS:
+        raise ProtocolError(f"gossip: more than {MAX_NEIGHBOURS} neighbours")
+    unique([n.member for n in m.neighbours], "neighbours")
+    unique([r.member for r in m.relays], "relays")
+    unique([c.member for c in m.fresh], "public copies")
+    fresh: dict[str, Mapping[str, torch.Tensor] | None] = {}
+    for c in m.fresh:
+        if c.start and c.tensors:
+            raise ProtocolError(f"gossip: the public copy of {c.member!r} is the start and carries tensors")
+        fresh[c.member] = None if c.start else tensors_from_proto(c.tensors, f"public copy of {c.member!r}")
+    try:
+        relays = {r.member: codec_serde.gradient_from_proto(r.message) for r in m.relays}
+    except PayloadError as e:
+        raise ProtocolError(f"gossip: a relayed message: {e.reason}") from None
+    return GossipLinks(
+        m.member, {n.member: n.weight for n in m.neighbours}, m.gamma, m.own_accepted, relays, fresh, tuple(m.drop)
+    )
+
+
 _BATCH_DTYPES = {pb.DTYPE_UINT16: np.dtype("<u2"), pb.DTYPE_INT32: np.dtype("<i4")}
 
 
@@ -523,6 +610,7 @@ class WorkOrder:
     fingerprint_gradient: bool = False  # spot checks: return the round's first gradient's fingerprint
     next_local_steps: LocalSteps | None = None  # --overlap, local-SGD rounds: the next round's inner steps
     stream_buckets: int = 0  # gradient mode: stream the gradient in this many pieces (compression.stream)
+    gossip: GossipLinks | None = None  # a gossip round (--topology): the worker's links this round
 
     @property
     def inner_steps(self) -> int:
@@ -572,6 +660,7 @@ def order_to_proto(o: WorkOrder) -> pb.WorkOrder:
         fingerprint_gradient=o.fingerprint_gradient,
         next_local_steps=local_steps_to_proto(o.next_local_steps) if o.next_local_steps is not None else None,
         stream_buckets=o.stream_buckets,
+        gossip=gossip_to_proto(o.gossip) if o.gossip is not None else None,
     )
 
 
@@ -626,6 +715,13 @@ def order_from_proto(m: pb.WorkOrder) -> WorkOrder:
         raise ProtocolError(f"stream_buckets is at most {MAX_BUCKETS}, got {m.stream_buckets}")
     if m.stream_buckets and local_steps is not None:
         raise ProtocolError("a local-SGD order sends one pseudo-gradient at the end: stream_buckets must be 0")
+    gossip = gossip_from_proto(m.gossip) if m.HasField("gossip") else None
+    if gossip is not None and (
+        local_steps is None or m.HasField("update") or m.catch_up or m.compute_before_update or m.stream_buckets
+    ):
+        raise ProtocolError(
+            "a gossip order takes inner steps (local_steps) and carries no update, catch-up, overlap or stream"
+        )
     return WorkOrder(
         m.run_id,
         m.round,
@@ -646,6 +742,7 @@ def order_from_proto(m: pb.WorkOrder) -> WorkOrder:
         m.fingerprint_gradient,
         next_local_steps,
         m.stream_buckets,
+        gossip,
     )
 
 
@@ -672,6 +769,7 @@ class RoundResult:
     node_bytes: int = 0
     grad_norm: float = 0.0  # gradient mode: the gradient's L2 norm before clipping (0 in local-SGD rounds)
     gradient_fingerprint: Fingerprint | None = None  # what WorkOrder.fingerprint_gradient asked for
+    gossip_residual: float = 0.0  # a gossip round: |x - x^_own|^2 after the worker's message
 
 
 def result_to_proto(r: RoundResult) -> pb.RoundResult:
@@ -687,6 +785,7 @@ def result_to_proto(r: RoundResult) -> pb.RoundResult:
         node_bytes=r.node_bytes,
         grad_norm=r.grad_norm,
         gradient_fingerprint=fingerprint_to_proto(r.gradient_fingerprint) if r.gradient_fingerprint else None,
+        gossip_residual=r.gossip_residual,
     )
 
 
@@ -713,6 +812,8 @@ def result_from_proto(m: pb.RoundResult) -> RoundResult:
     timings = {f.name.removesuffix("_seconds"): v for f, v in m.timings.ListFields()}
     if not (math.isfinite(m.grad_norm) and m.grad_norm >= 0):
         raise ProtocolError(f"grad_norm must be finite and >= 0, got {m.grad_norm}")
+    if not (math.isfinite(m.gossip_residual) and m.gossip_residual >= 0):
+        raise ProtocolError(f"gossip_residual must be finite and >= 0, got {m.gossip_residual}")
     gradient = codec_serde.gradient_from_proto(m.gradient) if m.HasField("gradient") else None
     fingerprint = fingerprint_from_proto(m.gradient_fingerprint) if m.HasField("gradient_fingerprint") else None
     return RoundResult(
@@ -727,6 +828,7 @@ def result_from_proto(m: pb.RoundResult) -> RoundResult:
         m.node_bytes,
         m.grad_norm,
         fingerprint,
+        m.gossip_residual,
     )
 
 

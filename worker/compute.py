@@ -156,6 +156,30 @@ def local_steps(
         with torch.no_grad():
             for w, s in zip(working.parameters(), start.values()):
                 w.copy_(s)
+    loss, fingerprint = inner_steps(session, working, order, tokens, cancelled, placement)
+    sent = set(session.replica.fragment_names(plan.fragment)) if plan.fragment is not None else None
+    with torch.no_grad():
+        delta = {
+            n: p - w
+            for (n, p), w in zip((start or session.replica.params).items(), working.parameters())
+            if sent is None or n in sent
+        }
+    tokens_in = tokens.shape[0] * (tokens.shape[1] - 1)
+    return Contribution(delta, loss, tokens_in, fingerprint=fingerprint)
+
+
+def inner_steps(
+    session: Session,
+    working: torch.nn.Module,
+    order: WorkOrder,
+    tokens: torch.Tensor,
+    cancelled: IsCancelled,
+    placement: Placement,
+) -> tuple[float, Fingerprint | None]:
+    """The order's H inner steps of the session's inner optimizer on ``working``, in place; the mean loss
+    and, if the order asks, the first step's gradient fingerprint."""
+    plan = order.local_steps
+    assert plan is not None
     model = placement.wrap(session, working)
     optimizer = session.inner_optimizer(plan.optimizer)
     cancelled = placement.cancellable(cancelled)
@@ -181,15 +205,7 @@ def local_steps(
                 drifted = False
     if drifted:
         placement.node.average(working.parameters())  # the node returns one model: its ranks' average
-    sent = set(session.replica.fragment_names(plan.fragment)) if plan.fragment is not None else None
-    with torch.no_grad():
-        delta = {
-            n: p - w
-            for (n, p), w in zip((start or session.replica.params).items(), working.parameters())
-            if sent is None or n in sent
-        }
-    tokens_in = tokens.shape[0] * (tokens.shape[1] - 1)
-    return Contribution(delta, placement.mean(loss_sum / plan.steps), tokens_in, fingerprint=fingerprint)
+    return placement.mean(loss_sum / plan.steps), fingerprint
 
 
 def eager_start(

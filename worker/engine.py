@@ -67,10 +67,10 @@ from gradwire.protocol import (
 from gradwire.replica import Fingerprint
 from gradwire.security import same_owner
 from gradwire.v1 import worker_pb2 as pb
-from gradwire.worker import bus, fsdp, lookahead
+from gradwire.worker import bus, fsdp, gossip, lookahead
 from gradwire.worker.budget import PushBudget
 from gradwire.worker.check import ReplicaView, Verdict, check_order
-from gradwire.worker.compute import Contribution, Placement, gradient_step, strategy_for
+from gradwire.worker.compute import Contribution, Placement, gradient_step, inner_steps, strategy_for
 from gradwire.worker.node import (
     Command,
     NodeGroup,
@@ -522,6 +522,8 @@ class WorkerEngine:
         for update in updates[:before]:
             replica.apply(update, known=known)
         t_update = time.perf_counter()
+        if order.gossip is not None:  # the worker's own model, mixed with its neighbours' (worker.gossip)
+            return self._gossip_round(session, order, cancelled, t0)
         # 3. compute: one gradient, or H local steps on the working copy; or the gradient computed ahead.
         ahead, session.lookahead = session.lookahead, None
         use, why = ahead.serves(order, replica.version) if ahead is not None else (False, "")
@@ -597,6 +599,51 @@ class WorkerEngine:
             self._bus_bytes() - bus_before,
             contribution.grad_norm,
             contribution.fingerprint,
+        )
+
+    def _gossip_round(
+        self, session: Session, order: WorkOrder, cancelled: Callable[[], bool], t0: float
+    ) -> RoundResult:
+        """A gossip round (``worker.gossip``): take the order's links, mix, train the worker's own model in
+        place, and send its message. The replica does not move."""
+        if self.node is not None:
+            raise ProtocolError("gossip rounds run on single-device workers; this one is a node of several ranks")
+        links, replica = order.gossip, session.replica
+        assert links is not None
+        codec = replica.codec(order.codec)
+        working = session.own_model()
+        model = dict(zip(replica.params, working.parameters()))
+        session.gossip = gossip.take_links(session.gossip, links, model, replica.params, codec)
+        gossip.mix(session.gossip, links, model)
+        t_compute = time.perf_counter()
+        tokens = self._tokens(order.batch)
+        loss, fingerprint = inner_steps(session, working, order, tokens, cancelled, session.placement)
+        t_encode = time.perf_counter()
+        payload, residual = gossip.send(session.gossip, model, codec)
+        t_done = time.perf_counter()
+        wall = t_done - session.done_at if session.done_at is not None else t_done - t0
+        wait = max(0.0, t0 - session.done_at) if session.done_at is not None else 0.0
+        session.done_at = t_done
+        timings = {
+            "update": t_compute - t0,
+            "compute": t_encode - t_compute,
+            "compress": t_done - t_encode,
+            "total": t_done - t0,
+            "wait": wait,
+            "wall": wall,
+        }
+        tokens_in = tokens.shape[0] * (tokens.shape[1] - 1)
+        return RoundResult(
+            OK,
+            order.round,
+            "",
+            payload,
+            loss,
+            tokens_in,
+            replica.version,
+            timings,
+            gradient_fingerprint=fingerprint,
+            gossip_residual=residual,
         )
 
     def _contribution(

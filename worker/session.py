@@ -40,6 +40,7 @@ from gradwire.worker.placement import Placement
 from gradwire.worker.sizing import fits
 
 if TYPE_CHECKING:
+    from gradwire.worker.gossip import GossipState
     from gradwire.worker.lookahead import Lookahead
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,7 @@ class Session:
         self.done_at: float | None = None  # perf_counter at the end of this run's last result here
         self.ahead_seconds = 0.0  # compute done ahead since then (a look-ahead, used or not)
         self.stale = False  # found out of sync: every round answers NEEDS_STATE until the next push
+        self.gossip: GossipState | None = None  # gossip rounds: the public copies (worker.gossip)
         self._working: torch.nn.Module | None = None
         self._loaded: dict[str, int] = {}  # the write count of each replica tensor when the working copy took it
         self._inner: InnerOptimizer | None = None
@@ -218,6 +220,8 @@ class Session:
             self.feedback = previous.feedback
         if not inner:
             self._inner_restore = previous.committed_inner_state()
+        if previous.gossip is not None:  # gossip rounds: the worker's own model and copies are not the replica's
+            self.gossip, self._working = previous.gossip, previous._working
 
     def diverged(self) -> None:
         """Training produced a NaN or infinity: forget the error feedback and the inner optimizer state that
@@ -252,6 +256,14 @@ class Session:
                 if not carry_on or self._loaded.get(name) != source._version:  # torch counts in-place writes
                     target.copy_(source)
                     self._loaded[name] = source._version
+        self._working.train()
+        return self._working
+
+    def own_model(self) -> torch.nn.Module:
+        """Gossip rounds: the model this worker trains as its own (``worker.gossip``), the working model,
+        built from the replica on first use and never reloaded from it."""
+        if self._working is None:
+            return self.working_model()
         self._working.train()
         return self._working
 

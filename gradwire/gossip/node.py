@@ -5,8 +5,8 @@ CHOCO's difference ``x_i - x^_i`` is its own error feedback: what a message leav
 goes out in later rounds, so ``send`` compresses it without an error-feedback buffer (one would send the
 same remainder twice). A message's effect is the codec's decoding of it (``GradientCodec.decompress``),
 the same bits at the sender, the coordinator and every neighbour, so every holder's copy of ``x^_i`` stays
-identical. The state crosses the network and goes into checkpoints as named tensors:
-``own/<tensor>`` and ``copy/<member>/<tensor>``.
+identical; a node adds its own message to ``x^_i`` only once it is accepted (``accept``). The state crosses
+the network and goes into checkpoints as named tensors: ``own/<tensor>`` and ``copy/<member>/<tensor>``.
 """
 
 from __future__ import annotations
@@ -60,11 +60,18 @@ class GossipNode:
         choco.mix(model, self.own, self.copies, weights, gamma)
 
     def send(self, model: Tensors, codec: GradientCodec) -> tuple[CompressedGradient, dict[str, torch.Tensor]]:
-        """This round's message ``q_i = C(x_i - x^_i)`` and its decoding, already added to ``x^_i``."""
+        """This round's message ``q_i = C(x_i - x^_i)`` and its decoding. ``x^_i`` moves only by ``accept``:
+        once the message is known to have reached every holder of ``x^_i`` (the next order says so)."""
         payload = codec.compress(choco.difference(model, self.own))
-        q = codec.decompress(payload)
+        return payload, codec.decompress(payload)
+
+    def accept(self, q: Tensors) -> None:
+        """Its own message reached every holder: ``x^_i += q``, as they all add it."""
         choco.receive(self.own, q)
-        return payload, q
+
+    def residual(self, model: Tensors) -> float:
+        """``|x_i - x^_i|^2``: what the node's messages have not carried yet."""
+        return float(sum(float((model[k].float() - v).square().sum()) for k, v in self.own.items()))
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         out = {f"own/{k}": v.clone() for k, v in self.own.items()}

@@ -205,7 +205,7 @@ class TokenBatch(_message.Message):
     def __init__(self, rows: _Optional[int] = ..., columns: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class WorkOrder(_message.Message):
-    __slots__ = ("protocol_version", "run_id", "round", "base_version", "update", "fingerprint", "batch", "codec", "feedback_beta", "micro_batch_size", "sync_tolerance", "local_steps", "catch_up", "compute_before_update", "next_batch", "clip_grad_norm", "fingerprint_gradient", "next_local_steps", "stream_buckets")
+    __slots__ = ("protocol_version", "run_id", "round", "base_version", "update", "fingerprint", "batch", "codec", "feedback_beta", "micro_batch_size", "sync_tolerance", "local_steps", "catch_up", "compute_before_update", "next_batch", "clip_grad_norm", "fingerprint_gradient", "next_local_steps", "stream_buckets", "gossip")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +225,7 @@ class WorkOrder(_message.Message):
     FINGERPRINT_GRADIENT_FIELD_NUMBER: _ClassVar[int]
     NEXT_LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     STREAM_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    GOSSIP_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     run_id: str
     round: int
@@ -244,7 +245,52 @@ class WorkOrder(_message.Message):
     fingerprint_gradient: bool
     next_local_steps: LocalSteps
     stream_buckets: int
-    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., base_version: _Optional[int] = ..., update: _Optional[_Union[StateUpdate, _Mapping]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., batch: _Optional[_Union[TokenBatch, _Mapping]] = ..., codec: _Optional[_Union[_codec_pb2.CodecSettings, _Mapping]] = ..., feedback_beta: _Optional[float] = ..., micro_batch_size: _Optional[int] = ..., sync_tolerance: _Optional[float] = ..., local_steps: _Optional[_Union[LocalSteps, _Mapping]] = ..., catch_up: _Optional[_Iterable[_Union[StateUpdate, _Mapping]]] = ..., compute_before_update: _Optional[bool] = ..., next_batch: _Optional[_Union[TokenBatch, _Mapping]] = ..., clip_grad_norm: _Optional[float] = ..., fingerprint_gradient: _Optional[bool] = ..., next_local_steps: _Optional[_Union[LocalSteps, _Mapping]] = ..., stream_buckets: _Optional[int] = ...) -> None: ...
+    gossip: GossipLinks
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., base_version: _Optional[int] = ..., update: _Optional[_Union[StateUpdate, _Mapping]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., batch: _Optional[_Union[TokenBatch, _Mapping]] = ..., codec: _Optional[_Union[_codec_pb2.CodecSettings, _Mapping]] = ..., feedback_beta: _Optional[float] = ..., micro_batch_size: _Optional[int] = ..., sync_tolerance: _Optional[float] = ..., local_steps: _Optional[_Union[LocalSteps, _Mapping]] = ..., catch_up: _Optional[_Iterable[_Union[StateUpdate, _Mapping]]] = ..., compute_before_update: _Optional[bool] = ..., next_batch: _Optional[_Union[TokenBatch, _Mapping]] = ..., clip_grad_norm: _Optional[float] = ..., fingerprint_gradient: _Optional[bool] = ..., next_local_steps: _Optional[_Union[LocalSteps, _Mapping]] = ..., stream_buckets: _Optional[int] = ..., gossip: _Optional[_Union[GossipLinks, _Mapping]] = ...) -> None: ...
+
+class GossipLinks(_message.Message):
+    __slots__ = ("member", "neighbours", "gamma", "own_accepted", "relays", "fresh", "drop")
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    NEIGHBOURS_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    OWN_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    RELAYS_FIELD_NUMBER: _ClassVar[int]
+    FRESH_FIELD_NUMBER: _ClassVar[int]
+    DROP_FIELD_NUMBER: _ClassVar[int]
+    member: str
+    neighbours: _containers.RepeatedCompositeFieldContainer[GossipNeighbour]
+    gamma: float
+    own_accepted: bool
+    relays: _containers.RepeatedCompositeFieldContainer[GossipRelay]
+    fresh: _containers.RepeatedCompositeFieldContainer[PublicCopy]
+    drop: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, member: _Optional[str] = ..., neighbours: _Optional[_Iterable[_Union[GossipNeighbour, _Mapping]]] = ..., gamma: _Optional[float] = ..., own_accepted: _Optional[bool] = ..., relays: _Optional[_Iterable[_Union[GossipRelay, _Mapping]]] = ..., fresh: _Optional[_Iterable[_Union[PublicCopy, _Mapping]]] = ..., drop: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GossipNeighbour(_message.Message):
+    __slots__ = ("member", "weight")
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    member: str
+    weight: float
+    def __init__(self, member: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
+
+class GossipRelay(_message.Message):
+    __slots__ = ("member", "message")
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    member: str
+    message: _codec_pb2.CompressedGradient
+    def __init__(self, member: _Optional[str] = ..., message: _Optional[_Union[_codec_pb2.CompressedGradient, _Mapping]] = ...) -> None: ...
+
+class PublicCopy(_message.Message):
+    __slots__ = ("member", "tensors", "start")
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    member: str
+    tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
+    start: bool
+    def __init__(self, member: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., start: _Optional[bool] = ...) -> None: ...
 
 class LocalSteps(_message.Message):
     __slots__ = ("steps", "optimizer", "learning_rates", "clip_grad_norm", "fragment", "fragments", "eager_lr")
@@ -303,7 +349,7 @@ class Timings(_message.Message):
     def __init__(self, update_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., compress_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ...) -> None: ...
 
 class RoundResult(_message.Message):
-    __slots__ = ("status", "reason", "round", "gradient", "loss", "tokens", "timings", "version", "node_bytes", "grad_norm", "gradient_fingerprint", "piece")
+    __slots__ = ("status", "reason", "round", "gradient", "loss", "tokens", "timings", "version", "node_bytes", "grad_norm", "gradient_fingerprint", "piece", "gossip_residual")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATUS_UNSPECIFIED: _ClassVar[RoundResult.Status]
@@ -326,6 +372,7 @@ class RoundResult(_message.Message):
     GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     PIECE_FIELD_NUMBER: _ClassVar[int]
+    GOSSIP_RESIDUAL_FIELD_NUMBER: _ClassVar[int]
     status: RoundResult.Status
     reason: str
     round: int
@@ -338,4 +385,5 @@ class RoundResult(_message.Message):
     grad_norm: float
     gradient_fingerprint: Fingerprint
     piece: bool
-    def __init__(self, status: _Optional[_Union[RoundResult.Status, str]] = ..., reason: _Optional[str] = ..., round: _Optional[int] = ..., gradient: _Optional[_Union[_codec_pb2.CompressedGradient, _Mapping]] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., version: _Optional[int] = ..., node_bytes: _Optional[int] = ..., grad_norm: _Optional[float] = ..., gradient_fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., piece: _Optional[bool] = ...) -> None: ...
+    gossip_residual: float
+    def __init__(self, status: _Optional[_Union[RoundResult.Status, str]] = ..., reason: _Optional[str] = ..., round: _Optional[int] = ..., gradient: _Optional[_Union[_codec_pb2.CompressedGradient, _Mapping]] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., version: _Optional[int] = ..., node_bytes: _Optional[int] = ..., grad_norm: _Optional[float] = ..., gradient_fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., piece: _Optional[bool] = ..., gossip_residual: _Optional[float] = ...) -> None: ...

@@ -66,6 +66,7 @@ def _ring_run(rounds: int, codec, gamma: float, members: list[str], seed: int = 
         messages = {}
         for m, node in nodes.items():
             _, messages[m] = node.send(models[m], codec)
+            node.accept(messages[m])
             coordinator.receive(m, messages[m])
         for m, node in nodes.items():
             for j in plans[m].neighbours:

@@ -1,0 +1,120 @@
+"""A worker's side of gossip rounds (``coordinator train --topology ring|exponential|complete``).
+
+In a gossip run the worker trains a model of its own, ``x``, that persists from round to round: the
+session's working model, never reloaded from the replica (which stays the run's starting state). Beside it
+it keeps public copies (``gossip.node.GossipNode``): its own ``x^`` and its neighbours'. One round, in the
+order worker.proto's ``GossipLinks`` gives:
+
+  ``take_links``: forget the copies of former neighbours, take whole copies (a new neighbour's; its own when
+  it is new to the graph, when ``x`` starts from it; or all again when its copies are in doubt), add its own
+  last message to ``x^`` if it was accepted, add the neighbours' relayed messages to their copies
+  -> ``mix``: ``x <- x + gamma * sum_j W_ij (x^_j - x^)``
+  -> the order's inner steps on ``x`` (``compute.inner_steps``)
+  -> ``send``: the message ``q = C(x - x^)``, held until the next order says it was accepted.
+
+Everything the order names is checked before any copy changes: a relay for a copy the worker does not hold,
+or a first order that does not bring the worker's own copy, is a ``ProtocolError`` (the coordinator then
+sends every copy whole in the next round), and the worker's state is as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+
+from gradwire.compression import CompressedGradient, GradientCodec
+from gradwire.gossip.node import GossipNode
+from gradwire.protocol import GossipLinks, ProtocolError
+
+Tensors = Mapping[str, torch.Tensor]
+
+
+@dataclasses.dataclass
+class GossipState:
+    """A run's gossip state on this worker: the public copies, and its last message until it is accepted."""
+
+    node: GossipNode
+    pending: dict[str, torch.Tensor] | None = None  # the decoded message sent last, not yet in ``node.own``
+
+
+def _decoded(codec: GradientCodec, payload: CompressedGradient, what: str) -> dict[str, torch.Tensor]:
+    if payload.settings != codec.config:
+        raise ProtocolError(f"gossip: {what} was compressed with other codec settings than the order's")
+    try:
+        return codec.decompress(payload)
+    except ValueError as e:
+        raise ProtocolError(f"gossip: {what}: {e}") from None
+
+
+def _checked_copy(member: str, copy: Tensors, start: Tensors) -> Tensors:
+    if set(copy) != set(start):
+        raise ProtocolError(f"gossip: the public copy of {member!r} must carry every tensor of the model")
+    for name, t in copy.items():
+        if tuple(t.shape) != tuple(start[name].shape) or not t.is_floating_point():
+            raise ProtocolError(f"gossip: the public copy of {member!r}: {name} has the wrong shape or dtype")
+    return copy
+
+
+def take_links(
+    state: GossipState | None,
+    links: GossipLinks,
+    model: Mapping[str, torch.Tensor],
+    start: Tensors,
+    codec: GradientCodec,
+) -> GossipState:
+    """Apply an order's links to ``state`` (``None``: the worker has none for the run yet, and its model
+    ``x`` starts from its own public copy, which the order must bring). ``model``: the worker's ``x``, by
+    tensor name (written only when it starts); ``start``: the run's starting state (the replica), what a
+    copy marked ``start`` is. Returns the state to keep."""
+    fresh = {
+        j: _checked_copy(j, c, start) if c is not None else start for j, c in links.fresh.items()
+    }  # checked before anything changes
+    relays = {j: _decoded(codec, q, f"the message of {j!r}") for j, q in links.relays.items()}
+    if state is None:
+        if links.member not in fresh:
+            raise ProtocolError(
+                "gossip: this worker holds no gossip state for the run: its own public copy must come whole"
+            )
+        state = GossipState(GossipNode(links.member, fresh[links.member]))
+        with torch.no_grad():
+            for name, t in model.items():
+                t.copy_(fresh[links.member][name])
+    elif state.node.member != links.member:
+        raise ProtocolError(f"gossip: this worker is {state.node.member!r} on the graph, not {links.member!r}")
+    held = set(state.node.copies) - set(links.drop)
+    if missing := [j for j in relays if j not in held]:
+        raise ProtocolError(f"gossip: messages relayed for copies this worker does not hold: {missing}")
+    if missing := [j for j in links.weights if j not in held and j not in fresh]:
+        raise ProtocolError(f"gossip: no public copy of neighbours {missing} held, and none sent")
+    state.node.link({j: c for j, c in fresh.items() if j != links.member}, drop=links.drop)
+    if links.member in fresh:  # its own copy again: what every holder has; an unaccepted message is void
+        state.node.own = {k: v.detach().float().clone() for k, v in fresh[links.member].items()}
+    elif links.own_accepted and state.pending is not None:
+        state.node.accept(state.pending)
+    state.pending = None
+    for j, q in relays.items():
+        state.node.receive(j, q)
+    return state
+
+
+def mix(state: GossipState, links: GossipLinks, model: Mapping[str, torch.Tensor]) -> None:
+    """``x <- x + gamma * sum_j W_ij (x^_j - x^)`` over the order's neighbours."""
+    try:
+        with torch.no_grad():
+            state.node.mix(model, dict(links.weights), links.gamma)
+    except ValueError as e:
+        raise ProtocolError(f"gossip: {e}") from None
+
+
+def send(state: GossipState, model: Tensors, codec: GradientCodec) -> tuple[CompressedGradient, float]:
+    """The round's message and the residual ``|x - x^ - q|^2`` it leaves; the decoded message is held until
+    the next order accepts it."""
+    with torch.no_grad():
+        payload, q = state.node.send(model, codec)
+    state.pending = q
+    residual = float(
+        sum(float((model[k].detach().float() - v - q[k]).square().sum()) for k, v in state.node.own.items())
+    )
+    return payload, residual
