@@ -35,6 +35,7 @@ from gradwire.coordinator.decisions import (
     SPOT_TOLERANCE,
     Grace,
 )
+from gradwire.gossip.topology import TOPOLOGIES
 from gradwire.models import model_names
 from gradwire.optim.demuon import MSGN
 from gradwire.optim.inner import INNER_OPTIMIZERS, InnerOptimizerConfig
@@ -112,6 +113,7 @@ def mode_defaults(
     outer_optimizer: str | None,
     inner_optimizer: str,
     target_chunk: int | None = None,
+    gossip: bool = False,
 ) -> dict[str, object]:
     """The defaults of the mode-dependent settings, with the outer optimizer already chosen or not.
 
@@ -127,6 +129,9 @@ def mode_defaults(
     Both modes cut 64 x 64 chunks. ``topk`` follows the chunk edge (``target_chunk``) so the density stays
     the mode's: ``--target-chunk 16`` alone keeps top-2 of 256 in gradient mode, a quarter of the transform
     FLOPs; in benchmarks.quality it trained better at 600 steps but clearly worse at 1200, so 64 stays.
+    Gossip rounds (``gossip``) send model differences that must keep up with the models: top-512 of 4096
+    with 16 levels. On a ring of 4 gpt-tiny workers (DeMuon, H 3) a worker's residual ``|x - x^|^2`` levelled
+    off by round 12 with it, and grew without end over 40 rounds with local SGD's top-90 and 4 levels.
     """
     local = inner_steps > 1
     if outer_optimizer is None:
@@ -137,12 +142,14 @@ def mode_defaults(
         learning_rate = 1e-3
     chunk = target_chunk or 64
     density = min(max(90, 3 * inner_steps), 4096) / 4096 if local else 32 / 4096
+    if gossip:
+        density = 512 / 4096
     return {
         "outer_optimizer": outer_optimizer,
         "learning_rate": learning_rate,
         "momentum": 0.9 if outer_optimizer == "nesterov" else 0.0,
         "feedback_beta": 0.95 if local else 0.999,
-        "bins": 4 if local else 256,
+        "bins": 16 if gossip else 4 if local else 256,
         "target_chunk": chunk,
         "topk": max(1, round(density * chunk * chunk)),
         "inner_momentum": {"muon": 0.95, "demuon": 0.8}.get(inner_optimizer, 0.0),
@@ -238,6 +245,21 @@ class TrainConfig:
         0.0, help="cosine/linear schedules end at this fraction of the learning rate", section=OUTER
     )
     lr_cycles: int = setting(1, help="cosine schedule: restarts, as this many equal cycles after warmup", section=OUTER)
+    topology: str = setting(
+        "star",
+        help="star: centralized rounds, the coordinator aggregates every contribution and takes the outer step; "
+        "ring, exponential or complete: gossip rounds, every worker trains a model of its own with the inner "
+        "optimizer and mixes it with its neighbours' on that graph by compressed gossip (CHOCO), the coordinator "
+        "relaying each message only to the sender's neighbours and keeping the consensus (the mean of the public "
+        "copies) for evaluation and export; the outer optimizer and spot checks are not used",
+        section=OUTER,
+        choices=TOPOLOGIES,
+    )
+    gossip_gamma: float | None = setting(
+        None,
+        help="gossip rounds: the consensus step size in (0, 1] (auto: 1 with --no-compression, else 0.5)",
+        section=OUTER,
+    )
 
     # Inner steps: local-SGD rounds of H steps on every worker between syncs
     inner_steps: int = setting(
@@ -549,6 +571,7 @@ class TrainConfig:
             outer_optimizer=self.outer_optimizer,
             inner_optimizer=self.inner_optimizer,
             target_chunk=self.target_chunk,
+            gossip=self.topology != "star",
         )
         for name in AUTO_FIELDS:
             if getattr(self, name) is None:
@@ -621,6 +644,10 @@ class TrainConfig:
                 "--stream-buckets streams gradient mode's gradient as the backward produces it; a local-SGD round "
                 "sends one pseudo-gradient after its inner steps (--fragments spreads that one over the round)"
             )
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"--topology must be one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
+        if self.gossip:
+            self._check_gossip()
         self.grace()  # validates --straggler-grace
         if not (math.isfinite(self.max_failed_seconds) and self.max_failed_seconds >= 0):
             raise ValueError(f"--max-failed-seconds must be >= 0, got {self.max_failed_seconds}")
@@ -650,6 +677,24 @@ class TrainConfig:
         if MAX_FRAGMENTS < self.fragments:
             raise ValueError(f"--fragments must be at most {MAX_FRAGMENTS}, got {self.fragments}")
 
+    def _check_gossip(self) -> None:
+        """Gossip rounds: the consensus step's default, and the settings of centralized rounds they exclude.
+        Spot checks recompute a gradient at the replica, which a gossip worker does not train: they are off."""
+        if self.gossip_gamma is None:
+            self.gossip_gamma = 1.0 if self.no_compression else 0.5
+        if not (math.isfinite(self.gossip_gamma) and 0 < self.gossip_gamma <= 1):
+            raise ValueError(f"--gossip-gamma must be in (0, 1], got {self.gossip_gamma}")
+        excluded = {
+            "--overlap": self.overlap,
+            "--fragments": self.fragments > 1,
+            "--stream-buckets": self.stream_buckets > 1,
+            "--balance steps": self.balance == "steps",
+            "--resume-from (gossip runs do not resume yet)": bool(self.resume_from),
+        }
+        if given := [flag for flag, on in excluded.items() if on]:
+            raise ValueError(f"--topology {self.topology} (gossip rounds) does not go with {', '.join(given)}")
+        self.spot_check_every = 0
+
     @property
     def eager(self) -> bool:
         """Eager overlapped local-SGD rounds (``--overlap``, ``--overlap-update`` eager or auto where it can be)."""
@@ -660,6 +705,16 @@ class TrainConfig:
     def _eager_possible(self) -> bool:
         """Workers can guess the update in flight: they replay the outer step, on the whole model."""
         return self.fragments == 1 and self.update_rule().replayable
+
+    @property
+    def gossip(self) -> bool:
+        """Gossip rounds (``--topology`` other than star): every worker keeps its own model."""
+        return self.topology != "star"
+
+    @property
+    def takes_inner_steps(self) -> bool:
+        """Orders carry inner steps: local-SGD rounds, and every gossip round (one inner step at H 1)."""
+        return self.local_sgd or self.gossip
 
     @property
     def local_sgd(self) -> bool:

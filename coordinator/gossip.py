@@ -13,16 +13,26 @@ rebuilds the graph for the present workers (``gossip.topology.graph``, in join o
 ``PublicCopies`` holds every member's public copy ``x^_j``, updated with every message the coordinator
 relays (it sees them all), so it can send a whole copy on re-linking and its mean is the consensus model
 that evaluation, checkpoints and export show.
+
+``GossipRounds`` is a run's memory between rounds: the copies, which copies each worker holds in step with
+the coordinator's, and the messages accepted last round. What a worker holds is known only after a round it
+completed: a worker that failed, was cut off or sat a round out gets every copy whole in its next round
+(its own too, which voids a message it sent that never arrived), and keeps its own model. A worker new to
+the graph starts from the consensus (or the run's start, before any message moved a copy).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 
 import torch
 
-from gradwire.gossip.topology import Graph
+from gradwire.compression import CompressedGradient, GradientCodec
+from gradwire.gossip import choco
+from gradwire.gossip.topology import Graph, graph
+from gradwire.protocol import GossipLinks, RoundResult
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,3 +107,115 @@ class PublicCopies:
             raise ValueError("no public copies")
         copies = list(self._copies.values())
         return {name: sum(c[name] for c in copies) / len(copies) for name in copies[0]}
+
+
+@dataclasses.dataclass(frozen=True)
+class GossipFinish:
+    """What one gossip round came to: the members whose message was accepted, why the others' were not,
+    and the consensus distance of the present members' public copies after it."""
+
+    accepted: tuple[str, ...]
+    refused: dict[str, str]
+    consensus_distance: float
+
+
+class GossipRounds:
+    """A gossip run's state on the coordinator (see the module): ``links`` plans a round, ``finish`` takes
+    its results."""
+
+    def __init__(self, kind: str, gamma: float, start: Mapping[str, torch.Tensor]) -> None:
+        self.kind, self.gamma = kind, gamma
+        self.start = {k: v.detach().float().clone() for k, v in start.items()}
+        self.copies = PublicCopies()
+        self.at_start: set[str] = set()  # members whose public copy is still the run's start: sent as a flag
+        self.held: dict[str, frozenset[str]] = {}  # member -> the copies it holds in step (its own among them)
+        self.accepted: dict[str, CompressedGradient] = {}  # last round's accepted messages, to relay
+        self.graph: Graph | None = None
+
+    def links(self, members: Sequence[str]) -> dict[str, GossipLinks]:
+        """Each member's links for this round, on the graph of ``members`` (in join order). Members new to
+        the graph get a public copy: the run's start while every copy is, else the consensus."""
+        for m in members:
+            if m not in self.copies:
+                if all(j in self.at_start for j in self.copies.members):
+                    self.copies.add(m, self.start)
+                    self.at_start.add(m)
+                else:
+                    self.copies.add(m, self.copies.consensus())
+        self.graph = graph(self.kind, members)
+        plans = plan_links(self.graph, {m: h - {m} for m, h in self.held.items()})
+        out = {}
+        for m, plan in plans.items():
+            holds_own = m in self.held.get(m, frozenset())
+            fresh = {j: self._whole(j) for j in plan.fresh}
+            if not holds_own:
+                fresh[m] = self._whole(m)
+            out[m] = GossipLinks(
+                m,
+                plan.weights,
+                self.gamma,
+                own_accepted=holds_own and m in self.accepted,
+                relays={j: self.accepted[j] for j in plan.relay if j in self.accepted},
+                fresh=fresh,
+                drop=plan.drop,
+            )
+        return out
+
+    def _whole(self, member: str) -> Mapping[str, torch.Tensor] | None:
+        return None if member in self.at_start else self.copies.copy_of(member)
+
+    def finish(self, results: Mapping[str, RoundResult | None], codec: GradientCodec) -> GossipFinish:
+        """Take a round's results, by member (``None``: no usable answer): each valid message moves its
+        sender's public copy and is relayed next round. Returns what was accepted and the consensus
+        distance after."""
+        assert self.graph is not None, "links before finish"
+        self.accepted, refused = {}, {}
+        held: dict[str, frozenset[str]] = {}
+        for m in self.graph.members:
+            result = results.get(m)
+            if result is None or result.gradient is None:
+                refused[m] = "no answer this round: every copy goes to it whole next round"
+                continue
+            held[m] = frozenset(self.graph.neighbours_of(m)) | {m}  # it took this round's links
+            q, why = _message(result.gradient, codec, self.start)
+            if q is None:
+                refused[m] = why
+                continue
+            self.copies.receive(m, q)
+            self.at_start.discard(m)
+            self.accepted[m] = result.gradient
+        self.held = held
+        present = [self.copies.copy_of(m) for m in self.graph.members]
+        return GossipFinish(tuple(self.accepted), refused, choco.consensus_distance(present))
+
+    def leave(self, present: Sequence[str]) -> tuple[str, ...]:
+        """Forget the members no longer in the run; returns them. Their neighbours are re-linked next round."""
+        gone = tuple(m for m in self.copies.members if m not in present)
+        for m in gone:
+            self.copies.remove(m)
+            self.held.pop(m, None)
+            self.accepted.pop(m, None)
+            self.at_start.discard(m)
+        return gone
+
+    def consensus(self) -> dict[str, torch.Tensor]:
+        """The run's model: the mean of the public copies (the start, before the first round)."""
+        return self.copies.consensus() if self.copies.members else dict(self.start)
+
+
+def _message(
+    payload: CompressedGradient, codec: GradientCodec, start: Mapping[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor] | None, str]:
+    """A gossip message decoded as every holder decodes it, or ``None`` and why it cannot be used."""
+    if payload.settings != codec.config:
+        return None, "its message was compressed with other codec settings than the run's"
+    try:
+        q = codec.decompress(payload)
+    except ValueError as e:
+        return None, f"its message does not decode: {e}"
+    if set(q) != set(start) or any(tuple(q[k].shape) != tuple(v.shape) for k, v in start.items()):
+        return None, "its message does not carry the model's tensors"
+    if not all(bool(torch.isfinite(t).all()) for t in q.values()):
+        return None, "its message has non-finite values"
+    norm = math.sqrt(sum(float(t.double().square().sum()) for t in q.values()))
+    return q, f"accepted (norm {norm:.3g})"

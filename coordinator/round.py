@@ -35,7 +35,7 @@ from gradwire.compression.stream import Pieces, StreamPlan
 from gradwire.coordinator.decisions import Grace, Standing, decide_close, decide_first_push, decide_sync
 from gradwire.coordinator.outer import OuterStrategy
 from gradwire.link import WorkerError, WorkerLink
-from gradwire.protocol import BEHIND, OK, LocalSteps, ModelState, ProtocolError, RoundResult, WorkOrder
+from gradwire.protocol import BEHIND, OK, GossipLinks, LocalSteps, ModelState, ProtocolError, RoundResult, WorkOrder
 from gradwire.replica import Fingerprint, StateUpdate
 
 log = logging.getLogger("gradwire.coordinator")
@@ -104,6 +104,7 @@ class RoundWork:
     redundant: tuple[int, ...] = ()  # a spot check by redundancy: these slots got the first one's rows
     next_local_steps: Mapping[int, LocalSteps] = dataclasses.field(default_factory=dict)  # with next_batches
     stream_buckets: int = 0  # gradient mode: the gradient streams in this many pieces (compression.stream)
+    gossip: Mapping[int, GossipLinks] = dataclasses.field(default_factory=dict)  # gossip rounds: a slot's links
 
     def local_steps_of(self, slot: int) -> LocalSteps | None:
         """Worker ``slot``'s inner steps (None: gradient mode)."""
@@ -138,6 +139,7 @@ class RoundWork:
             fingerprint_gradient=self.fingerprint_gradient,
             next_local_steps=self.next_local_steps.get(slot) if slot in self.next_batches else None,
             stream_buckets=self.stream_buckets if self.local_steps_of(slot) is None else 0,
+            gossip=self.gossip.get(slot),
         )
 
 

@@ -52,6 +52,14 @@ log = logging.getLogger("gradwire.coordinator")
 
 
 class Trainer:
+    def __new__(cls, config: TrainConfig, *args: object, **kwargs: object) -> Trainer:
+        """A gossip run's trainer (``--topology`` other than star) is a ``gossip_trainer.GossipTrainer``."""
+        if cls is Trainer and config.gossip:
+            from gradwire.coordinator.gossip_trainer import GossipTrainer  # it builds on this module
+
+            cls = GossipTrainer
+        return super().__new__(cls)
+
     def __init__(
         self,
         config: TrainConfig,
@@ -111,7 +119,7 @@ class Trainer:
         self.progress = progress
         self.status: StatusBoard | None = None  # --status-port: what the status page shows
         self.interrupted = False  # run() stopped early on request_stop
-        self.last_checkpoint: Path | None = None
+        self.last_checkpoint: Path | None = None  # none in gossip runs
         self._stop = threading.Event()
         self._exact = False  # replays in float64 (decisions.replay_precision), as last decided
         self._compressed: bool | None = None  # one aggregate down (decisions.decide_downlink), as last decided
@@ -180,7 +188,7 @@ class Trainer:
                 recorder.append(record)
                 records.append(record)
                 if not self._stop.is_set():
-                    self.checkpoints.maybe_save(self.position, self.slots)
+                    self.maybe_save_checkpoint()
             self.last_checkpoint = self.save_checkpoint()
             if self._stop.is_set() and self.step < cfg.steps:
                 self.roster.close_sessions(self.run_id, timeout=min(10.0, cfg.round_timeout))
@@ -320,27 +328,34 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss of the current model on the held-out batches (on the coordinator)."""
-        self.flush()
-        cfg = self.config
-        was_training = self.model.training
-        self.model.eval()
+        model, cfg = self.shown_model(), self.config
+        was_training = model.training
+        model.eval()
         try:
             batches = self.data.val_batches(cfg.batch_size, cfg.sequence_length, cfg.eval_batches)
-            losses = [float(lm_loss(self.model, torch.from_numpy(b.astype("int64")))) for b in batches]
+            losses = [float(lm_loss(model, torch.from_numpy(b.astype("int64")))) for b in batches]
         finally:
-            self.model.train(was_training)
+            model.train(was_training)
         loss = sum(losses) / len(losses)
         if self.status is not None:
             self.status.held_out(self.step, loss)
         return loss
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self) -> Path | None:
         return self.checkpoints.save(self.position, self.slots)
+
+    def maybe_save_checkpoint(self) -> None:
+        """A checkpoint every ``--checkpoint-every`` rounds (``checkpointer.RunCheckpointer.maybe_save``)."""
+        self.checkpoints.maybe_save(self.position, self.slots)
+
+    def shown_model(self) -> torch.nn.Module:
+        """The model the run shows (evaluation, ``final/``): the coordinator's, with its pending update."""
+        self.flush()
+        return self.model
 
     def save_final(self) -> Path:
         """The trained model and its tokenizer in <output_dir>/final (``export.load_exported`` reads it)."""
-        self.flush()
-        return export_model(self.model, self.spec, self.output_dir / "final", tokenizer=self.tokenizer)
+        return export_model(self.shown_model(), self.spec, self.output_dir / "final", tokenizer=self.tokenizer)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

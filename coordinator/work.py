@@ -89,11 +89,11 @@ class WorkPlanner:
             next_plan = self.plan(step + 1, slots)
             self.data.set_layout((step + 1) * cfg.round_steps, self._layout(next_plan))
             next_batches = {s.index: self.batch(step + 1, i, s.ranks) for i, s in enumerate(slots)}
-            if cfg.local_sgd:
+            if cfg.takes_inner_steps:
                 common, own = self._local_steps(step + 1, next_plan, slots)
                 next_steps = {s.index: own.get(s.index, common) for s in slots}
         redundant = self._redundant(step, slots, batches)
-        local_steps, own_steps = self._local_steps(step, plan, slots) if cfg.local_sgd else (None, {})
+        local_steps, own_steps = self._local_steps(step, plan, slots) if cfg.takes_inner_steps else (None, {})
         # A share above --batch-size per rank goes through in micro-batches of it: no forward larger than
         # the one the batch size was chosen for (and one micro-batch, the whole batch, up to it).
         micro = cfg.micro_batch_size or (cfg.batch_size if cfg.balance != "off" else 0)
@@ -107,7 +107,7 @@ class WorkPlanner:
             micro_batch_size=micro,
             sync_tolerance=cfg.sync_tolerance,
             compute_before_update=cfg.overlap,
-            clip_grad_norm=0.0 if cfg.local_sgd else cfg.clip_grad_norm,  # local steps clip every inner step
+            clip_grad_norm=0.0 if cfg.takes_inner_steps else cfg.clip_grad_norm,  # local steps clip every inner step
             slot_local_steps=own_steps,
             fingerprint_gradient=self.fingerprint_gradient,
             redundant=redundant,

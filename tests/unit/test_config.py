@@ -212,3 +212,20 @@ def test_a_new_field_is_all_a_flag_needs(
     (group,) = [g for g in train._action_groups if g.title == ROUND_POLICY]
     assert {"--straggler-policy", "--patience"} <= {o for a in group._group_actions for o in a.option_strings}
     assert "seconds of patience (default: 1.5)" in train.format_help()
+
+
+def test_gossip_rounds_take_their_defaults_and_refuse_what_centralized_rounds_alone_do() -> None:
+    ring = TrainConfig(topology="ring", inner_steps=3)
+    assert ring.gossip and ring.takes_inner_steps and not TrainConfig().gossip
+    assert (ring.gossip_gamma, ring.topk, ring.bins, ring.spot_check_every) == (0.5, 512, 16, 0)
+    assert TrainConfig(topology="complete", no_compression=True).gossip_gamma == 1.0
+    assert TrainConfig(topology="ring").takes_inner_steps  # one inner step a round at H 1
+    for flags, named in [
+        (dict(overlap=True), "--overlap"),
+        (dict(inner_steps=4, fragments=2), "--fragments"),
+        (dict(resume_from="runs/x"), "--resume-from"),
+        (dict(gossip_gamma=1.5), "--gossip-gamma"),
+        (dict(topology="torus"), "--topology"),
+    ]:
+        with pytest.raises(ValueError, match=named):
+            TrainConfig(**{"topology": "ring", **flags})

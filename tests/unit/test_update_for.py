@@ -15,7 +15,7 @@ from gradwire.coordinator.round import RoundWork
 from gradwire.models import build_from_spec, resolve_model
 from gradwire.optim.inner import InnerOptimizerConfig
 from gradwire.optim.outer import UpdateRule
-from gradwire.protocol import PROTOCOL_VERSION, LocalSteps, WorkOrder, order_from_proto, order_to_proto
+from gradwire.protocol import PROTOCOL_VERSION, GossipLinks, LocalSteps, WorkOrder, order_from_proto, order_to_proto
 from gradwire.replica import Fingerprint, Replica, StateUpdate
 
 CODEC = CodecConfig(topk=16)
@@ -186,6 +186,7 @@ def test_a_gradient_mode_order_carries_the_rounds_values() -> None:
         "fingerprint_gradient": True,
         "next_local_steps": None,  # gradient mode
         "stream_buckets": 4,
+        "gossip": None,  # a centralized round
     }
     order = work.order("run-a", 3, 4, update, fingerprint, missed)
     check_fields(
@@ -239,10 +240,15 @@ def test_a_local_sgd_order_carries_its_inner_steps() -> None:
             "fingerprint_gradient": False,
             "next_local_steps": None,
             "stream_buckets": 0,
+            "gossip": None,
         },
     )
     assert order.inner_steps == 2
     assert order_from_proto(order_to_proto(order)).local_steps == local
+    # A gossip round: each slot's own links go into its order, and nowhere else.
+    links = GossipLinks("1", {"0": 1 / 3, "2": 1 / 3}, 0.5, fresh={"1": None, "0": None, "2": None})
+    gossip = dataclasses.replace(work, gossip={1: links}).order("run-b", 1, 0, None, fingerprint)
+    assert gossip.gossip == links and order_from_proto(order_to_proto(gossip)).gossip == links
 
 
 def test_an_overlapped_local_sgd_order_announces_the_next_rounds_rows_and_inner_steps() -> None:

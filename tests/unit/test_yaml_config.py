@@ -221,6 +221,7 @@ def test_the_choices_are_those_of_the_settings() -> None:
         "spot_check_by",
         "overlap_update",
         "msgn",
+        "topology",
     }
 
 
