@@ -107,6 +107,8 @@ EVAL_BATCHES = 16
 EVAL_POINTS = 10  # held-out evaluations along each run, at the same token counts for every method
 # The issue's targets: (largest relative loss gap, smallest uplink reduction) against dense fp32 gradients.
 TARGETS = {"sparseloco": (0.03, 3000.0), "demo": (0.02, 180.0)}
+# Gossip rounds' targets: the consensus's held-out loss at most this much above the centralized round's.
+GOSSIP_TARGETS = {"complete": 0.005, "exponential": 0.02, "ring": float("inf")}
 
 WARMUP_FRACTION = 0.05  # of --steps-total: linear warmup, in inner steps (= steps in gradient mode)
 
@@ -190,7 +192,20 @@ METHODS["sparseloco-down"] = dict(METHODS["sparseloco"], downlink="compressed")
 METHODS["sparseloco-overlap"] = dict(METHODS["sparseloco"], overlap=True, overlap_update="delayed")
 METHODS["sparseloco-eager"] = dict(METHODS["sparseloco"], overlap=True, overlap_update="eager")
 METHODS["sparseloco-fragments"] = dict(METHODS["sparseloco"], fragments=2)
+# Gossip rounds (--topology): every worker trains its own model and mixes with its graph neighbours; the
+# consensus (the mean of the public copies) is what is evaluated. Compared with "averaging", the centralized
+# round at the same H and inner optimizer, uncompressed: what mixing with neighbours only costs. "-demuon":
+# DeMuon inside (lr 0.02 here: AdamW's 1e-3 is for Adam's normalized steps).
+GOSSIP_METHODS = {}
+for _graph in ("ring", "exponential", "complete"):
+    GOSSIP_METHODS[f"gossip-{_graph}"] = dict(_LOCAL, inner_steps=120, topology=_graph)
+    GOSSIP_METHODS[f"gossip-{_graph}-demuon"] = dict(
+        GOSSIP_METHODS[f"gossip-{_graph}"], inner_optimizer="demuon", inner_learning_rate=0.02
+    )
+GOSSIP_METHODS["averaging-demuon"] = dict(METHODS["averaging"], inner_optimizer="demuon", inner_learning_rate=0.02)
+METHODS.update(GOSSIP_METHODS)
 LOCAL_METHODS = (
+    *GOSSIP_METHODS,
     "diloco",
     "averaging",
     "sparseloco",
@@ -319,6 +334,17 @@ def run_method(name: str, config: TrainConfig, workers: int = WORKERS) -> dict[s
             )
         },
         "curve": curve,
+        # gossip rounds: how far the workers' public copies are from their consensus at the end, and the most
+        # payloads a worker was relayed in a round
+        **(
+            {
+                "consensus_distance": records[-1]["consensus_distance"],
+                "relayed_payloads_max": max(max(r["relayed_payloads"].values()) for r in records),
+                "bytes_down_per_worker_round": bytes_down / len(records),
+            }
+            if config.gossip
+            else {}
+        ),
     }
 
 
@@ -339,6 +365,12 @@ def compare(results: dict[str, dict[str, Any]], dense_bytes_per_token: float) ->
             )
         if name in SYNC_METHODS and dense is not None and "sparseloco" in results:
             r["cost_vs_sparseloco_points"] = 100 * (r["loss_gap_vs_dense"] - results["sparseloco"]["loss_gap_vs_dense"])
+    for name, r in results.items():
+        central = results.get("averaging-demuon" if name.endswith("-demuon") else "averaging")
+        if name.startswith("gossip-") and central is not None and central["inner_steps"] == r["inner_steps"]:
+            r["gap_vs_centralized"] = (r["eval_loss"] - central["eval_loss"]) / central["eval_loss"]
+            r["target_gap_vs_centralized"] = GOSSIP_TARGETS[name.split("-")[1]]
+            r["meets_target"] = r["gap_vs_centralized"] <= r["target_gap_vs_centralized"]
     for name, r in results.items():
         if name in TARGETS and dense:
             gap, reduction = TARGETS[name]
@@ -426,7 +458,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="text file to train on in stream order, or its .gz (decompressed once into --output-dir/data) "
         "(default: the shipped complete works, benchmarks/data/shakespeare_complete.txt.gz)",
     )
-    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ", ".join(METHODS))
+    parser.add_argument(
+        "--methods",
+        default=",".join(m for m in METHODS if m not in GOSSIP_METHODS),
+        help="comma-separated subset of " + ", ".join(METHODS) + " (default: all but the gossip ones)",
+    )
     parser.add_argument(
         "--set",
         action="append",

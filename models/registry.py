@@ -45,6 +45,9 @@ _SPECS: dict[str, dict[str, Any]] = {
     # benchmarks.quality's model: 5.5M parameters, 3.4M in the blocks and 2.1M in the (tied) embedding;
     # small enough to train every method to a comparable loss on a CPU.
     "gpt-5m": _gpt(vocab_size=8192, n_layer=4, n_head=4, d_model=256, d_ff=768, max_seq_len=256),
+    # The decentralized seed experiment's shape (configs/gossip-ring.yaml): 2 layers of d_model 256, 4.2M
+    # parameters, 2.1M in the blocks and 2.1M in the (tied) embedding.
+    "gpt-2x256": _gpt(vocab_size=8192, n_layer=2, n_head=4, d_model=256, d_ff=1024, max_seq_len=256),
     # Default model for CPU runs and benchmarks. 29.4M parameters in all: 25.2M in the blocks and 4.2M in
     # the (tied) embedding.
     "gpt-10m": _gpt(vocab_size=8192, n_layer=6, n_head=8, d_model=512, d_ff=2048, max_seq_len=512),
