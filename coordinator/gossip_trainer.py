@@ -114,7 +114,7 @@ class GossipTrainer(Trainer):
             self._shown = copy.deepcopy(self.model)
         consensus = self.gossip.consensus()
         with torch.no_grad():
-            for (name, p), _ in zip(self._shown.named_parameters(), self.replica.params):
+            for name, p in self._shown.named_parameters():
                 p.copy_(consensus[name])
         return self._shown
 
