@@ -69,10 +69,6 @@ class GossipNode:
         """Its own message reached every holder: ``x^_i += q``, as they all add it."""
         choco.receive(self.own, q)
 
-    def residual(self, model: Tensors) -> float:
-        """``|x_i - x^_i|^2``: what the node's messages have not carried yet."""
-        return float(sum(float((model[k].float() - v).square().sum()) for k, v in self.own.items()))
-
     def state_tensors(self) -> dict[str, torch.Tensor]:
         out = {f"own/{k}": v.clone() for k, v in self.own.items()}
         for member, copy in sorted(self.copies.items()):
