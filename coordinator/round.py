@@ -220,7 +220,9 @@ class RoundDispatcher:
         cut_off = {slot.index: threading.Event() for slot in slots}  # set for a straggler: make no further call
         start = time.monotonic()
         futures = [
-            self.pool.submit(self._work, slot, work, pushed.get(slot.index), applied, cut_off[slot.index], stream)
+            self.pool.submit(
+                self._timed, start, slot, work, pushed.get(slot.index), applied, cut_off[slot.index], stream
+            )
             for slot in slots
         ]
         try:
@@ -270,16 +272,30 @@ class RoundDispatcher:
             done, waiting = wait_for(
                 waiting, timeout=None if wait == float("inf") else wait, return_when=FIRST_COMPLETED
             )
-            now = time.monotonic() - start
-            for f in done:
-                f.result().seconds = now
-            arrivals += [now for f in done if f.result().result is not None]
+            arrivals += [f.result().seconds for f in done if f.result().result is not None]
         for f in waiting:
             cut_off[by_future[f].index].set()  # before the cancel: a call it has not started yet never starts
             by_future[f].client.cancel()
         if waiting:
             log.info("step %d: %s", step, why)
         return {by_future[f].index for f in waiting}
+
+    def _timed(
+        self,
+        start: float,
+        slot: WorkerSlot,
+        work: RoundWork,
+        push: _Push | None,
+        applied: threading.Event,
+        cut_off: threading.Event,
+        stream: StreamPlan | None,
+    ) -> SlotOutcome:
+        """``_work``, its outcome stamped with the seconds from ``start`` on its own dispatch thread as the
+        answer comes in: not when the round's thread next looks (it may be busy applying the pending update
+        then, and two workers finishing during that would look equally fast to the balancer and the grace)."""
+        outcome = self._work(slot, work, push, applied, cut_off, stream)
+        outcome.seconds = time.monotonic() - start
+        return outcome
 
     def _work(
         self,

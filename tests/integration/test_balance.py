@@ -4,13 +4,16 @@ stream trained exactly once (the row ledger)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.inputs import load_inputs
 from gradwire.coordinator.metrics import read_metrics
+from gradwire.coordinator.outer import OuterStrategy
 from gradwire.coordinator.round import RoundWork
 from gradwire.coordinator.trainer import Trainer
 from gradwire.worker.engine import WorkerEngine
@@ -141,3 +144,26 @@ def test_a_resumed_run_sends_the_rows_the_run_that_went_on_sends_next(tmp_path: 
     assert [b.shape for b in work.batches.values()] == [b.shape for b in ledger[7]]
     for a, b in zip(work.batches.values(), ledger[7]):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_coordinator_busy_applying_the_update_still_times_each_worker_by_its_own_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both answers come in while the round's own thread applies the pending update (slowed here past both
+    workers' rounds): each is timed when it arrived, not when that thread next looked, so the balancer
+    still sees the slowed worker as the slower (timed at the look, both were equally fast and no share
+    ever moved: a CI run saw exactly that)."""
+    applied = OuterStrategy.apply_pending
+
+    def busy(self: OuterStrategy, *args: object, **kwargs: object) -> None:
+        applied(self, *args, **kwargs)  # type: ignore[arg-type]
+        time.sleep(0.8)
+
+    monkeypatch.setattr(OuterStrategy, "apply_pending", busy)
+    trainer, _, slowed = _run(_config(tmp_path, batch_size=8, steps=3), factor=2.0)
+    records = read_metrics(tmp_path / "run")
+    fast, slow = (s.client.address for s in trainer.slots)
+    assert slowed and len(records) == 3
+    for r in records[1:]:
+        rates = r["worker_tokens_per_sec"]
+        assert rates[slow] * 1.3 < rates[fast], rates
