@@ -151,12 +151,12 @@ class OuterStrategy(abc.ABC):
         self.base_version, self.base_fingerprint = target, target_fingerprint
         return norm
 
-    def rebase(self, pending: StateUpdate | None = None) -> None:
+    def rebase(self, pending: StateUpdate | None = None, senders: tuple[int, ...] = (), sent_in: int = -1) -> None:
         """After a resume: the replica as loaded is every worker's base, with ``pending`` (an --overlap
-        checkpoint's update in flight) or nothing pending."""
+        checkpoint's update in flight, whose payloads ``senders`` sent in round ``sent_in``) or nothing pending."""
         self.pending = pending
         self._behind = None
-        self._senders, self._sent_in = (), -1
+        self._senders, self._sent_in = senders, sent_in
         self.history.clear()
         self.base_version = self.replica.version
         self.base_fingerprint = self._target_fingerprint = self.replica.fingerprint()
@@ -164,9 +164,17 @@ class OuterStrategy(abc.ABC):
     # ------------------------------------------------------------------------------------------ state
 
     def model_state(
-        self, run_id: str, spec: dict, feedback: dict[str, torch.Tensor], inner_optimizer: dict[str, torch.Tensor]
+        self,
+        run_id: str,
+        spec: dict,
+        feedback: dict[str, torch.Tensor],
+        inner_optimizer: dict[str, torch.Tensor],
+        slot: int | None = None,
     ) -> ModelState:
-        """The replica's full state (at its current version), for a push to a worker."""
+        """The replica's full state (at its current version), for a push to worker ``slot``. Pushed at the base
+        version while a replay is pending (a resumed run's first round), it carries the slot's own payload of
+        that replay: the worker holds it as if it had sent it, so the round goes on as it would have (its
+        order leaves that payload out; an eager round starts from it)."""
         params = {n: p.detach() for n, p in self.replica.params.items()}
         momentum = {f"momentum.{i}": m for i, m in enumerate(self.replica.momentum)}
         return ModelState(
@@ -178,7 +186,17 @@ class OuterStrategy(abc.ABC):
             momentum,
             feedback,
             inner_optimizer,
+            own=self._own_payload(slot),
         )
+
+    def _own_payload(self, slot: int | None) -> tuple[int, CompressedGradient] | None:
+        """``slot``'s payload in the pending replay, with its round, if a push now leaves the replay to come."""
+        pending = self.pending
+        if pending is None or pending.delta is not None or slot not in self._senders:
+            return None
+        if self.replica.version != self.base_version:  # pushed past it: no update follows
+            return None
+        return self._sent_in, pending.payloads[self._senders.index(slot)]
 
     def codec_of(self, fragment: Fragment | None) -> GradientCodec:
         """The codec of a round's payloads: the run's, or a fragment's (``--fragments``)."""
@@ -204,7 +222,12 @@ class OuterStrategy(abc.ABC):
         groups[self._replica_group] = {n: p.detach() for n, p in params.items()}
         groups["optimizer"].update({f"momentum.{i}": m for i, m in enumerate(momentum)})
         message = protocol.update_to_bytes(self.pending)
-        groups["pending"] = {"update": torch.frombuffer(bytearray(message), dtype=torch.uint8)}
+        groups["pending"] = {
+            "update": torch.frombuffer(bytearray(message), dtype=torch.uint8),
+            # who sent its payloads, by slot, and in which round: a resumed worker gets its own back
+            "senders": torch.tensor(self._senders, dtype=torch.int64),
+            "sent_in": torch.tensor([self._sent_in], dtype=torch.int64),
+        }
         return groups
 
     def restore(self, tensors: TensorGroups, version: int) -> None:
@@ -212,10 +235,15 @@ class OuterStrategy(abc.ABC):
             for name, p in self.model.named_parameters():
                 p.copy_(tensors["model"][name])
         self._restore(tensors, version)
-        pending = None
+        pending, senders, sent_in = None, (), -1
         if "pending" in tensors:  # an --overlap checkpoint: the first round computes here, then applies it
-            pending = protocol.update_from_bytes(tensors["pending"]["update"].numpy().tobytes())
-        self.rebase(pending)
+            group = tensors["pending"]
+            pending = protocol.update_from_bytes(group["update"].numpy().tobytes())
+            if "senders" in group and group["senders"].numel() and pending.delta is None:
+                senders, sent_in = tuple(int(s) for s in group["senders"].tolist()), int(group["sent_in"].item())
+                if len(senders) != len(pending.payloads):
+                    raise ValueError(f"checkpoint: {len(senders)} senders for {len(pending.payloads)} payloads")
+        self.rebase(pending, senders, sent_in)
 
     @abc.abstractmethod
     def _next_update(self, aggregator: Aggregate, replay: StateUpdate, compressed: bool) -> StateUpdate:

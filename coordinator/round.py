@@ -189,7 +189,9 @@ class RoundDispatcher:
 
     def state_for(self, slot: WorkerSlot) -> ModelState:
         """The full state for a push to ``slot``, with what a resumed run restores on that worker."""
-        return self.outer.model_state(self.run_id, self.spec, slot.feedback or {}, slot.inner_optimizer or {})
+        return self.outer.model_state(
+            self.run_id, self.spec, slot.feedback or {}, slot.inner_optimizer or {}, slot=slot.index
+        )
 
     def prepare(self, slots: Sequence[WorkerSlot], step: int) -> RoundPlan:
         """Which of ``slots`` work this round: not those receiving the state in the background. Starts the

@@ -286,10 +286,13 @@ class ModelState:
     feedback: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     inner_optimizer: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     protocol_version: int = PROTOCOL_VERSION
+    # (round, payload): the receiver's own payload in the update in flight, which it keeps as if it had sent
+    # it (a resumed --overlap run's push); None: it holds none.
+    own: tuple[int, CompressedGradient] | None = None
 
 
 def state_to_proto(s: ModelState) -> pb.ModelState:
-    return pb.ModelState(
+    m = pb.ModelState(
         protocol_version=s.protocol_version,
         run_id=s.run_id,
         version=s.version,
@@ -300,6 +303,19 @@ def state_to_proto(s: ModelState) -> pb.ModelState:
         feedback=tensors_to_proto(s.feedback),
         inner_optimizer=tensors_to_proto(s.inner_optimizer),
     )
+    if s.own is not None:
+        m.own_round = s.own[0]
+        m.own_payload.CopyFrom(codec_serde.gradient_to_proto(s.own[1]))
+    return m
+
+
+def own_from_proto(m: pb.ModelState) -> tuple[int, CompressedGradient] | None:
+    """A pushed state's ``own`` payload, its bytes checked as any payload's (``ModelState.own``)."""
+    if not m.HasField("own_payload"):
+        if m.own_round:
+            raise ProtocolError(f"model state names own_round {m.own_round} but carries no own_payload")
+        return None
+    return m.own_round, codec_serde.gradient_from_proto(m.own_payload)
 
 
 def state_from_proto(m: pb.ModelState) -> ModelState:
@@ -315,6 +331,7 @@ def state_from_proto(m: pb.ModelState) -> ModelState:
         tensors_from_proto(m.feedback, "feedback"),
         tensors_from_proto(m.inner_optimizer, "inner_optimizer"),
         m.protocol_version,
+        own_from_proto(m),
     )
 
 

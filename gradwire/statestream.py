@@ -25,6 +25,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from gradwire import protocol
+from gradwire.compression import CompressedGradient
 from gradwire.protocol import PART_BYTES, ModelState, ProtocolError
 from gradwire.v1 import worker_pb2 as pb
 
@@ -47,10 +48,13 @@ class StateHeader:
     model_json: str
     update_rule_json: str
     protocol_version: int = protocol.PROTOCOL_VERSION
+    own: tuple[int, CompressedGradient] | None = None  # ModelState.own
 
     @classmethod
     def of(cls, state: ModelState) -> StateHeader:
-        return cls(state.run_id, state.version, state.model_json, state.update_rule_json, state.protocol_version)
+        return cls(
+            state.run_id, state.version, state.model_json, state.update_rule_json, state.protocol_version, state.own
+        )
 
 
 # ------------------------------------------------------------------------------------------- sending
@@ -190,7 +194,8 @@ def decode_header(piece: bytes) -> StateHeader:
             raise ProtocolError(
                 f"model state has no {field} before its tensors (a streamed state sends its other fields first)"
             )
-    return StateHeader(m.run_id, m.version, m.model_json, m.update_rule_json, m.protocol_version)
+    own = protocol.own_from_proto(m)
+    return StateHeader(m.run_id, m.version, m.model_json, m.update_rule_json, m.protocol_version, own)
 
 
 def decode_tensor(piece: bytes) -> tuple[str, str, torch.Tensor]:

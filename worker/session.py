@@ -115,7 +115,8 @@ class Session:
         self._version = header.version
         self.vocab_size = _vocab_size(whole if self.stage is not None else model)  # a stage may lack the embedding
         self.feedback = ErrorFeedback()
-        self.last_sent: tuple[int, CompressedGradient] | None = None  # (round, payload) of the last result
+        # (round, payload) of the last result; a push may bring it (a resumed --overlap run: ModelState.own)
+        self.last_sent: tuple[int, CompressedGradient] | None = header.own
         self.fingerprint_ahead: Future[Fingerprint] | None = None  # the replica's, being taken after a round
         self.sent_decoded: Future[DecodedGradient] | None = None  # last_sent's payload, decoded after the round
         self.lookahead: Lookahead | None = None  # --overlap: the next round's contribution, computed ahead

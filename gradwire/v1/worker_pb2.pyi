@@ -119,7 +119,7 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ModelState(_message.Message):
-    __slots__ = ("protocol_version", "run_id", "version", "model_json", "parameters", "update_rule_json", "optimizer_state", "feedback", "inner_optimizer")
+    __slots__ = ("protocol_version", "run_id", "version", "model_json", "parameters", "update_rule_json", "optimizer_state", "feedback", "inner_optimizer", "own_payload", "own_round")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,8 @@ class ModelState(_message.Message):
     OPTIMIZER_STATE_FIELD_NUMBER: _ClassVar[int]
     FEEDBACK_FIELD_NUMBER: _ClassVar[int]
     INNER_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    OWN_PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    OWN_ROUND_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     run_id: str
     version: int
@@ -138,7 +140,9 @@ class ModelState(_message.Message):
     optimizer_state: _containers.RepeatedCompositeFieldContainer[Tensor]
     feedback: _containers.RepeatedCompositeFieldContainer[Tensor]
     inner_optimizer: _containers.RepeatedCompositeFieldContainer[Tensor]
-    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., version: _Optional[int] = ..., model_json: _Optional[str] = ..., parameters: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., update_rule_json: _Optional[str] = ..., optimizer_state: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., feedback: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., inner_optimizer: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+    own_payload: _codec_pb2.CompressedGradient
+    own_round: int
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., version: _Optional[int] = ..., model_json: _Optional[str] = ..., parameters: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., update_rule_json: _Optional[str] = ..., optimizer_state: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., feedback: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., inner_optimizer: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., own_payload: _Optional[_Union[_codec_pb2.CompressedGradient, _Mapping]] = ..., own_round: _Optional[int] = ...) -> None: ...
 
 class PushStateReply(_message.Message):
     __slots__ = ("version", "fingerprint")

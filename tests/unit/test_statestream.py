@@ -3,6 +3,7 @@ piece while the parts are still arriving, and a broken stream is refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Iterator
 
@@ -170,3 +171,23 @@ def test_a_rank_keeps_of_a_streamed_state_what_it_keeps_of_a_whole_one() -> None
 def test_a_small_message_serialized_in_streamed_order_is_what_state_parts_sends() -> None:
     s = state()
     assert statestream.serialize(protocol.state_to_proto(s)) == protocol.join_parts(statestream.state_parts(s), 1 << 30)
+
+
+def test_a_pushed_payload_of_its_own_travels_in_the_header_and_a_round_without_it_is_refused() -> None:
+    """``ModelState.own`` (a resumed run's push while an update is in flight) comes out with the header,
+    before any tensor, its payload's bytes as sent; an ``own_round`` with no payload is refused."""
+    from gradwire.compression import CodecConfig, GradientCodec, serde
+
+    codec = GradientCodec({"emb": (300, 70)}, CodecConfig())
+    payload = codec.compress({"emb": torch.randn(300, 70, generator=torch.Generator().manual_seed(1))})
+    s = dataclasses.replace(state(), own=(5, payload))
+    pieces = statestream.read_state(iter(statestream.state_parts(s, 1000)), 1 << 30)
+    header = statestream.decode_header(next(pieces))
+    assert header.own is not None and header.own[0] == 5
+    assert serde.gradient_to_bytes(header.own[1]) == serde.gradient_to_bytes(payload)
+    assert len(list(pieces)) == len(tensors(s))  # the tensors follow as before
+    bare = protocol.state_to_proto(dataclasses.replace(state(), parameters={}, optimizer_state={}))
+    assert statestream.decode_header(bare.SerializeToString()).own is None
+    bare.own_round = 4
+    with pytest.raises(ProtocolError, match="own_round 4 but carries no own_payload"):
+        statestream.decode_header(bare.SerializeToString())

@@ -122,6 +122,25 @@ def test_after_rebase_nothing_is_pending_or_left_out(spec: dict) -> None:
     assert outer.base_fingerprint == outer.replica.fingerprint()
 
 
+def test_a_push_before_the_pending_replay_carries_the_slots_own_payload_and_survives_a_checkpoint(spec: dict) -> None:
+    """A sender pushed at the base version (a resumed run's first round) gets its own payload of the pending
+    replay with the state, so the order that leaves it out still applies; pushed past the replay, or a slot
+    that sent nothing, gets none. An --overlap checkpoint keeps who sent which payload."""
+    outer = outer_for(spec)
+    sent = payloads(outer, 2, seed=8)
+    step(outer, sent, (1.0, 1.0), senders=(3, 1), round=4)
+    assert outer.model_state("run", spec, {}, {}, slot=1).own == (4, sent[1])
+    assert outer.model_state("run", spec, {}, {}, slot=0).own is None  # not a sender of that round
+    groups = outer.checkpoint_behind()
+    resumed = outer_for(spec)
+    resumed.restore(groups, outer.base_version)
+    assert resumed.update_for(3) == outer.update_for(3) and resumed.update_for(3).own == (0, 4)
+    state = resumed.model_state("run", spec, {}, {}, slot=3)
+    assert state.own is not None and state.own[0] == 4 and state.own[1] == sent[0]
+    outer.apply_pending()  # past the replay: the state already holds it, and no update follows
+    assert outer.model_state("run", spec, {}, {}, slot=1).own is None
+
+
 def test_senders_must_match_the_payloads(spec: dict) -> None:
     outer = outer_for(spec)
     step(outer, payloads(outer, 2, seed=7), (1.0, 1.0), senders=(0, 1), round=0)
