@@ -11,6 +11,10 @@ clip's scale needs the whole gradient's norm first). Elsewhere (a node's gradien
 all-reduce, a gradient computed ahead, a clipped one) every bucket is compressed after the compute, in the
 same pieces: the payload and the error feedback's layout are the same either way.
 
+On a GPU the buckets are compressed on a CUDA stream of their own, each after an event recorded where the
+backward produced its gradients: the codec's kernels run beside the backward's instead of queueing behind
+them on the stream they share.
+
 A round that fails after some buckets were compressed (cancelled, a NaN further on) has moved their error
 feedback as a payload lost on the way would have; ``settle`` waits for them so that nothing writes to the
 feedback once the round is over.
@@ -43,6 +47,8 @@ class BucketStream:
         self._left = [len(names) for names in plan.buckets]
         self._pieces: dict[int, Future[CompressedGradient]] = {}
         self._lock = threading.Lock()  # hooks of one backward may fire on several autograd threads
+        device = plan.codec.device
+        self._side = _side_stream(device) if device.type == "cuda" else None
 
     @contextlib.contextmanager
     def hooks(self, params: Mapping[str, torch.nn.Parameter]) -> Iterator[None]:
@@ -86,10 +92,32 @@ class BucketStream:
                 future.result()
 
     def _send(self, b: int, grads: Mapping[str, torch.Tensor]) -> None:
+        side, ready = self._side, None
+        if side is not None:  # the gradients are done where the backward queued them: mark that point
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(side.device))
+
         def compress() -> CompressedGradient:
-            piece = self.plan.compress(b, grads, self.feedback)
+            if side is None:
+                piece = self.plan.compress(b, grads, self.feedback)
+            else:
+                side.wait_event(ready)
+                with torch.cuda.stream(side):
+                    piece = self.plan.compress(b, grads, self.feedback)
+                side.synchronize()  # the error feedback's update too, before any other stream reads it
             if self.emit is not None:
                 self.emit(piece)
             return piece
 
         self._pieces[b] = self.executor.submit(compress)
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The encode's own CUDA stream on ``device``, one per process (the encode thread is one)."""
+    device = torch.device(device.type, device.index if device.index is not None else torch.cuda.current_device())
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]

@@ -6,6 +6,7 @@ GPU, bf16 autocast, the codec on the device, and a node of NCCL ranks when the b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -78,3 +79,29 @@ def test_a_two_gpu_nccl_node_computes_what_one_gpu_computes(tmp_path):
         got = replica.codec(DENSE_CODEC).decompress(result.gradient)
     for name in reference:
         torch.testing.assert_close(got[name], reference[name], atol=1e-4, rtol=1e-3)
+
+
+def test_a_gradient_streamed_on_the_gpu_is_the_payload_sent_whole():
+    """Streamed on a GPU, each bucket is compressed on the encode's own CUDA stream while the backward goes
+    on (worker.streaming): put together, the pieces are the payload one message carries, round after round
+    (the error feedback moved alike), to the GPU's own noise. A GPU's backward is not bit-deterministic (the
+    embedding's gradient sums with atomics): on an H200 two whole-payload runs differ by ~5e-9 after
+    decoding, and so does the streamed one; on a CPU the pieces are the payload byte for byte
+    (tests/integration/test_streaming.py)."""
+    replica, state = _state()
+    codec = replica.codec(CodecConfig())
+    sent: dict[int, list] = {}
+    for buckets in (0, 4):
+        engine = WorkerEngine("cuda:0")
+        engine.push_state(state)
+        pieces: list = []
+        sent[buckets] = []
+        for r in range(3):
+            order = dataclasses.replace(_order(replica, CodecConfig()), round=r, stream_buckets=buckets)
+            result = engine.run_round(order, emit=pieces.append if buckets else None)
+            assert result.status == OK
+            sent[buckets].append(codec.decompress(result.gradient))
+        assert len(pieces) >= 6 if buckets else not pieces  # several pieces a round (gpt-tiny's embedding is most)
+    for streamed, whole in zip(sent[4], sent[0]):
+        for name in whole:
+            torch.testing.assert_close(streamed[name], whole[name], atol=1e-6, rtol=0)
