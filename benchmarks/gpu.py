@@ -10,6 +10,9 @@ Each check runs once on ``--device`` (default cuda:0) against the CPU and report
             (cosine): the codec's plan and bytes are device-independent
   autocast  bf16 autocast gradients against float32 ones on the GPU (cosine, relative L2 error)
   muon      torch's Muon step (Newton-Schulz in bfloat16) against gradwire's float32 iteration, same state
+  stream    a worker's gradient-mode round sent whole and streamed as the backward produces it
+            (``--stream-buckets 4``), in float32 and bf16: compute, encode after it, round (ms), and how
+            far the streamed payloads decode from the whole ones
   drift     a CPU replica and a GPU replica replay the same ``--updates`` sign-SGD updates: the largest
             parameter difference at the end, with float32 replays and with float64 ones (which round
             once and should agree bit for bit)
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from typing import Any
@@ -44,6 +48,7 @@ from gradwire.optim.muon import Muon, orthogonalize
 from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import OK, ModelState, WorkOrder
 from gradwire.replica import Replica, StateUpdate
+from gradwire.worker.compute import Placement
 from gradwire.worker.engine import WorkerEngine
 
 
@@ -173,10 +178,44 @@ def check_memory(model: str, device: str = "cuda", modes: str = "ddp,fsdp,pipeli
     return {mode: {k: m.get(k) for k in keys} for mode, m in modes.items()}
 
 
+def check_stream(spec: dict, device: str, rounds: int = 12, buckets: int = 4, rows: int = 8) -> dict[str, Any]:
+    """A worker's gradient-mode round on ``device``, sent whole and streamed in ``buckets`` pieces as the
+    backward produces them (``--stream-buckets``; on a GPU each bucket is compressed on the encode's own
+    CUDA stream), in float32 and under bf16 autocast: the medians over the rounds after the first quarter,
+    in milliseconds, of the compute, of the encode left after it (``compress``) and of the whole round, and
+    how far the streamed payloads decode from the whole ones (max abs). On a CPU float32 alone: bf16
+    autocast there is seconds a round and says nothing of a GPU."""
+    replica, state = _state(spec)
+    codec = replica.codec(CodecConfig())
+    out: dict[str, Any] = {"rounds": rounds, "rows": rows, "buckets": buckets}
+    for precision in ("fp32", "bf16") if torch.device(device).type == "cuda" else ("fp32",):
+        decoded: dict[int, list[dict[str, torch.Tensor]]] = {}
+        for b in (0, buckets):
+            engine = WorkerEngine(device, placement=Placement(precision=precision))
+            engine.push_state(state)
+            timings, decoded[b] = [], []
+            for r in range(rounds):
+                batch = _batch(spec, rows=rows, columns=257, seed=r)
+                order = WorkOrder("gpu-check", r, 0, batch, CodecConfig(), replica.fingerprint(), stream_buckets=b)
+                result = engine.run_round(order, emit=(lambda piece: None) if b else None)
+                assert result.status == OK, result.reason
+                timings.append(result.timings)
+                decoded[b].append(codec.decompress(result.gradient))
+            kept = timings[rounds // 4 :]
+            out[f"{precision}_{'streamed' if b else 'whole'}_ms"] = {
+                k: round(statistics.median(t[k] for t in kept) * 1000, 2) for k in ("compute", "compress", "total")
+            }
+        out[f"{precision}_streamed_vs_whole_max_abs"] = max(
+            float((s[n] - w[n]).abs().max()) for s, w in zip(decoded[buckets], decoded[0]) for n in w
+        )
+    return out
+
+
 def run(model: str, device: str, updates: int) -> dict[str, Any]:
     spec = model_spec(model)
     out: dict[str, Any] = {"model": model, "device": device, "torch": torch.__version__}
-    if torch.device(device).type == "cuda":
+    on_gpu = torch.device(device).type == "cuda"
+    if on_gpu:
         out["device_name"] = torch.cuda.get_device_name(torch.device(device))
     checks = {
         "codec": lambda: check_codec(spec, device),
@@ -184,6 +223,7 @@ def run(model: str, device: str, updates: int) -> dict[str, Any]:
         "muon": lambda: check_muon(device),
         "drift_float32": lambda: check_drift(spec, "cpu", device, updates, exact=False),
         "drift_float64": lambda: check_drift(spec, "cpu", device, updates, exact=True),
+        "stream": lambda: check_stream(spec, device, *((12, 4, 8) if on_gpu else (2, 4, 2))),
     }
     if torch.cuda.device_count() >= 2:
         checks["node"] = lambda: check_node(spec)

@@ -66,7 +66,7 @@ def test_a_run_reports_every_check_and_a_failed_check_as_a_finding(monkeypatch: 
     assert out["node"] == {"skipped": "needs two GPUs"} or "max_abs_difference" in out["node"]
     assert out["muon"] == {"error": "ZeroDivisionError: division by zero"}
     assert out["drift_float64"]["equal"] and out["codec"]["decode_cpu_vs_device_max_abs"] == 0.0
-    assert all("seconds" in out[k] for k in ("codec", "autocast", "drift_float32", "drift_float64"))
+    assert all("seconds" in out[k] for k in ("codec", "autocast", "drift_float32", "drift_float64", "stream"))
 
 
 @pytest.mark.slow
@@ -80,3 +80,12 @@ def test_the_memory_check_reports_each_modes_state_beside_ddps() -> None:
     out = gpu.check_memory("gpt-tiny", "cpu", modes="ddp,pipeline")
     assert set(out) == {"ddp", "pipeline"} and out["ddp"]["state_vs_ddp"] == 1.0
     assert 0.5 < out["pipeline"]["state_vs_ddp"] < 1.0
+
+
+def test_the_stream_check_times_whole_and_streamed_rounds_and_compares_their_payloads() -> None:
+    out = gpu.check_stream(SPEC, "cpu", rounds=2, rows=2)
+    assert "bf16_whole_ms" not in out  # bf16 autocast only on a GPU
+    for how in ("whole", "streamed"):
+        timed = out[f"fp32_{how}_ms"]
+        assert set(timed) == {"compute", "compress", "total"} and timed["total"] >= timed["compute"] > 0
+    assert out["fp32_streamed_vs_whole_max_abs"] == 0.0  # on a CPU the pieces are the payload, byte for byte
