@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Tensors = dict[str, torch.Tensor]
+# What a run's own loop adds to a checkpoint, taken when it is saved: tensor groups, and JSON metadata.
+Extra = Callable[[], tuple[dict[str, Tensors], dict]]
 
 
 def worker_key(slot: WorkerSlot) -> str:
@@ -74,15 +76,21 @@ class RunCheckpointer:
         self.outer, self.data, self.gather = outer, data, gather
         self.pool = pool
         self.run_id = run_id
+        self.restored_extra: tuple[dict[str, Tensors], dict] = (
+            {},
+            {},
+        )  # what ``restore`` loaded, for ``Extra``'s owner
 
-    def maybe_save(self, position: RunPosition, slots: Sequence[WorkerSlot]) -> Path | None:
+    def maybe_save(self, position: RunPosition, slots: Sequence[WorkerSlot], extra: Extra | None = None) -> Path | None:
         """A checkpoint every ``--checkpoint-every`` steps, except at the last (the run's end saves that)."""
         every = self.config.checkpoint_every
         if every and position.step % every == 0 and position.step < self.config.steps:
-            return self.save(position, slots)
+            return self.save(position, slots, extra)
         return None
 
-    def save(self, position: RunPosition, slots: Sequence[WorkerSlot]) -> Path:
+    def save(self, position: RunPosition, slots: Sequence[WorkerSlot], extra: Extra | None = None) -> Path:
+        """``extra``: what the run's own loop keeps besides (gossip rounds: the public copies), tensor groups
+        and JSON under ``meta["extra"]``; ``restore`` hands them back (``restored_extra``)."""
         if self.config.overlap and self.outer.pending is not None:
             # The next round computes before the update in flight: keep the replica there, and the update.
             groups, version = self.outer.checkpoint_behind(), self.outer.base_version
@@ -96,11 +104,17 @@ class RunCheckpointer:
         # resumed run would differ.
         futures = {worker_key(slot): self.pool.submit(self._worker_state, slot) for slot in slots}
         for key, future in futures.items():
-            feedback, inner = future.result()
+            feedback, inner, own = future.result()
             if feedback is not None:
                 tensors[f"feedback-{key}"] = feedback
             if inner:
                 tensors[f"inner-{key}"] = inner
+            if own:
+                tensors[f"gossip-model-{key}"] = own
+        extra_groups, extra_meta = extra() if extra is not None else ({}, {})
+        if clash := set(extra_groups) & set(tensors):
+            raise ValueError(f"checkpoint: the run's own groups {sorted(clash)} clash with the checkpoint's")
+        tensors.update(extra_groups)
         meta = {
             "config": self.config.to_dict(),
             "version": version,
@@ -111,6 +125,7 @@ class RunCheckpointer:
             "data_layouts": [[first, start, list(rows)] for first, start, rows in self.data.layouts],
             # How each worker has stood: strikes, benching, agreement score, spot checks (the judge's memory).
             "standings": {worker_key(slot): standing_state(slot) for slot in slots},
+            "extra": extra_meta,
         }
         if self.planner is not None:  # the shares the next rounds get: a function of these
             meta["balance"] = self.planner.state(position.step, [slot.client.address for slot in slots])
@@ -123,6 +138,7 @@ class RunCheckpointer:
         """Load ``path`` into the outer strategy, the RNG, the gather stage, the data and ``slots`` (whose
         state goes to their workers with the next push); the position to continue from."""
         tensors, meta = load_checkpoint(path)
+        self.restored_extra = (tensors, meta.get("extra", {}))
         saved = meta["config"]
         if saved["model"] != self.config.model:
             raise ValueError(f"--resume-from holds a {saved['model']} run, not --model {self.config.model}")
@@ -143,6 +159,7 @@ class RunCheckpointer:
                 key = saved_keys[position]
             slot.feedback = tensors.get(f"feedback-{key}", tensors.get(f"feedback-{slot.index}"))
             slot.inner_optimizer = tensors.get(f"inner-{key}", tensors.get(f"inner-{slot.index}"))
+            slot.gossip_model = tensors.get(f"gossip-model-{key}")
             slot.version = None
             if key in meta.get("standings", {}):
                 restore_standing(slot, meta["standings"][key])
@@ -155,15 +172,16 @@ class RunCheckpointer:
         log.info("resumed from %s at step %d", path, int(meta["step"]))
         return RunPosition(int(meta["step"]), int(meta.get("total_tokens", 0)))
 
-    def _worker_state(self, slot: WorkerSlot) -> tuple[Tensors | None, Tensors | None]:
+    def _worker_state(self, slot: WorkerSlot) -> tuple[Tensors | None, Tensors | None, Tensors | None]:
+        """A worker's error feedback, inner optimizer state and (gossip rounds) own model."""
         if slot.version is None:  # not pushed since a resume: what the checkpoint gave is still current
-            return slot.feedback, slot.inner_optimizer
+            return slot.feedback, slot.inner_optimizer, slot.gossip_model
         try:
             state, _ = slot.client.fetch_worker_state(self.run_id, timeout=self.config.round_timeout)
         except WorkerError as e:
             log.warning("checkpoint: no error feedback or inner optimizer state from worker %d: %s", slot.index, e)
-            return None, None
-        return state.feedback, state.inner_optimizer
+            return None, None, None
+        return state.feedback, state.inner_optimizer, state.gossip_model
 
 
 def standing_state(slot: WorkerSlot) -> dict:

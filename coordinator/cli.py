@@ -469,9 +469,6 @@ def train(
         finally:
             for c in clients:
                 c.close()
-        if trainer.interrupted and trainer.last_checkpoint is None:  # a gossip run: no checkpoints yet
-            print(f"stopped at step {trainer.step} of {config.steps}; gossip runs write no checkpoint to resume from")
-            return 0
         if trainer.interrupted:
             print(
                 f"stopped at step {trainer.step} of {config.steps}; checkpoint in {trainer.last_checkpoint}. "

@@ -689,7 +689,6 @@ class TrainConfig:
             "--fragments": self.fragments > 1,
             "--stream-buckets": self.stream_buckets > 1,
             "--balance steps": self.balance == "steps",
-            "--resume-from (gossip runs do not resume yet)": bool(self.resume_from),
         }
         if given := [flag for flag, on in excluded.items() if on]:
             raise ValueError(f"--topology {self.topology} (gossip rounds) does not go with {', '.join(given)}")

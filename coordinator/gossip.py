@@ -201,6 +201,26 @@ class GossipRounds:
         """The run's model: the mean of the public copies (the start, before the first round)."""
         return self.copies.consensus() if self.copies.members else dict(self.start)
 
+    def checkpoint(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
+        """What a checkpoint keeps: every member's public copy (group ``gossip-copies``, keys
+        ``<member>/<tensor>``), the members in join order and those still at the start."""
+        copies = {f"{m}/{k}": v for m in self.copies.members for k, v in self.copies.copy_of(m).items()}
+        meta = {"members": list(self.copies.members), "at_start": sorted(self.at_start)}
+        return {"gossip-copies": copies}, {"gossip": meta}
+
+    def restore(self, groups: Mapping[str, Mapping[str, torch.Tensor]], meta: Mapping) -> None:
+        """Take back what ``checkpoint`` kept. The workers come back fresh: none holds a copy in step, so the
+        next round sends each one every copy whole (the last round's messages are in them), its own too."""
+        saved, tensors = meta["gossip"], groups["gossip-copies"]
+        copies = PublicCopies()
+        for m in saved["members"]:
+            state = {k: tensors[f"{m}/{k}"] for k in self.start}
+            if any(tuple(state[k].shape) != tuple(v.shape) for k, v in self.start.items()):
+                raise ValueError(f"checkpoint: the public copy of {m} does not fit the model")
+            copies.add(m, state)
+        self.copies, self.at_start = copies, set(saved["at_start"]) & set(saved["members"])
+        self.held, self.accepted, self.graph = {}, {}, None
+
 
 def _message(
     payload: CompressedGradient, codec: GradientCodec, start: Mapping[str, torch.Tensor]

@@ -12,8 +12,9 @@ round (``train_step``):
   residual.
 
 The model the run shows (evaluation, the status page, ``final/``) is the consensus: the mean of the public
-copies. There is no outer step, so the outer optimizer's settings are unused. Gossip runs write no
-checkpoints and do not resume yet.
+copies. There is no outer step, so the outer optimizer's settings are unused. A checkpoint keeps the public
+copies and each worker's own model and inner optimizer state; a resumed run sends every worker its copies
+whole and its own model with its push, and goes on as the straight run would.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ class GossipTrainer(Trainer):
         assert cfg.gossip_gamma is not None
         self.gossip = GossipRounds(cfg.topology, cfg.gossip_gamma, self.replica.params)
         self._shown: torch.nn.Module | None = None  # the consensus, loaded into a model of its own
+        if cfg.resume_from:  # the public copies; each worker's own model goes back with its push
+            self.gossip.restore(*self.checkpoints.restored_extra)
 
     def train_step(self) -> dict | None:
         step, t0, lr = self.step, time.perf_counter(), self.config.inner_lrs(self.step)[0]
@@ -118,11 +121,13 @@ class GossipTrainer(Trainer):
                 p.copy_(consensus[name])
         return self._shown
 
-    def save_checkpoint(self) -> Path | None:  # type: ignore[override]
-        return None  # gossip runs do not resume yet (the config refuses --resume-from)
+    def save_checkpoint(self) -> Path:
+        """The centralized checkpoint (the start as the replica, the workers' inner optimizer state and own
+        models) with the public copies."""
+        return self.checkpoints.save(self.position, self.slots, self.gossip.checkpoint)
 
     def maybe_save_checkpoint(self) -> None:
-        return None
+        self.checkpoints.maybe_save(self.position, self.slots, self.gossip.checkpoint)
 
 
 def _usable(outcome: SlotOutcome) -> bool:

@@ -52,9 +52,11 @@ class WorkerSlot:
     device: str = ""  # as its Describe said
     ranks: int = 1  # a node of several GPUs trains ranks x batch_size rows per step and counts as that many
     node_mode: str = ""  # how a node's ranks split the work, as its Describe said; "" for a single device
-    # What to restore on the worker with the next push (a resumed run): error feedback, inner optimizer.
+    # What to restore on the worker with the next push (a resumed run): error feedback, inner optimizer,
+    # and in gossip rounds its own model.
     feedback: dict[str, torch.Tensor] | None = None
     inner_optimizer: dict[str, torch.Tensor] | None = None
+    gossip_model: dict[str, torch.Tensor] | None = None
     standing: Standing = dataclasses.field(default_factory=Standing)  # strikes and benching (decisions.judge)
     checks: tuple[int, int] = (0, 0)  # spot checks of its gradients (coordinator.spotcheck): passed, failed
 
@@ -189,9 +191,11 @@ class RoundDispatcher:
 
     def state_for(self, slot: WorkerSlot) -> ModelState:
         """The full state for a push to ``slot``, with what a resumed run restores on that worker."""
-        return self.outer.model_state(
+        state = self.outer.model_state(
             self.run_id, self.spec, slot.feedback or {}, slot.inner_optimizer or {}, slot=slot.index
         )
+        state.gossip_model = dict(slot.gossip_model or {})
+        return state
 
     def prepare(self, slots: Sequence[WorkerSlot], step: int) -> RoundPlan:
         """Which of ``slots`` work this round: not those receiving the state in the background. Starts the
@@ -395,7 +399,7 @@ class RoundDispatcher:
         except WorkerError as e:
             slot.version = None
             return _Push(error=str(e))
-        slot.feedback = slot.inner_optimizer = None
+        slot.feedback = slot.inner_optimizer = slot.gossip_model = None
         slot.version = version
         if slot.node_mode == "auto":  # the node picked its mode for this run's model: ask which, for the status
             try:

@@ -119,7 +119,7 @@ class Trainer:
         self.progress = progress
         self.status: StatusBoard | None = None  # --status-port: what the status page shows
         self.interrupted = False  # run() stopped early on request_stop
-        self.last_checkpoint: Path | None = None  # none in gossip runs
+        self.last_checkpoint: Path | None = None
         self._stop = threading.Event()
         self._exact = False  # replays in float64 (decisions.replay_precision), as last decided
         self._compressed: bool | None = None  # one aggregate down (decisions.decide_downlink), as last decided
@@ -341,7 +341,7 @@ class Trainer:
             self.status.held_out(self.step, loss)
         return loss
 
-    def save_checkpoint(self) -> Path | None:
+    def save_checkpoint(self) -> Path:
         return self.checkpoints.save(self.position, self.slots)
 
     def maybe_save_checkpoint(self) -> None:

@@ -289,6 +289,7 @@ class ModelState:
     # (round, payload): the receiver's own payload in the update in flight, which it keeps as if it had sent
     # it (a resumed --overlap run's push); None: it holds none.
     own: tuple[int, CompressedGradient] | None = None
+    gossip_model: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # gossip rounds, resumed
 
 
 def state_to_proto(s: ModelState) -> pb.ModelState:
@@ -302,6 +303,7 @@ def state_to_proto(s: ModelState) -> pb.ModelState:
         optimizer_state=tensors_to_proto(s.optimizer_state),
         feedback=tensors_to_proto(s.feedback),
         inner_optimizer=tensors_to_proto(s.inner_optimizer),
+        gossip_model=tensors_to_proto(s.gossip_model),
     )
     if s.own is not None:
         m.own_round = s.own[0]
@@ -332,6 +334,7 @@ def state_from_proto(m: pb.ModelState) -> ModelState:
         tensors_from_proto(m.inner_optimizer, "inner_optimizer"),
         m.protocol_version,
         own_from_proto(m),
+        tensors_from_proto(m.gossip_model, "gossip_model"),
     )
 
 
@@ -857,6 +860,7 @@ class WorkerState:
     version: int
     feedback: dict[str, torch.Tensor]
     inner_optimizer: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    gossip_model: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # gossip rounds: its own x
 
 
 def worker_state_to_proto(w: WorkerState) -> pb.WorkerState:
@@ -865,6 +869,7 @@ def worker_state_to_proto(w: WorkerState) -> pb.WorkerState:
         version=w.version,
         feedback=tensors_to_proto(w.feedback),
         inner_optimizer=tensors_to_proto(w.inner_optimizer),
+        gossip_model=tensors_to_proto(w.gossip_model),
     )
 
 
@@ -874,6 +879,7 @@ def worker_state_from_proto(m: pb.WorkerState) -> WorkerState:
         m.version,
         tensors_from_proto(m.feedback, "feedback"),
         tensors_from_proto(m.inner_optimizer, "inner_optimizer"),
+        tensors_from_proto(m.gossip_model, "gossip_model"),
     )
 
 

@@ -35,6 +35,7 @@ TENSOR_FIELDS = {
     pb.ModelState.OPTIMIZER_STATE_FIELD_NUMBER: "optimizer_state",
     pb.ModelState.FEEDBACK_FIELD_NUMBER: "feedback",
     pb.ModelState.INNER_OPTIMIZER_FIELD_NUMBER: "inner_optimizer",
+    pb.ModelState.GOSSIP_MODEL_FIELD_NUMBER: "gossip_model",
 }
 _LENGTH_DELIMITED = 2
 
@@ -63,7 +64,9 @@ class StateHeader:
 def state_parts(state: ModelState, part_bytes: int = PART_BYTES) -> Iterator[pb.Part]:
     """``state`` framed as parts, serialized one tensor at a time (see the module's docstring)."""
     tensors = [(field, name, t) for field, kind in TENSOR_FIELDS.items() for name, t in getattr(state, kind).items()]
-    bare = dataclasses.replace(state, parameters={}, optimizer_state={}, feedback={}, inner_optimizer={})
+    bare = dataclasses.replace(
+        state, parameters={}, optimizer_state={}, feedback={}, inner_optimizer={}, gossip_model={}
+    )
     header = protocol.state_to_proto(bare).SerializeToString()
     total = len(header) + sum(_tensor_field_bytes(name, t) for _, name, t in tensors)  # checks every dtype too
 

@@ -383,7 +383,10 @@ class WorkerEngine:
                     inner = merge_shard_states([inner, *(o.inner_optimizer for o in others)], world, mode)
                 else:  # local-sgd: rank 0 encodes (its feedback is the node's); each rank steps its own way
                     inner = merge_rank_states([inner, *(o.inner_optimizer for o in others)])
-            return WorkerState(run_id, session.replica.version, feedback, inner)
+            own = {}
+            if session.gossip is not None:  # gossip rounds: the worker's own model is part of the trajectory
+                own = host_tensors(dict(zip(session.replica.params, session.own_model().parameters())))
+            return WorkerState(run_id, session.replica.version, feedback, inner, own)
 
     def _hand_over_state(self, run_id: str) -> None:
         """Ranks > 0, on FETCH_STATE: hand rank 0 this rank's error feedback and inner state of ``run_id``."""
@@ -613,7 +616,8 @@ class WorkerEngine:
         codec = replica.codec(order.codec)
         working = session.own_model()
         model = dict(zip(replica.params, working.parameters()))
-        session.gossip = gossip.take_links(session.gossip, links, model, replica.params, codec)
+        keep = session.gossip is None and session.own_model_restored  # a resumed run's x came with the push
+        session.gossip = gossip.take_links(session.gossip, links, model, replica.params, codec, keep_model=keep)
         gossip.mix(session.gossip, links, model)
         t_compute = time.perf_counter()
         tokens = self._tokens(order.batch)

@@ -63,11 +63,13 @@ def take_links(
     model: Mapping[str, torch.Tensor],
     start: Tensors,
     codec: GradientCodec,
+    keep_model: bool = False,
 ) -> GossipState:
     """Apply an order's links to ``state`` (``None``: the worker has none for the run yet, and its model
-    ``x`` starts from its own public copy, which the order must bring). ``model``: the worker's ``x``, by
-    tensor name (written only when it starts); ``start``: the run's starting state (the replica), what a
-    copy marked ``start`` is. Returns the state to keep."""
+    ``x`` starts from its own public copy, which the order must bring, unless ``keep_model``: a resumed
+    worker's ``x`` came with its state push). ``model``: the worker's ``x``, by tensor name (written only
+    when it starts); ``start``: the run's starting state (the replica), what a copy marked ``start`` is.
+    Returns the state to keep."""
     fresh = {
         j: _checked_copy(j, c, start) if c is not None else start for j, c in links.fresh.items()
     }  # checked before anything changes
@@ -78,9 +80,10 @@ def take_links(
                 "gossip: this worker holds no gossip state for the run: its own public copy must come whole"
             )
         state = GossipState(GossipNode(links.member, fresh[links.member]))
-        with torch.no_grad():
-            for name, t in model.items():
-                t.copy_(fresh[links.member][name])
+        if not keep_model:
+            with torch.no_grad():
+                for name, t in model.items():
+                    t.copy_(fresh[links.member][name])
     elif state.node.member != links.member:
         raise ProtocolError(f"gossip: this worker is {state.node.member!r} on the graph, not {links.member!r}")
     held = set(state.node.copies) - set(links.drop)

@@ -130,6 +130,8 @@ class Session:
         self._inner_config: InnerOptimizerConfig | None = None
         self._inner_restore: dict[str, torch.Tensor] = {}
         self.restored = (False, False)  # whether the push brought this rank error feedback, inner state
+        self._gossip_model: dict[str, torch.Tensor] = {}  # a resumed gossip run's own model, as the push brings it
+        self.own_model_restored = False  # gossip: the push restored the own model (its first links keep it)
         self.wrappers: dict[int, torch.nn.Module] = {}  # a node's DDP wrappers of this session's models
         # a split node: the codecs of this rank's own tensors (a fragment's round: those of the fragment)
         self._shard_codecs: dict[tuple[CodecConfig, tuple[str, ...]], GradientCodec] = {}
@@ -157,6 +159,8 @@ class Session:
                 self.replica.load_tensor(name, t)
             elif kind == "optimizer_state":
                 self.replica.load_momentum(_numeric_suffix(name), t)
+            elif kind == "gossip_model":
+                self._gossip_model[name] = t
             else:
                 self._restore.add(kind, name, t)
         except ValueError as e:
@@ -173,6 +177,26 @@ class Session:
             self.feedback.load_state_dict({k: v.to(self.device) for k, v in restore.feedback.items()})
         self._inner_restore = dict(restore.inner)
         self.restored = (bool(restore.feedback), bool(restore.inner))
+        gossip_model, self._gossip_model = self._gossip_model, {}
+        if gossip_model:
+            self._restore_own_model(gossip_model)
+
+    def _restore_own_model(self, tensors: dict[str, torch.Tensor]) -> None:
+        """A resumed gossip run: the worker's own model ``x`` as it was (``ModelState.gossip_model``), every
+        parameter of the replica's shape; its first gossip order then leaves it as it is."""
+        params = self.replica.params
+        if set(tensors) != set(params):
+            raise ProtocolError("model state: gossip_model must carry every parameter of the model, and no other")
+        if self.placement.ranks > 1:
+            raise ProtocolError("model state: gossip rounds run on single-device workers")
+        for name, t in tensors.items():
+            if tuple(t.shape) != tuple(params[name].shape) or not t.is_floating_point():
+                raise ProtocolError(f"model state: gossip_model {name} has the wrong shape or dtype")
+        model = self.own_model()
+        with torch.no_grad():
+            for (name, _), w in zip(params.items(), model.parameters()):
+                w.copy_(tensors[name])
+        self.own_model_restored = True
 
     def _build(self, meta: bool = False) -> torch.nn.Module:
         """This rank's part of the run's model on its device, values undefined where only a part is allocated:

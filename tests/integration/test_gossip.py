@@ -96,3 +96,27 @@ def test_a_ring_relays_each_worker_its_two_neighbours_messages_and_keeps_copies_
     assert records[-1]["loss"] < records[0]["loss"] - 0.5
     distances = [r["consensus_distance"] for r in records]
     assert max(distances[10:]) <= 1.1 * distances[7], distances
+
+
+def test_a_resumed_gossip_run_is_the_straight_run(tmp_path):
+    """A checkpoint keeps every public copy and each worker's own model and DeMuon momentum; resumed on fresh
+    workers (each sent its copies whole and its own model with its push) the compressed ring goes on on the
+    straight run's bits: the same losses, public copies and consensus."""
+    settings = dict(topology="ring", steps=6, checkpoint_every=3, inner_optimizer="demuon", inner_learning_rate=0.02)
+    with live_workers(4) as workers:
+        straight = train(_config(tmp_path, "a", **settings), workers)
+    checkpoint = tmp_path / "a" / "checkpoints" / "step-00000003"
+    assert checkpoint.is_dir()
+    with live_workers(4) as workers:
+        resumed = train(_config(tmp_path, "b", resume_from=str(checkpoint), **settings), workers)
+        _holders_agree(resumed, workers)
+    records = read_metrics(tmp_path / "b")
+    assert [r["step"] for r in records] == [4, 5, 6]
+    assert records[0]["relayed_payloads"] == dict.fromkeys(records[0]["relayed_payloads"], 0)  # all sent whole
+    assert [r["loss"] for r in records] == [r["loss"] for r in read_metrics(tmp_path / "a")][3:]
+    assert [r["consensus_distance"] for r in records] == [
+        r["consensus_distance"] for r in read_metrics(tmp_path / "a")
+    ][3:]
+    for m in straight.gossip.copies.members:
+        for k, v in straight.gossip.copies.copy_of(m).items():
+            assert torch.equal(resumed.gossip.copies.copy_of(m)[k], v), (m, k)

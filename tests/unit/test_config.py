@@ -220,10 +220,10 @@ def test_gossip_rounds_take_their_defaults_and_refuse_what_centralized_rounds_al
     assert (ring.gossip_gamma, ring.topk, ring.bins, ring.spot_check_every) == (0.5, 512, 16, 0)
     assert TrainConfig(topology="complete", no_compression=True).gossip_gamma == 1.0
     assert TrainConfig(topology="ring").takes_inner_steps  # one inner step a round at H 1
+    assert TrainConfig(topology="ring", resume_from="runs/x").resume_from  # gossip runs resume
     for flags, named in [
         (dict(overlap=True), "--overlap"),
         (dict(inner_steps=4, fragments=2), "--fragments"),
-        (dict(resume_from="runs/x"), "--resume-from"),
         (dict(gossip_gamma=1.5), "--gossip-gamma"),
         (dict(topology="torus"), "--topology"),
     ]:

@@ -8,7 +8,7 @@ import torch
 
 from gradwire.compression.codec import GradientCodec
 from gradwire.compression.config import CodecConfig
-from gradwire.coordinator.gossip import PublicCopies, plan_links
+from gradwire.coordinator.gossip import GossipRounds, PublicCopies, plan_links
 from gradwire.gossip.choco import consensus_distance
 from gradwire.gossip.node import GossipNode
 from gradwire.gossip.topology import graph
@@ -101,3 +101,23 @@ def test_gossip_node_state_round_trips_and_refuses_bad_state() -> None:
         with pytest.raises(ValueError, match="gossip state"):
             restored.load_state_tensors(bad)
     assert all(torch.equal(restored.state_tensors()[k], v) for k, v in state.items())  # nothing changed
+
+
+def test_the_coordinators_gossip_state_survives_a_checkpoint_and_sends_every_copy_whole_after() -> None:
+    start = {"w": torch.zeros(4, 4), "b": torch.zeros(4)}
+    rounds = GossipRounds("ring", 0.5, start)
+    rounds.links(["0", "1", "2"])
+    rounds.copies.receive("1", {"w": torch.ones(4, 4), "b": torch.ones(4)})
+    rounds.at_start.discard("1")
+    rounds.held = {m: frozenset({"0", "1", "2"}) for m in ("0", "1", "2")}
+    groups, meta = rounds.checkpoint()
+    resumed = GossipRounds("ring", 0.5, start)
+    resumed.restore(groups, meta)
+    assert resumed.copies.members == ("0", "1", "2") and resumed.at_start == {"0", "2"}
+    assert all(torch.equal(resumed.consensus()[k], v) for k, v in rounds.consensus().items())
+    links = resumed.links(["0", "1", "2"])  # fresh workers: every copy whole, their own too; nothing relayed
+    assert all(set(links[m].fresh) == {"0", "1", "2"} and not links[m].relays for m in links)
+    assert torch.equal(links["0"].fresh["1"]["w"], torch.ones(4, 4)) and links["0"].fresh["0"] is None  # at start
+    with pytest.raises(ValueError, match="does not fit"):
+        bad = {"gossip-copies": {**groups["gossip-copies"], "1/b": torch.ones(5)}}
+        GossipRounds("ring", 0.5, start).restore(bad, meta)
