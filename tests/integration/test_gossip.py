@@ -8,13 +8,18 @@ for bit, compressed gossip trains and agrees, and workers that leave and join ar
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from gradwire.compression import serde as codec_serde
+from gradwire.coordinator.client import WorkerClient
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.gossip_trainer import GossipTrainer
+from gradwire.coordinator.membership import WorkersFile
 from gradwire.coordinator.metrics import read_metrics
+from gradwire.coordinator.trainer import Trainer
 
 from .conftest import live_workers, train
 
@@ -120,3 +125,59 @@ def test_a_resumed_gossip_run_is_the_straight_run(tmp_path):
     for m in straight.gossip.copies.members:
         for k, v in straight.gossip.copies.copy_of(m).items():
             assert torch.equal(resumed.gossip.copies.copy_of(m)[k], v), (m, k)
+
+
+def test_a_worker_leaving_a_ring_relinks_its_neighbours_and_a_joiner_starts_from_the_consensus(tmp_path):
+    """A ring of four through a workers file: one leaves (its neighbours are linked to each other, each sent
+    the other's copy whole, and the rounds go on), then a new one joins and starts from the consensus of the
+    copies as they were when it joined. Nothing waits past its round."""
+    listing = tmp_path / "workers.txt"
+    with live_workers(5) as workers:
+        a, b, c, d, e = (w.address for w in workers)
+        listing.write_text(f"{a}\n{b}\n{c}\n{d}\n")
+        members = WorkersFile(listing)
+        members.poll()
+
+        def connect(address: str) -> WorkerClient:
+            return WorkerClient(address, timeout=30)
+
+        config = _config(tmp_path, "ring", topology="ring", steps=8, **EXACT)
+        trainer = Trainer(config, [connect(x) for x in (a, b, c, d)], progress=False, members=members, connect=connect)
+        assert isinstance(trainer, GossipTrainer)
+        sent: list[dict] = []
+        plan = trainer.gossip.links
+
+        def spy(present):
+            links = plan(present)
+            sent.append(links)
+            return links
+
+        trainer.gossip.links = spy  # type: ignore[method-assign]
+        try:
+            trainer.connect()
+            records = [trainer.train_step() for _ in range(3)]
+            listing.write_text(f"{a}\n{c}\n{d}\n")  # b leaves: a and c become neighbours
+            records += [trainer.train_step() for _ in range(2)]
+            listing.write_text(f"{a}\n{c}\n{d}\n{e}\n")  # e joins, last on the ring: between d and a
+            records.append(trainer.train_step())  # e gets the state in the background meanwhile
+            deadline = time.monotonic() + 30
+            while trainer.rounds.joining and time.monotonic() < deadline:
+                time.sleep(0.01)
+            consensus = {k: v.clone() for k, v in trainer.gossip.consensus().items()}
+            records += [trainer.train_step() for _ in range(2)]
+        finally:
+            trainer.close()
+    assert all(r is not None for r in records)
+    member = {s.client.address: str(s.index) for s in trainer.slots}
+    ma, mc, md, me = (member[x] for x in (a, c, d, e))
+    mb = "1"  # slots number workers in join order: b was the second
+    left = sent[3]  # the first round without b
+    assert set(left) == {ma, mc, md} and mb not in trainer.gossip.copies
+    assert set(left[ma].fresh) == {mc} and mb in left[ma].drop and set(left[ma].relays) == {md}
+    assert set(left[mc].fresh) == {ma} and mb in left[mc].drop
+    joined = next(links for links in sent if me in links)  # e's first round: every copy whole, its own the consensus
+    assert set(joined[me].fresh) == {me, md, ma}
+    for k, v in consensus.items():
+        torch.testing.assert_close(joined[me].fresh[me][k], v, atol=0, rtol=0)
+    assert [r["successful_workers"] for r in records][-2:] == [4, 4]
+    assert all(r["degree_max"] == 2 for r in records)

@@ -38,9 +38,10 @@ def test_honest_payloads_share_no_index_sets_and_a_copy_shares_all(codec: Gradie
     decoded = codec.decode(codec.compress(gradient(0)))
     flipped = dataclasses.replace(decoded, values=[-3 * v for v in decoded.values])
     assert shared(a, digest(flipped, [g.chunk_numel for g in codec.plan.groups])) == 1.0
-    # Decompressed, scaled and compressed again, most sets survive (the transform's rounding moves the
-    # k-th largest coefficient in a few chunks): still a copy.
-    assert COPY_SHARE <= shared(a, digested(codec, {k: -3 * v for k, v in gradient(0).items()})) < 1.0
+    # Decompressed, scaled and compressed again, most sets survive, all of them where the transform runs in
+    # float32 (a bfloat16 transform, where the CPU multiplies it natively, moves the k-th largest coefficient
+    # in a few chunks): still a copy.
+    assert COPY_SHARE <= shared(a, digested(codec, {k: -3 * v for k, v in gradient(0).items()})) <= 1.0
 
 
 def test_this_rounds_later_sender_and_anyone_repeating_a_recent_payload_are_copies(codec: GradientCodec) -> None:
