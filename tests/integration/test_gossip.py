@@ -145,11 +145,20 @@ def test_a_worker_leaving_a_ring_relinks_its_neighbours_and_a_joiner_starts_from
         trainer = Trainer(config, [connect(x) for x in (a, b, c, d)], progress=False, members=members, connect=connect)
         assert isinstance(trainer, GossipTrainer)
         sent: list[dict] = []
+        before: list[dict] = []  # the consensus as each round's links were planned
+        fresh: list[dict] = []  # the whole copies each round's links carried, by worker
         plan = trainer.gossip.links
 
         def spy(present):
+            before.append({k: v.clone() for k, v in trainer.gossip.consensus().items()})
             links = plan(present)
             sent.append(links)
+            fresh.append(  # as sent: the coordinator's copies move on in place
+                {
+                    m: {j: {k: v.clone() for k, v in c.items()} for j, c in ls.fresh.items() if c}
+                    for m, ls in links.items()
+                }
+            )
             return links
 
         trainer.gossip.links = spy  # type: ignore[method-assign]
@@ -163,7 +172,6 @@ def test_a_worker_leaving_a_ring_relinks_its_neighbours_and_a_joiner_starts_from
             deadline = time.monotonic() + 30
             while trainer.rounds.joining and time.monotonic() < deadline:
                 time.sleep(0.01)
-            consensus = {k: v.clone() for k, v in trainer.gossip.consensus().items()}
             records += [trainer.train_step() for _ in range(2)]
         finally:
             trainer.close()
@@ -175,9 +183,10 @@ def test_a_worker_leaving_a_ring_relinks_its_neighbours_and_a_joiner_starts_from
     assert set(left) == {ma, mc, md} and mb not in trainer.gossip.copies
     assert set(left[ma].fresh) == {mc} and mb in left[ma].drop and set(left[ma].relays) == {md}
     assert set(left[mc].fresh) == {ma} and mb in left[mc].drop
-    joined = next(links for links in sent if me in links)  # e's first round: every copy whole, its own the consensus
-    assert set(joined[me].fresh) == {me, md, ma}
+    first = next(i for i, links in enumerate(sent) if me in links)  # e's first round: every copy whole
+    joined, consensus = sent[first], before[first]  # its own copy: the consensus as it joined
+    assert first == 6 and set(joined[me].fresh) == {me, md, ma}
     for k, v in consensus.items():
-        torch.testing.assert_close(joined[me].fresh[me][k], v, atol=0, rtol=0)
-    assert [r["successful_workers"] for r in records][-2:] == [4, 4]
+        torch.testing.assert_close(fresh[first][me][me][k], v, atol=0, rtol=0)
+    assert [r["successful_workers"] for r in records] == [4, 4, 4, 3, 3, 3, 4, 4]  # none lost, none waited for
     assert all(r["degree_max"] == 2 for r in records)
