@@ -159,7 +159,9 @@ class Session:
                 self.replica.load_tensor(name, t)
             elif kind == "optimizer_state":
                 self.replica.load_momentum(_numeric_suffix(name), t)
-            elif kind == "gossip_model":
+            elif kind == "gossip_model":  # checked as it arrives: a single device's, a parameter's shape
+                if self.placement.ranks > 1 or tuple(t.shape) != self.replica.shapes.get(name):
+                    raise ValueError(f"gossip_model {name!r} is no parameter of this model on a single device")
                 self._gossip_model[name] = t
             else:
                 self._restore.add(kind, name, t)
@@ -187,11 +189,6 @@ class Session:
         params = self.replica.params
         if set(tensors) != set(params):
             raise ProtocolError("model state: gossip_model must carry every parameter of the model, and no other")
-        if self.placement.ranks > 1:
-            raise ProtocolError("model state: gossip rounds run on single-device workers")
-        for name, t in tensors.items():
-            if tuple(t.shape) != tuple(params[name].shape) or not t.is_floating_point():
-                raise ProtocolError(f"model state: gossip_model {name} has the wrong shape or dtype")
         model = self.own_model()
         with torch.no_grad():
             for (name, _), w in zip(params.items(), model.parameters()):

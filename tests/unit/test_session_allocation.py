@@ -52,3 +52,29 @@ def test_a_pushed_state_lands_in_a_model_allocated_a_parameter_at_a_time() -> No
     tokens = torch.randint(0, 8192, (2, 16))
     with torch.no_grad():
         assert torch.allclose(model(tokens)[0], source(tokens)[0])
+
+
+def test_a_resumed_gossip_workers_own_model_comes_with_its_push_checked_as_it_arrives() -> None:
+    """``ModelState.gossip_model``: each tensor is checked as it arrives (a parameter's name and shape), the
+    whole set once the push is in, and the worker's own model is then that state, not the replica."""
+    spec = model_spec("gpt-tiny")
+    source, own = build_from_spec(spec, seed=3), build_from_spec(spec, seed=4)
+    session = Session(StateHeader("tiny", 0, json.dumps(spec), RULE), torch.device("cpu"))
+    with pytest.raises(ProtocolError, match="no parameter of this model"):
+        session.load("gossip_model", "tok_emb.weight", torch.zeros(3))
+    with pytest.raises(ProtocolError, match="no parameter of this model"):
+        session.load("gossip_model", "nope", torch.zeros(3))
+    for name, p in source.named_parameters():
+        session.load("parameters", name, p.detach())
+        session.load("gossip_model", name, dict(own.named_parameters())[name].detach())
+    session.loaded()
+    assert session.own_model_restored
+    for (name, p), q in zip(own.named_parameters(), session.own_model().parameters()):
+        assert torch.equal(p, q), name
+    assert torch.equal(session.replica.params["tok_emb.weight"], dict(source.named_parameters())["tok_emb.weight"])
+    partial = Session(StateHeader("tiny", 0, json.dumps(spec), RULE), torch.device("cpu"))
+    for name, p in source.named_parameters():
+        partial.load("parameters", name, p.detach())
+    partial.load("gossip_model", "tok_emb.weight", source.tok_emb.weight.detach())
+    with pytest.raises(ProtocolError, match="every parameter"):
+        partial.loaded()
