@@ -191,30 +191,27 @@ def check_stream(spec: dict, device: str, rounds: int = 12, buckets: int = 4, ro
     codec = replica.codec(CodecConfig())
     out: dict[str, Any] = {"rounds": rounds, "rows": rows, "buckets": buckets}
     for precision in ("fp32", "bf16") if torch.device(device).type == "cuda" else ("fp32",):
-        decoded: dict[int, list[dict[str, torch.Tensor]]] = {}
-        for b in (0, buckets, -1):  # -1: whole again, the noise floor
+        decoded: dict[str, list[dict[str, torch.Tensor]]] = {}
+        # "whole_again": the whole rounds a second time, the device's noise floor
+        for name, b in (("whole", 0), ("streamed", buckets), ("whole_again", 0)):
             engine = WorkerEngine(device, placement=Placement(precision=precision))
             engine.push_state(state)
-            timings, decoded[b] = [], []
+            timings, decoded[name] = [], []
             for r in range(rounds):
                 batch = _batch(spec, rows=rows, columns=257, seed=r)
-                streamed = max(b, 0)
-                order = WorkOrder(
-                    "gpu-check", r, 0, batch, CodecConfig(), replica.fingerprint(), stream_buckets=streamed
-                )
-                result = engine.run_round(order, emit=(lambda piece: None) if streamed else None)
+                order = WorkOrder("gpu-check", r, 0, batch, CodecConfig(), replica.fingerprint(), stream_buckets=b)
+                result = engine.run_round(order, emit=(lambda piece: None) if b else None)
                 assert result.status == OK, result.reason
                 timings.append(result.timings)
-                decoded[b].append(codec.decompress(result.gradient))
-            if b < 0:
-                continue
-            kept = timings[rounds // 4 :]
-            out[f"{precision}_{'streamed' if b else 'whole'}_ms"] = {
-                k: round(statistics.median(t[k] for t in kept) * 1000, 2) for k in ("compute", "compress", "total")
-            }
-        for name, other in (("streamed", buckets), ("whole_again", -1)):
+                decoded[name].append(codec.decompress(result.gradient))
+            if name != "whole_again":
+                kept = timings[rounds // 4 :]
+                out[f"{precision}_{name}_ms"] = {
+                    k: round(statistics.median(t[k] for t in kept) * 1000, 2) for k in ("compute", "compress", "total")
+                }
+        for name in ("streamed", "whole_again"):
             out[f"{precision}_{name}_vs_whole_max_abs"] = max(
-                float((s[n] - w[n]).abs().max()) for s, w in zip(decoded[other], decoded[0]) for n in w
+                float((s[n] - w[n]).abs().max()) for s, w in zip(decoded[name], decoded["whole"]) for n in w
             )
     return out
 

@@ -76,10 +76,8 @@ class RunCheckpointer:
         self.outer, self.data, self.gather = outer, data, gather
         self.pool = pool
         self.run_id = run_id
-        self.restored_extra: tuple[dict[str, Tensors], dict] = (
-            {},
-            {},
-        )  # what ``restore`` loaded, for ``Extra``'s owner
+        # What ``restore`` loaded, for the owner of a checkpoint's ``Extra``: tensor groups, metadata.
+        self.restored_extra: tuple[dict[str, Tensors], dict] = ({}, {})
 
     def maybe_save(self, position: RunPosition, slots: Sequence[WorkerSlot], extra: Extra | None = None) -> Path | None:
         """A checkpoint every ``--checkpoint-every`` steps, except at the last (the run's end saves that)."""

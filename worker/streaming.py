@@ -23,6 +23,7 @@ feedback once the round is over.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -112,12 +113,11 @@ class BucketStream:
         self._pieces[b] = self.executor.submit(compress)
 
 
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The encode's own CUDA stream on ``device``, one per process (the encode thread is one)."""
-    device = torch.device(device.type, device.index if device.index is not None else torch.cuda.current_device())
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
+    """The encode's own CUDA stream on ``device``, one per device and process (the encode thread is one)."""
+    return _stream_on(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _stream_on(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(torch.device("cuda", index))
