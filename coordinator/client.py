@@ -23,7 +23,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gradwire import protocol, statestream
 from gradwire.link import OnPiece, Traffic, WorkerError
-from gradwire.protocol import PROTOCOL_VERSION, ModelState, RoundResult, WorkerInfo, WorkerState, WorkOrder
+from gradwire.protocol import (
+    PROTOCOL_VERSION,
+    GossipPieceRequest,
+    ModelState,
+    RoundResult,
+    WorkerInfo,
+    WorkerState,
+    WorkOrder,
+)
 from gradwire.replica import Fingerprint
 from gradwire.security import ClientSecurity
 from gradwire.transport import DEFAULT_MESSAGE_MB, SERVICE_NAME, check_message_mb, grpc_options
@@ -168,6 +176,18 @@ class WorkerClient:
             protocol.worker_state_from_proto,
         )
         return state, Traffic(request.ByteSize(), up.nbytes)
+
+    def pull_gossip(self, request: GossipPieceRequest, timeout: float | None = None) -> tuple[pb.GossipPiece, Traffic]:
+        """A peer-to-peer gossip worker's message or public copy (``Worker.PullGossip``), and the bytes."""
+        proto = protocol.piece_request_to_proto(request)
+        up = _Counter()
+        piece = self._framed(
+            lambda: self._stub.PullGossip(proto, timeout=self._timeout(timeout), metadata=self.call_metadata),
+            up,
+            pb.GossipPiece,
+            lambda m: m,
+        )
+        return piece, Traffic(proto.ByteSize(), up.nbytes)
 
     def close_run(self, run_id: str, timeout: float | None = None) -> bool:
         """Ask the worker to drop its session of ``run_id``; whether it held one."""

@@ -260,6 +260,14 @@ class TrainConfig:
         help="gossip rounds: the consensus step size in (0, 1] (auto: 1 with --no-compression, else 0.5)",
         section=OUTER,
     )
+    peer_to_peer: bool = setting(
+        False,
+        help="gossip rounds: workers pull their neighbours' messages from each other (Worker.PullGossip, the same "
+        "token and TLS) and the coordinator sees only each message's digest, size and sketch; it pulls whole public "
+        "copies from the workers only to link workers anew and to show, checkpoint or export the consensus. Every "
+        "worker must reach its neighbours at the addresses the coordinator reaches it at (no --tunnel workers)",
+        section=OUTER,
+    )
 
     # Inner steps: local-SGD rounds of H steps on every worker between syncs
     inner_steps: int = setting(
@@ -648,6 +656,8 @@ class TrainConfig:
             raise ValueError(f"--topology must be one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
         if self.gossip:
             self._check_gossip()
+        elif self.peer_to_peer:
+            raise ValueError("--peer-to-peer is for gossip rounds: give --topology ring, exponential or complete")
         self.grace()  # validates --straggler-grace
         if not (math.isfinite(self.max_failed_seconds) and self.max_failed_seconds >= 0):
             raise ValueError(f"--max-failed-seconds must be >= 0, got {self.max_failed_seconds}")

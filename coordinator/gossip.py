@@ -19,19 +19,34 @@ the coordinator's, and the messages accepted last round. What a worker holds is 
 completed: a worker that failed, was cut off or sat a round out gets every copy whole in its next round
 (its own too, which voids a message it sent that never arrived), and keeps its own model. A worker new to
 the graph starts from the consensus (or the run's start, before any message moved a copy).
+
+Peer-to-peer (``peer_to_peer``) the bookkeeping is the same, but a message never reaches the coordinator:
+a worker keeps it and reports its digest, and the next round's orders tell its neighbours to pull it from
+the worker (``GossipLinks.pulls``). The coordinator's copy of a member goes stale with the member's first
+accepted message; it pulls exact copies from their owners (``Worker.PullGossip``) only when an order must
+carry one whole or the consensus must be shown, through the ``pull`` its caller gives ``links`` and
+``refresh``. A worker that failed a round keeps its own copy (it drops the message the coordinator did not
+accept), and one that lost its state (it had to be pushed the state again) joins anew, from the consensus.
+The consensus distance comes from the count sketches the workers report (``gossip.sketch``): an estimate.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import secrets
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from gradwire.compression import CompressedGradient, GradientCodec
-from gradwire.gossip import choco
+from gradwire.gossip import choco, sketch
 from gradwire.gossip.topology import Graph, graph
-from gradwire.protocol import GossipLinks, RoundResult
+from gradwire.protocol import GossipLinks, GossipPull, GossipSent, RoundResult
+
+Tensors = Mapping[str, torch.Tensor]
+# Peer-to-peer: exact public copies of members, pulled from them as the next round starts; a member whose
+# copy did not come is left out of the result (its owner is down or lost it).
+Pull = Callable[[Sequence[str]], Mapping[str, Tensors]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +101,12 @@ class PublicCopies:
             raise ValueError(f"{member} already has a public copy")
         self._copies[member] = {k: v.detach().float().clone() for k, v in state.items()}
 
+    def replace(self, member: str, state: Mapping[str, torch.Tensor]) -> None:
+        """A member's copy is ``state`` now (pulled from its owner), in its place among the members."""
+        if member not in self._copies:
+            raise ValueError(f"{member} has no public copy to replace")
+        self._copies[member] = {k: v.detach().float().clone() for k, v in state.items()}
+
     def remove(self, member: str) -> None:
         self._copies.pop(member, None)
 
@@ -111,18 +132,27 @@ class PublicCopies:
 @dataclasses.dataclass(frozen=True)
 class GossipFinish:
     """What one gossip round came to: the members whose message was accepted, why the others' were not,
-    and the consensus distance of the present members' public copies after it."""
+    and the consensus distance of the present members' public copies after it (peer-to-peer: estimated
+    from the workers' sketches)."""
 
     accepted: tuple[str, ...]
     refused: dict[str, str]
     consensus_distance: float
 
 
+class CopiesUnavailable(Exception):
+    """Peer-to-peer: public copies a round's orders need whole could not be pulled from their owners."""
+
+    def __init__(self, members: Sequence[str]) -> None:
+        super().__init__(f"the public copies of {list(members)} could not be pulled from their owners")
+        self.members = tuple(members)
+
+
 class GossipRounds:
     """A gossip run's state on the coordinator (see the module): ``links`` plans a round, ``finish`` takes
     its results."""
 
-    def __init__(self, kind: str, gamma: float, start: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, kind: str, gamma: float, start: Mapping[str, torch.Tensor], peer_to_peer: bool = False) -> None:
         self.kind, self.gamma = kind, gamma
         self.start = {k: v.detach().float().clone() for k, v in start.items()}
         self.copies = PublicCopies()
@@ -130,10 +160,31 @@ class GossipRounds:
         self.held: dict[str, frozenset[str]] = {}  # member -> the copies it holds in step (its own among them)
         self.accepted: dict[str, CompressedGradient] = {}  # last round's accepted messages, to relay
         self.graph: Graph | None = None
+        self.held_before: set[str] = set()  # members that took links in some round (peer-to-peer: keep their own)
+        # Peer-to-peer: what every pull presents, the accepted messages' digests (and the round they were
+        # sent in), whose copies here are stale, and each member's sketch of its copy less the start.
+        self.peer_key = secrets.token_bytes(32) if peer_to_peer else b""
+        self.sent: dict[str, tuple[int, GossipSent]] = {}  # last round's accepted messages, to pull
+        self.last_accepted: dict[str, int] = {}  # the round each member's latest accepted message was sent in
+        self.stale: set[str] = set()
+        self.sketches: dict[str, torch.Tensor] = {}
+        self._start_sketch: torch.Tensor | None = None
 
-    def links(self, members: Sequence[str]) -> dict[str, GossipLinks]:
+    @property
+    def peer_to_peer(self) -> bool:
+        return bool(self.peer_key)
+
+    def links(
+        self, members: Sequence[str], addresses: Mapping[str, str] | None = None, pull: Pull | None = None
+    ) -> dict[str, GossipLinks]:
         """Each member's links for this round, on the graph of ``members`` (in join order). Members new to
-        the graph get a public copy: the run's start while every copy is, else the consensus."""
+        the graph get a public copy: the run's start while every copy is, else the consensus.
+        Peer-to-peer, ``addresses`` says where each member's neighbours reach it, and ``pull`` brings the
+        exact copies the orders must carry whole; ``CopiesUnavailable`` names the members whose copies did
+        not come (nothing changed: the caller leaves them out and asks again)."""
+        if self.peer_to_peer:
+            assert addresses is not None and pull is not None, "peer-to-peer links need addresses and a pull"
+            self._pull_needed(members, pull)
         for m in members:
             if m not in self.copies:
                 if all(j in self.at_start for j in self.copies.members):
@@ -147,27 +198,84 @@ class GossipRounds:
         for m, plan in plans.items():
             holds_own = m in self.held.get(m, frozenset())
             fresh = {j: self._whole(j) for j in plan.fresh}
-            if not holds_own:
+            if not holds_own and not self._keeps_own(m):
                 fresh[m] = self._whole(m)
+            relays = {j: self.accepted[j] for j in plan.relay if j in self.accepted}
+            pulls = {
+                j: GossipPull(j, addresses[j], *self._digest(j))  # type: ignore[index]
+                for j in plan.relay
+                if j in self.sent
+            }
             out[m] = GossipLinks(
                 m,
                 plan.weights,
                 self.gamma,
-                own_accepted=holds_own and m in self.accepted,
-                relays={j: self.accepted[j] for j in plan.relay if j in self.accepted},
+                own_accepted=(holds_own and m in self.accepted) or (self._keeps_own(m) and m in self.last_accepted),
+                relays=relays,
                 fresh=fresh,
                 drop=plan.drop,
+                peer_key=self.peer_key,
+                pulls=pulls,
+                own_round=self.last_accepted.get(m, 0),
             )
         return out
 
+    def _digest(self, member: str) -> tuple[int, bytes]:
+        round_, sent = self.sent[member]
+        return round_, sent.digest
+
+    def _keeps_own(self, member: str) -> bool:
+        """Peer-to-peer, a member known to the graph keeps its own public copy when it failed a round: it is
+        the authority on it (it drops a message that was not accepted), and the coordinator's may be stale."""
+        return self.peer_to_peer and member in self.held_before
+
     def _whole(self, member: str) -> Mapping[str, torch.Tensor] | None:
+        assert member not in self.stale, f"the public copy of {member} is stale here: pull it first"
         return None if member in self.at_start else self.copies.copy_of(member)
+
+    def _pull_needed(self, members: Sequence[str], pull: Pull) -> None:
+        """Peer-to-peer: make exact here every copy this round's orders carry whole, and every copy the
+        consensus is taken of when someone joins; ``CopiesUnavailable`` if some did not come."""
+        new = [m for m in members if m not in self.copies]
+        known = [m for m in members if m in self.copies]
+        needed: set[str] = set()
+        if new and not all(j in self.at_start for j in self.copies.members):
+            needed |= set(known)  # a joiner starts from the consensus
+        plans = plan_links(graph(self.kind, members), {m: h - {m} for m, h in self.held.items()})
+        for plan in plans.values():
+            needed |= {j for j in plan.fresh if j in self.copies}
+        self.refresh(pull, sorted(needed & self.stale))
+
+    def refresh(self, pull: Pull, members: Sequence[str] | None = None) -> None:
+        """Peer-to-peer: pull the exact copies of ``members`` (default: every stale one) from their owners;
+        ``CopiesUnavailable`` naming those that did not come (the others are refreshed)."""
+        wanted = sorted(self.stale if members is None else members)
+        if not wanted:
+            return
+        got = pull(wanted)
+        for m, copy in got.items():
+            if m in self.stale:
+                self.copies.replace(m, copy)
+                self.stale.discard(m)
+                self.sketches[m] = self._sketch(copy)
+        if missing := [m for m in wanted if m not in got]:
+            raise CopiesUnavailable(missing)
+
+    def last(self, member: str) -> int | None:
+        """Peer-to-peer: the round ``member``'s latest accepted message was sent in (``None``: none yet), which
+        the copy pulled from it must hold."""
+        return self.last_accepted.get(member)
+
+    def _sketch(self, copy: Tensors) -> torch.Tensor:
+        return sketch.sketch(copy) - self._start()
 
     def finish(self, results: Mapping[str, RoundResult | None], codec: GradientCodec) -> GossipFinish:
         """Take a round's results, by member (``None``: no usable answer): each valid message moves its
         sender's public copy and is relayed next round. Returns what was accepted and the consensus
         distance after."""
         assert self.graph is not None, "links before finish"
+        if self.peer_to_peer:
+            return self._finish_peer_to_peer(results)
         self.accepted, refused = {}, {}
         held: dict[str, frozenset[str]] = {}
         for m in self.graph.members:
@@ -183,9 +291,63 @@ class GossipRounds:
             self.copies.receive(m, q)
             self.at_start.discard(m)
             self.accepted[m] = result.gradient
-        self.held = held
+        self.held_before, self.held = self.held_before | set(held), held
         present = [self.copies.copy_of(m) for m in self.graph.members]
         return GossipFinish(tuple(self.accepted), refused, choco.consensus_distance(present))
+
+    def _finish_peer_to_peer(self, results: Mapping[str, RoundResult | None]) -> GossipFinish:
+        """A peer-to-peer round's results: a message is accepted on its digest (its neighbours check what
+        they pull against it, and its content as they decode it); its sender's copy here goes stale, and
+        its sender's sketch moves by the message's."""
+        assert self.graph is not None
+        self.sent, refused = {}, {}
+        held: dict[str, frozenset[str]] = {}
+        size = len(self._start())
+        for m in self.graph.members:
+            result = results.get(m)
+            sent = result.gossip_sent if result is not None else None
+            if sent is None:
+                refused[m] = "no answer this round: it keeps its own copy, and every other goes to it whole next round"
+                continue
+            held[m] = frozenset(self.graph.neighbours_of(m)) | {m}
+            if len(sent.sketch) != size:
+                refused[m] = f"its sketches hold {len(sent.sketch)} numbers, not {size}"
+                continue
+            assert result is not None
+            self.sent[m] = (result.round, sent)
+            self.last_accepted[m] = result.round
+            self.sketches[m] = torch.tensor(sent.sketch, dtype=torch.float64) + torch.tensor(
+                sent.message_sketch, dtype=torch.float64
+            )
+            self.at_start.discard(m)
+            self.stale.add(m)
+        self.held_before, self.held = self.held_before | set(held), held
+        for m in self.graph.members:  # a copy no message moved yet: its sketch is exact here
+            if m not in self.sketches:
+                self.sketches[m] = self._sketch(self.copies.copy_of(m))
+        distance = sketch.consensus_distance([self.sketches[m] for m in self.graph.members])
+        return GossipFinish(tuple(self.sent), refused, distance)
+
+    def _start(self) -> torch.Tensor:
+        """The sketch of the run's start, taken once."""
+        if self._start_sketch is None:
+            self._start_sketch = sketch.sketch(self.start)
+        return self._start_sketch
+
+    def lost(self, members: Sequence[str]) -> None:
+        """Peer-to-peer: members whose worker lost its gossip state (it was pushed the state again). Nobody
+        holds their copy any more: each joins anew next round, from the consensus, and its holders are sent
+        its new copy whole."""
+        for m in members:
+            self.copies.remove(m)
+            self.held.pop(m, None)
+            self.sent.pop(m, None)
+            self.last_accepted.pop(m, None)
+            self.sketches.pop(m, None)
+            self.stale.discard(m)
+            self.at_start.discard(m)
+            self.held_before.discard(m)
+        self.held = {h: frozenset(c - set(members)) for h, c in self.held.items()}
 
     def leave(self, present: Sequence[str]) -> tuple[str, ...]:
         """Forget the members no longer in the run; returns them. Their neighbours are re-linked next round."""
@@ -195,15 +357,22 @@ class GossipRounds:
             self.held.pop(m, None)
             self.accepted.pop(m, None)
             self.at_start.discard(m)
+            self.sent.pop(m, None)
+            self.last_accepted.pop(m, None)
+            self.sketches.pop(m, None)
+            self.stale.discard(m)
+            self.held_before.discard(m)
         return gone
 
     def consensus(self) -> dict[str, torch.Tensor]:
-        """The run's model: the mean of the public copies (the start, before the first round)."""
+        """The run's model: the mean of the public copies (the start, before the first round). Peer-to-peer,
+        ``refresh`` first: a stale copy is the member's as the coordinator last knew it."""
         return self.copies.consensus() if self.copies.members else dict(self.start)
 
     def checkpoint(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
         """What a checkpoint keeps: every member's public copy (group ``gossip-copies``, keys
-        ``<member>/<tensor>``), the members in join order and those still at the start."""
+        ``<member>/<tensor>``), the members in join order and those still at the start. Peer-to-peer,
+        ``refresh`` first (a resumed run sends every copy whole from these)."""
         copies = {f"{m}/{k}": v for m in self.copies.members for k, v in self.copies.copy_of(m).items()}
         meta = {"members": list(self.copies.members), "at_start": sorted(self.at_start)}
         return {"gossip-copies": copies}, {"gossip": meta}
@@ -220,6 +389,18 @@ class GossipRounds:
             copies.add(m, state)
         self.copies, self.at_start = copies, set(saved["at_start"]) & set(saved["members"])
         self.held, self.accepted, self.graph = {}, {}, None
+        self.sent, self.last_accepted, self.stale, self.sketches, self.held_before = {}, {}, set(), {}, set()
+
+
+def check_copy(copy: Tensors, start: Tensors) -> None:
+    """A public copy pulled from its owner: every tensor of the model, in its shape, finite; ``ValueError``."""
+    if set(copy) != set(start):
+        raise ValueError("a public copy must carry every tensor of the model, and no other")
+    for name, t in copy.items():
+        if tuple(t.shape) != tuple(start[name].shape) or not t.is_floating_point():
+            raise ValueError(f"a public copy's {name} has the wrong shape or dtype")
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"a public copy's {name} has non-finite values")
 
 
 def _message(

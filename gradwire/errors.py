@@ -22,6 +22,12 @@ class AccessDenied(PermissionError):
     """The caller does not own the run it names (``gradwire.security.run_owner``)."""
 
 
+class NotHeld(LookupError):
+    """What a sound call asks for is not, or no longer, held here: a gossip message of a round this worker
+    no longer keeps, its public copy at a round it is not at, a neighbour's message it could not pull. The
+    caller's view has moved on; its request is not wrong."""
+
+
 class TooLarge(ValueError):
     """A sound request this worker cannot hold: the run's state would not fit its memory (the message
     names the sizes). A ``ValueError``, so that every rank refuses it alike, but not the caller's mistake."""
@@ -38,6 +44,8 @@ def status_for(e: Exception) -> tuple[grpc.StatusCode, str] | None:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, text
     if isinstance(e, ValueError):  # the request itself is wrong
         return grpc.StatusCode.INVALID_ARGUMENT, text
+    if isinstance(e, NotHeld):
+        return grpc.StatusCode.FAILED_PRECONDITION, text
     if isinstance(e, NonFiniteInput):  # a sound request, but the run has diverged on this worker
         return grpc.StatusCode.FAILED_PRECONDITION, text
     return None

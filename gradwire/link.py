@@ -17,8 +17,9 @@ from typing import Protocol
 import grpc
 
 from gradwire.compression import CompressedGradient
-from gradwire.protocol import ModelState, RoundResult, WorkerInfo, WorkerState, WorkOrder
+from gradwire.protocol import GossipPieceRequest, ModelState, RoundResult, WorkerInfo, WorkerState, WorkOrder
 from gradwire.replica import Fingerprint
+from gradwire.v1 import worker_pb2 as pb
 
 OnPiece = Callable[[CompressedGradient], None]  # takes each piece of a streamed gradient as it arrives
 
@@ -72,6 +73,9 @@ class WorkerLink(Protocol):
 
     def fetch_worker_state(self, run_id: str, timeout: float | None = None) -> tuple[WorkerState, Traffic]:
         """The worker's error feedback and inner optimizer state of ``run_id`` (for checkpoints)."""
+
+    def pull_gossip(self, request: GossipPieceRequest, timeout: float | None = None) -> tuple[pb.GossipPiece, Traffic]:
+        """A peer-to-peer gossip worker's message or public copy (``Worker.PullGossip``), and the bytes."""
 
     def close_run(self, run_id: str, timeout: float | None = None) -> bool:
         """Ask the worker to drop its session of ``run_id``; whether it held one."""

@@ -31,8 +31,9 @@ from gradwire.v1 import worker_pb2 as pb
 # 5: work orders ask for a gradient fingerprint, and results carry it (spot checks); 6: local-SGD orders announce
 # the next round (next_batch, next_local_steps), results say how long the worker waited, and local-SGD rounds
 # and replays may be of one fragment of the model (--fragments); 7: gossip rounds (WorkOrder.gossip), whose
-# results report the worker's gossip residual
-PROTOCOL_VERSION = 7
+# results report the worker's gossip residual; 8: peer-to-peer gossip (GossipLinks.pulls, Worker.PullGossip,
+# RoundResult.gossip_digest and sketches)
+PROTOCOL_VERSION = 8
 MAX_INNER_STEPS = 100_000  # H beyond this is a mistake, not a schedule (the field syncs every 30-500 steps)
 MAX_LEARNING_RATE = 1e6  # learning rates crossing the wire are finite, non-negative and below this
 MAX_CATCH_UP = 1024  # missed updates one order may carry (--replay-window is far smaller)
@@ -521,10 +522,32 @@ def local_steps_from_proto(m: pb.LocalSteps) -> LocalSteps:
     )
 
 
+DIGEST_BYTES = 32  # SHA-256
+PEER_KEY_BYTES = (16, 64)
+
+
+@dataclasses.dataclass(frozen=True)
+class GossipPull:
+    """A neighbour's accepted message to pull from the neighbour itself (worker.proto's ``GossipPull``)."""
+
+    member: str
+    address: str
+    round: int
+    digest: bytes
+
+    def __post_init__(self) -> None:
+        _member(self.member)
+        if not self.address or len(self.address) > 256 or not self.address.isprintable():
+            raise ProtocolError(f"gossip: the address of {self.member!r} is 1-256 printable characters")
+        if len(self.digest) != DIGEST_BYTES:
+            raise ProtocolError(f"gossip: the digest of {self.member!r}'s message is {len(self.digest)} bytes, not 32")
+
+
 @dataclasses.dataclass(frozen=True)
 class GossipLinks:
     """One worker's part of a gossip round (``WorkOrder.gossip``; its meaning is in worker.proto).
-    ``fresh`` maps a member to its whole public copy, or to ``None``: the run's starting state."""
+    ``fresh`` maps a member to its whole public copy, or to ``None``: the run's starting state. With
+    ``peer_key`` (peer-to-peer), ``pulls`` names the messages to pull from the neighbours themselves."""
 
     member: str
     weights: Mapping[str, float]  # neighbour -> W_ij
@@ -533,9 +556,20 @@ class GossipLinks:
     relays: Mapping[str, CompressedGradient] = dataclasses.field(default_factory=dict)
     fresh: Mapping[str, Mapping[str, torch.Tensor] | None] = dataclasses.field(default_factory=dict)
     drop: tuple[str, ...] = ()
+    peer_key: bytes = b""
+    pulls: Mapping[str, GossipPull] = dataclasses.field(default_factory=dict)
+    own_round: int = 0  # peer-to-peer, with own_accepted: the round its accepted message was sent in
 
     def __post_init__(self) -> None:
         _member(self.member)
+        if self.peer_key and not PEER_KEY_BYTES[0] <= len(self.peer_key) <= PEER_KEY_BYTES[1]:
+            raise ProtocolError(f"gossip: the peer key is {len(self.peer_key)} bytes, not {PEER_KEY_BYTES}")
+        if self.pulls and not self.peer_key:
+            raise ProtocolError("gossip: messages to pull from neighbours, and no peer key to pull them with")
+        if stray := [j for j, pull in self.pulls.items() if j not in self.weights or pull.member != j]:
+            raise ProtocolError(f"gossip: messages to pull from non-neighbours {stray}")
+        if both := [j for j in self.pulls if j in self.relays or j in self.fresh]:
+            raise ProtocolError(f"gossip: {both} come pulled and also relayed or whole")
         if not (math.isfinite(self.gamma) and 0 < self.gamma <= 1):
             raise ProtocolError(f"gossip: gamma must be in (0, 1], got {self.gamma}")
         if len(self.weights) > MAX_NEIGHBOURS:
@@ -579,6 +613,9 @@ def gossip_to_proto(g: GossipLinks) -> pb.GossipLinks:
             for j, c in g.fresh.items()
         ],
         drop=list(g.drop),
+        peer_key=g.peer_key,
+        pulls=[pb.GossipPull(member=j, address=p.address, round=p.round, digest=p.digest) for j, p in g.pulls.items()],
+        own_round=g.own_round,
     )
 
 
@@ -592,6 +629,7 @@ def gossip_from_proto(m: pb.GossipLinks) -> GossipLinks:
     unique([n.member for n in m.neighbours], "neighbours")
     unique([r.member for r in m.relays], "relays")
     unique([c.member for c in m.fresh], "public copies")
+    unique([p.member for p in m.pulls], "pulls")
     fresh: dict[str, Mapping[str, torch.Tensor] | None] = {}
     for c in m.fresh:
         if c.start and c.tensors:
@@ -601,9 +639,108 @@ def gossip_from_proto(m: pb.GossipLinks) -> GossipLinks:
         relays = {r.member: codec_serde.gradient_from_proto(r.message) for r in m.relays}
     except PayloadError as e:
         raise ProtocolError(f"gossip: a relayed message: {e.reason}") from None
+    pulls = {p.member: GossipPull(p.member, p.address, p.round, p.digest) for p in m.pulls}
     return GossipLinks(
-        m.member, {n.member: n.weight for n in m.neighbours}, m.gamma, m.own_accepted, relays, fresh, tuple(m.drop)
+        m.member,
+        {n.member: n.weight for n in m.neighbours},
+        m.gamma,
+        m.own_accepted,
+        relays,
+        fresh,
+        tuple(m.drop),
+        m.peer_key,
+        pulls,
+        m.own_round,
     )
+
+
+# ------------------------------------------------------------------------------- peer-to-peer gossip
+
+MAX_SKETCH = 1 << 16  # floats in a count sketch of a public copy (gradwire/gossip/sketch.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class GossipSent:
+    """What a peer-to-peer gossip round's result says of the message the worker keeps for its neighbours:
+    the digest and size of its serialized ``GossipPiece``, and count sketches of the worker's public copy
+    before the message and of the decoded message."""
+
+    digest: bytes
+    nbytes: int
+    sketch: tuple[float, ...] = ()
+    message_sketch: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.digest) != DIGEST_BYTES:
+            raise ProtocolError(f"gossip: a message digest is {DIGEST_BYTES} bytes, got {len(self.digest)}")
+        if len(self.sketch) != len(self.message_sketch) or len(self.sketch) > MAX_SKETCH:
+            raise ProtocolError(f"gossip: the two sketches must be as long as each other and at most {MAX_SKETCH}")
+        if not all(math.isfinite(v) for v in (*self.sketch, *self.message_sketch)):
+            raise ProtocolError("gossip: a sketch has non-finite values")
+
+
+@dataclasses.dataclass(frozen=True)
+class GossipPieceRequest:
+    """A ``PullGossip`` call: a worker's message of ``round``, or (``copy``) its public copy as it stands when
+    it takes that round's links: with every message of its the coordinator accepted, the last of them sent in
+    round ``last`` (``None``: none yet)."""
+
+    run_id: str
+    peer_key: bytes
+    round: int
+    copy: bool = False
+    last: int | None = None
+
+
+def piece_request_to_proto(r: GossipPieceRequest) -> pb.PullGossipRequest:
+    return pb.PullGossipRequest(
+        run_id=r.run_id,
+        peer_key=r.peer_key,
+        round=r.round,
+        copy=r.copy,
+        with_last=r.last is not None,
+        last=r.last if r.last is not None else 0,
+    )
+
+
+def piece_request_from_proto(m: pb.PullGossipRequest) -> GossipPieceRequest:
+    if not PEER_KEY_BYTES[0] <= len(m.peer_key) <= PEER_KEY_BYTES[1]:
+        raise ProtocolError("PullGossip: the request carries no peer key of the right size")
+    if m.with_last and not m.copy:
+        raise ProtocolError("PullGossip: with_last asks about a copy, not a message")
+    last = m.last if m.with_last else None
+    return GossipPieceRequest(check_run_id(m.run_id, "PullGossip"), m.peer_key, m.round, m.copy, last)
+
+
+def message_piece_to_bytes(member: str, round_: int, message: CompressedGradient) -> bytes:
+    """A message as a worker keeps it for its neighbours: the serialized ``GossipPiece`` whose digest it reports."""
+    return pb.GossipPiece(
+        member=member, round=round_, message=codec_serde.gradient_to_proto(message)
+    ).SerializeToString(deterministic=True)
+
+
+def copy_piece_to_proto(member: str, round_: int, copy: Mapping[str, torch.Tensor]) -> pb.GossipPiece:
+    return pb.GossipPiece(
+        member=member, round=round_, copy=pb.PublicCopy(member=member, tensors=tensors_to_proto(copy))
+    )
+
+
+def message_from_piece(data: bytes, member: str, round_: int) -> CompressedGradient:
+    """The message in a pulled ``GossipPiece``; ``ProtocolError`` unless it is ``member``'s of ``round_``."""
+    m = parse(pb.GossipPiece, data)
+    if m.member != member or m.round != round_ or not m.HasField("message") or m.HasField("copy"):
+        raise ProtocolError(f"gossip: the piece pulled is not {member!r}'s message of round {round_}")
+    try:
+        return codec_serde.gradient_from_proto(m.message)
+    except PayloadError as e:
+        raise ProtocolError(f"gossip: the message of {member!r}: {e.reason}") from None
+
+
+def copy_from_piece(m: pb.GossipPiece, member: str, round_: int) -> dict[str, torch.Tensor]:
+    """The public copy in a pulled ``GossipPiece``; ``ProtocolError`` unless it is ``member``'s at ``round_``."""
+    if m.member != member or m.round != round_ or not m.HasField("copy") or m.HasField("message"):
+        raise ProtocolError(f"gossip: the piece pulled is not {member!r}'s public copy at round {round_}")
+    return tensors_from_proto(m.copy.tensors, f"public copy of {member!r}")
 
 
 _BATCH_DTYPES = {pb.DTYPE_UINT16: np.dtype("<u2"), pb.DTYPE_INT32: np.dtype("<i4")}
@@ -790,9 +927,11 @@ class RoundResult:
     grad_norm: float = 0.0  # gradient mode: the gradient's L2 norm before clipping (0 in local-SGD rounds)
     gradient_fingerprint: Fingerprint | None = None  # what WorkOrder.fingerprint_gradient asked for
     gossip_residual: float = 0.0  # a gossip round: |x - x^_own|^2 after the worker's message
+    gossip_sent: GossipSent | None = None  # a peer-to-peer gossip round: the message kept for the neighbours
 
 
 def result_to_proto(r: RoundResult) -> pb.RoundResult:
+    sent = r.gossip_sent
     return pb.RoundResult(
         status=_STATUS[r.status],
         reason=r.reason,
@@ -806,6 +945,10 @@ def result_to_proto(r: RoundResult) -> pb.RoundResult:
         grad_norm=r.grad_norm,
         gradient_fingerprint=fingerprint_to_proto(r.gradient_fingerprint) if r.gradient_fingerprint else None,
         gossip_residual=r.gossip_residual,
+        gossip_digest=sent.digest if sent else b"",
+        gossip_bytes=sent.nbytes if sent else 0,
+        gossip_sketch=sent.sketch if sent else (),
+        gossip_message_sketch=sent.message_sketch if sent else (),
     )
 
 
@@ -827,8 +970,13 @@ def result_from_proto(m: pb.RoundResult) -> RoundResult:
     status = {v: k for k, v in _STATUS.items()}.get(m.status)
     if status is None:
         raise ProtocolError(f"unknown round status {m.status}")
-    if status == OK and not m.HasField("gradient"):
-        raise ProtocolError("an OK round result must carry a gradient")
+    sent = (
+        GossipSent(m.gossip_digest, m.gossip_bytes, tuple(m.gossip_sketch), tuple(m.gossip_message_sketch))
+        if m.gossip_digest
+        else None
+    )
+    if status == OK and not m.HasField("gradient") and sent is None:
+        raise ProtocolError("an OK round result must carry a gradient (or, peer-to-peer, its message's digest)")
     timings = {f.name.removesuffix("_seconds"): v for f, v in m.timings.ListFields()}
     if not (math.isfinite(m.grad_norm) and m.grad_norm >= 0):
         raise ProtocolError(f"grad_norm must be finite and >= 0, got {m.grad_norm}")
@@ -849,6 +997,7 @@ def result_from_proto(m: pb.RoundResult) -> RoundResult:
         m.grad_norm,
         fingerprint,
         m.gossip_residual,
+        sent,
     )
 
 

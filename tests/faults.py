@@ -28,7 +28,9 @@ answers are tampered with after it computed them honestly, the way a compromised
 * ``die-mid-stream`` - in a streamed round (``WorkOrder.stream_buckets``) the worker sends its first piece
                     and then fails, as a process that dies mid-stream: the call ends with an error;
 * ``zeros``       - a valid payload whose values are all zero, with the tokens of the batch it was sent (a
-                    free rider that computes nothing).
+                    free rider that computes nothing);
+* ``other-message`` - in peer-to-peer gossip rounds, the worker serves its neighbours other bytes than the
+                    message whose digest it reported, for the messages of ``rounds``.
 
 Use it through ``faulty(action, ...)``, an engine factory for ``tests.integration.conftest.live_workers``.
 """
@@ -42,7 +44,7 @@ from collections.abc import Callable, Collection, Iterator
 import numpy as np
 
 from gradwire.compression import CompressedGradient
-from gradwire.protocol import OK, RoundResult, WorkOrder
+from gradwire.protocol import OK, GossipPieceRequest, RoundResult, WorkOrder
 from gradwire.replica import Fingerprint
 from gradwire.v1 import worker_pb2 as pb
 from gradwire.worker.compute import Cancelled
@@ -54,6 +56,7 @@ ACTIONS = (
     *("sign-flip", "other-rows", "zeros"),  # honest-looking payloads that do not help (coordinator.agreement)
     "slow",  # an honest worker that is slower than the others (coordinator.balance)
     "die-mid-stream",  # a streamed gradient cut off after its first piece (compression.stream)
+    "other-message",  # a gossip message served to the neighbours that is not the one reported (worker.peers)
 )
 
 
@@ -132,6 +135,15 @@ class FaultyEngine(WorkerEngine):
             # attacker that stays in sync (and whose gradients a spot check then finds honest).
             session.last_sent, session.sent_decoded = (order.round, changes["gradient"]), None
         return dataclasses.replace(result, **changes)
+
+    def pull_gossip(self, request: GossipPieceRequest) -> bytes:
+        """``other-message``: a peer-to-peer gossip worker that serves its neighbours, for the planned rounds,
+        other bytes than the message whose digest it reported."""
+        data = super().pull_gossip(request)
+        if self.plan.action == "other-message" and not request.copy and self.plan.applies(request.round):
+            self.injected.append(request.round)
+            return data[:-1] + bytes([data[-1] ^ 1])
+        return data
 
     def _tamper(self, order: WorkOrder, result: RoundResult) -> dict[str, object]:
         plan, gradient = self.plan, result.gradient

@@ -281,6 +281,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="talk TLS to the --join coordinator, trusting the CA that signed its certificate "
         "(coordinator train --listen-tls-cert)",
     )
+    peers = serve.add_argument_group("peer-to-peer gossip (coordinator train --topology ... --peer-to-peer)")
+    peers.add_argument(
+        "--peer-tls",
+        action="store_true",
+        help="pull the neighbours' gossip messages over TLS, trusting the system's CAs (implied by --peer-tls-ca "
+        "and by serving TLS: the neighbours serve as this worker does)",
+    )
+    peers.add_argument(
+        "--peer-tls-ca",
+        metavar="PEM",
+        help="pull the neighbours' gossip messages over TLS, trusting the CA that signed their certificates",
+    )
     add_security_flags(serve, side="worker")
     return parser
 
@@ -298,6 +310,18 @@ def server_security(args: argparse.Namespace) -> ServerSecurity:
 def join_security(args: argparse.Namespace, token: str | None) -> ClientSecurity:
     """How ``--join`` reaches the coordinator: the worker's token, TLS if asked for."""
     return ClientSecurity(token=token, tls=args.join_tls, tls_ca=args.join_tls_ca)
+
+
+def peer_security(args: argparse.Namespace, security: ServerSecurity) -> ClientSecurity:
+    """How this worker pulls its neighbours' gossip messages: the swarm's token, TLS when this worker serves
+    TLS or the flags ask for it (its client certificate too, when it presents one: mutual TLS)."""
+    return ClientSecurity(
+        token=security.token,
+        tls=args.peer_tls or security.tls,
+        tls_ca=args.peer_tls_ca,
+        tls_cert=args.tls_cert if security.tls_client_ca else None,
+        tls_key=args.tls_key if security.tls_client_ca else None,
+    )
 
 
 def _gigabytes(text: str) -> float:
@@ -371,6 +395,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 join_security(args, security.token).channel("127.0.0.1:1", []).close()  # the --join-tls-ca file, now
             except ValueError as e:  # ClientSecurity names the coordinator's flag
                 raise ValueError(str(e).replace("--tls-ca", "--join-tls-ca")) from None
+        try:
+            peer_security(args, security).channel("127.0.0.1:1", []).close()  # the --peer-tls-ca file, now
+        except ValueError as e:
+            raise ValueError(str(e).replace("--tls-ca", "--peer-tls-ca")) from None
     except ValueError as e:
         print(f"worker serve: error: {e}", file=sys.stderr)
         return 2
@@ -456,6 +484,7 @@ def run_rank(args: argparse.Namespace, rank: RankInfo | None) -> int:
                 advertise=args.advertise,
                 tunnel=args.tunnel,
                 join_security=join_security(args, security.token),
+                peer_security=peer_security(args, security),
             )
         except OSError as e:  # the address cannot be bound
             print(f"worker serve: error: {e}", file=sys.stderr)

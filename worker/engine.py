@@ -57,6 +57,7 @@ from gradwire.protocol import (
     NEEDS_STATE,
     OK,
     PROTOCOL_VERSION,
+    GossipPieceRequest,
     ModelState,
     ProtocolError,
     RoundResult,
@@ -77,6 +78,7 @@ from gradwire.worker.node import (
     merge_rank_states,
     merge_shard_states,
 )
+from gradwire.worker.peers import Peers
 from gradwire.worker.session import Session, host_tensors
 from gradwire.worker.sizing import choose_node_mode, device_memory, physical_memory
 from gradwire.worker.streaming import BucketStream, Emit
@@ -138,6 +140,8 @@ class WorkerEngine:
         )  # --overlap: gradients computed ahead "used" / "dropped"
         # What to do when the node loses a rank (the server sets it: stop, so that the node restarts).
         self.on_node_failure: Callable[[], None] = lambda: None
+        # Peer-to-peer gossip: how this worker pulls its neighbours' messages (the server sets its token and TLS).
+        self.peers = Peers()
         self._last_command = time.monotonic()
         self._push_ids = itertools.count()  # a node's ranks tell overlapping pushes apart by these
         if self.node is not None and self.node.info.leader:
@@ -617,13 +621,22 @@ class WorkerEngine:
         working = session.own_model()
         model = dict(zip(replica.params, working.parameters()))
         keep = session.gossip is None and session.own_model_restored  # a resumed run's x came with the push
-        session.gossip = gossip.take_links(session.gossip, links, model, replica.params, codec, keep_model=keep)
+        if links.pulls:  # peer-to-peer: the neighbours' messages come from them, then go in as relays would
+            pulled = self.peers.pull(order.run_id, links.peer_key, links.pulls, cancelled)
+            links = dataclasses.replace(links, relays={**links.relays, **pulled}, pulls={})
+        session.gossip = gossip.take_links(
+            session.gossip, links, model, replica.params, codec, keep_model=keep, round_=order.round
+        )
         gossip.mix(session.gossip, links, model)
         t_compute = time.perf_counter()
         tokens = self._tokens(order.batch)
         loss, fingerprint = inner_steps(session, working, order, tokens, cancelled, session.placement)
         t_encode = time.perf_counter()
         payload, residual = gossip.send(session.gossip, model, codec)
+        sent = None
+        if links.peer_key:  # kept for the neighbours to pull; the coordinator gets its digest and sketches
+            sent = gossip.keep_for_peers(session.gossip, order.round, payload, replica.params)
+            payload = None
         t_done = time.perf_counter()
         wall = t_done - session.done_at if session.done_at is not None else t_done - t0
         wait = max(0.0, t0 - session.done_at) if session.done_at is not None else 0.0
@@ -648,7 +661,21 @@ class WorkerEngine:
             timings,
             gradient_fingerprint=fingerprint,
             gossip_residual=residual,
+            gossip_sent=sent,
         )
+
+    def pull_gossip(self, request: GossipPieceRequest) -> bytes:
+        """What ``Worker.PullGossip`` answers (``worker.gossip``): this worker's message of a round, or its
+        public copy, as the serialized ``GossipPiece``. Authorised by the run's peer key, not by ownership:
+        neighbours ask too. Never waits for a round: the gossip state has a lock of its own."""
+        session = self.sessions.get(request.run_id)
+        state = session.gossip if session is not None else None
+        if state is None:
+            raise AccessDenied(f"PullGossip: no peer-to-peer gossip of run {request.run_id!r} here")
+        if not request.copy:
+            return gossip.message_piece(state, request.peer_key, request.round)
+        copy = gossip.copy_at(state, request.peer_key, request.round, request.last)
+        return protocol.copy_piece_to_proto(state.node.member, request.round, copy).SerializeToString()
 
     def _contribution(
         self,

@@ -15,18 +15,32 @@ order worker.proto's ``GossipLinks`` gives:
 Everything the order names is checked before any copy changes: a relay for a copy the worker does not hold,
 or a first order that does not bring the worker's own copy, is a ``ProtocolError`` (the coordinator then
 sends every copy whole in the next round), and the worker's state is as it was.
+
+Peer-to-peer (``--peer-to-peer``) the round is the same; only the bytes travel otherwise. The engine pulls
+the neighbours' messages from them (``worker.peers``) and hands them to ``take_links`` as relays, and the
+worker keeps its own last messages for its neighbours to pull (``keep``, ``message_piece``) and serves its
+public copy to the coordinator (``copy_at``). Those calls come on the server's threads while a round runs,
+so the state's ``lock`` guards what they read; it is never held across a pull, so two neighbours pulling
+from each other cannot wait on each other.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import threading
 from collections.abc import Mapping
 
 import torch
 
 from gradwire.compression import CompressedGradient, GradientCodec
+from gradwire.errors import AccessDenied, NotHeld
+from gradwire.gossip import sketch
 from gradwire.gossip.node import GossipNode
-from gradwire.protocol import GossipLinks, ProtocolError
+from gradwire.protocol import GossipLinks, GossipSent, ProtocolError, message_piece_to_bytes
+from gradwire.security import same_owner
+
+KEPT_MESSAGES = 2  # a neighbour pulls round r's message during round r + 1, when the worker may have sent r + 1's
 
 Tensors = Mapping[str, torch.Tensor]
 
@@ -37,6 +51,12 @@ class GossipState:
 
     node: GossipNode
     pending: dict[str, torch.Tensor] | None = None  # the decoded message sent last, not yet in ``node.own``
+    links_round: int = -1  # the round whose links it took last
+    sent_round: int = -1  # the round ``pending`` was sent in
+    peer_key: bytes = b""  # peer-to-peer: what whoever pulls from it must present (the last order's)
+    outbox: dict[int, bytes] = dataclasses.field(default_factory=dict)  # peer-to-peer: its last messages, as pulled
+    start_sketch: torch.Tensor | None = None  # peer-to-peer: the sketch of the run's start, taken once
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 
 
 def _decoded(codec: GradientCodec, payload: CompressedGradient, what: str) -> dict[str, torch.Tensor]:
@@ -64,12 +84,13 @@ def take_links(
     start: Tensors,
     codec: GradientCodec,
     keep_model: bool = False,
+    round_: int = -1,
 ) -> GossipState:
     """Apply an order's links to ``state`` (``None``: the worker has none for the run yet, and its model
     ``x`` starts from its own public copy, which the order must bring, unless ``keep_model``: a resumed
     worker's ``x`` came with its state push). ``model``: the worker's ``x``, by tensor name (written only
-    when it starts); ``start``: the run's starting state (the replica), what a copy marked ``start`` is.
-    Returns the state to keep."""
+    when it starts); ``start``: the run's starting state (the replica), what a copy marked ``start`` is;
+    ``round_``: the order's round. Returns the state to keep."""
     fresh = {
         j: _checked_copy(j, c, start) if c is not None else start for j, c in links.fresh.items()
     }  # checked before anything changes
@@ -91,14 +112,20 @@ def take_links(
         raise ProtocolError(f"gossip: messages relayed for copies this worker does not hold: {missing}")
     if missing := [j for j in links.weights if j not in held and j not in fresh]:
         raise ProtocolError(f"gossip: no public copy of neighbours {missing} held, and none sent")
-    state.node.link({j: c for j, c in fresh.items() if j != links.member}, drop=links.drop)
-    if links.member in fresh:  # its own copy again: what every holder has; an unaccepted message is void
-        state.node.own = {k: v.detach().float().clone() for k, v in fresh[links.member].items()}
-    elif links.own_accepted and state.pending is not None:
-        state.node.accept(state.pending)
-    state.pending = None
-    for j, q in relays.items():
-        state.node.receive(j, q)
+    with state.lock:
+        state.node.link({j: c for j, c in fresh.items() if j != links.member}, drop=links.drop)
+        if links.member in fresh:  # its own copy again: what every holder has; an unaccepted message is void
+            state.node.own = {k: v.detach().float().clone() for k, v in fresh[links.member].items()}
+        elif (
+            links.own_accepted
+            and state.pending is not None
+            and (not links.peer_key or state.sent_round == links.own_round)
+        ):
+            state.node.accept(state.pending)
+        state.pending = None
+        for j, q in relays.items():
+            state.node.receive(j, q)
+        state.links_round, state.peer_key = round_, links.peer_key
     return state
 
 
@@ -116,8 +143,65 @@ def send(state: GossipState, model: Tensors, codec: GradientCodec) -> tuple[Comp
     the next order accepts it."""
     with torch.no_grad():
         payload, q = state.node.send(model, codec)
-    state.pending = q
+    with state.lock:
+        state.pending, state.sent_round = q, state.links_round
     residual = float(
         sum(float((model[k].detach().float() - v - q[k]).square().sum()) for k, v in state.node.own.items())
     )
     return payload, residual
+
+
+# ------------------------------------------------------------------------------- peer-to-peer
+
+
+def keep(state: GossipState, round_: int, piece: bytes) -> None:
+    """Keep this round's message (its serialized ``GossipPiece``) for the neighbours to pull; the oldest
+    beyond ``KEPT_MESSAGES`` goes."""
+    with state.lock:
+        state.outbox[round_] = piece
+        for old in sorted(state.outbox)[:-KEPT_MESSAGES]:
+            del state.outbox[old]
+
+
+def keep_for_peers(state: GossipState, round_: int, payload: CompressedGradient, start: Tensors) -> GossipSent:
+    """Keep ``send``'s message of ``round_`` for the neighbours, and what the coordinator sees of it instead:
+    the digest and size of what they will pull, and sketches of the message and of the public copy before it,
+    less the run's start (``start``)."""
+    piece = message_piece_to_bytes(state.node.member, round_, payload)
+    keep(state, round_, piece)
+    assert state.pending is not None, "send before keep_for_peers"
+    if state.start_sketch is None:
+        state.start_sketch = sketch.sketch(start)
+    own = tuple((sketch.sketch(state.node.own) - state.start_sketch).tolist())  # small numbers: float32 holds them
+    message = tuple(sketch.sketch(state.pending).tolist())
+    return GossipSent(hashlib.sha256(piece).digest(), len(piece), own, message)
+
+
+def _check_key(state: GossipState, key: bytes) -> None:
+    if not state.peer_key or not same_owner(state.peer_key, key):
+        raise AccessDenied("PullGossip: the peer key is not this run's")
+
+
+def message_piece(state: GossipState, key: bytes, round_: int) -> bytes:
+    """The message this worker sent in ``round_``, as its neighbours pull it. ``AccessDenied`` for another
+    key; ``NotHeld`` for a round it no longer keeps (or never sent)."""
+    with state.lock:
+        _check_key(state, key)
+        piece = state.outbox.get(round_)
+        if piece is None:
+            raise NotHeld(f"PullGossip: no message of round {round_} here (it keeps rounds {sorted(state.outbox)})")
+        return piece
+
+
+def copy_at(state: GossipState, key: bytes, round_: int, last: int | None) -> dict[str, torch.Tensor]:
+    """This worker's public copy as it stands when it takes ``round_``'s links: with each of its messages the
+    coordinator accepted, the last of them sent in round ``last`` (``None``: none). The message it holds is
+    added if it is that one; a message it added already is in its copy. Served between rounds; ``NotHeld``
+    for a round it has gone past."""
+    with state.lock:
+        _check_key(state, key)
+        if state.links_round > round_:
+            raise NotHeld(f"PullGossip: this worker took the links of round {state.links_round}, past round {round_}")
+        if last is not None and state.pending is not None and state.sent_round == last:
+            return {k: v + state.pending[k].to(v.dtype) for k, v in state.node.own.items()}
+        return {k: v.clone() for k, v in state.node.own.items()}

@@ -21,7 +21,15 @@ from gradwire import protocol, statestream
 from gradwire.compression import CompressedGradient
 from gradwire.errors import status_for
 from gradwire.link import OnPiece, Traffic, WorkerError
-from gradwire.protocol import ModelState, ProtocolError, RoundResult, WorkerInfo, WorkerState, WorkOrder
+from gradwire.protocol import (
+    GossipPieceRequest,
+    ModelState,
+    ProtocolError,
+    RoundResult,
+    WorkerInfo,
+    WorkerState,
+    WorkOrder,
+)
 from gradwire.replica import Fingerprint
 from gradwire.v1 import worker_pb2 as pb
 from gradwire.worker.engine import WorkerEngine
@@ -74,6 +82,10 @@ class InProcessClient:
     def fetch_worker_state(self, run_id: str, timeout: float | None = None) -> tuple[WorkerState, Traffic]:
         up = protocol.worker_state_to_proto(self._served(lambda: self.engine.worker_state(run_id)))
         return protocol.worker_state_from_proto(_wire(up, pb.WorkerState)), Traffic(0, up.ByteSize())
+
+    def pull_gossip(self, request: GossipPieceRequest, timeout: float | None = None) -> tuple[pb.GossipPiece, Traffic]:
+        data = self._served(lambda: self.engine.pull_gossip(request))
+        return protocol.parse(pb.GossipPiece, data), Traffic(0, len(data))
 
     def cancel(self) -> None:
         self._cancelled.set()

@@ -34,17 +34,20 @@ def serve(
     advertise: str | None = None,
     tunnel: bool = False,
     join_security: ClientSecurity | None = None,
+    peer_security: ClientSecurity | None = None,
 ) -> int:
     """Serve ``engine`` until SIGTERM or SIGINT, then shut down gracefully; return the exit code: 0, or 1
     when a node lost a rank (its launcher, or torchrun, then restarts the node).
 
     ``join``: announce this worker to the coordinator there (``--join``), or with ``tunnel`` hold a tunnel
     open to it and serve its calls through that (``--tunnel``: for a worker behind NAT); ``join_security``
-    says how to reach it (token, TLS).
+    says how to reach it (token, TLS). ``peer_security``: how peer-to-peer gossip pulls from the neighbours
+    (default: this worker's token, TLS if it serves TLS).
 
     Must run on the main thread (signal handlers can only be installed there). A second signal during the
     grace period stops the server at once.
     """
+    from gradwire.worker.peers import Peers
     from gradwire.worker.servicer import WorkerServicer  # here: the servicer pulls in torch via the engine
 
     stop = threading.Event()
@@ -55,8 +58,13 @@ def serve(
         stop.set()
 
     engine.on_node_failure = on_node_failure  # from a failed call or a failed heartbeat alike
-    servicer = WorkerServicer(engine, max_message_mb=check_message_mb(max_message_mb))
     security = security or ServerSecurity()
+    if hasattr(engine, "peers"):
+        engine.peers = Peers(
+            peer_security or ClientSecurity(token=security.token, tls=security.tls),
+            max_message_mb=check_message_mb(max_message_mb),
+        )
+    servicer = WorkerServicer(engine, max_message_mb=check_message_mb(max_message_mb))
     relay_dir = tempfile.mkdtemp(prefix="gradwire-relay-") if join and tunnel else None  # private (0700)
     relay_socket = f"{relay_dir}/worker.sock" if relay_dir else None
     server, bound, health_servicer = make_server(

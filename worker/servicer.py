@@ -111,6 +111,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except Exception as e:
             self._fail(context, "CloseRun", e)
 
+    def PullGossip(self, request: pb.PullGossipRequest, context: grpc.ServicerContext) -> Iterator[pb.Part]:
+        try:
+            parts = list(protocol.frame([self.engine.pull_gossip(protocol.piece_request_from_proto(request))]))
+        except Exception as e:
+            self._fail(context, "PullGossip", e)
+        yield from parts
+
     def _join(self, parts: Iterator[pb.Part], owner: bytes, kind: str) -> bytes:
         return protocol.join_parts(parts, *self._limit(owner, kind))
 

@@ -27,6 +27,34 @@ DTYPE_UINT16: DType
 DTYPE_INT64: DType
 DTYPE_UINT8: DType
 
+class PullGossipRequest(_message.Message):
+    __slots__ = ("run_id", "peer_key", "round", "copy", "with_last", "last")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_KEY_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    COPY_FIELD_NUMBER: _ClassVar[int]
+    WITH_LAST_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    peer_key: bytes
+    round: int
+    copy: bool
+    with_last: bool
+    last: int
+    def __init__(self, run_id: _Optional[str] = ..., peer_key: _Optional[bytes] = ..., round: _Optional[int] = ..., copy: _Optional[bool] = ..., with_last: _Optional[bool] = ..., last: _Optional[int] = ...) -> None: ...
+
+class GossipPiece(_message.Message):
+    __slots__ = ("member", "round", "message", "copy")
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    COPY_FIELD_NUMBER: _ClassVar[int]
+    member: str
+    round: int
+    message: _codec_pb2.CompressedGradient
+    copy: PublicCopy
+    def __init__(self, member: _Optional[str] = ..., round: _Optional[int] = ..., message: _Optional[_Union[_codec_pb2.CompressedGradient, _Mapping]] = ..., copy: _Optional[_Union[PublicCopy, _Mapping]] = ...) -> None: ...
+
 class CloseRunRequest(_message.Message):
     __slots__ = ("run_id",)
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -257,7 +285,7 @@ class WorkOrder(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., base_version: _Optional[int] = ..., update: _Optional[_Union[StateUpdate, _Mapping]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., batch: _Optional[_Union[TokenBatch, _Mapping]] = ..., codec: _Optional[_Union[_codec_pb2.CodecSettings, _Mapping]] = ..., feedback_beta: _Optional[float] = ..., micro_batch_size: _Optional[int] = ..., sync_tolerance: _Optional[float] = ..., local_steps: _Optional[_Union[LocalSteps, _Mapping]] = ..., catch_up: _Optional[_Iterable[_Union[StateUpdate, _Mapping]]] = ..., compute_before_update: _Optional[bool] = ..., next_batch: _Optional[_Union[TokenBatch, _Mapping]] = ..., clip_grad_norm: _Optional[float] = ..., fingerprint_gradient: _Optional[bool] = ..., next_local_steps: _Optional[_Union[LocalSteps, _Mapping]] = ..., stream_buckets: _Optional[int] = ..., gossip: _Optional[_Union[GossipLinks, _Mapping]] = ...) -> None: ...
 
 class GossipLinks(_message.Message):
-    __slots__ = ("member", "neighbours", "gamma", "own_accepted", "relays", "fresh", "drop")
+    __slots__ = ("member", "neighbours", "gamma", "own_accepted", "relays", "fresh", "drop", "peer_key", "pulls", "own_round")
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     NEIGHBOURS_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +293,9 @@ class GossipLinks(_message.Message):
     RELAYS_FIELD_NUMBER: _ClassVar[int]
     FRESH_FIELD_NUMBER: _ClassVar[int]
     DROP_FIELD_NUMBER: _ClassVar[int]
+    PEER_KEY_FIELD_NUMBER: _ClassVar[int]
+    PULLS_FIELD_NUMBER: _ClassVar[int]
+    OWN_ROUND_FIELD_NUMBER: _ClassVar[int]
     member: str
     neighbours: _containers.RepeatedCompositeFieldContainer[GossipNeighbour]
     gamma: float
@@ -272,7 +303,22 @@ class GossipLinks(_message.Message):
     relays: _containers.RepeatedCompositeFieldContainer[GossipRelay]
     fresh: _containers.RepeatedCompositeFieldContainer[PublicCopy]
     drop: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, member: _Optional[str] = ..., neighbours: _Optional[_Iterable[_Union[GossipNeighbour, _Mapping]]] = ..., gamma: _Optional[float] = ..., own_accepted: _Optional[bool] = ..., relays: _Optional[_Iterable[_Union[GossipRelay, _Mapping]]] = ..., fresh: _Optional[_Iterable[_Union[PublicCopy, _Mapping]]] = ..., drop: _Optional[_Iterable[str]] = ...) -> None: ...
+    peer_key: bytes
+    pulls: _containers.RepeatedCompositeFieldContainer[GossipPull]
+    own_round: int
+    def __init__(self, member: _Optional[str] = ..., neighbours: _Optional[_Iterable[_Union[GossipNeighbour, _Mapping]]] = ..., gamma: _Optional[float] = ..., own_accepted: _Optional[bool] = ..., relays: _Optional[_Iterable[_Union[GossipRelay, _Mapping]]] = ..., fresh: _Optional[_Iterable[_Union[PublicCopy, _Mapping]]] = ..., drop: _Optional[_Iterable[str]] = ..., peer_key: _Optional[bytes] = ..., pulls: _Optional[_Iterable[_Union[GossipPull, _Mapping]]] = ..., own_round: _Optional[int] = ...) -> None: ...
+
+class GossipPull(_message.Message):
+    __slots__ = ("member", "address", "round", "digest")
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    member: str
+    address: str
+    round: int
+    digest: bytes
+    def __init__(self, member: _Optional[str] = ..., address: _Optional[str] = ..., round: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class GossipNeighbour(_message.Message):
     __slots__ = ("member", "weight")
@@ -357,7 +403,7 @@ class Timings(_message.Message):
     def __init__(self, update_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., compress_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ...) -> None: ...
 
 class RoundResult(_message.Message):
-    __slots__ = ("status", "reason", "round", "gradient", "loss", "tokens", "timings", "version", "node_bytes", "grad_norm", "gradient_fingerprint", "piece", "gossip_residual")
+    __slots__ = ("status", "reason", "round", "gradient", "loss", "tokens", "timings", "version", "node_bytes", "grad_norm", "gradient_fingerprint", "piece", "gossip_residual", "gossip_digest", "gossip_bytes", "gossip_sketch", "gossip_message_sketch")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATUS_UNSPECIFIED: _ClassVar[RoundResult.Status]
@@ -381,6 +427,10 @@ class RoundResult(_message.Message):
     GRADIENT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     PIECE_FIELD_NUMBER: _ClassVar[int]
     GOSSIP_RESIDUAL_FIELD_NUMBER: _ClassVar[int]
+    GOSSIP_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    GOSSIP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GOSSIP_SKETCH_FIELD_NUMBER: _ClassVar[int]
+    GOSSIP_MESSAGE_SKETCH_FIELD_NUMBER: _ClassVar[int]
     status: RoundResult.Status
     reason: str
     round: int
@@ -394,4 +444,8 @@ class RoundResult(_message.Message):
     gradient_fingerprint: Fingerprint
     piece: bool
     gossip_residual: float
-    def __init__(self, status: _Optional[_Union[RoundResult.Status, str]] = ..., reason: _Optional[str] = ..., round: _Optional[int] = ..., gradient: _Optional[_Union[_codec_pb2.CompressedGradient, _Mapping]] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., version: _Optional[int] = ..., node_bytes: _Optional[int] = ..., grad_norm: _Optional[float] = ..., gradient_fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., piece: _Optional[bool] = ..., gossip_residual: _Optional[float] = ...) -> None: ...
+    gossip_digest: bytes
+    gossip_bytes: int
+    gossip_sketch: _containers.RepeatedScalarFieldContainer[float]
+    gossip_message_sketch: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, status: _Optional[_Union[RoundResult.Status, str]] = ..., reason: _Optional[str] = ..., round: _Optional[int] = ..., gradient: _Optional[_Union[_codec_pb2.CompressedGradient, _Mapping]] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., version: _Optional[int] = ..., node_bytes: _Optional[int] = ..., grad_norm: _Optional[float] = ..., gradient_fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., piece: _Optional[bool] = ..., gossip_residual: _Optional[float] = ..., gossip_digest: _Optional[bytes] = ..., gossip_bytes: _Optional[int] = ..., gossip_sketch: _Optional[_Iterable[float]] = ..., gossip_message_sketch: _Optional[_Iterable[float]] = ...) -> None: ...

@@ -59,6 +59,11 @@ class WorkerStub:
                 request_serializer=gradwire_dot_v1_dot_worker__pb2.CloseRunRequest.SerializeToString,
                 response_deserializer=gradwire_dot_v1_dot_worker__pb2.CloseRunReply.FromString,
                 _registered_method=True)
+        self.PullGossip = channel.unary_stream(
+                '/gradwire.v1.Worker/PullGossip',
+                request_serializer=gradwire_dot_v1_dot_worker__pb2.PullGossipRequest.SerializeToString,
+                response_deserializer=gradwire_dot_v1_dot_worker__pb2.Part.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -100,6 +105,17 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullGossip(self, request, context):
+        """Peer-to-peer gossip rounds (`coordinator train --topology ... --peer-to-peer`): this worker's message of
+        one round (asked by its neighbours), or its own public copy (asked by the coordinator, which needs whole
+        copies only to link workers anew and to show the consensus), as Parts of a serialized GossipPiece. The
+        caller presents the run's peer key (GossipLinks.peer_key), not the run key: the token and TLS rules are
+        every call's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +143,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.CloseRun,
                     request_deserializer=gradwire_dot_v1_dot_worker__pb2.CloseRunRequest.FromString,
                     response_serializer=gradwire_dot_v1_dot_worker__pb2.CloseRunReply.SerializeToString,
+            ),
+            'PullGossip': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullGossip,
+                    request_deserializer=gradwire_dot_v1_dot_worker__pb2.PullGossipRequest.FromString,
+                    response_serializer=gradwire_dot_v1_dot_worker__pb2.Part.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +285,33 @@ class Worker:
             '/gradwire.v1.Worker/CloseRun',
             gradwire_dot_v1_dot_worker__pb2.CloseRunRequest.SerializeToString,
             gradwire_dot_v1_dot_worker__pb2.CloseRunReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullGossip(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/gradwire.v1.Worker/PullGossip',
+            gradwire_dot_v1_dot_worker__pb2.PullGossipRequest.SerializeToString,
+            gradwire_dot_v1_dot_worker__pb2.Part.FromString,
             options,
             channel_credentials,
             insecure,

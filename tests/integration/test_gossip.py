@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+import grpc
 import pytest
 import torch
 
@@ -20,7 +21,11 @@ from gradwire.coordinator.gossip_trainer import GossipTrainer
 from gradwire.coordinator.membership import WorkersFile
 from gradwire.coordinator.metrics import read_metrics
 from gradwire.coordinator.trainer import Trainer
+from gradwire.link import WorkerError
+from gradwire.protocol import GossipPieceRequest
+from gradwire.worker.engine import WorkerEngine
 
+from ..faults import faulty
 from .conftest import live_workers, train
 
 EXACT = dict(no_compression=True, inner_optimizer="sgd", inner_learning_rate=0.1)
@@ -103,18 +108,30 @@ def test_a_ring_relays_each_worker_its_two_neighbours_messages_and_keeps_copies_
     assert max(distances[10:]) <= 1.1 * distances[7], distances
 
 
-def test_a_resumed_gossip_run_is_the_straight_run(tmp_path):
+@pytest.mark.parametrize("peer_to_peer", [False, True], ids=["relayed", "peer-to-peer"])
+def test_a_resumed_gossip_run_is_the_straight_run(tmp_path, peer_to_peer):
     """A checkpoint keeps every public copy and each worker's own model and DeMuon momentum; resumed on fresh
     workers (each sent its copies whole and its own model with its push) the compressed ring goes on on the
-    straight run's bits: the same losses, public copies and consensus."""
-    settings = dict(topology="ring", steps=6, checkpoint_every=3, inner_optimizer="demuon", inner_learning_rate=0.02)
+    straight run's bits: the same losses, public copies and consensus. Peer-to-peer, the copies the
+    checkpoint keeps are pulled from the workers as it is taken."""
+    settings = dict(
+        topology="ring",
+        steps=6,
+        checkpoint_every=3,
+        inner_optimizer="demuon",
+        inner_learning_rate=0.02,
+        peer_to_peer=peer_to_peer,
+    )
     with live_workers(4) as workers:
         straight = train(_config(tmp_path, "a", **settings), workers)
     checkpoint = tmp_path / "a" / "checkpoints" / "step-00000003"
     assert checkpoint.is_dir()
     with live_workers(4) as workers:
         resumed = train(_config(tmp_path, "b", resume_from=str(checkpoint), **settings), workers)
-        _holders_agree(resumed, workers)
+        if peer_to_peer:
+            _copies_agree_with_owners(workers)
+        else:
+            _holders_agree(resumed, workers)
     records = read_metrics(tmp_path / "b")
     assert [r["step"] for r in records] == [4, 5, 6]
     assert records[0]["relayed_payloads"] == dict.fromkeys(records[0]["relayed_payloads"], 0)  # all sent whole
@@ -149,9 +166,9 @@ def test_a_worker_leaving_a_ring_relinks_its_neighbours_and_a_joiner_starts_from
         fresh: list[dict] = []  # the whole copies each round's links carried, by worker
         plan = trainer.gossip.links
 
-        def spy(present):
+        def spy(present, *rest):
             before.append({k: v.clone() for k, v in trainer.gossip.consensus().items()})
-            links = plan(present)
+            links = plan(present, *rest)
             sent.append(links)
             fresh.append(  # as sent: the coordinator's copies move on in place
                 {
@@ -190,3 +207,78 @@ def test_a_worker_leaving_a_ring_relinks_its_neighbours_and_a_joiner_starts_from
         torch.testing.assert_close(fresh[first][me][me][k], v, atol=0, rtol=0)
     assert [r["successful_workers"] for r in records] == [4, 4, 4, 3, 3, 3, 4, 4]  # none lost, none waited for
     assert all(r["degree_max"] == 2 for r in records)
+
+
+def _copies_agree_with_owners(workers) -> None:
+    """Peer-to-peer: every holder's copy of a neighbour is the neighbour's own, bit for bit, once each adds the
+    messages the next order would have it add (the owner its pending one, the holder the one it would pull)."""
+    nodes = {}
+    for w in workers:
+        (session,) = w.engine.sessions.values()
+        state = session.gossip
+        own = {k: v + state.pending[k] for k, v in state.node.own.items()} if state.pending else state.node.own
+        nodes[state.node.member] = (state, own)
+    for state, _ in nodes.values():
+        for j, copy in state.node.copies.items():
+            owner_state, owner_own = nodes[j]
+            q = owner_state.pending
+            for k, v in copy.items():
+                assert torch.equal(v + q[k] if q else v, owner_own[k]), (state.node.member, j, k)
+
+
+def test_peer_to_peer_gossip_is_the_relayed_run_and_the_coordinator_sees_no_message(tmp_path):
+    """--peer-to-peer: the workers pull their neighbours' messages from each other and the coordinator sees
+    their digests. The run is the relayed run bit for bit (losses, public copies, consensus); the coordinator
+    sends no message, each worker pulls two a round on the ring, and the consensus distance the sketches give
+    is close to the exact one."""
+    settings = dict(topology="ring", steps=6, inner_optimizer="demuon", inner_learning_rate=0.02)
+    with live_workers(4) as workers:
+        relayed = train(_config(tmp_path, "relayed", **settings), workers)
+    with live_workers(4) as workers:
+        p2p = train(_config(tmp_path, "p2p", peer_to_peer=True, **settings), workers)
+        _copies_agree_with_owners(workers)
+    ours, theirs = read_metrics(tmp_path / "p2p"), read_metrics(tmp_path / "relayed")
+    assert [r["loss"] for r in ours] == [r["loss"] for r in theirs]
+    p2p_consensus, relayed_consensus = p2p.gossip.consensus(), relayed.gossip.consensus()  # p2p's pulled at the end
+    for k, v in relayed_consensus.items():
+        assert torch.equal(p2p_consensus[k], v), k
+    assert p2p.evaluate() == relayed.evaluate()
+    payload = relayed.outer.codec.plan.payload_bytes()
+    for mine, theirs_ in zip(ours[1:], theirs[1:]):
+        assert set(mine["relayed_payloads"].values()) == {0} and set(mine["pulled_payloads"].values()) == {2}
+        assert all(2 * payload < b < 2.2 * payload for b in mine["peer_bytes_down"].values())
+        for address, down in mine["worker_bytes_down"].items():  # the order alone: no message in it
+            assert down < min(theirs_["worker_bytes_down"].values()) - 2 * payload, address
+        assert mine["consensus_distance_estimated"] is True
+        assert mine["consensus_distance"] == pytest.approx(theirs_["consensus_distance"], rel=0.25)
+
+
+def test_a_peer_that_serves_another_message_than_it_reported_fails_only_its_neighbours_round(tmp_path):
+    """Peer-to-peer: worker 1 serves its round-2 message with a byte flipped. Its neighbours find the digest
+    wrong, fail round 3 saying whose message it was, and get their copies whole in round 4; the run goes on,
+    and every holder's copies stay its owners'."""
+    liar = faulty("other-message", rounds={2})
+    factories = [lambda: WorkerEngine("cpu"), liar, lambda: WorkerEngine("cpu"), lambda: WorkerEngine("cpu")]
+    with live_workers(4, factories) as workers:
+        config = _config(tmp_path, "liar", topology="ring", steps=6, peer_to_peer=True)
+        train(config, workers)
+        _copies_agree_with_owners(workers)
+        assert workers[1].engine.injected == [2, 2]  # each of its two neighbours pulled it once
+        # What a pull is refused for, over gRPC: another key, no key, a round it no longer keeps. It serves on.
+        client = workers[0].client()
+        (run_id,) = workers[0].engine.sessions
+        key = workers[0].engine.sessions[run_id].gossip.peer_key
+        for request, code in [
+            (GossipPieceRequest(run_id, b"x" * 32, 5), grpc.StatusCode.PERMISSION_DENIED),
+            (GossipPieceRequest(run_id, key, 1), grpc.StatusCode.FAILED_PRECONDITION),
+        ]:
+            with pytest.raises(WorkerError) as e:
+                client.pull_gossip(request)
+            assert e.value.code == code, e.value
+        with pytest.raises(WorkerError) as e:
+            client.pull_gossip(GossipPieceRequest(run_id, b"", 5))
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "peer key" in e.value.details
+        piece, _ = client.pull_gossip(GossipPieceRequest(run_id, key, 5))
+        assert piece.member == "0" and piece.round == 5
+    records = read_metrics(tmp_path / "liar")
+    assert [r["successful_workers"] for r in records] == [4, 4, 4, 2, 4, 4]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gradwire.compression import CodecConfig
 from gradwire.coordinator.client import WorkerClient, WorkerError
 from gradwire.coordinator.config import TrainConfig
+from gradwire.coordinator.metrics import read_metrics
 from gradwire.models import build_from_spec, model_spec
 from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import OK, ModelState, WorkOrder
@@ -28,6 +30,7 @@ from gradwire.replica import Replica
 from gradwire.security import ClientSecurity, ServerSecurity
 from gradwire.transport import SERVICE_NAME
 from gradwire.worker.engine import WorkerEngine
+from gradwire.worker.peers import Peers
 from gradwire.worker.server import make_server
 from gradwire.worker.servicer import WorkerServicer
 
@@ -252,3 +255,36 @@ def test_secrets_never_land_in_a_repr_and_run_keys_are_fresh() -> None:
     assert security.run_key.hex() not in repr(security) and TOKEN not in repr(security)
     assert TOKEN not in repr(ServerSecurity(token=TOKEN))
     assert len(security.run_key) == 32 and ClientSecurity().run_key != security.run_key
+
+
+def test_peer_to_peer_gossip_pulls_with_the_token_over_tls_and_a_peer_without_it_is_refused(
+    ca: CertificateAuthority, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """--peer-to-peer on TLS workers that require the token: they pull their neighbours' messages with it, over
+    TLS. A worker whose pulls carry no token is refused by its neighbours (UNAUTHENTICATED) and fails the
+    rounds that need a pull; the others train on."""
+    cert = ca.issue("worker", server=True)
+    settings = ServerSecurity(token=TOKEN, tls_cert=str(cert.cert), tls_key=str(cert.key))
+    trust = str(ca.files.cert)
+    with served(settings) as a, served(settings) as b, served(settings) as c:
+        a.engine.peers = Peers(ClientSecurity(token=TOKEN, tls_ca=trust))
+        b.engine.peers = Peers(ClientSecurity(token=TOKEN, tls_ca=trust))
+        c.engine.peers = Peers(ClientSecurity(tls_ca=trust))  # no token
+        shared = ClientSecurity(token=TOKEN, tls_ca=trust)
+        clients = [WorkerClient(w.address, timeout=TIMEOUT, security=shared) for w in (a, b, c)]
+        config = TrainConfig(
+            model="gpt-tiny",
+            steps=4,
+            batch_size=2,
+            sequence_length=32,
+            inner_steps=2,
+            topology="complete",
+            peer_to_peer=True,
+            output_dir=str(tmp_path / "run"),
+        )
+        with caplog.at_level(logging.INFO, logger="gradwire"):
+            run_trainer(config, clients)
+    records = read_metrics(tmp_path / "run")
+    # c's first round pulls nothing (nobody sent yet); after a failed round every copy comes to it whole.
+    assert [r["successful_workers"] for r in records] == [3, 2, 3, 2]
+    assert any("UNAUTHENTICATED" in r.message for r in caplog.records)

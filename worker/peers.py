@@ -1,0 +1,100 @@
+"""A gossiping worker's calls to its neighbours (``coordinator train --topology ... --peer-to-peer``).
+
+In a peer-to-peer gossip round the coordinator relays no message: it tells each worker, with its order,
+which accepted message of the last round to take from which neighbour, at which address, with which
+SHA-256 (the digest the neighbour reported). ``Peers.pull`` asks the neighbours for them in parallel
+(``Worker.PullGossip``), each call with a deadline, checks each answer's digest and content, and returns the
+messages for ``worker.gossip.take_links`` to add as it adds relayed ones.
+
+Calls carry this worker's token (the swarm shares one) and the order's peer key, never a run key, and go
+over TLS as ``--peer-tls`` / ``--peer-tls-ca`` say. A neighbour that cannot be reached, no longer holds
+the message or answers other bytes fails the round with ``NotHeld`` naming it, before any copy changed;
+the coordinator then sends this worker its copies whole in its next round.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from gradwire import protocol
+from gradwire.compression import CompressedGradient
+from gradwire.errors import Cancelled, NotHeld
+from gradwire.protocol import GossipPieceRequest, GossipPull
+from gradwire.security import ClientSecurity
+from gradwire.transport import DEFAULT_MESSAGE_MB, grpc_options
+from gradwire.v1 import worker_pb2_grpc
+
+MAX_PARALLEL = 8
+
+
+class Peers:
+    """Pulls gossip messages from neighbours; one channel per neighbour address, kept between rounds."""
+
+    def __init__(
+        self, security: ClientSecurity | None = None, timeout: float = 30.0, max_message_mb: int = DEFAULT_MESSAGE_MB
+    ) -> None:
+        self.security = security or ClientSecurity()
+        self.timeout = timeout
+        self.max_bytes = max_message_mb << 20
+        self._metadata = self.security.metadata(run_key=False)  # the token only: the peer key is in the request
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+
+    def pull(
+        self, run_id: str, key: bytes, pulls: Mapping[str, GossipPull], cancelled: Callable[[], bool] = lambda: False
+    ) -> dict[str, CompressedGradient]:
+        """Each neighbour's message that ``pulls`` names, by member; ``NotHeld`` naming the first neighbour
+        (in member order) whose message did not come, ``Cancelled`` if the round was cancelled meanwhile."""
+        if not pulls:
+            return {}
+        with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL, len(pulls)), thread_name_prefix="gradwire-peer") as ex:
+            futures = {j: ex.submit(self._pull_one, run_id, key, p) for j, p in sorted(pulls.items())}
+            out, failed = {}, []
+            for j, f in futures.items():
+                try:
+                    out[j] = f.result()
+                except NotHeld as e:
+                    failed.append(str(e))
+        if cancelled():
+            raise Cancelled("the round was cancelled while it pulled its neighbours' messages")
+        if failed:
+            raise NotHeld("; ".join(failed))
+        return out
+
+    def _pull_one(self, run_id: str, key: bytes, pull: GossipPull) -> CompressedGradient:
+        who = f"neighbour {pull.member!r} at {pull.address}"
+        stub = worker_pb2_grpc.WorkerStub(self._channel(pull.address))
+        request = protocol.piece_request_to_proto(GossipPieceRequest(run_id, key, pull.round))
+        try:
+            data = protocol.join_parts(
+                stub.PullGossip(request, timeout=self.timeout, metadata=self._metadata), self.max_bytes
+            )
+        except grpc.RpcError as e:
+            code = e.code().name if callable(getattr(e, "code", None)) else "UNKNOWN"
+            details = e.details() if callable(getattr(e, "details", None)) else str(e)
+            raise NotHeld(f"{who}: its message of round {pull.round} did not come ({code}: {details})") from None
+        except ValueError as e:
+            raise NotHeld(f"{who}: its answer is malformed ({e})") from None
+        if hashlib.sha256(data).digest() != pull.digest:
+            raise NotHeld(f"{who}: the message it sent is not the one it reported to the coordinator")
+        try:
+            return protocol.message_from_piece(data, pull.member, pull.round)
+        except ValueError as e:
+            raise NotHeld(f"{who}: {e}") from None
+
+    def _channel(self, address: str) -> grpc.Channel:
+        with self._lock:
+            if address not in self._channels:
+                self._channels[address] = self.security.channel(address, grpc_options())
+            return self._channels[address]
+
+    def close(self) -> None:
+        with self._lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
