@@ -2,12 +2,15 @@
 
     python -m benchmarks.gossip --json                      # the config's settings, 8 workers, every graph
     python -m benchmarks.gossip --steps 60 --plot docs/gossip.png
+    python -m benchmarks.gossip --graphs ring --peer-to-peer --json   # the same run, messages worker to worker
 
 Runs the config once per graph with the same seed and data, the workers in this process
 (``worker.inprocess``: the service's own code, every message through the protocol's serde), and prints
 per graph the loss curve (the workers' mean training loss each round, the consensus's held-out loss at
 each evaluation), the consensus distance, and the bytes one worker is sent per round (its neighbours'
 messages: its degree in payloads). ``--plot`` draws held-out loss against rounds, the graphs side by side.
+With ``--peer-to-peer`` the workers pull their neighbours' messages from each other: the coordinator's
+bytes to a worker are its order alone, and ``peer_bytes_down_per_worker_round`` is what it pulled.
 The corpus is the config's (the embedded default data); rounds read it in order, never twice at this length.
 """
 
@@ -45,6 +48,10 @@ def run(config: TrainConfig, workers: int) -> dict[str, Any]:
         "final_consensus_distance": records[-1]["consensus_distance"],
         "degree_max": max(r["degree_max"] for r in records),
         "bytes_down_per_worker_round": sum(r["bytes_down_per_worker"] for r in records[1:]) / max(1, len(records) - 1),
+        "peer_bytes_down_per_worker_round": sum(
+            sum(r.get("peer_bytes_down", {}).values()) / workers for r in records[1:]
+        )
+        / max(1, len(records) - 1),
         "bytes_up_per_worker_round": sum(r["bytes_up"] for r in records) / len(records) / workers,
         "wall_s": wall,
         "curve": [{k: r[k] for k in ("step", "loss", "eval_loss", "consensus_distance") if k in r} for r in records],
@@ -81,6 +88,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--output-dir", default="runs/gossip-bench")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument("--peer-to-peer", action="store_true", help="messages from worker to worker")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -92,12 +100,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             flags += ["--steps", str(args.steps)]
         if args.eval_every is not None:
             flags += ["--eval-every", str(args.eval_every)]
+        if args.peer_to_peer:
+            flags += ["--peer-to-peer"]
         config, namespace = load_train(flags)
         results[graph] = run(config, namespace.local or 8)
         print(f"{graph}: held-out {results[graph]['final_eval_loss']:.4f}", file=sys.stderr)
     if args.plot is not None:
         plot(results, args.plot)
-    out = {"config": args.config, "steps": args.steps, "results": results}
+    out = {"config": args.config, "steps": args.steps, "peer_to_peer": args.peer_to_peer, "results": results}
     print(json.dumps(out, indent=2) if args.json else json.dumps({g: r["final_eval_loss"] for g, r in results.items()}))
     return out
 

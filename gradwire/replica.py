@@ -192,7 +192,7 @@ class Replica:
     def __init__(
         self, model: torch.nn.Module, rule: UpdateRule, version: int = 0, device: torch.device | None = None
     ) -> None:
-        """``model``'s parameters may be on the meta device (``worker.fsdp.parameters_on_meta``): each is then
+        """``model``'s parameters may be on the meta device (``worker.meta.parameters_on_meta``): each is then
         allocated on ``device`` when a state brings its values (``load_tensor``), so what a replica allocates
         follows the bytes a push has actually delivered."""
         if device is None and any(p.is_meta for p in model.parameters()):

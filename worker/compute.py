@@ -43,7 +43,7 @@ from gradwire.models import lm_loss
 from gradwire.optim.outer import outer_step
 from gradwire.protocol import LocalSteps, WorkOrder
 from gradwire.replica import Fingerprint
-from gradwire.worker.pipeline import PipelineRunner
+from gradwire.worker.lazy import is_instance
 from gradwire.worker.placement import NODE_MODES, PRECISIONS, IsCancelled, Placement, model_device
 from gradwire.worker.session import Session
 
@@ -81,7 +81,7 @@ def accumulate_gradient(
     micro-batch's backward, which leaves the final gradients, runs inside ``last_backward`` (a streamed
     round's hooks, ``worker.streaming``).
     """
-    if isinstance(model, PipelineRunner):  # the pipeline's own micro-batches, through its stages
+    if is_instance(model, "gradwire.worker.pipeline", "PipelineRunner"):  # its own micro-batches, through its stages
         if cancelled():
             raise Cancelled(f"{what} cancelled")
         return model.loss_and_backward(tokens, precision)

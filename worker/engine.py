@@ -36,13 +36,12 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from google.protobuf.message import Message
-from torch.distributed.tensor import DTensor
 
 import gradwire
 from gradwire import protocol, statestream
@@ -68,7 +67,7 @@ from gradwire.protocol import (
 from gradwire.replica import Fingerprint
 from gradwire.security import same_owner
 from gradwire.v1 import worker_pb2 as pb
-from gradwire.worker import bus, fsdp, gossip, lookahead
+from gradwire.worker import gossip, lazy, lookahead
 from gradwire.worker.budget import PushBudget
 from gradwire.worker.check import ReplicaView, Verdict, check_order
 from gradwire.worker.compute import Contribution, Placement, gradient_step, inner_steps, strategy_for
@@ -82,6 +81,9 @@ from gradwire.worker.peers import Peers
 from gradwire.worker.session import Session, host_tensors
 from gradwire.worker.sizing import choose_node_mode, device_memory, physical_memory
 from gradwire.worker.streaming import BucketStream, Emit
+
+if TYPE_CHECKING:
+    from gradwire.worker.bus import CollectiveBytes
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -144,6 +146,8 @@ class WorkerEngine:
         self.peers = Peers()
         self._last_command = time.monotonic()
         self._push_ids = itertools.count()  # a node's ranks tell overlapping pushes apart by these
+        if self.node is not None:
+            lazy.for_nodes()  # now, before any call: what only a node's ranks use (worker.lazy)
         if self.node is not None and self.node.info.leader:
             # Every collective is bounded by the node's timeout, the command channel too, so an idle node
             # must keep talking: a heartbeat whenever no command went out for a while. A rank that stopped
@@ -542,7 +546,11 @@ class WorkerEngine:
                     session.restore_inner(ahead.inner_before)
         # A split node's collectives are torch's own (FSDP2's gathers, a pipeline's sends): counted as issued,
         # around the calls that issue them only (every op under the mode goes through Python).
-        counting = bus.CollectiveBytes() if session.placement.split else None
+        counting = None
+        if session.placement.split:
+            from gradwire.worker import bus  # loaded as the node started, outside any round (worker.lazy)
+
+            counting = bus.CollectiveBytes()
         session.feedback.beta = order.feedback_beta
         stream = self._stream(session, order, emit)
         try:
@@ -739,7 +747,7 @@ class WorkerEngine:
         return payload
 
     def _encode_shards(
-        self, session: Session, order: WorkOrder, contribution: Contribution, counting: bus.CollectiveBytes
+        self, session: Session, order: WorkOrder, contribution: Contribution, counting: CollectiveBytes
     ) -> CompressedGradient | None:
         """Every rank of a split node compresses the tensors it owns with its own error feedback
         (``compression.shard``); rank 0 assembles the payload a single device would send (``None`` elsewhere).
@@ -751,13 +759,15 @@ class WorkerEngine:
         if fragment is not None:  # ... of those this round sends
             mine = tuple(n for n in mine if n in contribution.tensors)
         if session.placement.sharded:
+            from gradwire.worker.fsdp import gather_to
+
             # Each tensor is gathered to the rank that encodes it, one at a time, every rank in the same order.
             owners = shard.owners(codec.plan, self.node.world_size)
             owner = {name: rank for rank, names in enumerate(owners) for name in names}
             whole = {}
             with counting:
                 for name, t in contribution.tensors.items():
-                    full = fsdp.gather_to(t, owner[name]) if isinstance(t, DTensor) else t
+                    full = gather_to(t, owner[name]) if lazy.is_dtensor(t) else t
                     if name in mine:
                         whole[name] = full
         else:  # a pipeline stage holds its tensors whole

@@ -12,8 +12,6 @@ ranks' shards: it replays updates on its rows and fingerprints the whole model w
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -42,7 +40,7 @@ def blocks(model: nn.Module) -> list[nn.Module]:
 def shard(model: nn.Module, *, device: torch.device | None = None, reshard_after_forward: bool = True) -> nn.Module:
     """``model`` with its parameters sharded over the default process group (in place; returned for
     convenience). ``reshard_after_forward`` False keeps a block's gathered parameters until its backward
-    (ZeRO-2-like: more memory, fewer all-gathers). A model built with ``parameters_on_meta`` gets its
+    (ZeRO-2-like: more memory, fewer all-gathers). A model built with ``meta.parameters_on_meta`` gets its
     shards allocated on ``device`` here, values undefined (``load`` fills them): no rank ever allocates a
     whole parameter."""
     for block in blocks(model):
@@ -53,50 +51,6 @@ def shard(model: nn.Module, *, device: torch.device | None = None, reshard_after
             raise ValueError("a model with parameters on the meta device needs a device to allocate its shards on")
         # FSDP2 takes the new local shards for its own (its module's _apply resets them); buffers keep their values
         model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
-    return model
-
-
-_REGISTER = nn.Module.register_parameter
-_meta = threading.local()  # which threads are inside ``parameters_on_meta``
-_patch_lock = threading.Lock()
-_patched = 0
-
-
-def _register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-    if getattr(_meta, "inside", False) and isinstance(param, nn.Parameter) and not param.is_meta:
-        param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-    _REGISTER(module, name, param)
-
-
-@contextlib.contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Within this block (on this thread), a module's parameters move to the meta device as they are
-    registered, its buffers stay real (what a model derives from its config: RoPE tables): a model is built
-    one parameter's memory at a time, never whole, and ``shard`` allocates only a rank's shards. Ties made
-    by assigning one parameter to two modules stay ties."""
-    global _patched
-    with _patch_lock:
-        if not _patched:
-            nn.Module.register_parameter = _register_on_meta
-        _patched += 1
-    _meta.inside = True
-    try:
-        yield
-    finally:
-        _meta.inside = False
-        with _patch_lock:
-            _patched -= 1
-            if not _patched:
-                nn.Module.register_parameter = _REGISTER
-
-
-def buffers_to(model: nn.Module, device: torch.device) -> nn.Module:
-    """``model`` with its buffers moved to ``device`` and its parameters left where they are (a model whose
-    parameters are on the meta device cannot take ``.to``)."""
-    for module in model.modules():
-        for key, buffer in module._buffers.items():
-            if buffer is not None:
-                module._buffers[key] = buffer.to(device)
     return model
 
 

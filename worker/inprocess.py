@@ -12,14 +12,14 @@ import dataclasses
 import itertools
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 from google.protobuf.message import Message
 
 from gradwire import protocol, statestream
 from gradwire.compression import CompressedGradient
-from gradwire.errors import status_for
+from gradwire.errors import AccessDenied, NotHeld, status_for
 from gradwire.link import OnPiece, Traffic, WorkerError
 from gradwire.protocol import (
     GossipPieceRequest,
@@ -33,6 +33,7 @@ from gradwire.protocol import (
 from gradwire.replica import Fingerprint
 from gradwire.v1 import worker_pb2 as pb
 from gradwire.worker.engine import WorkerEngine
+from gradwire.worker.peers import Peers
 
 T = TypeVar("T")
 
@@ -112,7 +113,29 @@ def _wire(message: Message, cls: type[Message]) -> Message:
     return protocol.parse(cls, message.SerializeToString())
 
 
+class InProcessPeers(Peers):
+    """Peer-to-peer gossip among in-process workers: a neighbour's address names its engine here."""
+
+    def __init__(self, engines: Mapping[str, WorkerEngine]) -> None:
+        super().__init__()
+        self.engines = engines
+
+    def _fetch(self, address: str, request: GossipPieceRequest, who: str) -> bytes:
+        engine = self.engines.get(address)
+        if engine is None:
+            raise NotHeld(f"{who}: no worker at that address in this process")
+        try:
+            return engine.pull_gossip(request)
+        except (NotHeld, AccessDenied, ValueError) as e:
+            raise NotHeld(f"{who}: its message of round {request.round} did not come ({e})") from None
+
+
 def in_process_clients(
     n: int, device: str = "cpu", factory: Callable[[str], WorkerEngine] = WorkerEngine
 ) -> list[InProcessClient]:
-    return [InProcessClient(factory(device), f"in-process-{i}") for i in range(n)]
+    """``n`` workers in this process; in peer-to-peer gossip they pull from each other (``InProcessPeers``)."""
+    clients = [InProcessClient(factory(device), f"in-process-{i}") for i in range(n)]
+    peers = InProcessPeers({c.address: c.engine for c in clients})
+    for c in clients:
+        c.engine.peers = peers
+    return clients

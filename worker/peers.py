@@ -68,24 +68,28 @@ class Peers:
 
     def _pull_one(self, run_id: str, key: bytes, pull: GossipPull) -> CompressedGradient:
         who = f"neighbour {pull.member!r} at {pull.address}"
-        stub = worker_pb2_grpc.WorkerStub(self._channel(pull.address))
-        request = protocol.piece_request_to_proto(GossipPieceRequest(run_id, key, pull.round))
-        try:
-            data = protocol.join_parts(
-                stub.PullGossip(request, timeout=self.timeout, metadata=self._metadata), self.max_bytes
-            )
-        except grpc.RpcError as e:
-            code = e.code().name if callable(getattr(e, "code", None)) else "UNKNOWN"
-            details = e.details() if callable(getattr(e, "details", None)) else str(e)
-            raise NotHeld(f"{who}: its message of round {pull.round} did not come ({code}: {details})") from None
-        except ValueError as e:
-            raise NotHeld(f"{who}: its answer is malformed ({e})") from None
+        data = self._fetch(pull.address, GossipPieceRequest(run_id, key, pull.round), who)
         if hashlib.sha256(data).digest() != pull.digest:
             raise NotHeld(f"{who}: the message it sent is not the one it reported to the coordinator")
         try:
             return protocol.message_from_piece(data, pull.member, pull.round)
         except ValueError as e:
             raise NotHeld(f"{who}: {e}") from None
+
+    def _fetch(self, address: str, request: GossipPieceRequest, who: str) -> bytes:
+        """The serialized piece ``request`` asks ``address`` for; ``NotHeld`` saying why it did not come."""
+        stub = worker_pb2_grpc.WorkerStub(self._channel(address))
+        proto = protocol.piece_request_to_proto(request)
+        try:
+            return protocol.join_parts(
+                stub.PullGossip(proto, timeout=self.timeout, metadata=self._metadata), self.max_bytes
+            )
+        except grpc.RpcError as e:
+            code = e.code().name if callable(getattr(e, "code", None)) else "UNKNOWN"
+            details = e.details() if callable(getattr(e, "details", None)) else str(e)
+            raise NotHeld(f"{who}: its message of round {request.round} did not come ({code}: {details})") from None
+        except ValueError as e:
+            raise NotHeld(f"{who}: its answer is malformed ({e})") from None
 
     def _channel(self, address: str) -> grpc.Channel:
         with self._lock:

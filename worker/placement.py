@@ -18,7 +18,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from gradwire.protocol import ProtocolError, WorkOrder
-from gradwire.worker import bus, hooks, pipeline
+from gradwire.worker import hooks
 from gradwire.worker.node import NodeGroup
 
 if TYPE_CHECKING:
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from gradwire.worker.session import Session
 
 NODE_MODES = ("ddp", "local-sgd", "fsdp", "pipeline")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # worker.pipeline's schedules, by name
 # fsdp: what the ranks shard (ZeRO stages 1, 2 and 3), see Placement.shard
 NODE_SHARDS = ("optimizer", "gradients", "full")
 PRECISIONS = ("fp32", "bf16")
@@ -47,7 +48,7 @@ class Placement:
     precision: str = "fp32"  # "bf16": autocast forward/backward; weights, replica and codec stay float32
     bus: hooks.HookStats = dataclasses.field(default_factory=hooks.HookStats)
     microbatches: int = 0  # pipeline: micro-batches a step's rows split into (0: one per rank)
-    schedule: str = "1f1b"  # pipeline: one of worker.pipeline.SCHEDULES
+    schedule: str = "1f1b"  # pipeline: one of PIPELINE_SCHEDULES
     # fsdp (and auto, where it picks fsdp): what the ranks shard, one of NODE_SHARDS. "full" (ZeRO-3): the
     # parameters, gradients and inner optimizer state (FSDP2, regathering a block's parameters for its
     # backward); "gradients" (ZeRO-2): the same, but a block's parameters stay gathered from its forward
@@ -72,8 +73,8 @@ class Placement:
             raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.microbatches < 0:
             raise ValueError(f"--pipeline-microbatches must be >= 0, got {self.microbatches}")
-        if self.schedule not in pipeline.SCHEDULES:
-            choices = ", ".join(pipeline.SCHEDULES)
+        if self.schedule not in PIPELINE_SCHEDULES:
+            choices = ", ".join(PIPELINE_SCHEDULES)
             raise ValueError(f"--pipeline-schedule must be one of {choices}, got {self.schedule!r}")
 
     @property
@@ -163,6 +164,8 @@ class Placement:
             return model
         wrapped = session.wrappers.get(id(model))
         if wrapped is None and self.pipelined:
+            from gradwire.worker import pipeline  # loaded as the node started (worker.lazy)
+
             stage = session.stage
             wrapped = pipeline.PipelineRunner(
                 model, stage, self.pipeline_microbatches, self.schedule, session.tied_group
@@ -181,6 +184,8 @@ class Placement:
         """Clip the gradients of ``params`` (the model's, or on a pipelined node the stage's) to a global
         norm of ``max_norm`` (``inf``: only measure); the norm before clipping."""
         if self.pipelined:
+            from gradwire.worker import pipeline
+
             return pipeline.clip_grad_norm_(params, session.replica.owned, max_norm)
         return float(torch.nn.utils.clip_grad_norm_(list(params.values()), max_norm))
 
@@ -190,6 +195,8 @@ class Placement:
         if not self.partitioned_optimizer:
             optimizer.step(lr)
             return
+        from gradwire.worker import bus  # loaded as the node started, outside any round (worker.lazy)
+
         with bus.CollectiveBytes() as issued:
             optimizer.step(lr)
         self.bus.bytes += issued.bytes

@@ -21,7 +21,6 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from gradwire.compression import CodecConfig, CompressedGradient, DecodedGradient, ErrorFeedback, GradientCodec, shard
 from gradwire.compression.stream import StreamPlan
@@ -32,14 +31,14 @@ from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import ModelState, ProtocolError
 from gradwire.replica import Fingerprint, Replica
 from gradwire.statestream import TENSOR_FIELDS, StateHeader
-from gradwire.worker import fsdp, pipeline
-from gradwire.worker.fsdp import ShardedReplica
+from gradwire.worker.lazy import is_dtensor, is_instance
+from gradwire.worker.meta import buffers_to, parameters_on_meta
 from gradwire.worker.node import Restore
-from gradwire.worker.pipeline import StageReplica
 from gradwire.worker.placement import Placement
 from gradwire.worker.sizing import fits
 
 if TYPE_CHECKING:
+    from gradwire.worker import pipeline
     from gradwire.worker.gossip import GossipState
     from gradwire.worker.lookahead import Lookahead
 
@@ -86,6 +85,8 @@ class Session:
             self._check_memory(local_sgd=False)
             self.spec, self.device = spec, device
             if self.placement.pipelined:  # planned on the whole model, on the meta device
+                from gradwire.worker import pipeline
+
                 with torch.device("meta"):
                     whole = build_from_spec(spec)
                 self.stage = pipeline.plan_stage(whole, self.placement.node.rank, self.placement.ranks)
@@ -97,10 +98,14 @@ class Session:
         self.run_id = header.run_id
         self.owner = owner  # who may use this run: gradwire.security.run_owner of its first push
         if self.stage is not None:
+            from gradwire.worker import pipeline
+
             shapes = {n: tuple(p.shape) for n, p in whole.named_parameters()}
-            self.replica: Replica = StageReplica(model, rule, shapes, pipeline.owned_names(model, self.stage))
+            self.replica: Replica = pipeline.StageReplica(model, rule, shapes, pipeline.owned_names(model, self.stage))
         elif self.placement.sharded:
-            self.replica = ShardedReplica(model, rule)
+            from gradwire.worker import fsdp
+
+            self.replica = fsdp.ShardedReplica(model, rule)
         else:  # its parameters are allocated as the push brings them
             self.replica = Replica(model, rule, device=self.device)
         self.replica.begin_load()
@@ -137,7 +142,11 @@ class Session:
         self._shard_codecs: dict[tuple[CodecConfig, tuple[str, ...]], GradientCodec] = {}
         self._stream_plans: dict[tuple[CodecConfig, int], StreamPlan] = {}
         # a pipelined node: the group of the ranks that hold a tied embedding (every rank creates it alike)
-        self.tied_group = pipeline.tied_group(self.stage.count) if self.stage is not None else None
+        self.tied_group = None
+        if self.stage is not None:
+            from gradwire.worker import pipeline
+
+            self.tied_group = pipeline.tied_group(self.stage.count)
 
     @classmethod
     def from_state(cls, state: ModelState, device: torch.device, **kwargs: object) -> Session:
@@ -200,21 +209,25 @@ class Session:
         its pipeline stage, its FSDP2 shards (built a parameter at a time), or the whole model (with ``meta``,
         its parameters on the meta device, for the replica to allocate as a push brings them)."""
         if self.stage is not None:
+            from gradwire.worker import pipeline
+
             with torch.device("meta"):
                 whole = build_from_spec(self.spec)
             return pipeline.materialize(pipeline.stage_model(whole, self.stage), self.stage, self.device)
         if not (self.placement.sharded or meta):
             return build_from_spec(self.spec).to(self.device)
-        with fsdp.parameters_on_meta():
+        with parameters_on_meta():
             model = build_from_spec(self.spec)
         if self.placement.sharded:
+            from gradwire.worker import fsdp
+
             return fsdp.shard(model, device=self.device, reshard_after_forward=self.placement.reshard_after_forward)
-        return fsdp.buffers_to(model, self.device)
+        return buffers_to(model, self.device)
 
     def owned(self, config: CodecConfig) -> tuple[str, ...]:
         """A split node: the tensors this rank encodes, in payload order (a sharded node: its share of the
         whole model's, ``compression.shard.owners``; a pipelined node: its stage's)."""
-        if isinstance(self.replica, StageReplica):
+        if is_instance(self.replica, "gradwire.worker.pipeline", "StageReplica"):
             return self.replica.owned
         return shard.owners(self.replica.codec(config).plan, self.placement.ranks)[self.placement.node.rank]
 
@@ -322,7 +335,7 @@ class Session:
         """The inner optimizer's state as named tensors (what is waiting to be loaded, before the first round);
         a rank of a sharded node: its rows."""
         if self._inner is not None:
-            return {k: v.to_local() if isinstance(v, DTensor) else v for k, v in self._inner.state_tensors().items()}
+            return {k: v.to_local() if is_dtensor(v) else v for k, v in self._inner.state_tensors().items()}
         return dict(self._inner_restore)
 
     def committed_inner_state(self) -> dict[str, torch.Tensor]:
@@ -360,7 +373,9 @@ def _as_shards(state: Mapping[str, torch.Tensor], model: torch.nn.Module) -> dic
     out = {}
     for key, t in state.items():
         p = params.get(key.rpartition("/")[0])
-        if isinstance(p, DTensor) and t.dim() and tuple(t.shape) == tuple(p.to_local().shape):
+        if is_dtensor(p) and t.dim() and tuple(t.shape) == tuple(p.to_local().shape):
+            from torch.distributed.tensor import DTensor
+
             t = DTensor.from_local(
                 t.to(p.to_local().device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
             )

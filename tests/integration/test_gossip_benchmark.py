@@ -51,3 +51,12 @@ def test_the_seed_experiment_runs_on_every_graph_and_is_plotted(tmp_path):
     assert [out[g]["degree_max"] for g in ("ring", "exponential", "complete")] == [2, 3, 3]
     assert all(math.isfinite(r["final_eval_loss"]) and r["rounds"] == 3 for r in out.values())
     assert plot.stat().st_size > 0
+    # The ring again, its messages pulled worker to worker (in this process): the same run, and the
+    # coordinator's bytes to a worker drop by the two messages it pulled instead.
+    p2p = gossip.main(
+        ["--config", str(config), "--steps", "3", "--eval-every", "3", "--graphs", "ring", "--peer-to-peer"]
+    )
+    ring, ours = out["ring"], p2p["results"]["ring"]
+    assert ours["final_eval_loss"] == ring["final_eval_loss"] and ring["peer_bytes_down_per_worker_round"] == 0
+    pulled = ours["peer_bytes_down_per_worker_round"]
+    assert pulled > 0 and ours["bytes_down_per_worker_round"] < ring["bytes_down_per_worker_round"] - 0.9 * pulled
