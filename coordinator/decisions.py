@@ -318,19 +318,23 @@ class Grace:
 
 
 def decide_close(
-    elapsed: float, arrivals: list[float], waiting: int, *, quorum: int, grace: Grace
+    elapsed: float, arrivals: list[float], waiting: int, *, quorum: int, grace: Grace, limit: float = float("inf")
 ) -> tuple[bool, float, str]:
     """Whether a round stops waiting for its last workers: (close, seconds until it would, reason).
 
     ``arrivals`` are the times (since the round began) at which its usable results came in, ``waiting``
     the workers still computing. Until ``quorum`` results are in, or with ``quorum`` 0 (every worker), the
-    round waits; once they are, it waits ``grace`` longer for the rest, then closes without them.
+    round waits; once they are, it waits ``grace`` longer for the rest, then closes without them. Whatever
+    the quorum, it never waits past ``limit``: by then every call's own deadline has passed, and one still
+    open is stuck (a gRPC response stream can miss its deadline when its channel goes away, grpc#20562).
     """
     if waiting == 0:
         return True, 0.0, "every worker answered"
+    if elapsed >= limit:
+        return True, 0.0, f"{waiting} call(s) outlived every deadline ({limit:.0f} s): cut off"
     if quorum <= 0 or len(arrivals) < quorum:
-        return False, float("inf"), f"{len(arrivals)} of {quorum or 'all'} results in"
-    deadline = sorted(arrivals)[quorum - 1] + grace.after(arrivals)
+        return False, limit - elapsed, f"{len(arrivals)} of {quorum or 'all'} results in"
+    deadline = min(sorted(arrivals)[quorum - 1] + grace.after(arrivals), limit)
     if elapsed >= deadline:
         return True, 0.0, f"quorum of {quorum} in; {waiting} straggler(s) cut off after {deadline:.2f} s"
     return (

@@ -41,6 +41,10 @@ from gradwire.replica import Fingerprint, StateUpdate
 log = logging.getLogger("gradwire.coordinator")
 
 
+# The most calls one slot makes in a round, each with its own deadline: a push, the round, and one retry of each.
+CALLS_PER_SLOT = 4
+
+
 @dataclasses.dataclass
 class WorkerSlot:
     """A worker as the coordinator sees it. ``version`` is the replica version it is known to hold."""
@@ -271,7 +275,12 @@ class RoundDispatcher:
         waiting, arrivals = set(futures), []
         while True:
             close, wait, why = decide_close(
-                time.monotonic() - start, arrivals, len(waiting), quorum=self.quorum, grace=self.grace
+                time.monotonic() - start,
+                arrivals,
+                len(waiting),
+                quorum=self.quorum,
+                grace=self.grace,
+                limit=CALLS_PER_SLOT * self.timeout + 5.0,
             )
             if close:
                 break

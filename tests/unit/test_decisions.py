@@ -46,6 +46,17 @@ def test_decide_close_waits_for_the_quorum_then_the_grace() -> None:
     assert decide_close(2.0, [1.0, 1.0, 2.0], 1, quorum=2, grace=Grace(factor=1.0))[0] is True  # 1 + median 1.0
 
 
+def test_decide_close_never_waits_past_the_limit_whatever_the_quorum() -> None:
+    """A call still open when every deadline has passed is stuck: the round closes without it."""
+    from gradwire.coordinator.decisions import Grace, decide_close
+
+    grace = Grace(seconds=100.0)
+    assert decide_close(5.0, [1.0], 1, quorum=0, grace=grace, limit=45.0)[:2] == (False, 40.0)  # waits, bounded
+    close, wait, why = decide_close(45.0, [1.0], 1, quorum=0, grace=grace, limit=45.0)
+    assert (close, wait) == (True, 0.0) and "outlived every deadline" in why
+    assert decide_close(10.0, [1.0, 2.0], 1, quorum=2, grace=grace, limit=45.0)[:2] == (False, 35.0)  # grace capped
+
+
 def test_decide_sync_catches_up_when_the_missed_updates_are_in_the_window() -> None:
     action, why = decide_sync(1, 4, 5, catch_up_bytes=1200)
     assert action == "catch-up" and "replays 3 missed update(s) (1200 bytes)" in why
