@@ -182,9 +182,10 @@ class GossipRounds:
         Peer-to-peer, ``addresses`` says where each member's neighbours reach it, and ``pull`` brings the
         exact copies the orders must carry whole; ``CopiesUnavailable`` names the members whose copies did
         not come (nothing changed: the caller leaves them out and asks again)."""
+        linked = graph(self.kind, members)
         if self.peer_to_peer:
             assert addresses is not None and pull is not None, "peer-to-peer links need addresses and a pull"
-            self._pull_needed(members, pull)
+            self._pull_needed(linked, pull)
         for m in members:
             if m not in self.copies:
                 if all(j in self.at_start for j in self.copies.members):
@@ -192,7 +193,7 @@ class GossipRounds:
                     self.at_start.add(m)
                 else:
                     self.copies.add(m, self.copies.consensus())
-        self.graph = graph(self.kind, members)
+        self.graph = linked
         plans = plan_links(self.graph, {m: h - {m} for m, h in self.held.items()})
         out = {}
         for m, plan in plans.items():
@@ -202,7 +203,7 @@ class GossipRounds:
                 fresh[m] = self._whole(m)
             relays = {j: self.accepted[j] for j in plan.relay if j in self.accepted}
             pulls = {
-                j: GossipPull(j, addresses[j], *self._digest(j))  # type: ignore[index]
+                j: GossipPull(j, addresses[j], self.sent[j][0], self.sent[j][1].digest)  # type: ignore[index]
                 for j in plan.relay
                 if j in self.sent
             }
@@ -220,10 +221,6 @@ class GossipRounds:
             )
         return out
 
-    def _digest(self, member: str) -> tuple[int, bytes]:
-        round_, sent = self.sent[member]
-        return round_, sent.digest
-
     def _keeps_own(self, member: str) -> bool:
         """Peer-to-peer, a member known to the graph keeps its own public copy when it failed a round: it is
         the authority on it (it drops a message that was not accepted), and the coordinator's may be stale."""
@@ -233,15 +230,14 @@ class GossipRounds:
         assert member not in self.stale, f"the public copy of {member} is stale here: pull it first"
         return None if member in self.at_start else self.copies.copy_of(member)
 
-    def _pull_needed(self, members: Sequence[str], pull: Pull) -> None:
-        """Peer-to-peer: make exact here every copy this round's orders carry whole, and every copy the
-        consensus is taken of when someone joins; ``CopiesUnavailable`` if some did not come."""
-        new = [m for m in members if m not in self.copies]
-        known = [m for m in members if m in self.copies]
+    def _pull_needed(self, linked: Graph, pull: Pull) -> None:
+        """Peer-to-peer: make exact here every copy this round's orders on ``linked`` carry whole, and every
+        copy the consensus is taken of when someone joins; ``CopiesUnavailable`` if some did not come."""
+        known = [m for m in linked.members if m in self.copies]
         needed: set[str] = set()
-        if new and not all(j in self.at_start for j in self.copies.members):
+        if len(known) < len(linked.members) and not all(j in self.at_start for j in self.copies.members):
             needed |= set(known)  # a joiner starts from the consensus
-        plans = plan_links(graph(self.kind, members), {m: h - {m} for m, h in self.held.items()})
+        plans = plan_links(linked, {m: h - {m} for m, h in self.held.items()})
         for plan in plans.values():
             needed |= {j for j in plan.fresh if j in self.copies}
         self.refresh(pull, sorted(needed & self.stale))
