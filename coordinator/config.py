@@ -264,8 +264,9 @@ class TrainConfig:
         False,
         help="gossip rounds: workers pull their neighbours' messages from each other (Worker.PullGossip, the same "
         "token and TLS) and the coordinator sees only each message's digest, size and sketch; it pulls whole public "
-        "copies from the workers only to link workers anew and to show, checkpoint or export the consensus. Every "
-        "worker must reach its neighbours at the addresses the coordinator reaches it at (no --tunnel workers)",
+        "copies from the workers only to link workers anew and to show, checkpoint or export the consensus. A "
+        "worker pulls from its neighbours at the addresses the coordinator reaches them at; a --tunnel worker's "
+        "messages, and those of a neighbour a worker could not pull from, go through the coordinator instead",
         section=OUTER,
     )
 

@@ -28,11 +28,18 @@ carry one whole or the consensus must be shown, through the ``pull`` its caller 
 ``refresh``. A worker that failed a round keeps its own copy (it drops the message the coordinator did not
 accept), and one that lost its state (it had to be pushed the state again) joins anew, from the consensus.
 The consensus distance comes from the count sketches the workers report (``gossip.sketch``): an estimate.
+
+Peer-to-peer, a pair of workers that cannot reach each other falls back on the relay (``route``): a
+``--tunnel`` worker serves no neighbour and pulls from none, and a worker that could not pull a neighbour's
+message reports it (``RoundResult.unreachable_peers``); from then on the sender uploads its messages too
+(``GossipLinks.upload``), the coordinator checks each against the digest the sender reported, and relays it
+to those neighbours. The others still pull.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 
@@ -41,7 +48,8 @@ import torch
 from gradwire.compression import CompressedGradient, GradientCodec
 from gradwire.gossip import choco, sketch
 from gradwire.gossip.topology import Graph, graph
-from gradwire.protocol import GossipLinks, GossipPull, GossipSent, RoundResult
+from gradwire.protocol import GossipLinks, GossipPull, GossipSent, RoundResult, message_piece_to_bytes
+from gradwire.tunnel import TUNNEL_PREFIX
 
 Tensors = Mapping[str, torch.Tensor]
 # Peer-to-peer: exact public copies of members, pulled from them as the next round starts; a member whose
@@ -80,6 +88,35 @@ def plan_links(graph: Graph, held: Mapping[str, frozenset[str]]) -> dict[str, Li
             why = f"same {len(neighbours)} neighbour(s) on the {graph.kind} graph: relays only"
         plans[member] = LinkPlan(member, neighbours, graph.weights_of(member), relay, fresh, drop, why)
     return plans
+
+
+RELAY_ROUNDS = 100  # a pair whose pull failed is relayed for this many rounds, then tried again
+
+
+@dataclasses.dataclass(frozen=True)
+class Routes:
+    """Peer-to-peer: how each neighbour's message reaches each member this round (see ``route``)."""
+
+    relayed: frozenset[tuple[str, str]]  # (receiver, sender) pairs the coordinator relays for
+    upload: frozenset[str]  # senders whose message some neighbour takes relayed: they upload it
+    why: dict[tuple[str, str], str]
+
+
+def route(graph: Graph, tunnelled: frozenset[str], failed: Mapping[tuple[str, str], int], round_: int) -> Routes:
+    """Which pairs of neighbours on ``graph`` exchange through the coordinator: those where either side is a
+    ``--tunnel`` worker (``tunnelled``: nobody dials it, and the addresses it would dial are the
+    coordinator's view), and those whose pull failed (``failed``: (receiver, sender) -> the round it was
+    reported in) fewer than ``RELAY_ROUNDS`` rounds before ``round_``. Every other pair pulls. Pure."""
+    relayed, why = set(), {}
+    for m in graph.members:
+        for j in graph.neighbours_of(m):
+            if m in tunnelled or j in tunnelled:
+                relayed.add((m, j))
+                why[(m, j)] = f"{m if m in tunnelled else j} is a tunnelled worker"
+            elif (m, j) in failed and round_ - failed[(m, j)] < RELAY_ROUNDS:
+                relayed.add((m, j))
+                why[(m, j)] = f"{m} could not pull from {j} in round {failed[(m, j)]}"
+    return Routes(frozenset(relayed), frozenset(j for _, j in relayed), why)
 
 
 class PublicCopies:
@@ -169,22 +206,31 @@ class GossipRounds:
         self.stale: set[str] = set()
         self.sketches: dict[str, torch.Tensor] = {}
         self._start_sketch: torch.Tensor | None = None
+        # Peer-to-peer relay fallback: (receiver, sender) pairs whose pull failed, and the round it was reported.
+        self.failed_pulls: dict[tuple[str, str], int] = {}
+        self.routes = Routes(frozenset(), frozenset(), {})
 
     @property
     def peer_to_peer(self) -> bool:
         return bool(self.peer_key)
 
     def links(
-        self, members: Sequence[str], addresses: Mapping[str, str] | None = None, pull: Pull | None = None
+        self,
+        members: Sequence[str],
+        addresses: Mapping[str, str] | None = None,
+        pull: Pull | None = None,
+        round_: int = 0,
     ) -> dict[str, GossipLinks]:
-        """Each member's links for this round, on the graph of ``members`` (in join order). Members new to
-        the graph get a public copy: the run's start while every copy is, else the consensus.
+        """Each member's links for this round (``round_``), on the graph of ``members`` (in join order). Members
+        new to the graph get a public copy: the run's start while every copy is, else the consensus.
         Peer-to-peer, ``addresses`` says where each member's neighbours reach it, and ``pull`` brings the
         exact copies the orders must carry whole; ``CopiesUnavailable`` names the members whose copies did
         not come (nothing changed: the caller leaves them out and asks again)."""
         linked = graph(self.kind, members)
         if self.peer_to_peer:
             assert addresses is not None and pull is not None, "peer-to-peer links need addresses and a pull"
+            tunnelled = frozenset(m for m in members if addresses[m].startswith(TUNNEL_PREFIX))
+            self.routes = route(linked, tunnelled, self.failed_pulls, round_)
             self._pull_needed(linked, pull)
         for m in members:
             if m not in self.copies:
@@ -194,18 +240,23 @@ class GossipRounds:
                 else:
                     self.copies.add(m, self.copies.consensus())
         self.graph = linked
-        plans = plan_links(self.graph, {m: h - {m} for m, h in self.held.items()})
+        plans = plan_links(self.graph, self._holding())
+        relayed = self.routes.relayed
         out = {}
         for m, plan in plans.items():
             holds_own = m in self.held.get(m, frozenset())
             fresh = {j: self._whole(j) for j in plan.fresh}
             if not holds_own and not self._keeps_own(m):
                 fresh[m] = self._whole(m)
-            relays = {j: self.accepted[j] for j in plan.relay if j in self.accepted}
+            relays = {
+                j: self.accepted[j]
+                for j in plan.relay
+                if j in self.accepted and (not self.peer_to_peer or (m, j) in relayed)
+            }
             pulls = {
                 j: GossipPull(j, addresses[j], self.sent[j][0], self.sent[j][1].digest)  # type: ignore[index]
                 for j in plan.relay
-                if j in self.sent
+                if j in self.sent and (m, j) not in relayed
             }
             out[m] = GossipLinks(
                 m,
@@ -218,8 +269,24 @@ class GossipRounds:
                 peer_key=self.peer_key,
                 pulls=pulls,
                 own_round=self.last_accepted.get(m, 0),
+                upload=m in self.routes.upload,
             )
         return out
+
+    def _holding(self) -> dict[str, frozenset[str]]:
+        """The neighbours' copies each member holds in step, as ``plan_links`` takes them. Peer-to-peer, a copy
+        whose accepted message the member can neither pull nor be relayed (the pair went over to the relay
+        after the sender sent it) is not: it goes whole."""
+        out = {}
+        for m, h in self.held.items():
+            cut = {j for j in h if (m, j) in self.routes.relayed and j in self.sent and j not in self.accepted}
+            out[m] = h - {m} - cut
+        return out
+
+    def unreachable(self, receiver: str, senders: Sequence[str], round_: int) -> None:
+        """Peer-to-peer: ``receiver`` could not pull the messages of ``senders`` in ``round_``: relay them."""
+        for j in senders:
+            self.failed_pulls[(receiver, j)] = round_
 
     def _keeps_own(self, member: str) -> bool:
         """Peer-to-peer, a member known to the graph keeps its own public copy when it failed a round: it is
@@ -237,7 +304,7 @@ class GossipRounds:
         needed: set[str] = set()
         if len(known) < len(linked.members) and not all(j in self.at_start for j in self.copies.members):
             needed |= set(known)  # a joiner starts from the consensus
-        plans = plan_links(linked, {m: h - {m} for m, h in self.held.items()})
+        plans = plan_links(linked, self._holding())
         for plan in plans.values():
             needed |= {j for j in plan.fresh if j in self.copies}
         self.refresh(pull, sorted(needed & self.stale))
@@ -271,7 +338,7 @@ class GossipRounds:
         distance after."""
         assert self.graph is not None, "links before finish"
         if self.peer_to_peer:
-            return self._finish_peer_to_peer(results)
+            return self._finish_peer_to_peer(results, codec)
         self.accepted, refused = {}, {}
         held: dict[str, frozenset[str]] = {}
         for m in self.graph.members:
@@ -291,12 +358,12 @@ class GossipRounds:
         present = [self.copies.copy_of(m) for m in self.graph.members]
         return GossipFinish(tuple(self.accepted), refused, choco.consensus_distance(present))
 
-    def _finish_peer_to_peer(self, results: Mapping[str, RoundResult | None]) -> GossipFinish:
+    def _finish_peer_to_peer(self, results: Mapping[str, RoundResult | None], codec: GradientCodec) -> GossipFinish:
         """A peer-to-peer round's results: a message is accepted on its digest (its neighbours check what
-        they pull against it, and its content as they decode it); its sender's copy here goes stale, and
-        its sender's sketch moves by the message's."""
+        they pull against it, and its content as they decode it; an uploaded one is checked here, against
+        both); its sender's copy here goes stale, and its sender's sketch moves by the message's."""
         assert self.graph is not None
-        self.sent, refused = {}, {}
+        self.sent, self.accepted, refused = {}, {}, {}
         held: dict[str, frozenset[str]] = {}
         size = len(self._start())
         for m in self.graph.members:
@@ -310,6 +377,12 @@ class GossipRounds:
                 refused[m] = f"its sketches hold {len(sent.sketch)} numbers, not {size}"
                 continue
             assert result is not None
+            if m in self.routes.upload or result.gradient is not None:
+                why = _uploaded(m, result, sent, codec, self.start)
+                if why:
+                    refused[m] = why
+                    continue
+                self.accepted[m] = result.gradient  # type: ignore[assignment]
             self.sent[m] = (result.round, sent)
             self.last_accepted[m] = result.round
             self.sketches[m] = torch.tensor(sent.sketch, dtype=torch.float64) + torch.tensor(
@@ -343,7 +416,11 @@ class GossipRounds:
             self.stale.discard(m)
             self.at_start.discard(m)
             self.held_before.discard(m)
+        self._forget_pulls(members)
         self.held = {h: frozenset(c - set(members)) for h, c in self.held.items()}
+
+    def _forget_pulls(self, members: Sequence[str]) -> None:
+        self.failed_pulls = {p: r for p, r in self.failed_pulls.items() if not set(p) & set(members)}
 
     def leave(self, present: Sequence[str]) -> tuple[str, ...]:
         """Forget the members no longer in the run; returns them. Their neighbours are re-linked next round."""
@@ -358,6 +435,7 @@ class GossipRounds:
             self.sketches.pop(m, None)
             self.stale.discard(m)
             self.held_before.discard(m)
+        self._forget_pulls(gone)
         return gone
 
     def consensus(self) -> dict[str, torch.Tensor]:
@@ -386,6 +464,7 @@ class GossipRounds:
         self.copies, self.at_start = copies, set(saved["at_start"]) & set(saved["members"])
         self.held, self.accepted, self.graph = {}, {}, None
         self.sent, self.last_accepted, self.stale, self.sketches, self.held_before = {}, {}, set(), {}, set()
+        self.failed_pulls, self.routes = {}, Routes(frozenset(), frozenset(), {})
 
 
 def check_copy(copy: Tensors, start: Tensors) -> None:
@@ -397,6 +476,18 @@ def check_copy(copy: Tensors, start: Tensors) -> None:
             raise ValueError(f"a public copy's {name} has the wrong shape or dtype")
         if not bool(torch.isfinite(t).all()):
             raise ValueError(f"a public copy's {name} has non-finite values")
+
+
+def _uploaded(member: str, result: RoundResult, sent: GossipSent, codec: GradientCodec, start: Tensors) -> str:
+    """Why a peer-to-peer message the coordinator must relay cannot be (``""``: it can): it did not come, it
+    is not the message whose digest its sender reported (the one its other neighbours pull), or it does not
+    decode to the model's tensors, finite."""
+    if result.gradient is None:
+        return "it was to upload its message for neighbours that cannot pull from it, and did not"
+    piece = message_piece_to_bytes(member, result.round, result.gradient)
+    if len(piece) != sent.nbytes or hashlib.sha256(piece).digest() != sent.digest:
+        return "the message it uploaded is not the one whose digest it reported"
+    return _message(result.gradient, codec, start)[1]
 
 
 def _message(

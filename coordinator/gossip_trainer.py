@@ -33,7 +33,7 @@ import torch
 from gradwire import protocol
 from gradwire.coordinator.checkpointer import RunPosition
 from gradwire.coordinator.gather import Fate, Gathered
-from gradwire.coordinator.gossip import CopiesUnavailable, GossipRounds, Tensors, check_copy
+from gradwire.coordinator.gossip import RELAY_ROUNDS, CopiesUnavailable, GossipRounds, Tensors, check_copy
 from gradwire.coordinator.metrics import round_record
 from gradwire.coordinator.round import RoundPlan, SlotOutcome, WorkerSlot
 from gradwire.coordinator.trainer import Trainer
@@ -75,6 +75,16 @@ class GossipTrainer(Trainer):
         t_gathered = time.perf_counter()
         answers = {member(o.slot): o.result if _usable(o) else None for o in round_.outcomes}
         finish = self.gossip.finish(answers, codec)
+        for o in round_.outcomes:
+            if o.unreachable:
+                log.warning(
+                    "step %d: %s could not pull the messages of %s: they are relayed to it for the next %d rounds",
+                    step,
+                    member(o.slot),
+                    list(o.unreachable),
+                    RELAY_ROUNDS,
+                )
+                self.gossip.unreachable(member(o.slot), o.unreachable, step)
         if self.gossip.peer_to_peer and (lost := [member(o.slot) for o in round_.outcomes if _lost(o)]):
             log.info("step %d: %s lost their gossip state and join the graph anew, from the consensus", step, lost)
             self.gossip.lost(lost)
@@ -123,6 +133,8 @@ class GossipTrainer(Trainer):
                 compression_ratio=4 * codec.plan.numel * len(kept) / max(1, sent_bytes),
                 consensus_distance_estimated=True,
                 pulled_payloads={o.slot.client.address: len(links[member(o.slot)].pulls) for o in round_.outcomes},
+                # messages the coordinator took to relay to neighbours that cannot pull them
+                uploaded_payloads=sum(1 for o in kept if o.result is not None and o.result.gradient is not None),
                 peer_bytes_down={
                     o.slot.client.address: sum(pulled_bytes[j] for j in links[member(o.slot)].pulls)
                     for o in round_.outcomes
@@ -142,7 +154,7 @@ class GossipTrainer(Trainer):
             denied: set[str] = set()
             try:
                 links = self.gossip.links(
-                    members, addresses, functools.partial(self._pull_copies, step=step, denied=denied)
+                    members, addresses, functools.partial(self._pull_copies, step=step, denied=denied), step
                 )
                 return dataclasses.replace(plan, slots=slots), links
             except CopiesUnavailable as e:

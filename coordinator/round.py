@@ -35,7 +35,17 @@ from gradwire.compression.stream import Pieces, StreamPlan
 from gradwire.coordinator.decisions import Grace, Standing, decide_close, decide_first_push, decide_sync
 from gradwire.coordinator.outer import OuterStrategy
 from gradwire.link import WorkerError, WorkerLink
-from gradwire.protocol import BEHIND, OK, GossipLinks, LocalSteps, ModelState, ProtocolError, RoundResult, WorkOrder
+from gradwire.protocol import (
+    BEHIND,
+    OK,
+    UNREACHABLE,
+    GossipLinks,
+    LocalSteps,
+    ModelState,
+    ProtocolError,
+    RoundResult,
+    WorkOrder,
+)
 from gradwire.replica import Fingerprint, StateUpdate
 
 log = logging.getLogger("gradwire.coordinator")
@@ -81,6 +91,7 @@ class SlotOutcome:
     decoded: DecodedGradient | None = None
     invalid: str = ""
     pieces: int = 0  # streamed pieces of its gradient received, of its last call (it may have failed after)
+    unreachable: tuple[str, ...] = ()  # peer-to-peer gossip: neighbours it could not pull messages from
 
 
 @dataclasses.dataclass
@@ -360,6 +371,10 @@ class RoundDispatcher:
                             f"result for round {result.round} at version {result.version}, expected {step} at {target}"
                         )
                     outcome.result = receiver.finish(result)
+                    return outcome
+                if result.status == UNREACHABLE:  # a gossip round it took nothing of
+                    outcome.error = f"worker {slot.client.address}: could not pull from its neighbours: {result.reason}"
+                    outcome.unreachable = result.unreachable_peers
                     return outcome
                 log.info(
                     "step %d: worker %d is %s (%s)",

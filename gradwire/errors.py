@@ -28,6 +28,15 @@ class NotHeld(LookupError):
     caller's view has moved on; its request is not wrong."""
 
 
+class PeersUnreachable(NotHeld):
+    """Peer-to-peer gossip: the messages of these neighbours could not be pulled from them (``members``). The
+    round answers it as a status (``RoundResult.unreachable_peers``), so that the coordinator relays them."""
+
+    def __init__(self, message: str, members: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.members = members
+
+
 class TooLarge(ValueError):
     """A sound request this worker cannot hold: the run's state would not fit its memory (the message
     names the sizes). A ``ValueError``, so that every rank refuses it alike, but not the caller's mistake."""

@@ -33,7 +33,7 @@ from gradwire.v1 import worker_pb2 as pb
 # and replays may be of one fragment of the model (--fragments); 7: gossip rounds (WorkOrder.gossip), whose
 # results report the worker's gossip residual; 8: peer-to-peer gossip (GossipLinks.pulls, Worker.PullGossip,
 # RoundResult.gossip_digest and sketches)
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 MAX_INNER_STEPS = 100_000  # H beyond this is a mistake, not a schedule (the field syncs every 30-500 steps)
 MAX_LEARNING_RATE = 1e6  # learning rates crossing the wire are finite, non-negative and below this
 MAX_CATCH_UP = 1024  # missed updates one order may carry (--replay-window is far smaller)
@@ -559,13 +559,14 @@ class GossipLinks:
     peer_key: bytes = b""
     pulls: Mapping[str, GossipPull] = dataclasses.field(default_factory=dict)
     own_round: int = 0  # peer-to-peer, with own_accepted: the round its accepted message was sent in
+    upload: bool = False  # peer-to-peer: send this round's message to the coordinator too, to relay
 
     def __post_init__(self) -> None:
         _member(self.member)
         if self.peer_key and not PEER_KEY_BYTES[0] <= len(self.peer_key) <= PEER_KEY_BYTES[1]:
             raise ProtocolError(f"gossip: the peer key is {len(self.peer_key)} bytes, not {PEER_KEY_BYTES}")
-        if self.pulls and not self.peer_key:
-            raise ProtocolError("gossip: messages to pull from neighbours, and no peer key to pull them with")
+        if (self.pulls or self.upload) and not self.peer_key:
+            raise ProtocolError("gossip: messages to pull from neighbours or to upload, and no peer key")
         if stray := [j for j, pull in self.pulls.items() if j not in self.weights or pull.member != j]:
             raise ProtocolError(f"gossip: messages to pull from non-neighbours {stray}")
         if both := [j for j in self.pulls if j in self.relays or j in self.fresh]:
@@ -616,6 +617,7 @@ def gossip_to_proto(g: GossipLinks) -> pb.GossipLinks:
         peer_key=g.peer_key,
         pulls=[pb.GossipPull(member=j, address=p.address, round=p.round, digest=p.digest) for j, p in g.pulls.items()],
         own_round=g.own_round,
+        upload=g.upload,
     )
 
 
@@ -651,6 +653,7 @@ def gossip_from_proto(m: pb.GossipLinks) -> GossipLinks:
         m.peer_key,
         pulls,
         m.own_round,
+        m.upload,
     )
 
 
@@ -906,10 +909,12 @@ def order_from_proto(m: pb.WorkOrder) -> WorkOrder:
 OK = "ok"
 NEEDS_STATE = "needs_state"  # no replica, or a suspect one: push the state
 BEHIND = "behind"  # a sound replica at another version (``RoundResult.version``): catch up or push
+UNREACHABLE = "unreachable"  # peer-to-peer gossip: neighbours' messages did not come (``unreachable_peers``)
 _STATUS = {
     OK: pb.RoundResult.STATUS_OK,
     NEEDS_STATE: pb.RoundResult.STATUS_NEEDS_STATE,
     BEHIND: pb.RoundResult.STATUS_BEHIND,
+    UNREACHABLE: pb.RoundResult.STATUS_UNREACHABLE,
 }
 
 
@@ -928,6 +933,7 @@ class RoundResult:
     gradient_fingerprint: Fingerprint | None = None  # what WorkOrder.fingerprint_gradient asked for
     gossip_residual: float = 0.0  # a gossip round: |x - x^_own|^2 after the worker's message
     gossip_sent: GossipSent | None = None  # a peer-to-peer gossip round: the message kept for the neighbours
+    unreachable_peers: tuple[str, ...] = ()  # UNREACHABLE: the neighbours whose messages did not come
 
 
 def result_to_proto(r: RoundResult) -> pb.RoundResult:
@@ -949,6 +955,7 @@ def result_to_proto(r: RoundResult) -> pb.RoundResult:
         gossip_bytes=sent.nbytes if sent else 0,
         gossip_sketch=sent.sketch if sent else (),
         gossip_message_sketch=sent.message_sketch if sent else (),
+        unreachable_peers=list(r.unreachable_peers),
     )
 
 
@@ -977,6 +984,11 @@ def result_from_proto(m: pb.RoundResult) -> RoundResult:
     )
     if status == OK and not m.HasField("gradient") and sent is None:
         raise ProtocolError("an OK round result must carry a gradient (or, peer-to-peer, its message's digest)")
+    if (status == UNREACHABLE) != bool(m.unreachable_peers) or len(m.unreachable_peers) > MAX_NEIGHBOURS:
+        raise ProtocolError(
+            f"an unreachable result names 1 to {MAX_NEIGHBOURS} neighbours whose messages did not come, no other does"
+        )
+    unreachable = tuple(_member(j) for j in m.unreachable_peers)
     timings = {f.name.removesuffix("_seconds"): v for f, v in m.timings.ListFields()}
     if not (math.isfinite(m.grad_norm) and m.grad_norm >= 0):
         raise ProtocolError(f"grad_norm must be finite and >= 0, got {m.grad_norm}")
@@ -998,6 +1010,7 @@ def result_from_proto(m: pb.RoundResult) -> RoundResult:
         fingerprint,
         m.gossip_residual,
         sent,
+        unreachable,
     )
 
 

@@ -47,7 +47,7 @@ import gradwire
 from gradwire import protocol, statestream
 from gradwire.compression import CompressedGradient, DecodedGradient, NonFiniteInput, serde, shard
 from gradwire.compression.fragment import Fragment, scoped
-from gradwire.errors import AccessDenied, TooLarge
+from gradwire.errors import AccessDenied, PeersUnreachable, TooLarge
 from gradwire.memory import give_back_freed_memory
 from gradwire.models import spec_elements
 from gradwire.optim.outer import UpdateRule
@@ -56,6 +56,7 @@ from gradwire.protocol import (
     NEEDS_STATE,
     OK,
     PROTOCOL_VERSION,
+    UNREACHABLE,
     GossipPieceRequest,
     ModelState,
     ProtocolError,
@@ -630,7 +631,12 @@ class WorkerEngine:
         model = dict(zip(replica.params, working.parameters()))
         keep = session.gossip is None and session.own_model_restored  # a resumed run's x came with the push
         if links.pulls:  # peer-to-peer: the neighbours' messages come from them, then go in as relays would
-            pulled = self.peers.pull(order.run_id, links.peer_key, links.pulls, cancelled)
+            try:
+                pulled = self.peers.pull(order.run_id, links.peer_key, links.pulls, cancelled)
+            except PeersUnreachable as e:  # nothing taken: the coordinator relays those neighbours from now on
+                return RoundResult(
+                    UNREACHABLE, order.round, str(e), version=replica.version, unreachable_peers=e.members
+                )
             links = dataclasses.replace(links, relays={**links.relays, **pulled}, pulls={})
         session.gossip = gossip.take_links(
             session.gossip, links, model, replica.params, codec, keep_model=keep, round_=order.round
@@ -644,7 +650,7 @@ class WorkerEngine:
         sent = None
         if links.peer_key:  # kept for the neighbours to pull; the coordinator gets its digest and sketches
             sent = gossip.keep_for_peers(session.gossip, order.round, payload, replica.params)
-            payload = None
+            payload = payload if links.upload else None  # uploaded for neighbours that cannot pull from it
         t_done = time.perf_counter()
         wall = t_done - session.done_at if session.done_at is not None else t_done - t0
         wait = max(0.0, t0 - session.done_at) if session.done_at is not None else 0.0

@@ -8,8 +8,9 @@ messages for ``worker.gossip.take_links`` to add as it adds relayed ones.
 
 Calls carry this worker's token (the swarm shares one) and the order's peer key, never a run key, and go
 over TLS as ``--peer-tls`` / ``--peer-tls-ca`` say. A neighbour that cannot be reached, no longer holds
-the message or answers other bytes fails the round with ``NotHeld`` naming it, before any copy changed;
-the coordinator then sends this worker its copies whole in its next round.
+the message or answers other bytes fails the round with ``PeersUnreachable`` naming it, before any copy
+changed; the round answers that as a status, and the coordinator sends this worker its copies whole in its
+next round and relays that neighbour's messages to it from then on.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import grpc
 
 from gradwire import protocol
 from gradwire.compression import CompressedGradient
-from gradwire.errors import Cancelled, NotHeld
+from gradwire.errors import Cancelled, NotHeld, PeersUnreachable
 from gradwire.protocol import GossipPieceRequest, GossipPull
 from gradwire.security import ClientSecurity
 from gradwire.transport import DEFAULT_MESSAGE_MB, grpc_options
@@ -48,22 +49,22 @@ class Peers:
     def pull(
         self, run_id: str, key: bytes, pulls: Mapping[str, GossipPull], cancelled: Callable[[], bool] = lambda: False
     ) -> dict[str, CompressedGradient]:
-        """Each neighbour's message that ``pulls`` names, by member; ``NotHeld`` naming the first neighbour
-        (in member order) whose message did not come, ``Cancelled`` if the round was cancelled meanwhile."""
+        """Each neighbour's message that ``pulls`` names, by member; ``PeersUnreachable`` naming every neighbour
+        whose message did not come (in member order), ``Cancelled`` if the round was cancelled meanwhile."""
         if not pulls:
             return {}
         with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL, len(pulls)), thread_name_prefix="gradwire-peer") as ex:
             futures = {j: ex.submit(self._pull_one, run_id, key, p) for j, p in sorted(pulls.items())}
-            out, failed = {}, []
+            out, failed = {}, {}
             for j, f in futures.items():
                 try:
                     out[j] = f.result()
                 except NotHeld as e:
-                    failed.append(str(e))
+                    failed[j] = str(e)
         if cancelled():
             raise Cancelled("the round was cancelled while it pulled its neighbours' messages")
         if failed:
-            raise NotHeld("; ".join(failed))
+            raise PeersUnreachable("; ".join(failed.values()), tuple(failed))
         return out
 
     def _pull_one(self, run_id: str, key: bytes, pull: GossipPull) -> CompressedGradient:

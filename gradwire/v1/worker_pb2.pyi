@@ -285,7 +285,7 @@ class WorkOrder(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., base_version: _Optional[int] = ..., update: _Optional[_Union[StateUpdate, _Mapping]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., batch: _Optional[_Union[TokenBatch, _Mapping]] = ..., codec: _Optional[_Union[_codec_pb2.CodecSettings, _Mapping]] = ..., feedback_beta: _Optional[float] = ..., micro_batch_size: _Optional[int] = ..., sync_tolerance: _Optional[float] = ..., local_steps: _Optional[_Union[LocalSteps, _Mapping]] = ..., catch_up: _Optional[_Iterable[_Union[StateUpdate, _Mapping]]] = ..., compute_before_update: _Optional[bool] = ..., next_batch: _Optional[_Union[TokenBatch, _Mapping]] = ..., clip_grad_norm: _Optional[float] = ..., fingerprint_gradient: _Optional[bool] = ..., next_local_steps: _Optional[_Union[LocalSteps, _Mapping]] = ..., stream_buckets: _Optional[int] = ..., gossip: _Optional[_Union[GossipLinks, _Mapping]] = ...) -> None: ...
 
 class GossipLinks(_message.Message):
-    __slots__ = ("member", "neighbours", "gamma", "own_accepted", "relays", "fresh", "drop", "peer_key", "pulls", "own_round")
+    __slots__ = ("member", "neighbours", "gamma", "own_accepted", "relays", "fresh", "drop", "peer_key", "pulls", "own_round", "upload")
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     NEIGHBOURS_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
@@ -296,6 +296,7 @@ class GossipLinks(_message.Message):
     PEER_KEY_FIELD_NUMBER: _ClassVar[int]
     PULLS_FIELD_NUMBER: _ClassVar[int]
     OWN_ROUND_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_FIELD_NUMBER: _ClassVar[int]
     member: str
     neighbours: _containers.RepeatedCompositeFieldContainer[GossipNeighbour]
     gamma: float
@@ -306,7 +307,8 @@ class GossipLinks(_message.Message):
     peer_key: bytes
     pulls: _containers.RepeatedCompositeFieldContainer[GossipPull]
     own_round: int
-    def __init__(self, member: _Optional[str] = ..., neighbours: _Optional[_Iterable[_Union[GossipNeighbour, _Mapping]]] = ..., gamma: _Optional[float] = ..., own_accepted: _Optional[bool] = ..., relays: _Optional[_Iterable[_Union[GossipRelay, _Mapping]]] = ..., fresh: _Optional[_Iterable[_Union[PublicCopy, _Mapping]]] = ..., drop: _Optional[_Iterable[str]] = ..., peer_key: _Optional[bytes] = ..., pulls: _Optional[_Iterable[_Union[GossipPull, _Mapping]]] = ..., own_round: _Optional[int] = ...) -> None: ...
+    upload: bool
+    def __init__(self, member: _Optional[str] = ..., neighbours: _Optional[_Iterable[_Union[GossipNeighbour, _Mapping]]] = ..., gamma: _Optional[float] = ..., own_accepted: _Optional[bool] = ..., relays: _Optional[_Iterable[_Union[GossipRelay, _Mapping]]] = ..., fresh: _Optional[_Iterable[_Union[PublicCopy, _Mapping]]] = ..., drop: _Optional[_Iterable[str]] = ..., peer_key: _Optional[bytes] = ..., pulls: _Optional[_Iterable[_Union[GossipPull, _Mapping]]] = ..., own_round: _Optional[int] = ..., upload: _Optional[bool] = ...) -> None: ...
 
 class GossipPull(_message.Message):
     __slots__ = ("member", "address", "round", "digest")
@@ -403,17 +405,19 @@ class Timings(_message.Message):
     def __init__(self, update_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., compress_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ...) -> None: ...
 
 class RoundResult(_message.Message):
-    __slots__ = ("status", "reason", "round", "gradient", "loss", "tokens", "timings", "version", "node_bytes", "grad_norm", "gradient_fingerprint", "piece", "gossip_residual", "gossip_digest", "gossip_bytes", "gossip_sketch", "gossip_message_sketch")
+    __slots__ = ("status", "reason", "round", "gradient", "loss", "tokens", "timings", "version", "node_bytes", "grad_norm", "gradient_fingerprint", "piece", "gossip_residual", "gossip_digest", "gossip_bytes", "gossip_sketch", "gossip_message_sketch", "unreachable_peers")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATUS_UNSPECIFIED: _ClassVar[RoundResult.Status]
         STATUS_OK: _ClassVar[RoundResult.Status]
         STATUS_NEEDS_STATE: _ClassVar[RoundResult.Status]
         STATUS_BEHIND: _ClassVar[RoundResult.Status]
+        STATUS_UNREACHABLE: _ClassVar[RoundResult.Status]
     STATUS_UNSPECIFIED: RoundResult.Status
     STATUS_OK: RoundResult.Status
     STATUS_NEEDS_STATE: RoundResult.Status
     STATUS_BEHIND: RoundResult.Status
+    STATUS_UNREACHABLE: RoundResult.Status
     STATUS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -431,6 +435,7 @@ class RoundResult(_message.Message):
     GOSSIP_BYTES_FIELD_NUMBER: _ClassVar[int]
     GOSSIP_SKETCH_FIELD_NUMBER: _ClassVar[int]
     GOSSIP_MESSAGE_SKETCH_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_PEERS_FIELD_NUMBER: _ClassVar[int]
     status: RoundResult.Status
     reason: str
     round: int
@@ -448,4 +453,5 @@ class RoundResult(_message.Message):
     gossip_bytes: int
     gossip_sketch: _containers.RepeatedScalarFieldContainer[float]
     gossip_message_sketch: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, status: _Optional[_Union[RoundResult.Status, str]] = ..., reason: _Optional[str] = ..., round: _Optional[int] = ..., gradient: _Optional[_Union[_codec_pb2.CompressedGradient, _Mapping]] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., version: _Optional[int] = ..., node_bytes: _Optional[int] = ..., grad_norm: _Optional[float] = ..., gradient_fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., piece: _Optional[bool] = ..., gossip_residual: _Optional[float] = ..., gossip_digest: _Optional[bytes] = ..., gossip_bytes: _Optional[int] = ..., gossip_sketch: _Optional[_Iterable[float]] = ..., gossip_message_sketch: _Optional[_Iterable[float]] = ...) -> None: ...
+    unreachable_peers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, status: _Optional[_Union[RoundResult.Status, str]] = ..., reason: _Optional[str] = ..., round: _Optional[int] = ..., gradient: _Optional[_Union[_codec_pb2.CompressedGradient, _Mapping]] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., version: _Optional[int] = ..., node_bytes: _Optional[int] = ..., grad_norm: _Optional[float] = ..., gradient_fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., piece: _Optional[bool] = ..., gossip_residual: _Optional[float] = ..., gossip_digest: _Optional[bytes] = ..., gossip_bytes: _Optional[int] = ..., gossip_sketch: _Optional[_Iterable[float]] = ..., gossip_message_sketch: _Optional[_Iterable[float]] = ..., unreachable_peers: _Optional[_Iterable[str]] = ...) -> None: ...

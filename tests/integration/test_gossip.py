@@ -255,8 +255,9 @@ def test_peer_to_peer_gossip_is_the_relayed_run_and_the_coordinator_sees_no_mess
 
 def test_a_peer_that_serves_another_message_than_it_reported_fails_only_its_neighbours_round(tmp_path):
     """Peer-to-peer: worker 1 serves its round-2 message with a byte flipped. Its neighbours find the digest
-    wrong, fail round 3 saying whose message it was, and get their copies whole in round 4; the run goes on,
-    and every holder's copies stay its owners'."""
+    wrong, fail round 3 naming it (an unreachable answer), and get their copies whole in round 4; from then on
+    worker 1 uploads its messages, the coordinator checks them against the digests it reported and relays
+    them to those two. The run goes on, and every holder's copies stay its owners'."""
     liar = faulty("other-message", rounds={2})
     factories = [lambda: WorkerEngine("cpu"), liar, lambda: WorkerEngine("cpu"), lambda: WorkerEngine("cpu")]
     with live_workers(4, factories) as workers:
@@ -282,3 +283,8 @@ def test_a_peer_that_serves_another_message_than_it_reported_fails_only_its_neig
         assert piece.member == "0" and piece.round == 5
     records = read_metrics(tmp_path / "liar")
     assert [r["successful_workers"] for r in records] == [4, 4, 4, 2, 4, 4]
+    addresses = [w.address for w in workers]
+    relayed = [[r["relayed_payloads"][a] for a in addresses] for r in records]
+    assert relayed[5] == [1, 0, 1, 0]  # worker 1's round-4 message, relayed to 0 and 2
+    assert [r["uploaded_payloads"] for r in records] == [0, 0, 0, 0, 1, 1]
+    assert [r["pulled_payloads"][addresses[0]] for r in records] == [0, 2, 2, 2, 0, 1]

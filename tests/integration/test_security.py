@@ -262,7 +262,7 @@ def test_peer_to_peer_gossip_pulls_with_the_token_over_tls_and_a_peer_without_it
 ) -> None:
     """--peer-to-peer on TLS workers that require the token: they pull their neighbours' messages with it, over
     TLS. A worker whose pulls carry no token is refused by its neighbours (UNAUTHENTICATED) and fails the
-    rounds that need a pull; the others train on."""
+    round that needed a pull; the others train on, and from then on the coordinator relays it their messages."""
     cert = ca.issue("worker", server=True)
     settings = ServerSecurity(token=TOKEN, tls_cert=str(cert.cert), tls_key=str(cert.key))
     trust = str(ca.files.cert)
@@ -285,6 +285,8 @@ def test_peer_to_peer_gossip_pulls_with_the_token_over_tls_and_a_peer_without_it
         with caplog.at_level(logging.INFO, logger="gradwire"):
             run_trainer(config, clients)
     records = read_metrics(tmp_path / "run")
-    # c's first round pulls nothing (nobody sent yet); after a failed round every copy comes to it whole.
-    assert [r["successful_workers"] for r in records] == [3, 2, 3, 2]
+    # c's first round pulls nothing (nobody sent yet); after its failed round every copy comes to it whole, and
+    # then a's and b's messages come relayed.
+    assert [r["successful_workers"] for r in records] == [3, 2, 3, 3]
+    assert records[-1]["relayed_payloads"][clients[2].address] == 2 and records[-1]["uploaded_payloads"] == 2
     assert any("UNAUTHENTICATED" in r.message for r in caplog.records)

@@ -33,6 +33,7 @@ from gradwire.tunnel import MAX_CALLS, TUNNEL_PREFIX, check_metadata, check_name
 from gradwire.v1 import coordinator_pb2 as pb
 from gradwire.v1 import coordinator_pb2_grpc
 from gradwire.worker.engine import WorkerEngine
+from gradwire.worker.inprocess import in_process_clients
 from gradwire.worker.server import make_server
 from gradwire.worker.servicer import WorkerServicer
 from gradwire.worker.tunnel import TunnelRelay
@@ -168,6 +169,39 @@ def test_a_worker_behind_a_tunnel_trains_like_a_direct_one(tmp_path: Path) -> No
     assert losses == [r["loss"] for r in read_metrics(tmp_path / "direct")] and len(losses) == 4
     for name, p in through.replica.params.items():
         assert torch.equal(p, direct.replica.params[name]), name
+
+
+def test_a_tunnelled_worker_gossips_peer_to_peer_through_the_coordinator(tmp_path: Path) -> None:
+    """A peer-to-peer ring of 3, one worker behind a tunnel: nobody can pull from it and it pulls from nobody,
+    so it and its neighbours upload their messages and the coordinator relays them across the tunnel; the two
+    direct workers pull from each other. The run is the one where every pair pulls, bit for bit."""
+    settings = dict(
+        model="gpt-tiny", steps=4, batch_size=2, sequence_length=32, inner_steps=2, eval_batches=1,
+        topology="ring", peer_to_peer=True, round_timeout=TIMEOUT,
+    )  # fmt: skip
+    direct = [WorkerEngine("cpu") for _ in range(2)]
+    servers = [
+        make_server(WorkerServicer(e), host="127.0.0.1", port=0, security=ServerSecurity(token=None)) for e in direct
+    ]
+    try:
+        with coordinator_side(token=None) as (registry, tunnels, address), tunnelled_worker(address, token=None):
+            wait_for(lambda: registry.live() == [TUNNEL_PREFIX + "box-behind-nat"], what="the tunnel")
+            clients = [client_through(tunnels, "box-behind-nat", security=ClientSecurity())]
+            clients += [WorkerClient(f"127.0.0.1:{port}", timeout=TIMEOUT) for _, port, _ in servers]
+            through = run_trainer(TrainConfig(**settings, output_dir=str(tmp_path / "tunnel")), clients)
+    finally:
+        for server, _, _ in servers:
+            server.stop(0)
+    pulling = run_trainer(TrainConfig(**settings, output_dir=str(tmp_path / "pull")), in_process_clients(3))
+    records = read_metrics(tmp_path / "tunnel")
+    tunnel, a, b = (c.address for c in clients)
+    assert [r["successful_workers"] for r in records] == [3, 3, 3, 3]
+    assert [r["uploaded_payloads"] for r in records] == [3, 3, 3, 3]  # all three neighbour the tunnelled one
+    last = records[-1]
+    assert last["relayed_payloads"] == {tunnel: 2, a: 1, b: 1} and last["pulled_payloads"] == {tunnel: 0, a: 1, b: 1}
+    assert [r["loss"] for r in records] == [r["loss"] for r in read_metrics(tmp_path / "pull")]
+    for name, v in through.gossip.consensus().items():
+        assert torch.equal(v, pulling.gossip.consensus()[name]), name
 
 
 def test_calls_through_a_tunnel_meet_the_workers_own_checks() -> None:

@@ -1,7 +1,8 @@
 """Peer-to-peer gossip's cores without a network: the coordinator's ``GossipRounds`` that sees digests, the
 workers' ``take_links`` fed with messages pulled from each other's ``message_piece``, and the copies the
 coordinator pulls with ``copy_at``, driven against each other by hand: a ring in step, a worker that misses
-a round, one that loses its state, one that leaves and one that joins. Then what a pull is refused for, the
+a round, one that loses its state, one that leaves and one that joins; pairs that cannot reach each other
+(a tunnelled worker, a failed pull) exchange through the coordinator. Then what a pull is refused for, the
 links and results on the wire, and the count sketch's estimate."""
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import torch
 
 from gradwire import protocol
 from gradwire.compression import CodecConfig, GradientCodec
-from gradwire.coordinator.gossip import CopiesUnavailable, GossipRounds
+from gradwire.coordinator.gossip import RELAY_ROUNDS, CopiesUnavailable, GossipRounds, route
 from gradwire.errors import AccessDenied, NotHeld
 from gradwire.gossip import choco, sketch
+from gradwire.gossip.topology import graph
 from gradwire.protocol import (
     OK,
+    UNREACHABLE,
     GossipLinks,
     GossipPull,
     GossipSent,
@@ -43,8 +46,11 @@ class Peer:
     def __init__(self) -> None:
         self.state: worker_gossip.GossipState | None = None
         self.model = {k: torch.full(s, float("nan")) for k, s in SHAPES.items()}
+        self.blocked: set[str] = set()  # neighbours it cannot reach
 
     def round(self, links: GossipLinks, round_: int, peers: dict[str, Peer], seed: int) -> RoundResult:
+        if cut := tuple(j for j in links.pulls if j in self.blocked):
+            return RoundResult(UNREACHABLE, round_, "no route", unreachable_peers=cut)
         pulled = {}
         for j, pull in links.pulls.items():
             data = worker_gossip.message_piece(peers[j].state, links.peer_key, pull.round)
@@ -58,7 +64,8 @@ class Peer:
             t.add_(0.05 * torch.randn(t.shape, generator=g))
         payload, residual = worker_gossip.send(self.state, self.model, CODEC)
         sent = worker_gossip.keep_for_peers(self.state, round_, payload, START)
-        return RoundResult(OK, round_, gossip_residual=residual, gossip_sent=sent)
+        uploaded = payload if links.upload else None
+        return RoundResult(OK, round_, gradient=uploaded, gossip_residual=residual, gossip_sent=sent)
 
 
 def _pull(peers: dict[str, Peer], coordinator: GossipRounds, round_: int, log: list[str]):
@@ -75,16 +82,40 @@ def _pull(peers: dict[str, Peer], coordinator: GossipRounds, round_: int, log: l
     return pull
 
 
-def _run(coordinator: GossipRounds, peers: dict[str, Peer], rounds: range, present, absent=lambda r: ()):
+def _run(
+    coordinator: GossipRounds,
+    peers: dict[str, Peer],
+    rounds: range,
+    present,
+    absent=lambda r: (),
+    address=lambda m: f"host-{m}:1",
+):
+    """Rounds as ``GossipTrainer.train_step`` drives them: links, every worker's round, an unreachable
+    answer reported and taken as no answer, finish."""
     history, pulled = [], []
     for r in rounds:
         members = [m for m in present(r) if m not in absent(r)]
         coordinator.leave(present(r))
-        links = coordinator.links(members, {m: f"host-{m}:1" for m in members}, _pull(peers, coordinator, r, pulled))
+        addresses = {m: address(m) for m in members}
+        links = coordinator.links(members, addresses, _pull(peers, coordinator, r, pulled), r)
         results = {m: peers[m].round(links[m], r, peers, 100 * r + i) for i, m in enumerate(members)}
-        history.append((links, coordinator.finish(results, CODEC), list(pulled)))
+        for m, result in results.items():
+            if result.status == UNREACHABLE:
+                coordinator.unreachable(m, result.unreachable_peers, r)
+        usable = {m: result if result.status == OK else None for m, result in results.items()}
+        history.append((links, coordinator.finish(usable, CODEC), list(pulled)))
         pulled.clear()
     return history
+
+
+def _same_as_pulling_everywhere(peers: dict[str, Peer], rounds: int, **kwargs) -> None:
+    """Every worker's own model and copies equal those of a ring where every pair pulls, bit for bit."""
+    plain = {m: Peer() for m in peers}
+    _run(GossipRounds("ring", 0.5, START, peer_to_peer=True), plain, range(rounds), **kwargs)
+    for m in peers:
+        assert all(torch.equal(peers[m].model[k], plain[m].model[k]) for k in SHAPES), m
+        for j, copy in plain[m].state.node.copies.items():
+            assert all(torch.equal(peers[m].state.node.copies[j][k], copy[k]) for k in SHAPES), (m, j)
 
 
 def _caught_up(peer: Peer) -> dict[str, torch.Tensor]:
@@ -163,6 +194,60 @@ def test_a_leaver_is_dropped_and_a_joiner_starts_from_the_consensus_of_pulled_co
     _holders_match_owners(peers, "acde")
 
 
+def test_a_tunnelled_worker_exchanges_through_the_coordinator_and_its_ring_is_the_pulling_one() -> None:
+    peers = {m: Peer() for m in "abcd"}
+    coordinator = GossipRounds("ring", 0.5, START, peer_to_peer=True)
+    tunnel = lambda m: "tunnel:b" if m == "b" else f"host-{m}:1"  # noqa: E731
+    history = _run(coordinator, peers, range(5), lambda r: list("abcd"), address=tunnel)
+    links, finish, pulled = history[-1]
+    # b's neighbours a and c upload (b takes them relayed) and b does (a and c take it relayed); d pulls both.
+    assert [m for m in "abcd" if links[m].upload] == ["a", "b", "c"]
+    assert set(links["b"].relays) == {"a", "c"} and not links["b"].pulls
+    assert set(links["a"].relays) == {"b"} and set(links["a"].pulls) == {"d"}
+    assert not links["d"].relays and set(links["d"].pulls) == {"a", "c"}
+    assert finish.accepted == tuple("abcd") and set(coordinator.accepted) == {"a", "b", "c"} and not pulled
+    _holders_match_owners(peers, "abcd")
+    _same_as_pulling_everywhere(peers, 5, present=lambda r: list("abcd"))
+    assert route(graph("ring", list("abcd")), frozenset("b"), {}, 0).why[("a", "b")] == "b is a tunnelled worker"
+
+
+def test_a_pull_that_failed_sends_that_pair_through_the_coordinator_until_it_is_tried_again() -> None:
+    peers = {m: Peer() for m in "abcd"}
+    peers["a"].blocked = {"b"}
+    coordinator = GossipRounds("ring", 0.5, START, peer_to_peer=True)
+    history = _run(coordinator, peers, range(5), lambda r: list("abcd"))
+    failed_at, finish, _ = history[1]  # round 0 pulls nothing: every copy goes whole
+    assert set(failed_at["a"].pulls) == {"b", "d"} and "a" not in finish.accepted
+    assert coordinator.failed_pulls == {("a", "b"): 1}
+    then, _, pulled = history[2]  # a gets its copies whole again; b uploads from now on
+    assert set(then["a"].fresh) == {"b", "d"}  # it keeps its own copy
+    assert then["b"].upload and not then["a"].upload and sorted(pulled) == ["b", "d"]
+    later, finish, _ = history[-1]
+    assert set(later["a"].relays) == {"b"} and set(later["a"].pulls) == {"d"} and set(later["c"].pulls) == {"b", "d"}
+    assert finish.accepted == tuple("abcd")
+    _holders_match_owners(peers, "abcd")
+    ring = graph("ring", list("abcd"))
+    assert ("a", "b") in route(ring, frozenset(), coordinator.failed_pulls, RELAY_ROUNDS).relayed
+    assert not route(ring, frozenset(), coordinator.failed_pulls, 1 + RELAY_ROUNDS).relayed  # tried again
+    coordinator.leave(list("acd"))
+    assert not coordinator.failed_pulls  # b left: its pairs are forgotten
+
+
+def test_an_uploaded_message_must_be_the_one_its_digest_names() -> None:
+    peers = {m: Peer() for m in "abcd"}
+    coordinator = GossipRounds("ring", 0.5, START, peer_to_peer=True)
+    tunnel = lambda m: "tunnel:b" if m == "b" else f"host-{m}:1"  # noqa: E731
+    _run(coordinator, peers, range(2), lambda r: list("abcd"), address=tunnel)
+    links = coordinator.links(list("abcd"), {m: tunnel(m) for m in "abcd"}, _pull(peers, coordinator, 2, []), 2)
+    results = {m: peers[m].round(links[m], 2, peers, 200 + i) for i, m in enumerate("abcd")}
+    other = results["c"].gradient
+    results["a"] = dataclasses.replace(results["a"], gradient=other)  # not what a keeps for d
+    results["b"] = dataclasses.replace(results["b"], gradient=None)  # told to upload, and did not
+    finish = coordinator.finish(results, CODEC)
+    assert finish.accepted == ("c", "d") and set(coordinator.accepted) == {"c"}
+    assert "not the one whose digest" in finish.refused["a"] and "did not" in finish.refused["b"]
+
+
 def test_what_a_pull_is_refused_for() -> None:
     peer = Peer()
     links = GossipLinks("a", {"b": 0.5}, 0.5, fresh={"a": None, "b": None}, peer_key=b"k" * 32)
@@ -210,6 +295,15 @@ def test_peer_to_peer_links_and_results_round_trip_and_are_refused_when_malforme
         GossipSent(digest, 1, (float("nan"),), (0.0,))
     with pytest.raises(ProtocolError, match="as long"):
         GossipSent(digest, 1, (1.0,), ())
+    unreachable = RoundResult(UNREACHABLE, 7, "no route to b", unreachable_peers=("b",))
+    assert result_from_proto(result_to_proto(unreachable)).unreachable_peers == ("b",)
+    with pytest.raises(ProtocolError, match="unreachable"):
+        result_from_proto(result_to_proto(dataclasses.replace(unreachable, unreachable_peers=())))
+    with pytest.raises(ProtocolError, match="unreachable"):
+        result_from_proto(result_to_proto(RoundResult(OK, 7, gossip_sent=sent, unreachable_peers=("b",))))
+    assert gossip_from_proto(gossip_to_proto(dataclasses.replace(links, upload=True))).upload
+    with pytest.raises(ProtocolError, match="no peer key"):
+        GossipLinks("a", {"b": 0.5}, 0.5, upload=True)
     request = protocol.pb.PullGossipRequest(run_id="r", peer_key=b"", round=1)
     with pytest.raises(ProtocolError, match="peer key"):
         protocol.piece_request_from_proto(request)
