@@ -30,7 +30,9 @@ answers are tampered with after it computed them honestly, the way a compromised
 * ``zeros``       - a valid payload whose values are all zero, with the tokens of the batch it was sent (a
                     free rider that computes nothing);
 * ``other-message`` - in peer-to-peer gossip rounds, the worker serves its neighbours other bytes than the
-                    message whose digest it reported, for the messages of ``rounds``.
+                    message whose digest it reported, for the messages of ``rounds``;
+* ``bad-message`` - in peer-to-peer gossip rounds, the worker's messages of ``rounds`` carry a NaN scale,
+                    and it reports their digests honestly (and uploads them when told to).
 
 Use it through ``faulty(action, ...)``, an engine factory for ``tests.integration.conftest.live_workers``.
 """
@@ -38,17 +40,20 @@ Use it through ``faulty(action, ...)``, an engine factory for ``tests.integratio
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 from collections.abc import Callable, Collection, Iterator
 
 import numpy as np
 
+from gradwire import protocol
 from gradwire.compression import CompressedGradient
 from gradwire.protocol import OK, GossipPieceRequest, RoundResult, WorkOrder
 from gradwire.replica import Fingerprint
 from gradwire.v1 import worker_pb2 as pb
 from gradwire.worker.compute import Cancelled
 from gradwire.worker.engine import WorkerEngine
+from gradwire.worker.session import Session
 from gradwire.worker.streaming import Emit
 
 ACTIONS = (
@@ -57,6 +62,7 @@ ACTIONS = (
     "slow",  # an honest worker that is slower than the others (coordinator.balance)
     "die-mid-stream",  # a streamed gradient cut off after its first piece (compression.stream)
     "other-message",  # a gossip message served to the neighbours that is not the one reported (worker.peers)
+    "bad-message",  # a gossip message that does not decode, with its honest digest (worker.gossip, coordinator.gossip)
 )
 
 
@@ -121,6 +127,7 @@ class FaultyEngine(WorkerEngine):
             return result
         if (
             self.plan.action in ("drop", "stall", "stall-push", "other-rows", "die-mid-stream")
+            or self.plan.action in ("other-message", "bad-message")  # gossip: tampered with where they are kept
             or result.status != OK
             or result.gradient is None
             or not self.plan.applies(order.round)
@@ -135,6 +142,22 @@ class FaultyEngine(WorkerEngine):
             # attacker that stays in sync (and whose gradients a spot check then finds honest).
             session.last_sent, session.sent_decoded = (order.round, changes["gradient"]), None
         return dataclasses.replace(result, **changes)
+
+    def _gossip_round(
+        self, session: Session, order: WorkOrder, cancelled: Callable[[], bool], t0: float
+    ) -> RoundResult:
+        result = super()._gossip_round(session, order, cancelled, t0)
+        if self.plan.action != "bad-message" or not self.plan.applies(order.round) or result.gossip_sent is None:
+            return result
+        self.injected.append(order.round)
+        state, member = session.gossip, order.gossip.member  # type: ignore[union-attr]
+        honest = protocol.message_from_piece(state.outbox[order.round], member, order.round)
+        first, *rest = honest.tensors
+        payload = _with_first(honest, dataclasses.replace(first, scale=float("nan")), rest)
+        bad = protocol.message_piece_to_bytes(member, order.round, payload)
+        state.outbox[order.round] = bad
+        sent = dataclasses.replace(result.gossip_sent, digest=hashlib.sha256(bad).digest(), nbytes=len(bad))
+        return dataclasses.replace(result, gossip_sent=sent, gradient=payload if result.gradient else None)
 
     def pull_gossip(self, request: GossipPieceRequest) -> bytes:
         """``other-message``: a peer-to-peer gossip worker that serves its neighbours, for the planned rounds,

@@ -638,9 +638,14 @@ class WorkerEngine:
                     UNREACHABLE, order.round, str(e), version=replica.version, unreachable_peers=e.members
                 )
             links = dataclasses.replace(links, relays={**links.relays, **pulled}, pulls={})
-        session.gossip = gossip.take_links(
-            session.gossip, links, model, replica.params, codec, keep_model=keep, round_=order.round
-        )
+        try:
+            session.gossip = gossip.take_links(
+                session.gossip, links, model, replica.params, codec, keep_model=keep, round_=order.round
+            )
+        except gossip.BadMessage as e:  # nothing taken; one pulled: the coordinator checks that sender's from now on
+            if e.member not in order.gossip.pulls:
+                raise
+            return RoundResult(UNREACHABLE, order.round, str(e), version=replica.version, unreachable_peers=(e.member,))
         gossip.mix(session.gossip, links, model)
         t_compute = time.perf_counter()
         tokens = self._tokens(order.batch)

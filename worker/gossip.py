@@ -59,13 +59,24 @@ class GossipState:
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 
 
-def _decoded(codec: GradientCodec, payload: CompressedGradient, what: str) -> dict[str, torch.Tensor]:
+class BadMessage(ProtocolError):
+    """A neighbour's message that cannot be added: other codec settings, it does not decode, or non-finite."""
+
+    def __init__(self, member: str, why: str) -> None:
+        super().__init__(f"gossip: the message of {member!r} {why}")
+        self.member = member
+
+
+def _decoded(codec: GradientCodec, payload: CompressedGradient, member: str) -> dict[str, torch.Tensor]:
     if payload.settings != codec.config:
-        raise ProtocolError(f"gossip: {what} was compressed with other codec settings than the order's")
+        raise BadMessage(member, "was compressed with other codec settings than the order's")
     try:
-        return codec.decompress(payload)
+        q = codec.decompress(payload)
     except ValueError as e:
-        raise ProtocolError(f"gossip: {what}: {e}") from None
+        raise BadMessage(member, f"does not decode: {e}") from None
+    if not all(bool(torch.isfinite(t).all()) for t in q.values()):
+        raise BadMessage(member, "has non-finite values")
+    return q
 
 
 def _checked_copy(member: str, copy: Tensors, start: Tensors) -> Tensors:
@@ -94,7 +105,7 @@ def take_links(
     fresh = {
         j: _checked_copy(j, c, start) if c is not None else start for j, c in links.fresh.items()
     }  # checked before anything changes
-    relays = {j: _decoded(codec, q, f"the message of {j!r}") for j, q in links.relays.items()}
+    relays = {j: _decoded(codec, q, j) for j, q in links.relays.items()}
     if state is None:
         if links.member not in fresh:
             raise ProtocolError(

@@ -24,9 +24,10 @@ from gradwire.coordinator.trainer import Trainer
 from gradwire.link import WorkerError
 from gradwire.protocol import GossipPieceRequest
 from gradwire.worker.engine import WorkerEngine
+from gradwire.worker.inprocess import InProcessClient, InProcessPeers
 
 from ..faults import faulty
-from .conftest import live_workers, train
+from .conftest import live_workers, run_trainer, train
 
 EXACT = dict(no_compression=True, inner_optimizer="sgd", inner_learning_rate=0.1)
 
@@ -288,3 +289,22 @@ def test_a_peer_that_serves_another_message_than_it_reported_fails_only_its_neig
     assert relayed[5] == [1, 0, 1, 0]  # worker 1's round-4 message, relayed to 0 and 2
     assert [r["uploaded_payloads"] for r in records] == [0, 0, 0, 0, 1, 1]
     assert [r["pulled_payloads"][addresses[0]] for r in records] == [0, 2, 2, 2, 0, 1]
+
+
+def test_a_peer_whose_messages_do_not_decode_is_caught_by_the_coordinator_once_its_neighbours_name_it(tmp_path):
+    """Peer-to-peer, in process: from round 2 on worker 1's messages carry a NaN scale under honest digests.
+    Its neighbours cannot add the one they pull in round 3 and name it; from then on it must upload, and the
+    coordinator refuses each of its messages: nobody adds them, the others train on, every copy in step."""
+    engines = [WorkerEngine("cpu"), faulty("bad-message", rounds=range(2, 100))()]
+    engines += [WorkerEngine("cpu"), WorkerEngine("cpu")]
+    clients = [InProcessClient(e, f"in-process-{i}") for i, e in enumerate(engines)]
+    peers = InProcessPeers({c.address: c.engine for c in clients})
+    for e in engines:
+        e.peers = peers
+    run_trainer(_config(tmp_path, "bad", topology="ring", steps=6, peer_to_peer=True), clients)
+    records = read_metrics(tmp_path / "bad")
+    assert [r["successful_workers"] for r in records] == [4, 4, 4, 2, 3, 3]
+    assert engines[1].injected == [2, 3, 4, 5]
+    assert [r["uploaded_payloads"] for r in records] == [0] * 6  # worker 1 uploads, and is refused
+    assert [r["relayed_payloads"]["in-process-0"] for r in records] == [0] * 6
+    _copies_agree_with_owners(clients)

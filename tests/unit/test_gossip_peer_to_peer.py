@@ -47,6 +47,7 @@ class Peer:
         self.state: worker_gossip.GossipState | None = None
         self.model = {k: torch.full(s, float("nan")) for k, s in SHAPES.items()}
         self.blocked: set[str] = set()  # neighbours it cannot reach
+        self.corrupt = None  # what it does to its messages before it keeps and reports them, if anything
 
     def round(self, links: GossipLinks, round_: int, peers: dict[str, Peer], seed: int) -> RoundResult:
         if cut := tuple(j for j in links.pulls if j in self.blocked):
@@ -56,13 +57,20 @@ class Peer:
             data = worker_gossip.message_piece(peers[j].state, links.peer_key, pull.round)
             assert hashlib.sha256(data).digest() == pull.digest
             pulled[j] = protocol.message_from_piece(data, j, pull.round)
+        pulls = links.pulls
         links = dataclasses.replace(links, relays={**links.relays, **pulled}, pulls={})  # as the engine does
-        self.state = worker_gossip.take_links(self.state, links, self.model, START, CODEC, round_=round_)
+        try:
+            self.state = worker_gossip.take_links(self.state, links, self.model, START, CODEC, round_=round_)
+        except worker_gossip.BadMessage as e:
+            assert e.member in pulls
+            return RoundResult(UNREACHABLE, round_, str(e), unreachable_peers=(e.member,))
         worker_gossip.mix(self.state, links, self.model)
         g = torch.Generator().manual_seed(seed)
         for t in self.model.values():
             t.add_(0.05 * torch.randn(t.shape, generator=g))
         payload, residual = worker_gossip.send(self.state, self.model, CODEC)
+        if self.corrupt is not None:
+            payload = self.corrupt(payload)
         sent = worker_gossip.keep_for_peers(self.state, round_, payload, START)
         uploaded = payload if links.upload else None
         return RoundResult(OK, round_, gradient=uploaded, gossip_residual=residual, gossip_sent=sent)
@@ -231,6 +239,30 @@ def test_a_pull_that_failed_sends_that_pair_through_the_coordinator_until_it_is_
     assert not route(ring, frozenset(), coordinator.failed_pulls, 1 + RELAY_ROUNDS).relayed  # tried again
     coordinator.leave(list("acd"))
     assert not coordinator.failed_pulls  # b left: its pairs are forgotten
+
+
+def test_a_peer_whose_messages_do_not_decode_is_checked_by_the_coordinator_and_never_added() -> None:
+    """b's messages from round 1 on have a NaN scale (their digests are honest). Its neighbours fail round 2
+    naming it; from then on it uploads, the coordinator refuses its messages, and nobody adds them."""
+    peers = {m: Peer() for m in "abcd"}
+
+    def nan_scale(payload):
+        first, *rest = payload.tensors
+        return dataclasses.replace(payload, tensors=(dataclasses.replace(first, scale=float("nan")), *rest))
+
+    coordinator = GossipRounds("ring", 0.5, START, peer_to_peer=True)
+    history = _run(coordinator, peers, range(1), lambda r: list("abcd"))
+    peers["b"].corrupt = nan_scale
+    history += _run(coordinator, peers, range(1, 6), lambda r: list("abcd"))
+    _, pulled_bad, _ = history[2]
+    assert "a" not in pulled_bad.accepted and "c" not in pulled_bad.accepted
+    assert coordinator.failed_pulls == {("a", "b"): 2, ("c", "b"): 2}
+    for links, finish, _ in history[3:]:
+        assert links["b"].upload and "does not decode" in finish.refused["b"] and finish.accepted == ("a", "c", "d")
+        assert "b" not in links["a"].relays and "b" not in links["a"].pulls
+    _holders_match_owners(peers, "acd")
+    for m in "ac":  # b's copy everywhere is b's own, none of its messages in it
+        assert all(torch.equal(peers[m].state.node.copies["b"][k], peers["b"].state.node.own[k]) for k in SHAPES)
 
 
 def test_an_uploaded_message_must_be_the_one_its_digest_names() -> None:
