@@ -51,8 +51,7 @@ from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import ModelState, RoundResult, WorkOrder
 from gradwire.replica import Replica
 from gradwire.transport import free_port
-from gradwire.worker.hooks import COMM_HOOKS
-from gradwire.worker.placement import NODE_MODES
+from gradwire.worker.nodeconf import COMM_HOOKS, NODE_MODES
 
 TIMEOUT = 600.0
 

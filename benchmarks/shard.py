@@ -43,7 +43,7 @@ from gradwire.optim.inner import InnerOptimizerConfig
 from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import OK, LocalSteps, ModelState, WorkOrder
 from gradwire.replica import Replica
-from gradwire.worker.placement import NODE_MODES, NODE_SHARDS
+from gradwire.worker.nodeconf import NODE_MODES, NODE_SHARDS
 
 
 def held(session: Any) -> dict[str, int]:
@@ -91,7 +91,8 @@ def rank_main(rank: int, job: Job) -> None:
     try:
         from gradwire.worker.compute import Placement
         from gradwire.worker.engine import WorkerEngine
-        from gradwire.worker.node import NodeGroup, RankInfo
+        from gradwire.worker.node import NodeGroup
+        from gradwire.worker.nodeconf import RankInfo
 
         spec = model_spec(job.model)
         if rank == 0:  # the coordinator's side, built before the baseline: it is not the node's memory

@@ -20,11 +20,13 @@ from typing import TYPE_CHECKING
 from gradwire.cliconfig import add_security_flags, parse_args_with_config, subcommand_parser
 from gradwire.security import ClientSecurity, ServerSecurity, resolve_token
 from gradwire.transport import DEFAULT_MESSAGE_MB, check_message_mb
+from gradwire.worker.nodeconf import check_placement, rank_from_env
 
 DEFAULT_MAX_MODEL_PARAMS = 2_000_000_000  # = worker.engine's (not imported: --help must not load torch)
 
 if TYPE_CHECKING:
-    from gradwire.worker.node import NodeGroup, RankInfo
+    from gradwire.worker.node import NodeGroup
+    from gradwire.worker.nodeconf import RankInfo
     from gradwire.worker.placement import Placement
 
 log = logging.getLogger(__name__)
@@ -32,12 +34,12 @@ log = logging.getLogger(__name__)
 
 def resolve_device(name: str) -> str:
     """``auto`` -> ``cuda`` if available else ``cpu``; check that ``cuda``/``cuda:i`` exist. ValueError if not."""
-    import torch
+    if name == "cpu":
+        return "cpu"
+    import torch  # here: a CPU worker's launcher need not load it
 
     if name == "auto":
         return "cuda:0" if torch.cuda.is_available() else "cpu"
-    if name == "cpu":
-        return "cpu"
     try:
         device = torch.device(name)
     except RuntimeError:
@@ -402,12 +404,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"worker serve: error: {e}", file=sys.stderr)
         return 2
-    # Imported here: torch, the model code and grpc take a moment, and --help should not wait for them.
-    from gradwire.worker.node import rank_from_env
-
     try:
         rank = rank_from_env()
-        placement_of(args, None)  # settings that clash (--node-shard without fsdp) fail before any rank starts
+        # Settings that clash (--node-shard without fsdp) fail before any rank starts; without torch, which
+        # only the ranks load (the launcher stays small).
+        check_placement(
+            args.node_mode,
+            args.node_shard,
+            args.node_sync_steps,
+            args.node_comm_hook,
+            args.precision,
+            args.pipeline_microbatches,
+            args.pipeline_schedule,
+        )
     except ValueError as e:
         print(f"worker serve: error: {e}", file=sys.stderr)
         return 2

@@ -44,7 +44,8 @@ from gradwire.optim.outer import outer_step
 from gradwire.protocol import LocalSteps, WorkOrder
 from gradwire.replica import Fingerprint
 from gradwire.worker.lazy import is_instance
-from gradwire.worker.placement import NODE_MODES, PRECISIONS, IsCancelled, Placement, model_device
+from gradwire.worker.nodeconf import NODE_MODES, PRECISIONS
+from gradwire.worker.placement import IsCancelled, Placement, model_device
 from gradwire.worker.session import Session
 
 __all__ = ["NODE_MODES", "PRECISIONS", "Contribution", "Placement", "gradient_step", "local_steps", "model_device"]

@@ -29,8 +29,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradwire.compression.dct import dct_chunks, idct_chunks
 from gradwire.compression.select import topk_indices
+from gradwire.worker.nodeconf import COMM_HOOKS
 
-COMM_HOOKS = ("none", "fp16", "powersgd", "dct")
 POWERSGD_RANK = 4
 DCT_CHUNK = 256  # 1-D chunk length of the bus codec
 DCT_TOPK = 16  # coefficients kept per chunk: 1/16 of them, 5 bytes each: ~8% of the fp32 bucket's bytes

@@ -14,16 +14,16 @@ LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import enum
 import logging
-import os
 import re
 from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
+
+from gradwire.worker.nodeconf import RankInfo
 
 log = logging.getLogger(__name__)
 
@@ -40,40 +40,6 @@ class Command(enum.IntEnum):
     PUSH_TENSOR = 6  # the next tensor of the state being pushed (a ModelState holding only it)
     PUSH_END = 7  # the push is complete; every rank says whether it took it (``all_true``)
     PUSH_ABORT = 8  # the push failed on rank 0 (a bad tensor, a broken stream); drop it
-
-
-@dataclasses.dataclass(frozen=True)
-class RankInfo:
-    """Where this process stands in its node."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-
-    @property
-    def leader(self) -> bool:
-        return self.rank == 0
-
-
-def rank_from_env(env: Mapping[str, str] | None = None) -> RankInfo | None:
-    """The rank torchrun (or ``worker serve --nproc-per-node``) gave this process; None outside a node.
-
-    A WORLD_SIZE of 1 is a node of one: the plain single-device worker.
-    """
-    env = os.environ if env is None else env
-    if "WORLD_SIZE" not in env:
-        return None
-    try:
-        world = int(env["WORLD_SIZE"])
-        rank = int(env.get("RANK", "0"))
-        local = int(env.get("LOCAL_RANK", str(rank)))
-    except ValueError as e:
-        raise ValueError(f"RANK, LOCAL_RANK and WORLD_SIZE must be integers: {e}") from None
-    if world < 1 or not 0 <= rank < world or not 0 <= local < world:
-        raise ValueError(f"RANK {rank} and LOCAL_RANK {local} must lie in [0, WORLD_SIZE={world})")
-    if world == 1:
-        return None
-    return RankInfo(rank, world, local)
 
 
 class NodeGroup:

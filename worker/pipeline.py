@@ -37,7 +37,7 @@ from gradwire.models import GPT
 from gradwire.models.gpt import rope_tables
 from gradwire.optim.outer import UpdateRule
 from gradwire.replica import Fingerprint, Replica, moments, sample_positions
-from gradwire.worker.placement import PIPELINE_SCHEDULES
+from gradwire.worker.nodeconf import PIPELINE_SCHEDULES
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 assert tuple(sorted(SCHEDULES)) == tuple(sorted(PIPELINE_SCHEDULES)), "placement names the schedules"

@@ -20,16 +20,12 @@ from torch.nn.parallel import DistributedDataParallel
 from gradwire.protocol import ProtocolError, WorkOrder
 from gradwire.worker import hooks
 from gradwire.worker.node import NodeGroup
+from gradwire.worker.nodeconf import check_placement
 
 if TYPE_CHECKING:
     from gradwire.optim.inner import InnerOptimizer
     from gradwire.worker.session import Session
 
-NODE_MODES = ("ddp", "local-sgd", "fsdp", "pipeline")
-PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # worker.pipeline's schedules, by name
-# fsdp: what the ranks shard (ZeRO stages 1, 2 and 3), see Placement.shard
-NODE_SHARDS = ("optimizer", "gradients", "full")
-PRECISIONS = ("fp32", "bf16")
 
 IsCancelled = Callable[[], bool]
 
@@ -57,25 +53,15 @@ class Placement:
     shard: str = "full"
 
     def __post_init__(self) -> None:
-        if self.mode not in (*NODE_MODES, "auto"):
-            raise ValueError(f"--node-mode must be auto or one of {', '.join(NODE_MODES)}, got {self.mode!r}")
-        if self.shard not in NODE_SHARDS:
-            raise ValueError(f"--node-shard must be one of {', '.join(NODE_SHARDS)}, got {self.shard!r}")
-        if self.shard != "full" and self.mode not in ("fsdp", "auto"):
-            raise ValueError(
-                f"--node-shard {self.shard} applies to --node-mode fsdp (or auto, where it picks fsdp), not {self.mode}"
-            )
-        if self.sync_steps < 0:
-            raise ValueError(f"--node-sync-steps must be >= 0, got {self.sync_steps}")
-        if self.comm_hook not in hooks.COMM_HOOKS:
-            raise ValueError(f"--node-comm-hook must be one of {', '.join(hooks.COMM_HOOKS)}, got {self.comm_hook!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if self.microbatches < 0:
-            raise ValueError(f"--pipeline-microbatches must be >= 0, got {self.microbatches}")
-        if self.schedule not in PIPELINE_SCHEDULES:
-            choices = ", ".join(PIPELINE_SCHEDULES)
-            raise ValueError(f"--pipeline-schedule must be one of {choices}, got {self.schedule!r}")
+        check_placement(
+            self.mode,
+            self.shard,
+            self.sync_steps,
+            self.comm_hook,
+            self.precision,
+            self.microbatches,
+            self.schedule,
+        )
 
     @property
     def ranks(self) -> int:

@@ -21,14 +21,8 @@ from gradwire.protocol import LocalSteps, ModelState, ProtocolError, WorkOrder
 from gradwire.replica import Replica
 from gradwire.worker.check import ReplicaView, check_order
 from gradwire.worker.compute import Placement, gradient_step, local_steps, strategy_for
-from gradwire.worker.node import (
-    RankInfo,
-    merge_rank_states,
-    merge_shard_states,
-    rank_from_env,
-    rank_state,
-    shard_state,
-)
+from gradwire.worker.node import merge_rank_states, merge_shard_states, rank_state, shard_state
+from gradwire.worker.nodeconf import RankInfo, rank_from_env
 from gradwire.worker.session import Session
 
 SPEC = model_spec("gpt-tiny")
