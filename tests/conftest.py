@@ -14,3 +14,9 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 import torch  # noqa: E402 - after the thread settings, which torch reads as it loads
 
 torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    """Slow tests first (stable otherwise): the suite's processes take tests in this order, so the long ones
+    start early and the many short ones fill in at the end, rather than one long test running alone last."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -29,6 +29,8 @@ from gradwire.worker.inprocess import InProcessClient, InProcessPeers
 from ..faults import faulty
 from .conftest import live_workers, run_trainer, train
 
+pytestmark = pytest.mark.slow  # these tests train for seconds each
+
 EXACT = dict(no_compression=True, inner_optimizer="sgd", inner_learning_rate=0.1)
 
 

@@ -7,7 +7,10 @@ import importlib.util
 import math
 from pathlib import Path
 
+import pytest
 import yaml
+
+pytestmark = pytest.mark.slow  # these tests train for seconds each
 
 _ROOT = Path(__file__).resolve().parents[2]
 

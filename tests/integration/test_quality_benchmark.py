@@ -17,6 +17,7 @@ quality = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(quality)
 
 
+@pytest.mark.slow
 def test_quality_benchmark_reports_every_method(tmp_path, capsys):
     out = tmp_path / "quality"
     args = [
