@@ -17,6 +17,7 @@ torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(items: list) -> None:
-    """Slow tests first (stable otherwise): the suite's processes take tests in this order, so the long ones
-    start early and the many short ones fill in at the end, rather than one long test running alone last."""
+    """Slow tests first (stable otherwise). With ``--dist worksteal`` each process starts on its share of this
+    order and one that runs out takes the last half of another's queue: the long tests start early and the
+    many short ones fill in at the end, rather than one long test running alone last."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
