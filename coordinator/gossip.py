@@ -119,6 +119,13 @@ def route(graph: Graph, tunnelled: frozenset[str], failed: Mapping[tuple[str, st
     return Routes(frozenset(relayed), frozenset(j for _, j in relayed), why)
 
 
+def route_changes(before: Routes, after: Routes) -> list[str]:
+    """What changed from ``before`` to ``after``, a line per pair, with the reason a pair is relayed now."""
+    started = [f"{m} is relayed {j}'s messages: {after.why[(m, j)]}" for m, j in sorted(after.relayed - before.relayed)]
+    ended = [f"{m} pulls {j}'s messages again" for m, j in sorted(before.relayed - after.relayed)]
+    return started + ended
+
+
 class PublicCopies:
     """Every member's public copy ``x^_j`` (float32, on the coordinator's device), by member id."""
 

@@ -33,7 +33,14 @@ import torch
 from gradwire import protocol
 from gradwire.coordinator.checkpointer import RunPosition
 from gradwire.coordinator.gather import Fate, Gathered
-from gradwire.coordinator.gossip import RELAY_ROUNDS, CopiesUnavailable, GossipRounds, Tensors, check_copy
+from gradwire.coordinator.gossip import (
+    RELAY_ROUNDS,
+    CopiesUnavailable,
+    GossipRounds,
+    Tensors,
+    check_copy,
+    route_changes,
+)
 from gradwire.coordinator.metrics import round_record
 from gradwire.coordinator.round import RoundPlan, SlotOutcome, WorkerSlot
 from gradwire.coordinator.trainer import Trainer
@@ -147,7 +154,7 @@ class GossipTrainer(Trainer):
         """The round's links for ``plan``'s workers. Peer-to-peer, the copies the orders carry whole are
         pulled from their owners first: a worker whose copy did not come sits the round out, one that lost
         its gossip state joins anew."""
-        slots = list(plan.slots)
+        slots, routes = list(plan.slots), self.gossip.routes
         while True:
             members = [member(s) for s in slots]
             addresses = {member(s): s.client.address for s in slots}
@@ -156,6 +163,8 @@ class GossipTrainer(Trainer):
                 links = self.gossip.links(
                     members, addresses, functools.partial(self._pull_copies, step=step, denied=denied), step
                 )
+                for line in route_changes(routes, self.gossip.routes):
+                    log.info("step %d: %s", step, line)
                 return dataclasses.replace(plan, slots=slots), links
             except CopiesUnavailable as e:
                 if lost := [m for m in e.members if m in denied]:

@@ -57,6 +57,7 @@ from gradwire.protocol import (
     OK,
     PROTOCOL_VERSION,
     UNREACHABLE,
+    GossipLinks,
     GossipPieceRequest,
     ModelState,
     ProtocolError,
@@ -621,23 +622,28 @@ class WorkerEngine:
         self, session: Session, order: WorkOrder, cancelled: Callable[[], bool], t0: float
     ) -> RoundResult:
         """A gossip round (``worker.gossip``): take the order's links, mix, train the worker's own model in
-        place, and send its message. The replica does not move."""
-        if self.node is not None:
-            raise ProtocolError("gossip rounds run on single-device workers; this one is a node of several ranks")
+        place, and send its message. The replica does not move.
+
+        On a node whose ranks each hold the whole model (ddp, local-sgd, zero1) every rank keeps the same
+        gossip state: each takes the same links and mixes alike, the inner steps end with the same model on
+        every rank (DDP's gradient all-reduce, local-sgd's parameter average), and each sends the same
+        message; rank 0 answers for the node. Only rank 0 pulls from neighbours (``_pull_neighbours``)."""
+        if session.placement.split:
+            raise ProtocolError(
+                f"gossip rounds need every rank to hold the whole model; this node splits it ({session.placement.mode})"
+            )
         links, replica = order.gossip, session.replica
         assert links is not None
         codec = replica.codec(order.codec)
         working = session.own_model()
         model = dict(zip(replica.params, working.parameters()))
         keep = session.gossip is None and session.own_model_restored  # a resumed run's x came with the push
+        leader = self.node is None or self.node.info.leader
         if links.pulls:  # peer-to-peer: the neighbours' messages come from them, then go in as relays would
-            try:
-                pulled = self.peers.pull(order.run_id, links.peer_key, links.pulls, cancelled)
-            except PeersUnreachable as e:  # nothing taken: the coordinator relays those neighbours from now on
-                return RoundResult(
-                    UNREACHABLE, order.round, str(e), version=replica.version, unreachable_peers=e.members
-                )
-            links = dataclasses.replace(links, relays={**links.relays, **pulled}, pulls={})
+            pulled = self._pull_neighbours(order, links, replica.version, cancelled)
+            if isinstance(pulled, RoundResult):  # nothing taken: the coordinator relays them from now on
+                return pulled
+            links = pulled
         try:
             session.gossip = gossip.take_links(
                 session.gossip, links, model, replica.params, codec, keep_model=keep, round_=order.round
@@ -653,6 +659,8 @@ class WorkerEngine:
         t_encode = time.perf_counter()
         payload, residual = gossip.send(session.gossip, model, codec)
         sent = None
+        if not leader:  # rank 0 answers for the node
+            return RoundResult(OK, order.round, "", None, loss, 0, replica.version)
         if links.peer_key:  # kept for the neighbours to pull; the coordinator gets its digest and sketches
             sent = gossip.keep_for_peers(session.gossip, order.round, payload, replica.params)
             payload = payload if links.upload else None  # uploaded for neighbours that cannot pull from it
@@ -682,6 +690,39 @@ class WorkerEngine:
             gossip_residual=residual,
             gossip_sent=sent,
         )
+
+    def _pull_neighbours(
+        self, order: WorkOrder, links: GossipLinks, version: int, cancelled: Callable[[], bool]
+    ) -> GossipLinks | RoundResult:
+        """Peer-to-peer: the links with the messages they name pulled and put among the relays, or the round's
+        answer if a neighbour could not be reached. On a node rank 0 pulls and hands the other ranks either
+        one as protobuf bytes (a tag, then the message), so that all of them go on alike."""
+        if self.node is not None and not self.node.info.leader:
+            data = self.node.broadcast_bytes()
+            if data[:1] == _PULLED:
+                return protocol.gossip_from_proto(protocol.parse(pb.GossipLinks, data[1:]))
+            if data[:1] == _UNREACHABLE:
+                return protocol.result_from_proto(protocol.parse(pb.RoundResult, data[1:]))
+            raise ProtocolError(f"round {order.round}: rank 0 gave the round up while it pulled the neighbours'")
+        outcome: GossipLinks | RoundResult
+        try:
+            pulled = self.peers.pull(order.run_id, links.peer_key, links.pulls, cancelled)
+            outcome = dataclasses.replace(links, relays={**links.relays, **pulled}, pulls={})
+        except PeersUnreachable as e:
+            outcome = RoundResult(UNREACHABLE, order.round, str(e), version=version, unreachable_peers=e.members)
+        except BaseException:
+            if self.node is not None:
+                with _NodeErrors():
+                    self.node.broadcast_bytes(b"-")  # the other ranks give the round up too
+            raise
+        if self.node is not None:
+            if isinstance(outcome, RoundResult):
+                data = _UNREACHABLE + protocol.result_to_proto(outcome).SerializeToString()
+            else:
+                data = _PULLED + protocol.gossip_to_proto(outcome).SerializeToString()
+            with _NodeErrors():
+                self.node.broadcast_bytes(data)
+        return outcome
 
     def pull_gossip(self, request: GossipPieceRequest) -> bytes:
         """What ``Worker.PullGossip`` answers (``worker.gossip``): this worker's message of a round, or its
@@ -873,6 +914,9 @@ def _sent_decoded(session: Session) -> tuple[CompressedGradient, DecodedGradient
 
 
 _PUSH_COMMANDS = (Command.PUSH_BEGIN, Command.PUSH_TENSOR, Command.PUSH_END, Command.PUSH_ABORT)
+
+
+_PULLED, _UNREACHABLE = b"L", b"U"  # what rank 0 of a node hands its ranks after a peer-to-peer pull
 
 
 class _NodeErrors:

@@ -5,9 +5,10 @@ session's working model, never reloaded from the replica (which stays the run's 
 it keeps public copies (``gossip.node.GossipNode``): its own ``x^`` and its neighbours'. One round, in the
 order worker.proto's ``GossipLinks`` gives:
 
-  ``take_links``: forget the copies of former neighbours, take whole copies (a new neighbour's; its own when
-  it is new to the graph, when ``x`` starts from it; or all again when its copies are in doubt), add its own
-  last message to ``x^`` if it was accepted, add the neighbours' relayed messages to their copies
+  ``take_links``: forget the copies of members that are not its neighbours now, take whole copies (a new
+  neighbour's; its own when it is new to the graph, when ``x`` starts from it; or all again when its copies
+  are in doubt), add its own last message to ``x^`` if it was accepted, add the neighbours' relayed messages
+  to their copies
   -> ``mix``: ``x <- x + gamma * sum_j W_ij (x^_j - x^)``
   -> the order's inner steps on ``x`` (``compute.inner_steps``)
   -> ``send``: the message ``q = C(x - x^)``, held until the next order says it was accepted.
@@ -123,8 +124,12 @@ def take_links(
         raise ProtocolError(f"gossip: messages relayed for copies this worker does not hold: {missing}")
     if missing := [j for j in links.weights if j not in held and j not in fresh]:
         raise ProtocolError(f"gossip: no public copy of neighbours {missing} held, and none sent")
+    # Copies of members that are not its neighbours now go too: the coordinator names those it knows of
+    # (``drop``), but after a missed round it no longer knows what this worker holds and sends every copy
+    # whole; mixing takes exactly the neighbours' copies.
+    gone = {*links.drop, *(j for j in state.node.copies if j not in links.weights)}
     with state.lock:
-        state.node.link({j: c for j, c in fresh.items() if j != links.member}, drop=links.drop)
+        state.node.link({j: c for j, c in fresh.items() if j != links.member}, drop=sorted(gone))
         if links.member in fresh:  # its own copy again: what every holder has; an unaccepted message is void
             state.node.own = {k: v.detach().float().clone() for k, v in fresh[links.member].items()}
         elif (

@@ -118,6 +118,21 @@ class NodeGroup:
             t.data.div_(self.world_size)
             self.bytes_sent += t.numel() * t.element_size()
 
+    def broadcast_bytes(self, data: bytes = b"") -> bytes:
+        """Rank 0's ``data`` on every rank (the others pass nothing): bytes the engine serialized as protobuf,
+        never pickles. On the command channel, inside a call every rank is making (not a command)."""
+        size = torch.tensor([len(data) if self.info.leader else 0], dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self._commands)
+        n = int(size.item())
+        if not n:
+            return b""
+        if self.info.leader:
+            buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        else:
+            buffer = torch.empty(n, dtype=torch.uint8)
+        dist.broadcast(buffer, src=0, group=self._commands)
+        return data if self.info.leader else buffer.numpy().tobytes()
+
     def gather_bytes(self, data: bytes) -> list[bytes]:
         """Every rank's ``data``, in rank order, on rank 0 (``[]`` elsewhere): bytes the engine serialized
         as protobuf, never pickles. On the command channel, so it needs no device memory."""

@@ -355,7 +355,7 @@ def test_frames_for_calls_that_do_not_exist_are_ignored() -> None:
             frames.put(pb.TunnelFrame(call=call, status=pb.TunnelStatus(code=999, details="x" * 5000)))
         with grpc.insecure_channel(address) as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-            replies = stub.Tunnel(iter(frames.get, None), timeout=10, metadata=[("authorization", f"Bearer {TOKEN}")])
+            replies = stub.Tunnel(iter(frames.get, None), timeout=60, metadata=[("authorization", f"Bearer {TOKEN}")])
             wait_for(lambda: tunnels.get("noisy") is not None, what="the tunnel")
             # the link is published a moment before the registry holds its name (Tunnels.on_open)
             wait_for(lambda: registry.live() != [], what="the tunnel's member")

@@ -15,7 +15,7 @@ import torch
 
 from gradwire import protocol
 from gradwire.compression import CodecConfig, GradientCodec
-from gradwire.coordinator.gossip import RELAY_ROUNDS, CopiesUnavailable, GossipRounds, route
+from gradwire.coordinator.gossip import RELAY_ROUNDS, CopiesUnavailable, GossipRounds, route, route_changes
 from gradwire.errors import AccessDenied, NotHeld
 from gradwire.gossip import choco, sketch
 from gradwire.gossip.topology import graph
@@ -235,8 +235,14 @@ def test_a_pull_that_failed_sends_that_pair_through_the_coordinator_until_it_is_
     assert finish.accepted == tuple("abcd")
     _holders_match_owners(peers, "abcd")
     ring = graph("ring", list("abcd"))
-    assert ("a", "b") in route(ring, frozenset(), coordinator.failed_pulls, RELAY_ROUNDS).relayed
-    assert not route(ring, frozenset(), coordinator.failed_pulls, 1 + RELAY_ROUNDS).relayed  # tried again
+    relayed = route(ring, frozenset(), coordinator.failed_pulls, RELAY_ROUNDS)
+    assert ("a", "b") in relayed.relayed
+    tried_again = route(ring, frozenset(), coordinator.failed_pulls, 1 + RELAY_ROUNDS)
+    assert not tried_again.relayed
+    # What the coordinator logs as routes change: each pair, and why it is relayed
+    assert route_changes(tried_again, relayed) == ["a is relayed b's messages: a could not pull from b in round 1"]
+    assert route_changes(relayed, tried_again) == ["a pulls b's messages again"]
+    assert route_changes(relayed, relayed) == []
     coordinator.leave(list("acd"))
     assert not coordinator.failed_pulls  # b left: its pairs are forgotten
 

@@ -148,6 +148,19 @@ def test_a_worker_that_misses_a_round_gets_every_copy_whole() -> None:
     _copies_match(coordinator, workers, "abcd")
 
 
+def test_a_worker_sent_every_copy_whole_forgets_the_copies_of_members_no_longer_its_neighbours() -> None:
+    """b misses round 4, so the coordinator no longer knows what it holds and sends it every copy whole in
+    round 5; c sits round 5 out, so b's neighbours then are a and d alone. b still holds c's copy from round
+    3: it keeps only its neighbours' (the coordinator could not have told it to drop c's)."""
+    workers = {m: Worker() for m in "abcd"}
+    absent = lambda r: ("b",) if r == 4 else ("c",) if r == 5 else ()  # noqa: E731
+    coordinator, history = _run(8, workers, lambda r: list("abcd"), absent=absent)
+    links_5, finish_5 = history[5]
+    assert set(links_5["b"].weights) == {"a", "d"} and set(links_5["b"].fresh) == {"a", "b", "d"}
+    assert "c" not in links_5["b"].drop and finish_5.accepted == tuple("abd")
+    _copies_match(coordinator, workers, "abcd")
+
+
 def test_a_member_that_leaves_is_dropped_and_a_joiner_starts_from_the_consensus() -> None:
     workers = {m: Worker() for m in "abcde"}
     present = lambda r: list("abcd") if r < 4 else list("acd") if r < 7 else list("acde")  # noqa: E731
