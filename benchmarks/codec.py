@@ -4,6 +4,7 @@
     python -m benchmarks.codec --model opt-125m --json --repeats 3
     python -m benchmarks.codec --model gpt-10m --json --bins 4      # 2-bit values
     python -m benchmarks.codec --model gpt-10m --json --values sign # 1-bit values
+    python -m benchmarks.codec --model gpt-10m --json --bins 4 --index-coding elias-fano
 
 Builds the model from the registry, takes ONE gradient of the language-model loss on the start of the
 shipped corpus, and measures on it:
@@ -37,8 +38,9 @@ import torch
 
 from gradwire.assets import corpus_path
 from gradwire.compression import CodecConfig, CompressedGradient, Encoding, GradientCodec
-from gradwire.compression.config import VALUE_CODINGS
+from gradwire.compression.config import INDEX_CODINGS, VALUE_CODINGS
 from gradwire.compression.dct import dct_chunks
+from gradwire.compression.packing import ef_chunk_bits
 from gradwire.compression.select import topk_indices
 from gradwire.memory import keep_freed_memory
 from gradwire.models import build_model, lm_loss, model_names, tokenizer_for
@@ -205,16 +207,19 @@ def payload_size(payload: CompressedGradient) -> tuple[int, str]:
 
 
 def essential_bytes(payload: CompressedGradient, codec: GradientCodec) -> float:
-    """Bytes that carry the gradient itself: 12 bits per kept index plus the value bytes.
+    """Bytes that carry the gradient itself: the kept indices' bits plus the value bytes.
 
-    Sparse tensors: 1.5 bytes of index per kept coefficient plus its packed value (ceil(log2(bins)) bits
+    Sparse tensors: 1.5 bytes of index per kept coefficient (Elias-Fano: each chunk's code, unpadded) plus
+    its packed value (ceil(log2(bins)) bits
     as a LUT code, 1 bit as a sign, 4 bytes as float32). Dense tensors: their value bytes. Everything else
     (lookup tables, shift/scale, index and bit padding, names, shapes, settings, protobuf framing) is
     metadata.
     """
     total = 0.0
     for plan, t in zip(codec.plan.tensors, payload.tensors):
-        if t.encoding == Encoding.SPARSE:
+        if t.encoding == Encoding.SPARSE and codec.config.indices == "elias-fano":
+            total += plan.num_chunks * ef_chunk_bits(plan.k, plan.chunk_numel) / 8
+        elif t.encoding == Encoding.SPARSE:
             total += plan.num_values * INDEX_BYTES
         total += len(t.values)
     return total
@@ -234,7 +239,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     del model  # the gradients are all we need; free the weights and activations' allocator slack
     names = list(grads)
 
-    config = CodecConfig(topk=args.topk, chunk=args.chunk, bins=args.bins, values=args.values)
+    config = CodecConfig(
+        topk=args.topk, chunk=args.chunk, bins=args.bins, values=args.values, indices=args.index_coding
+    )
     codec = GradientCodec({n: tuple(g.shape) for n, g in grads.items()}, config, device=device)
     # The same codec with a float32 transform, beside the default one (bfloat16 on CPUs that multiply it).
     exact = GradientCodec(
@@ -329,6 +336,9 @@ def main() -> None:
     parser.add_argument(
         "--values", default=CodecConfig.values, choices=VALUE_CODINGS, help="value coding: LUT codes or sign bits"
     )
+    parser.add_argument(
+        "--index-coding", default=CodecConfig.indices, choices=INDEX_CODINGS, help="index coding: 12 bits or Elias-Fano"
+    )
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per row (default min(256, model max))")
     parser.add_argument("--batch-size", type=int, default=4, help="rows of the gradient batch")
@@ -342,9 +352,9 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
     try:
-        CodecConfig(topk=args.topk, chunk=args.chunk, bins=args.bins, values=args.values)
+        CodecConfig(topk=args.topk, chunk=args.chunk, bins=args.bins, values=args.values, indices=args.index_coding)
     except ValueError as e:
-        parser.error(f"--topk/--chunk/--bins/--values: {e}")
+        parser.error(f"--topk/--chunk/--bins/--values/--index-coding: {e}")
 
     result = run(args)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))

@@ -22,12 +22,11 @@ import torch
 from gradwire.compression.config import FORMAT_VERSION, CodecConfig
 from gradwire.compression.dct import dct_chunks, fast_transform_dtype
 from gradwire.compression.feedback import ErrorFeedback
-from gradwire.compression.packing import pack12, pack_bits, packed_nbytes, pad_bits, unpack12_padded, unpack_bits
+from gradwire.compression.packing import pack12, pack_bits, pack_ef, pad_bits, unpack12_padded, unpack_bits, unpack_ef
 from gradwire.compression.payload import (
     GRADIENT,
     CompressedGradient,
     CompressedTensor,
-    Encoding,
     NonFiniteInput,
     PayloadError,
     ValueFormat,
@@ -36,6 +35,7 @@ from gradwire.compression.plan import (
     ChunkGroup,
     ModelPlan,
     TensorPlan,
+    indices_nbytes,
     lut_nbytes,
     matrix_view,
     value_bits,
@@ -103,6 +103,7 @@ class GradientCodec:
         # The one coded format of this codec (tensors that do not use it send raw float32), and its width.
         self._coded = ValueFormat.SIGN if self.config.values == "sign" else ValueFormat.LUT
         self._bits = value_bits(self._coded, self.config)
+        self._elias_fano = self.config.indices == "elias-fano"
         self._layouts = [self._layout(g) for g in self.plan.groups]
 
     # ---------------------------------------------------------------- compress
@@ -167,6 +168,8 @@ class GradientCodec:
         """Top-k per chunk, quantize per tensor, subtract what is sent from ``coeffs`` if it is feedback."""
         k = group.k
         idx = topk_indices(coeffs.abs(), k)  # (B, k)
+        if self._elias_fano:  # its code takes each chunk's indices in increasing order
+            idx = idx.sort(dim=1).values
         vals = coeffs.gather(1, idx)  # (B, k)
         # top-k ranks NaN and infinity first, and the DCT spreads one over its chunk: checking the kept
         # values finds any in the group.
@@ -206,10 +209,16 @@ class GradientCodec:
                 t.value_format,
                 t.chunk_shape,
                 t.k,
-                pack12(idx_np[rows].reshape(-1)),
+                self._pack_indices(idx_np[rows], t),
                 **fields,
             )
         return out
+
+    def _pack_indices(self, idx: np.ndarray, t: TensorPlan) -> bytes:
+        """A tensor's (chunks, k) kept indices in the settings' index coding."""
+        if self._elias_fano:
+            return pack_ef(idx, t.chunk_numel)
+        return pack12(idx.reshape(-1))
 
     def _quantize(self, values: torch.Tensor, segment: torch.Tensor, num_segments: int) -> Quantized:
         """This codec's coded format for values (N,) of ``num_segments`` tensors; see ``quant``."""
@@ -300,9 +309,10 @@ class GradientCodec:
         if ct.k != t.k:
             fail("k", f"expected {t.k} per chunk, got {ct.k}")
         n = t.num_values
-        want_idx = packed_nbytes(n) if t.encoding == Encoding.SPARSE else 0
+        want_idx = indices_nbytes(t, self.config)
         if len(ct.indices) != want_idx:
-            fail("indices", f"expected {want_idx} bytes ({n} 12-bit indices), got {len(ct.indices)}")
+            coded = "Elias-Fano coded" if self._elias_fano else "12-bit"
+            fail("indices", f"expected {want_idx} bytes ({n} {coded} indices), got {len(ct.indices)}")
         fmt = t.value_format
         want_vals = values_nbytes(fmt, n, self.config)
         if len(ct.values) != want_vals:
@@ -334,19 +344,7 @@ class GradientCodec:
         self, group: ChunkGroup, layout: _GroupLayout, by_name: Mapping[str, CompressedTensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         members = [by_name[t.name] for t in group.members]
-        idx = unpack12_padded(np.frombuffer(b"".join(ct.indices for ct in members), np.uint8))
-        if layout.pads is not None:
-            bad_pad = np.flatnonzero(idx[layout.pads])
-            if bad_pad.size:
-                owner = group.members[layout.pad_members[bad_pad[0]]]
-                raise PayloadError(owner.name, "indices", "the padding index after an odd count must be 0")
-            idx = np.delete(idx, layout.pads)
-        too_big = np.flatnonzero(idx >= group.chunk_numel)
-        if too_big.size:
-            owner = group.members[int(np.searchsorted(layout.value_starts, too_big[0], side="right")) - 1]
-            raise PayloadError(
-                owner.name, "indices", f"index {int(idx[too_big[0]])} outside a chunk of {group.chunk_numel} elements"
-            )
+        idx = self._unpack_ef(group, members) if self._elias_fano else self._unpack12(group, layout, members)
         k = group.k
         vals = np.empty(group.num_chunks * k, np.float32)
         q_plans = [t for t, q in zip(group.members, layout.quantized) if q]
@@ -370,6 +368,35 @@ class GradientCodec:
             torch.from_numpy(idx.astype(np.int64)).view(b, k).to(self.device),
             torch.from_numpy(vals).view(b, k).to(self.device),
         )
+
+    @staticmethod
+    def _unpack_ef(group: ChunkGroup, members: Sequence[CompressedTensor]) -> np.ndarray:
+        """A group's Elias-Fano coded indices, (chunks * k,) in payload order; each member's checked."""
+        out = []
+        for t, ct in zip(group.members, members):
+            try:
+                out.append(unpack_ef(ct.indices, t.num_chunks, t.k, t.chunk_numel).reshape(-1))
+            except ValueError as e:
+                raise PayloadError(t.name, "indices", str(e)) from None
+        return np.concatenate(out)
+
+    @staticmethod
+    def _unpack12(group: ChunkGroup, layout: _GroupLayout, members: Sequence[CompressedTensor]) -> np.ndarray:
+        """A group's 12-bit indices, (chunks * k,) in payload order, their pads and range checked."""
+        idx = unpack12_padded(np.frombuffer(b"".join(ct.indices for ct in members), np.uint8))
+        if layout.pads is not None:
+            bad_pad = np.flatnonzero(idx[layout.pads])
+            if bad_pad.size:
+                owner = group.members[layout.pad_members[bad_pad[0]]]
+                raise PayloadError(owner.name, "indices", "the padding index after an odd count must be 0")
+            idx = np.delete(idx, layout.pads)
+        too_big = np.flatnonzero(idx >= group.chunk_numel)
+        if too_big.size:
+            owner = group.members[int(np.searchsorted(layout.value_starts, too_big[0], side="right")) - 1]
+            raise PayloadError(
+                owner.name, "indices", f"index {int(idx[too_big[0]])} outside a chunk of {group.chunk_numel} elements"
+            )
+        return idx
 
     def _decode_values(self, t: TensorPlan, ct: CompressedTensor) -> torch.Tensor:
         if t.value_format != ValueFormat.FLOAT32:

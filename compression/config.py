@@ -19,6 +19,8 @@ MAX_CHUNK_NUMEL = 1 << 12
 
 ValueCoding = Literal["lut", "sign"]
 VALUE_CODINGS: tuple[ValueCoding, ...] = ("lut", "sign")
+IndexCoding = Literal["packed12", "elias-fano"]
+INDEX_CODINGS: tuple[IndexCoding, ...] = ("packed12", "elias-fano")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,6 +40,9 @@ class CodecConfig:
         bins: quantization bins for ``values="lut"`` (2..256); 0 sends the values as raw float32.
         range_sigmas: the quantizer covers ``mean +- range_sigmas * std`` of the kept values.
         min_sparse_numel: tensors with fewer elements are sent whole (dense) instead of sparsified.
+        indices: how each chunk's kept indices are coded. ``"packed12"``: 12 bits each. ``"elias-fano"``:
+            the chunk's indices in increasing order, Elias-Fano coded in about ``2 + log2(chunk area / k)``
+            bits each (668 bits for 90 of 4096, 38% less): more values in the same bytes.
     """
 
     chunk: int = 64
@@ -47,6 +52,7 @@ class CodecConfig:
     bins: int = 256
     range_sigmas: float = 6.0
     min_sparse_numel: int = 256
+    indices: IndexCoding = "packed12"
 
     def __post_init__(self) -> None:
         if not 1 <= self.chunk or self.chunk * self.chunk > MAX_CHUNK_NUMEL:
@@ -59,6 +65,8 @@ class CodecConfig:
             raise ValueError(f"bins must be 0 (no quantization) or in [2, 256], got {self.bins}")
         if not (math.isfinite(self.range_sigmas) and self.range_sigmas > 0):
             raise ValueError(f"range_sigmas must be a positive finite number, got {self.range_sigmas}")
+        if self.indices not in INDEX_CODINGS:
+            raise ValueError(f"indices must be one of {', '.join(map(repr, INDEX_CODINGS))}, got {self.indices!r}")
         if self.min_sparse_numel < 0:
             raise ValueError(f"min_sparse_numel must be >= 0, got {self.min_sparse_numel}")
 

@@ -1,7 +1,14 @@
-"""Bit packing of the payload: 12-bit indices, and 1- to 8-bit value codes.
+"""Bit packing of the payload: chunk-local indices (12-bit or Elias-Fano), and 1- to 8-bit value codes.
 
-Indices: the pair (a, b) becomes the little-endian 24-bit word ``a | b << 12``; an odd count is padded
-with a zero index.
+Indices, 12-bit: the pair (a, b) becomes the little-endian 24-bit word ``a | b << 12``; an odd count is
+padded with a zero index.
+Indices, Elias-Fano (``pack_ef``): each chunk's ``k`` indices, increasing, out of ``universe`` positions, in
+``ef_chunk_bits`` bits: first the ``low = floor(log2(universe / k))`` low bits of each index (LSB first,
+index after index), then an upper-bit vector of ``k + ((universe - 1) >> low) + 1`` bits where index i sets
+bit ``(index_i >> low) + i``. The chunks follow each other in one LSB-first bit stream (bit j of the stream in
+byte ``j // 8`` at position ``j % 8``); the last byte's unused high bits are zero. About ``2 + low`` bits an
+index (668 bits for 90 of 4096, against 1080 in 12 bits): the information in which k of the chunk's
+positions were kept, within two bits an index of what any code can do.
 Codes (``pack_bits``): an LSB-first bit stream, ``bits`` per code: bit j of code i is stream bit
 ``i * bits + j``, stored in byte ``(i * bits + j) // 8`` at position ``(i * bits + j) % 8``. The last
 byte's unused high bits are zero. At 8 bits that is one plain byte per code.
@@ -55,6 +62,67 @@ def unpack12(data: bytes | np.ndarray, count: int) -> np.ndarray:
     if len(data) != packed_nbytes(count):
         raise ValueError(f"{count} indices pack into {packed_nbytes(count)} bytes, got {len(data)}")
     return unpack12_padded(data)[:count]
+
+
+def ef_low_bits(k: int, universe: int) -> int:
+    """Elias-Fano's low bits per index for ``k`` indices out of ``universe``: ``floor(log2(universe / k))``."""
+    return max(0, (universe // k).bit_length() - 1)
+
+
+def ef_chunk_bits(k: int, universe: int) -> int:
+    """Bits of one chunk's ``k`` Elias-Fano coded indices out of ``universe``: low bits, then upper bits."""
+    low = ef_low_bits(k, universe)
+    return k * low + k + ((universe - 1) >> low) + 1
+
+
+def ef_nbytes(chunks: int, k: int, universe: int) -> int:
+    return (chunks * ef_chunk_bits(k, universe) + 7) // 8
+
+
+def pack_ef(indices: np.ndarray, universe: int) -> bytes:
+    """Elias-Fano code ``indices`` (chunks, k), each row increasing within [0, ``universe``), into
+    ``ef_nbytes(chunks, k, universe)`` bytes (the layout in the module's docstring)."""
+    idx = np.asarray(indices, dtype=np.int64)
+    chunks, k = idx.shape
+    if idx.size and (idx.min() < 0 or idx.max() >= universe):
+        raise ValueError(f"indices must be in [0, {universe})")
+    if k > 1 and not (np.diff(idx, axis=1) > 0).all():
+        raise ValueError("each chunk's indices must increase")
+    low = ef_low_bits(k, universe)
+    bits = np.zeros((chunks, ef_chunk_bits(k, universe)), np.uint8)
+    if low:
+        bits[:, : k * low] = ((idx[:, :, None] >> np.arange(low)) & 1).reshape(chunks, k * low)
+    upper = k * low + (idx >> low) + np.arange(k)  # (chunks, k): where each index sets its upper bit
+    bits[np.arange(chunks)[:, None], upper] = 1
+    return np.packbits(bits.reshape(-1), bitorder="little").tobytes()
+
+
+def unpack_ef(data: bytes | np.ndarray, chunks: int, k: int, universe: int) -> np.ndarray:
+    """Inverse of ``pack_ef``: (chunks, k) int64. ``ValueError`` for any stream ``pack_ef`` would not write:
+    the wrong length, nonzero pad bits, a chunk without exactly ``k`` upper bits set, an index outside the
+    universe, or indices that do not increase (a repeat)."""
+    raw = np.frombuffer(data, np.uint8) if isinstance(data, (bytes, bytearray, memoryview)) else data
+    want = ef_nbytes(chunks, k, universe)
+    if raw.size != want:
+        raise ValueError(f"{chunks} chunks of {k} Elias-Fano indices take {want} bytes, got {raw.size}")
+    per, low = ef_chunk_bits(k, universe), ef_low_bits(k, universe)
+    stream = np.unpackbits(raw, bitorder="little")
+    if stream[chunks * per :].any():
+        raise ValueError("the unused high bits of the last byte must be zero")
+    bits = stream[: chunks * per].reshape(chunks, per)
+    upper = bits[:, k * low :]
+    counts = upper.sum(axis=1, dtype=np.int64)
+    if (wrong := np.flatnonzero(counts != k)).size:
+        raise ValueError(f"chunk {int(wrong[0])} sets {int(counts[wrong[0]])} upper bits, not {k}")
+    _, positions = np.nonzero(upper)  # row by row, each row's in increasing order
+    idx = (positions.reshape(chunks, k) - np.arange(k)) << low
+    if low:
+        idx |= bits[:, : k * low].reshape(chunks, k, low).astype(np.int64) @ (1 << np.arange(low, dtype=np.int64))
+    if idx.size and idx.max() >= universe:
+        raise ValueError(f"index {int(idx.max())} is outside a chunk of {universe} positions")
+    if k > 1 and not (np.diff(idx, axis=1) > 0).all():
+        raise ValueError("each chunk's indices must increase (an index repeats)")
+    return idx
 
 
 def bits_nbytes(count: int, bits: int) -> int:

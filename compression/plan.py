@@ -13,7 +13,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 from gradwire.compression.config import CodecConfig
-from gradwire.compression.packing import bits_nbytes, packed_nbytes
+from gradwire.compression.packing import bits_nbytes, ef_nbytes, packed_nbytes
 from gradwire.compression.payload import Encoding, ValueFormat
 
 LUT_ENTRY_BYTES = 2  # float16
@@ -110,6 +110,15 @@ class TensorPlan:
         return rows // r, cols // c
 
 
+def indices_nbytes(t: TensorPlan, config: CodecConfig) -> int:
+    """Bytes of a tensor's coded indices under ``config.indices`` (0 for a DENSE tensor)."""
+    if t.encoding != Encoding.SPARSE:
+        return 0
+    if config.indices == "elias-fano":
+        return ef_nbytes(t.num_chunks, t.k, t.chunk_numel)
+    return packed_nbytes(t.num_values)
+
+
 def plan_tensor(name: str, shape: Sequence[int], config: CodecConfig) -> TensorPlan:
     shape = tuple(int(s) for s in shape)
     numel = math.prod(shape)
@@ -187,7 +196,6 @@ class ModelPlan:
         total = 0
         for t in self.tensors:
             n = t.num_values
-            if t.encoding == Encoding.SPARSE:
-                total += packed_nbytes(n)
+            total += indices_nbytes(t, self.config)
             total += values_nbytes(t.value_format, n, self.config) + lut_nbytes(t.value_format, self.config)
         return total

@@ -50,6 +50,14 @@ class ValueCoding(enum.IntEnum):
     SIGN = 2
 
 
+class IndexCoding(enum.IntEnum):
+    """``CodecConfig.indices`` as the proto enum ``IndexCoding``: a member's name, lowercased with "-" for
+    "_", is the setting."""
+
+    PACKED12 = 1
+    ELIAS_FANO = 2
+
+
 def settings_to_proto(config: CodecConfig) -> codec_pb2.CodecSettings:
     return codec_pb2.CodecSettings(
         chunk=config.chunk,
@@ -59,11 +67,13 @@ def settings_to_proto(config: CodecConfig) -> codec_pb2.CodecSettings:
         bins=config.bins,
         range_sigmas=config.range_sigmas,
         min_sparse_numel=config.min_sparse_numel,
+        indices=int(IndexCoding[config.indices.upper().replace("-", "_")]),
     )
 
 
 def settings_from_proto(msg: codec_pb2.CodecSettings) -> CodecConfig:
     values = _enum_from_proto(ValueCoding, msg.values, GRADIENT, "settings")
+    indices = _enum_from_proto(IndexCoding, msg.indices, GRADIENT, "settings")
     try:
         return CodecConfig(
             chunk=msg.chunk,
@@ -73,6 +83,7 @@ def settings_from_proto(msg: codec_pb2.CodecSettings) -> CodecConfig:
             bins=msg.bins,
             range_sigmas=msg.range_sigmas,
             min_sparse_numel=msg.min_sparse_numel,
+            indices=indices.name.lower().replace("_", "-"),  # type: ignore[arg-type]  # one of INDEX_CODINGS
         )
     except ValueError as e:  # CodecConfig.__post_init__ names the offending setting
         raise PayloadError(GRADIENT, "settings", str(e)) from None

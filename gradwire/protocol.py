@@ -32,8 +32,9 @@ from gradwire.v1 import worker_pb2 as pb
 # the next round (next_batch, next_local_steps), results say how long the worker waited, and local-SGD rounds
 # and replays may be of one fragment of the model (--fragments); 7: gossip rounds (WorkOrder.gossip), whose
 # results report the worker's gossip residual; 8: peer-to-peer gossip (GossipLinks.pulls, Worker.PullGossip,
-# RoundResult.gossip_digest and sketches)
-PROTOCOL_VERSION = 9
+# RoundResult.gossip_digest and sketches); 9: the relay fallback (GossipLinks.upload, STATUS_UNREACHABLE);
+# 10: codec settings name their index coding (CodecSettings.indices: 12-bit or Elias-Fano)
+PROTOCOL_VERSION = 10
 MAX_INNER_STEPS = 100_000  # H beyond this is a mistake, not a schedule (the field syncs every 30-500 steps)
 MAX_LEARNING_RATE = 1e6  # learning rates crossing the wire are finite, non-negative and below this
 MAX_CATCH_UP = 1024  # missed updates one order may carry (--replay-window is far smaller)

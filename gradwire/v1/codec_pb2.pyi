@@ -25,6 +25,12 @@ class ValueCoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     VALUE_CODING_UNSPECIFIED: _ClassVar[ValueCoding]
     VALUE_CODING_LUT: _ClassVar[ValueCoding]
     VALUE_CODING_SIGN: _ClassVar[ValueCoding]
+
+class IndexCoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    INDEX_CODING_UNSPECIFIED: _ClassVar[IndexCoding]
+    INDEX_CODING_PACKED12: _ClassVar[IndexCoding]
+    INDEX_CODING_ELIAS_FANO: _ClassVar[IndexCoding]
 ENCODING_UNSPECIFIED: Encoding
 ENCODING_SPARSE: Encoding
 ENCODING_DENSE: Encoding
@@ -35,9 +41,12 @@ VALUE_FORMAT_SIGN: ValueFormat
 VALUE_CODING_UNSPECIFIED: ValueCoding
 VALUE_CODING_LUT: ValueCoding
 VALUE_CODING_SIGN: ValueCoding
+INDEX_CODING_UNSPECIFIED: IndexCoding
+INDEX_CODING_PACKED12: IndexCoding
+INDEX_CODING_ELIAS_FANO: IndexCoding
 
 class CodecSettings(_message.Message):
-    __slots__ = ("chunk", "topk", "use_dct", "bins", "range_sigmas", "min_sparse_numel", "values")
+    __slots__ = ("chunk", "topk", "use_dct", "bins", "range_sigmas", "min_sparse_numel", "values", "indices")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
     USE_DCT_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +54,7 @@ class CodecSettings(_message.Message):
     RANGE_SIGMAS_FIELD_NUMBER: _ClassVar[int]
     MIN_SPARSE_NUMEL_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
     chunk: int
     topk: int
     use_dct: bool
@@ -52,7 +62,8 @@ class CodecSettings(_message.Message):
     range_sigmas: float
     min_sparse_numel: int
     values: ValueCoding
-    def __init__(self, chunk: _Optional[int] = ..., topk: _Optional[int] = ..., use_dct: _Optional[bool] = ..., bins: _Optional[int] = ..., range_sigmas: _Optional[float] = ..., min_sparse_numel: _Optional[int] = ..., values: _Optional[_Union[ValueCoding, str]] = ...) -> None: ...
+    indices: IndexCoding
+    def __init__(self, chunk: _Optional[int] = ..., topk: _Optional[int] = ..., use_dct: _Optional[bool] = ..., bins: _Optional[int] = ..., range_sigmas: _Optional[float] = ..., min_sparse_numel: _Optional[int] = ..., values: _Optional[_Union[ValueCoding, str]] = ..., indices: _Optional[_Union[IndexCoding, str]] = ...) -> None: ...
 
 class CompressedTensor(_message.Message):
     __slots__ = ("name", "shape", "encoding", "value_format", "chunk_shape", "k", "indices", "values", "shift", "scale", "lut")

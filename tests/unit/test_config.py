@@ -93,6 +93,7 @@ def test_schedules_are_evaluated_per_round_and_per_inner_step() -> None:
         ({"lr_schedule": "exp"}, "--lr-schedule"),
         ({"inner_lr_schedule": "cosine", "inner_min_lr_ratio": 2.0}, "--inner-min-lr-ratio"),
         ({"values": "float"}, "--values"),
+        ({"index_coding": "varint"}, "--index-coding"),
         ({"bins": 1}, "--bins"),
         ({"log_every": -1.0}, "--log-every"),
         ({"stream_buckets": 65}, "--stream-buckets"),
@@ -128,9 +129,12 @@ def test_the_command_line_reaches_the_mode_defaults() -> None:
             "muon",
             "--inner-momentum",
             "0.8",
+            "--index-coding",
+            "elias-fano",
         ]
     )
     assert (config.learning_rate, config.bins, config.values, config.inner_momentum) == (0.25, 16, "sign", 0.8)
+    assert config.codec_config().indices == "elias-fano"
     # "auto" says so explicitly (compose passes it when a setting is left unset).
     config, _ = load_train(
         [

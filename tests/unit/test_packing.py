@@ -1,4 +1,5 @@
-"""Bit packing: 12-bit indices and 1- to 8-bit codes; exact round trips, the documented layouts, bad input."""
+"""Bit packing: 12-bit and Elias-Fano indices, 1- to 8-bit codes; exact round trips, the documented layouts,
+bad input."""
 
 import numpy as np
 import pytest
@@ -7,13 +8,18 @@ from hypothesis import strategies as st
 
 from gradwire.compression.packing import (
     bits_nbytes,
+    ef_chunk_bits,
+    ef_low_bits,
+    ef_nbytes,
     pack12,
     pack_bits,
+    pack_ef,
     packed_nbytes,
     pad_bits,
     unpack12,
     unpack12_padded,
     unpack_bits,
+    unpack_ef,
 )
 
 
@@ -124,3 +130,69 @@ def test_bits_wrong_length_or_nonzero_pad_rejected():
     with pytest.raises(ValueError, match="zero"):
         unpack_bits(b"\x79", 2, 3)  # bit 6 lies past the third code
     np.testing.assert_array_equal(unpack_bits(b"\x79", 2, 4), [1, 2, 3, 1])
+
+
+# ------------------------------------------------------------------------------------------- Elias-Fano
+
+
+@st.composite
+def index_sets(draw):
+    """(chunks, k) increasing indices out of a universe, as a chunk group's top-k leaves them."""
+    universe = draw(st.integers(1, 4096))
+    k = draw(st.integers(1, min(universe, 300)))
+    chunks = draw(st.integers(0, 6))
+    rows = [sorted(draw(st.permutations(range(universe)))[:k]) if universe <= 300 else None for _ in range(chunks)]
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    idx = np.array(
+        [r if r is not None else np.sort(rng.choice(universe, k, replace=False)) for r in rows], dtype=np.int64
+    ).reshape(chunks, k)
+    return idx, universe
+
+
+@given(index_sets())
+def test_elias_fano_round_trips_any_set_in_its_documented_size(case):
+    idx, universe = case
+    chunks, k = idx.shape
+    packed = pack_ef(idx, universe)
+    assert len(packed) == ef_nbytes(chunks, k, universe) == (chunks * ef_chunk_bits(k, universe) + 7) // 8
+    np.testing.assert_array_equal(unpack_ef(packed, chunks, k, universe), idx)
+
+
+def test_elias_fano_costs_about_two_bits_over_the_low_bits_an_index():
+    assert (ef_low_bits(90, 4096), ef_chunk_bits(90, 4096)) == (5, 90 * 5 + 90 + 128)  # 668 bits, 12-bit: 1080
+    assert ef_chunk_bits(4096, 4096) == 2 * 4096  # every position: one upper bit and one gap bit each
+
+
+def test_elias_fano_known_layout():
+    # 2 of 8: low = floor(log2(4)) = 2 bits, then 2 + (7 >> 2) + 1 = 4 upper bits. Indices 1 = 0b0_01 and
+    # 6 = 0b1_10: lows 01, 10 (LSB first: 1,0 then 0,1); uppers set bits (0 + 0) and (1 + 1).
+    # Stream bits 0..7: 1 0 0 1 | 1 0 1 0 -> 0b0101_1001 = 0x59
+    assert pack_ef(np.array([[1, 6]]), 8) == bytes([0x59])
+    np.testing.assert_array_equal(unpack_ef(bytes([0x59]), 1, 2, 8), [[1, 6]])
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        (bytes([0x59, 0]), "take 1 bytes"),  # the wrong length
+        (bytes([0b0001_1001]), "sets 1 upper bits, not 2"),  # an upper bit missing
+        (bytes([0b1101_1001]), "sets 3 upper bits, not 2"),  # one too many
+        (bytes([0b0011_0101]), "must increase"),  # 1, 1: lows 01 01, uppers 0 + 0, 0 + 1
+    ],
+)
+def test_elias_fano_streams_it_would_not_write_are_refused(data, match):
+    with pytest.raises(ValueError, match=match):
+        unpack_ef(data, 1, 2, 8)
+
+
+def test_elias_fano_refuses_an_index_past_the_universe_and_nonzero_pad_bits():
+    # 2 of 6: low 1 bit, upper 2 + (5 >> 1) + 1 = 5 bits: 7 bits a chunk, one pad bit.
+    assert pack_ef(np.array([[0, 5]]), 6) == bytes([0b0010_0110])
+    with pytest.raises(ValueError, match="must be zero"):
+        unpack_ef(bytes([0b1010_0110]), 1, 2, 6)
+    with pytest.raises(ValueError, match="outside a chunk of 6"):  # 0 and 7: high 3 sets bit 3 + 1 + 2
+        unpack_ef(bytes([0b0100_0110]), 1, 2, 6)
+    with pytest.raises(ValueError, match="must increase"):
+        pack_ef(np.array([[3, 3]]), 6)
+    with pytest.raises(ValueError, match=r"in \[0, 6\)"):
+        pack_ef(np.array([[3, 6]]), 6)

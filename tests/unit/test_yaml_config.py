@@ -214,6 +214,7 @@ def test_the_choices_are_those_of_the_settings() -> None:
         "lr_schedule",
         "inner_lr_schedule",
         "values",
+        "index_coding",
         "aggregate",
         "replay_precision",
         "balance",
