@@ -23,6 +23,7 @@ from typing import Any
 from gradwire.compression import CodecConfig
 from gradwire.compression.config import INDEX_CODINGS, VALUE_CODINGS
 from gradwire.compression.fragment import MAX_FRAGMENTS
+from gradwire.compression.packing import ef_topk_in_bits_of
 from gradwire.compression.robust import AGGREGATIONS, AggregationRule
 from gradwire.compression.stream import MAX_BUCKETS
 from gradwire.coordinator.balance import BALANCE_MODES
@@ -114,6 +115,7 @@ def mode_defaults(
     inner_optimizer: str,
     target_chunk: int | None = None,
     gossip: bool = False,
+    index_coding: str = "packed12",
 ) -> dict[str, object]:
     """The defaults of the mode-dependent settings, with the outer optimizer already chosen or not.
 
@@ -132,6 +134,8 @@ def mode_defaults(
     Gossip rounds (``gossip``) send model differences that must keep up with the models: top-512 of 4096
     with 16 levels. On a ring of 4 gpt-tiny workers (DeMuon, H 3) a worker's residual ``|x - x^|^2`` levelled
     off by round 12 with it, and grew without end over 40 rounds with local SGD's top-90 and 4 levels.
+    With ``index_coding`` elias-fano the top-k is the most that costs a chunk the bits of that top-k in
+    12-bit indices (``packing.ef_topk_in_bits_of``: 90 -> 143 at 2-bit values): more values, the same bytes.
     """
     local = inner_steps > 1
     if outer_optimizer is None:
@@ -144,14 +148,18 @@ def mode_defaults(
     density = min(max(90, 3 * inner_steps), 4096) / 4096 if local else 32 / 4096
     if gossip:
         density = 512 / 4096
+    bins = 16 if gossip else 4 if local else 256
+    topk = max(1, round(density * chunk * chunk))
+    if index_coding == "elias-fano":
+        topk = ef_topk_in_bits_of(topk, chunk * chunk, math.ceil(math.log2(bins)))
     return {
         "outer_optimizer": outer_optimizer,
         "learning_rate": learning_rate,
         "momentum": 0.9 if outer_optimizer == "nesterov" else 0.0,
         "feedback_beta": 0.95 if local else 0.999,
-        "bins": 16 if gossip else 4 if local else 256,
+        "bins": bins,
         "target_chunk": chunk,
-        "topk": max(1, round(density * chunk * chunk)),
+        "topk": topk,
         "inner_momentum": {"muon": 0.95, "demuon": 0.8}.get(inner_optimizer, 0.0),
     }
 
@@ -342,7 +350,8 @@ class TrainConfig:
         None,
         help="coefficients kept per full --target-chunk x --target-chunk chunk (scaled by area for smaller "
         "chunks) (auto: the mode's density at that chunk: 32 of 64x64 = 0.78% in gradient mode, "
-        "90 of 64x64 = 2.2% with --inner-steps > 1)",
+        "90 of 64x64 = 2.2% with --inner-steps > 1; with --index-coding elias-fano as many as fit the same "
+        "bytes: 38 and 143)",
         section=CODEC,
     )
     target_chunk: int | None = setting(
@@ -588,6 +597,7 @@ class TrainConfig:
             inner_optimizer=self.inner_optimizer,
             target_chunk=self.target_chunk,
             gossip=self.topology != "star",
+            index_coding=self.index_coding,
         )
         for name in AUTO_FIELDS:
             if getattr(self, name) is None:

@@ -59,6 +59,12 @@ def test_the_chunk_follows_the_mode_and_topk_keeps_the_density_at_any_chunk() ->
         TrainConfig(target_chunk=0)
 
 
+def test_elias_fano_indices_keep_as_many_coefficients_as_fit_the_bytes_of_the_mode_default() -> None:
+    assert TrainConfig(inner_steps=30, index_coding="elias-fano").topk == 143  # 90 in 12-bit indices
+    assert TrainConfig(index_coding="elias-fano").topk == 38  # gradient mode: 32
+    assert TrainConfig(inner_steps=30, index_coding="elias-fano", topk=100).topk == 100  # given: kept
+
+
 def test_explicit_values_win_over_the_mode_defaults() -> None:
     c = TrainConfig(inner_steps=30, outer_optimizer="nesterov", learning_rate=0.3, bins=16, feedback_beta=0.9)
     assert (c.outer_optimizer, c.learning_rate, c.momentum, c.bins, c.feedback_beta) == ("nesterov", 0.3, 0.9, 16, 0.9)

@@ -11,6 +11,7 @@ from gradwire.compression.packing import (
     ef_chunk_bits,
     ef_low_bits,
     ef_nbytes,
+    ef_topk_in_bits_of,
     pack12,
     pack_bits,
     pack_ef,
@@ -196,3 +197,12 @@ def test_elias_fano_refuses_an_index_past_the_universe_and_nonzero_pad_bits():
         pack_ef(np.array([[3, 3]]), 6)
     with pytest.raises(ValueError, match=r"in \[0, 6\)"):
         pack_ef(np.array([[3, 6]]), 6)
+
+
+@pytest.mark.parametrize(
+    "k12, universe, value_bits, k", [(90, 4096, 2, 143), (32, 4096, 8, 38), (512, 4096, 4, 1024), (8, 256, 8, 11)]
+)
+def test_the_elias_fano_top_k_that_costs_a_chunk_what_12_bit_indices_did(k12, universe, value_bits, k):
+    assert ef_topk_in_bits_of(k12, universe, value_bits) == k
+    budget = k12 * (12 + value_bits)
+    assert ef_chunk_bits(k, universe) + k * value_bits <= budget < ef_chunk_bits(k + 1, universe) + (k + 1) * value_bits
