@@ -2,14 +2,18 @@
 
 Indices, 12-bit: the pair (a, b) becomes the little-endian 24-bit word ``a | b << 12``; an odd count is
 padded with a zero index.
-Indices, Elias-Fano (``pack_ef``): each chunk's ``k`` indices, increasing, out of ``universe`` positions, in
-``ef_chunk_bits`` bits: first the ``low = floor(log2(universe / k))`` low bits of the indices, bit plane
-by bit plane (plane j: bit j of each index, in order), then an upper-bit vector of
-``k + ((universe - 1) >> low) + 1`` bits where index i sets bit ``(index_i >> low) + i``. The chunks follow
-each other in one LSB-first bit stream (bit j of the stream in byte ``j // 8`` at position ``j % 8``); the
-last byte's unused high bits are zero. About ``2 + low`` bits an index (668 bits for 90 of 4096, against
-1080 in 12 bits): the information in which k of the chunk's positions were kept is about 625 bits, and no
-code of such sets does better by more than two bits an index.
+Indices, Elias-Fano (``pack_ef``): each chunk's ``k`` indices, increasing, out of ``universe`` positions.
+With ``low = floor(log2(universe / k))``, index i of a chunk splits into its ``low`` low bits and its high
+part ``index >> low``. Two sections, each an LSB-first bit stream (stream bit j in byte ``j // 8`` at
+position ``j % 8``) padded with zero bits to a whole byte:
+  low bits   every index's ``low`` low bits, chunk by chunk, index by index, LSB first (as ``pack_bits``
+             packs codes); ``ceil(chunks * k * low / 8)`` bytes;
+  upper bits each chunk's ``width = k + ((universe - 1) >> low) + 1`` bits, chunk after chunk, where index
+             i sets bit ``(index_i >> low) + i`` of its chunk's: exactly k set; ``ceil(chunks * width / 8)``
+             bytes.
+About ``2 + low`` bits an index (668 bits for 90 of 4096, against 1080 in 12 bits): the information in which
+k of the chunk's positions were kept is about 625 bits, and no code of such sets does better by more than
+two bits an index.
 Codes (``pack_bits``): an LSB-first bit stream, ``bits`` per code: bit j of code i is stream bit
 ``i * bits + j``, stored in byte ``(i * bits + j) // 8`` at position ``(i * bits + j) % 8``. The last
 byte's unused high bits are zero. At 8 bits that is one plain byte per code.
@@ -71,13 +75,18 @@ def ef_low_bits(k: int, universe: int) -> int:
 
 
 def ef_chunk_bits(k: int, universe: int) -> int:
-    """Bits of one chunk's ``k`` Elias-Fano coded indices out of ``universe``: low bits, then upper bits."""
+    """Bits of one chunk's ``k`` Elias-Fano coded indices out of ``universe``: low bits and upper bits."""
     low = ef_low_bits(k, universe)
-    return k * low + k + ((universe - 1) >> low) + 1
+    return k * low + _ef_width(k, universe, low)
+
+
+def _ef_width(k: int, universe: int, low: int) -> int:
+    return k + ((universe - 1) >> low) + 1
 
 
 def ef_nbytes(chunks: int, k: int, universe: int) -> int:
-    return (chunks * ef_chunk_bits(k, universe) + 7) // 8
+    low = ef_low_bits(k, universe)
+    return (chunks * k * low + 7) // 8 + (chunks * _ef_width(k, universe, low) + 7) // 8
 
 
 def ef_topk_in_bits_of(k12: int, universe: int, value_bits: int) -> int:
@@ -100,47 +109,66 @@ def pack_ef(indices: np.ndarray, universe: int) -> bytes:
         raise ValueError(f"indices must be in [0, {universe})")
     if k > 1 and not (np.diff(idx, axis=1) > 0).all():
         raise ValueError("each chunk's indices must increase")
-    idx = idx.astype(np.int32, copy=False)
-    low, per = ef_low_bits(k, universe), ef_chunk_bits(k, universe)
-    bits = np.zeros((chunks, per), np.uint8)
-    for j in range(low):  # bit plane j: bit j of each index, in order
-        bits[:, j * k : (j + 1) * k] = (idx >> j) & 1
-    upper = (idx >> low) + np.arange(k * low, k * low + k, dtype=np.int32)  # where each index sets its bit
-    upper += np.arange(0, chunks * per, per, dtype=np.int64 if chunks * per >= 2**31 else np.int32)[:, None]
-    bits.reshape(-1)[upper.reshape(-1)] = 1
-    return np.packbits(bits.reshape(-1), bitorder="little").tobytes()
+    idx = idx.astype(np.int64, copy=False)
+    low = ef_low_bits(k, universe)
+    width = _ef_width(k, universe, low)
+    upper = np.zeros(chunks * width, np.uint8)
+    upper[((idx >> low) + np.arange(k) + np.arange(0, chunks * width, width)[:, None]).reshape(-1)] = 1
+    return _pack_fixed(idx & ((1 << low) - 1), low) + np.packbits(upper, bitorder="little").tobytes()
 
 
 def unpack_ef(data: bytes | np.ndarray, chunks: int, k: int, universe: int) -> np.ndarray:
-    """Inverse of ``pack_ef``: (chunks, k) int64. ``ValueError`` for any stream ``pack_ef`` would not write:
+    """Inverse of ``pack_ef``: (chunks, k) int64. ``ValueError`` for any bytes ``pack_ef`` would not write:
     the wrong length, nonzero pad bits, a chunk without exactly ``k`` upper bits set, an index outside the
     universe, or indices that do not increase (a repeat)."""
     raw = np.frombuffer(data, np.uint8) if isinstance(data, (bytes, bytearray, memoryview)) else data
     want = ef_nbytes(chunks, k, universe)
     if raw.size != want:
         raise ValueError(f"{chunks} chunks of {k} Elias-Fano indices take {want} bytes, got {raw.size}")
-    per, low = ef_chunk_bits(k, universe), ef_low_bits(k, universe)
-    stream = np.unpackbits(raw, bitorder="little")
-    if stream[chunks * per :].any():
+    low = ef_low_bits(k, universe)
+    width, split = _ef_width(k, universe, low), (chunks * k * low + 7) // 8
+    lows = _unpack_fixed(raw[:split], low, chunks * k)
+    ones = _ones(raw[split:])  # stream positions of the set upper bits, increasing
+    if ones.size and ones[-1] >= chunks * width:
         raise ValueError("the unused high bits of the last byte must be zero")
-    bits = stream[: chunks * per].reshape(chunks, per)
-    upper = np.ascontiguousarray(bits[:, k * low :]).view(bool)  # (chunks, k + buckets)
-    counts = np.count_nonzero(upper, axis=1)
+    chunk = ones // width
+    counts = np.bincount(chunk, minlength=chunks)
     if (wrong := np.flatnonzero(counts != k)).size:
         raise ValueError(f"chunk {int(wrong[0])} sets {int(counts[wrong[0]])} upper bits, not {k}")
-    positions = np.flatnonzero(upper).reshape(chunks, k)  # row by row, each row's in increasing order
-    idx = positions - np.arange(0, chunks * upper.shape[1], upper.shape[1])[:, None]
-    idx -= np.arange(k)
-    idx <<= low
-    lows = np.zeros((chunks, k), np.uint16)
-    for j in range(low):  # bit plane j
-        lows |= bits[:, j * k : (j + 1) * k].astype(np.uint16) << j
-    idx |= lows
+    high = ones - chunk * width - np.tile(np.arange(k), chunks)  # every chunk has k: the i-th of each is i
+    idx = ((high << low) | lows).reshape(chunks, k)
     if idx.size and idx.max() >= universe:
         raise ValueError(f"index {int(idx.max())} is outside a chunk of {universe} positions")
     if k > 1 and not (np.diff(idx, axis=1) > 0).all():
         raise ValueError("each chunk's indices must increase (an index repeats)")
     return idx
+
+
+def _pack_fixed(values: np.ndarray, width: int) -> bytes:
+    """``width``-bit values (0..16 bits) as an LSB-first bit stream, padded with zeros to a byte."""
+    if width == 0:
+        return b""
+    bits = np.unpackbits(values.astype("<u2").reshape(-1, 1).view(np.uint8), axis=1, bitorder="little")
+    return np.packbits(bits[:, :width].reshape(-1), bitorder="little").tobytes()
+
+
+def _unpack_fixed(data: np.ndarray, width: int, count: int) -> np.ndarray:
+    """Inverse of ``_pack_fixed``: ``count`` values as int64; ``ValueError`` for nonzero pad bits."""
+    if width == 0:
+        return np.zeros(count, np.int64)
+    bits = np.unpackbits(data, bitorder="little")
+    if bits[count * width :].any():
+        raise ValueError("the unused high bits of the last low-bits byte must be zero")
+    planes = bits[: count * width].reshape(count, width)
+    out = planes[:, 0].astype(np.uint16)
+    for j in range(1, width):  # a pass per bit: cheaper than packing along a short axis
+        out |= planes[:, j].astype(np.uint16) << j
+    return out.astype(np.int64)
+
+
+def _ones(data: np.ndarray) -> np.ndarray:
+    """The positions of the set bits of an LSB-first bit stream, increasing."""
+    return np.flatnonzero(np.unpackbits(data, bitorder="little").view(bool))
 
 
 def bits_nbytes(count: int, bits: int) -> int:
