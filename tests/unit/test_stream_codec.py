@@ -12,7 +12,13 @@ from gradwire.compression.stream import MAX_BUCKETS, Pieces, StreamPlan, buckets
 from gradwire.models import build_from_spec, model_spec
 
 SHAPES = {n: tuple(p.shape) for n, p in build_from_spec(model_spec("gpt-tiny"), seed=0).named_parameters()}
-CONFIGS = [CodecConfig(), CodecConfig(bins=4, topk=90), CodecConfig(values="sign"), CodecConfig(use_dct=False)]
+CONFIGS = [
+    CodecConfig(),
+    CodecConfig(bins=4, topk=90),
+    CodecConfig(values="sign"),
+    CodecConfig(use_dct=False),
+    CodecConfig(bins=4, topk=143, indices="elias-fano"),
+]
 
 
 def test_buckets_take_every_tensor_once_last_layers_first_and_about_evenly() -> None:
@@ -34,7 +40,7 @@ def test_buckets_take_every_tensor_once_last_layers_first_and_about_evenly() -> 
 
 
 @pytest.mark.parametrize("count", [2, 8])
-@pytest.mark.parametrize("config", CONFIGS, ids=["lut8", "lut2-top90", "sign", "no-dct"])
+@pytest.mark.parametrize("config", CONFIGS, ids=["lut8", "lut2-top90", "sign", "no-dct", "elias-fano"])
 def test_streamed_pieces_assemble_to_the_single_codec_payload_and_its_decoding(count: int, config: CodecConfig) -> None:
     whole = GradientCodec(SHAPES, config)
     stream = StreamPlan(whole, count)
