@@ -203,3 +203,18 @@ def test_a_worker_that_lost_its_own_payload_gets_the_state(tmp_path, two_workers
     assert [r["pushes"] for r in records] == [2, 0, 0, 1, 0, 0]  # NEEDS_STATE, one push, on course
     assert all(r["successful_workers"] == 2 for r in records)
     assert_in_step(trainer, two_workers[1])
+
+
+def test_elias_fano_indices_cross_the_wire_and_keep_replicas_in_step(tmp_path, two_workers):
+    """--index-coding elias-fano in local-SGD rounds through real servers: the settings travel in every
+    payload, the auto top-k is the same-bytes one, the replays keep every replica bit for bit the
+    coordinator's, and the payloads are what the plan says."""
+    config = _config(tmp_path, steps=4, inner_steps=3, index_coding="elias-fano")
+    assert config.topk == 143
+    trainer = Trainer(config, [w.client() for w in two_workers], progress=False)
+    records = steps_with_fault(trainer, lambda: None, before=2, after=2)
+    assert all(r is not None and r["successful_workers"] == 2 for r in records)
+    assert [r["pushes"] for r in records] == [2, 0, 0, 0]
+    assert trainer.outer.codec.config.indices == "elias-fano"
+    assert all(r["bytes_up"] > 2 * trainer.outer.codec.plan.payload_bytes() for r in records)  # plus framing
+    assert_in_step(trainer, two_workers[0])
