@@ -72,3 +72,22 @@ def test_a_ddp_node_gossips_as_one_worker_on_its_whole_batch_relayed_and_peer_to
         assert torch.equal(_consensus(p2p)[k], v), k
     assert [r is not None and r["successful_workers"] for r in lost[:2]] == [3, 3]
     assert [r is not None and r["successful_workers"] for r in lost[-2:]] == [2, 2]  # the node and the other
+
+
+def test_a_local_sgd_node_gossips_and_its_peer_to_peer_run_is_its_relayed_run(tmp_path):
+    """--node-mode local-sgd: the ranks step apart and average their models at the end of the inner steps, so
+    every rank again sends the same message; compressed gossip trains, and pulling is relaying bit for bit."""
+    settings = dict(topology="ring", steps=4, inner_optimizer="demuon", inner_learning_rate=0.02)
+    with live_workers(2) as singles, node(tmp_path, "--node-mode", "local-sgd") as (address, _):
+
+        def clients():
+            return [*(w.client() for w in singles), WorkerClient(address, timeout=TIMEOUT)]
+
+        relayed = run_trainer(_config(tmp_path, "relayed", **settings), clients())
+        p2p = run_trainer(_config(tmp_path, "p2p", peer_to_peer=True, **settings), clients())
+    records, p2p_records = read_metrics(tmp_path / "relayed"), read_metrics(tmp_path / "p2p")
+    assert [r["successful_workers"] for r in records + p2p_records] == [3] * 8
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert [r["loss"] for r in p2p_records] == [r["loss"] for r in records]
+    for k, v in _consensus(relayed).items():
+        assert torch.equal(_consensus(p2p)[k], v), k
