@@ -648,4 +648,5 @@ if __name__ == "__main__":
 #   more coefficients: 12-bit top-135 (1.5x the bytes, 2060x) 5.7035 (2.71 pt) | Elias-Fano indices
 #                      (--set sparseloco.index_coding=elias-fano) at the bytes of top-90: top-143 (3082x) 5.6949
 #                      (2.55 pt; now what the auto top-k picks with elias-fano) | sign values, Elias-Fano, top-167
-#                      at the same bytes (3086x) 5.7029 (2.70 pt)
+#                      at the same bytes (3086x) 5.7029 (2.70 pt) | demo, 12-bit top-32 (182x) 5.6826, Elias-Fano
+#                      top-38 (183x) 5.6415
