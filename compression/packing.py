@@ -128,15 +128,17 @@ def unpack_ef(data: bytes | np.ndarray, chunks: int, k: int, universe: int) -> n
     low = ef_low_bits(k, universe)
     width, split = _ef_width(k, universe, low), (chunks * k * low + 7) // 8
     lows = _unpack_fixed(raw[:split], low, chunks * k)
-    ones = _ones(raw[split:])  # stream positions of the set upper bits, increasing
-    if ones.size and ones[-1] >= chunks * width:
+    bits = np.unpackbits(raw[split:], bitorder="little")
+    if bits[chunks * width :].any():
         raise ValueError("the unused high bits of the last byte must be zero")
-    chunk = ones // width
-    counts = np.bincount(chunk, minlength=chunks)
+    upper = bits[: chunks * width].view(bool).reshape(chunks, width)
+    counts = np.count_nonzero(upper, axis=1)
     if (wrong := np.flatnonzero(counts != k)).size:
         raise ValueError(f"chunk {int(wrong[0])} sets {int(counts[wrong[0]])} upper bits, not {k}")
-    high = ones - chunk * width - np.tile(np.arange(k), chunks)  # every chunk has k: the i-th of each is i
-    idx = ((high << low) | lows).reshape(chunks, k)
+    # Every chunk sets k: the i-th set bit of chunk c is index i's, at (index_i >> low) + i of c's width.
+    high = np.flatnonzero(upper).reshape(chunks, k)
+    high -= np.arange(0, chunks * width, width)[:, None] + np.arange(k)
+    idx = (high << low) | lows.reshape(chunks, k)
     if idx.size and idx.max() >= universe:
         raise ValueError(f"index {int(idx.max())} is outside a chunk of {universe} positions")
     if k > 1 and not (np.diff(idx, axis=1) > 0).all():
@@ -164,11 +166,6 @@ def _unpack_fixed(data: np.ndarray, width: int, count: int) -> np.ndarray:
     for j in range(1, width):  # a pass per bit: cheaper than packing along a short axis
         out |= planes[:, j].astype(np.uint16) << j
     return out.astype(np.int64)
-
-
-def _ones(data: np.ndarray) -> np.ndarray:
-    """The positions of the set bits of an LSB-first bit stream, increasing."""
-    return np.flatnonzero(np.unpackbits(data, bitorder="little").view(bool))
 
 
 def bits_nbytes(count: int, bits: int) -> int:
