@@ -6,8 +6,8 @@ Indices, Elias-Fano (``pack_ef``): each chunk's ``k`` indices, increasing, out o
 With ``low = floor(log2(universe / k))``, index i of a chunk splits into its ``low`` low bits and its high
 part ``index >> low``. Two sections, each an LSB-first bit stream (stream bit j in byte ``j // 8`` at
 position ``j % 8``) padded with zero bits to a whole byte:
-  low bits   every index's ``low`` low bits, chunk by chunk, index by index, LSB first (as ``pack_bits``
-             packs codes); ``ceil(chunks * k * low / 8)`` bytes;
+  low bits   every index's ``low`` low bits, chunk by chunk, index by index, LSB first (the layout of
+             ``pack_bits``, up to 12 bits); ``ceil(chunks * k * low / 8)`` bytes;
   upper bits each chunk's ``width = k + ((universe - 1) >> low) + 1`` bits, chunk after chunk, where index
              i sets bit ``(index_i >> low) + i`` of its chunk's: exactly k set; ``ceil(chunks * width / 8)``
              bytes.
@@ -114,7 +114,7 @@ def pack_ef(indices: np.ndarray, universe: int) -> bytes:
     width = _ef_width(k, universe, low)
     upper = np.zeros(chunks * width, np.uint8)
     upper[((idx >> low) + np.arange(k) + np.arange(0, chunks * width, width)[:, None]).reshape(-1)] = 1
-    return _pack_fixed(idx & ((1 << low) - 1), low) + np.packbits(upper, bitorder="little").tobytes()
+    return _pack_stream(idx & ((1 << low) - 1), low) + np.packbits(upper, bitorder="little").tobytes()
 
 
 def unpack_ef(data: bytes | np.ndarray, chunks: int, k: int, universe: int) -> np.ndarray:
@@ -127,7 +127,9 @@ def unpack_ef(data: bytes | np.ndarray, chunks: int, k: int, universe: int) -> n
         raise ValueError(f"{chunks} chunks of {k} Elias-Fano indices take {want} bytes, got {raw.size}")
     low = ef_low_bits(k, universe)
     width, split = _ef_width(k, universe, low), (chunks * k * low + 7) // 8
-    lows = _unpack_fixed(raw[:split], low, chunks * k)
+    if pad_bits(raw[:split], low, chunks * k):
+        raise ValueError("the unused high bits of the last low-bits byte must be zero")
+    lows = _unpack_stream(raw[:split], low, chunks * k)
     bits = np.unpackbits(raw[split:], bitorder="little")
     if bits[chunks * width :].any():
         raise ValueError("the unused high bits of the last byte must be zero")
@@ -138,34 +140,12 @@ def unpack_ef(data: bytes | np.ndarray, chunks: int, k: int, universe: int) -> n
     # Every chunk sets k: the i-th set bit of chunk c is index i's, at (index_i >> low) + i of c's width.
     high = np.flatnonzero(upper).reshape(chunks, k)
     high -= np.arange(0, chunks * width, width)[:, None] + np.arange(k)
-    idx = (high << low) | lows.reshape(chunks, k)
+    idx = (high << low) | lows.reshape(chunks, k).astype(np.int64)
     if idx.size and idx.max() >= universe:
         raise ValueError(f"index {int(idx.max())} is outside a chunk of {universe} positions")
     if k > 1 and not (np.diff(idx, axis=1) > 0).all():
         raise ValueError("each chunk's indices must increase (an index repeats)")
     return idx
-
-
-def _pack_fixed(values: np.ndarray, width: int) -> bytes:
-    """``width``-bit values (0..16 bits) as an LSB-first bit stream, padded with zeros to a byte."""
-    if width == 0:
-        return b""
-    bits = np.unpackbits(values.astype("<u2").reshape(-1, 1).view(np.uint8), axis=1, bitorder="little")
-    return np.packbits(bits[:, :width].reshape(-1), bitorder="little").tobytes()
-
-
-def _unpack_fixed(data: np.ndarray, width: int, count: int) -> np.ndarray:
-    """Inverse of ``_pack_fixed``: ``count`` values as int64; ``ValueError`` for nonzero pad bits."""
-    if width == 0:
-        return np.zeros(count, np.int64)
-    bits = np.unpackbits(data, bitorder="little")
-    if bits[count * width :].any():
-        raise ValueError("the unused high bits of the last low-bits byte must be zero")
-    planes = bits[: count * width].reshape(count, width)
-    out = planes[:, 0].astype(np.uint16)
-    for j in range(1, width):  # a pass per bit: cheaper than packing along a short axis
-        out |= planes[:, j].astype(np.uint16) << j
-    return out.astype(np.int64)
 
 
 def bits_nbytes(count: int, bits: int) -> int:
@@ -183,9 +163,7 @@ def pack_bits(codes: np.ndarray, bits: int) -> bytes:
         c = c.astype(np.uint8)
     if bits == 8:
         return c.tobytes()
-    # (n, 8) bits of each code, LSB first; keep the low `bits` and pack them as one stream.
-    stream = np.unpackbits(c[:, None], axis=1, bitorder="little")[:, :bits]  # (n, bits)
-    return np.packbits(stream.reshape(-1), bitorder="little").tobytes()
+    return _pack_stream(c, bits)
 
 
 def unpack_bits(data: bytes | np.ndarray, bits: int, count: int) -> np.ndarray:
@@ -198,8 +176,28 @@ def unpack_bits(data: bytes | np.ndarray, bits: int, count: int) -> np.ndarray:
         return raw
     if pad_bits(raw, bits, count):
         raise ValueError("the unused high bits of the last byte must be zero")
-    stream = np.unpackbits(raw, count=count * bits, bitorder="little").reshape(count, bits)  # (n, bits)
-    return np.packbits(stream, axis=1, bitorder="little").reshape(count)  # zero-fills bits..7
+    return _unpack_stream(raw, bits, count)
+
+
+def _pack_stream(values: np.ndarray, width: int) -> bytes:
+    """``width``-bit values (0..16 bits) as one LSB-first bit stream, padded with zero bits to a byte: bit j
+    of value i is stream bit ``i * width + j``."""
+    if width == 0:
+        return b""
+    wide = values.astype("<u2" if width > 8 else np.uint8).reshape(-1, 1).view(np.uint8)
+    stream = np.unpackbits(wide, axis=1, bitorder="little")[:, :width]  # (n, width)
+    return np.packbits(stream.reshape(-1), bitorder="little").tobytes()
+
+
+def _unpack_stream(raw: np.ndarray, width: int, count: int) -> np.ndarray:
+    """Inverse of ``_pack_stream``: ``count`` values, uint8 up to 8 bits, else uint16 (pad bits unchecked)."""
+    out = np.zeros(count, np.uint8 if width <= 8 else np.uint16)
+    if width == 0:
+        return out
+    planes = np.unpackbits(raw, count=count * width, bitorder="little").reshape(count, width)
+    for j in range(width):  # a pass per bit: cheaper than packing along a short axis
+        out |= planes[:, j].astype(out.dtype) << j
+    return out
 
 
 def pad_bits(data: bytes | np.ndarray, bits: int, count: int) -> int:

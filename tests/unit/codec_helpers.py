@@ -1,10 +1,20 @@
-"""Checks that several codec test files share: error feedback's transmission, and byte corruption."""
+"""What several codec test files share: the codec settings a payload is assembled under, error feedback's
+transmission, and byte corruption."""
 
 from __future__ import annotations
 
 import torch
 
-from gradwire.compression import CompressedGradient, ErrorFeedback, GradientCodec, PayloadError, serde
+from gradwire.compression import CodecConfig, CompressedGradient, ErrorFeedback, GradientCodec, PayloadError, serde
+
+# Settings a payload assembled from parts (streamed buckets, ranks' shards) must match the single codec under.
+ASSEMBLY_CONFIGS = {
+    "lut8": CodecConfig(),
+    "lut2-top90": CodecConfig(bins=4, topk=90),
+    "sign": CodecConfig(values="sign"),
+    "no-dct": CodecConfig(use_dct=False),
+    "elias-fano": CodecConfig(bins=4, topk=143, indices="elias-fano"),
+}
 
 
 def rounds_to_send(

@@ -11,18 +11,13 @@ from gradwire.compression import CodecConfig, Encoding, ErrorFeedback, GradientC
 from gradwire.compression.shard import assemble, owners, subset
 from gradwire.models import build_from_spec, model_spec
 
+from .codec_helpers import ASSEMBLY_CONFIGS
+
 SHAPES = {n: tuple(p.shape) for n, p in build_from_spec(model_spec("gpt-tiny"), seed=0).named_parameters()}
-CONFIGS = [
-    CodecConfig(),
-    CodecConfig(bins=4, topk=90),
-    CodecConfig(values="sign"),
-    CodecConfig(use_dct=False),
-    CodecConfig(bins=4, topk=143, indices="elias-fano"),
-]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-@pytest.mark.parametrize("config", CONFIGS, ids=["lut8", "lut2-top90", "sign", "no-dct", "elias-fano"])
+@pytest.mark.parametrize("config", ASSEMBLY_CONFIGS.values(), ids=ASSEMBLY_CONFIGS.keys())
 def test_ranks_encoding_their_own_tensors_send_the_single_device_payload(world: int, config: CodecConfig) -> None:
     whole = GradientCodec(SHAPES, config)
     split = owners(whole.plan, world)

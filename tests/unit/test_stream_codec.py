@@ -11,14 +11,9 @@ from gradwire.compression import CodecConfig, ErrorFeedback, GradientCodec, Payl
 from gradwire.compression.stream import MAX_BUCKETS, Pieces, StreamPlan, buckets
 from gradwire.models import build_from_spec, model_spec
 
+from .codec_helpers import ASSEMBLY_CONFIGS
+
 SHAPES = {n: tuple(p.shape) for n, p in build_from_spec(model_spec("gpt-tiny"), seed=0).named_parameters()}
-CONFIGS = [
-    CodecConfig(),
-    CodecConfig(bins=4, topk=90),
-    CodecConfig(values="sign"),
-    CodecConfig(use_dct=False),
-    CodecConfig(bins=4, topk=143, indices="elias-fano"),
-]
 
 
 def test_buckets_take_every_tensor_once_last_layers_first_and_about_evenly() -> None:
@@ -40,7 +35,7 @@ def test_buckets_take_every_tensor_once_last_layers_first_and_about_evenly() -> 
 
 
 @pytest.mark.parametrize("count", [2, 8])
-@pytest.mark.parametrize("config", CONFIGS, ids=["lut8", "lut2-top90", "sign", "no-dct", "elias-fano"])
+@pytest.mark.parametrize("config", ASSEMBLY_CONFIGS.values(), ids=ASSEMBLY_CONFIGS.keys())
 def test_streamed_pieces_assemble_to_the_single_codec_payload_and_its_decoding(count: int, config: CodecConfig) -> None:
     whole = GradientCodec(SHAPES, config)
     stream = StreamPlan(whole, count)
