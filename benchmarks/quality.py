@@ -5,6 +5,8 @@
     python -m benchmarks.quality --set sparseloco.topk=64 --set demo.learning_rate=2e-3   # tuning
     python -m benchmarks.quality --methods dense,averaging,sparseloco,peer --steps-total 300 --inner-steps 30
                                                                          # codec gaps, ours and templar's
+    python -m benchmarks.quality --device cuda --workers 8 --methods averaging-demuon,gossip-ring-demuon
+                                                                         # the workers on a GPU
 
 Trains the same model from the same seed once per method, with ``--workers`` (2) workers simulated in this
 process (``worker.inprocess``: the service's own ``Trainer``, engine and codec, every message serialized as on
@@ -293,8 +295,8 @@ def method_config(name: str, args: argparse.Namespace, overrides: dict[str, Any]
     )
 
 
-def run_method(name: str, config: TrainConfig, workers: int = WORKERS) -> dict[str, Any]:
-    trainer = Trainer(config, in_process_clients(workers), progress=False)
+def run_method(name: str, config: TrainConfig, workers: int = WORKERS, device: str = "cpu") -> dict[str, Any]:
+    trainer = Trainer(config, in_process_clients(workers, device), progress=False)
     try:
         t0 = time.perf_counter()
         records = trainer.run()
@@ -473,6 +475,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--workers", type=int, default=WORKERS, help="workers simulated in this process")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the workers already run concurrently)")
+    parser.add_argument(
+        "--device", default="cpu", help="the workers' device (cuda, cuda:1, ...); the coordinator stays on the CPU"
+    )
     parser.add_argument("--output-dir", default="runs/quality")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout; the table goes to stderr")
     args = parser.parse_args(argv)
@@ -519,7 +524,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
     results = {}
     for name, config in configs.items():
-        results[name] = run_method(name, config, args.workers)
+        results[name] = run_method(name, config, args.workers, args.device)
         print(
             f"{name}: held-out loss {results[name]['eval_loss']:.4f} in {results[name]['wall_s']:.0f} s",
             file=sys.stderr,
@@ -547,6 +552,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "methods": results,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "device": args.device,
     }
     markdown = table(results)
     (out / "results.json").write_text(json.dumps(result, indent=1))

@@ -105,3 +105,19 @@ def test_a_gradient_streamed_on_the_gpu_is_the_payload_sent_whole():
     for streamed, whole in zip(sent[4], sent[0]):
         for name in whole:
             torch.testing.assert_close(streamed[name], whole[name], atol=1e-6, rtol=0)
+
+
+def test_gossip_rounds_with_demuon_train_on_the_gpu(tmp_path):
+    """The quality benchmark's gossip rows with the workers on the GPU (its ``--device``): each worker's
+    DeMuon steps, its mix and its codec on the device, the coordinator's consensus on the CPU; what the
+    DeMuon rows of docs/benchmarks.md ran."""
+    from benchmarks import quality
+
+    args = ["--device", "cuda", "--model", "gpt-tiny", "--steps-total", "4", "--inner-steps", "2", "--workers", "4"]
+    methods = "gossip-ring-demuon,averaging-demuon"
+    result = quality.main([*args, "--methods", methods, "--output-dir", str(tmp_path), "--json"])
+    assert result["device"] == "cuda"
+    for name, r in result["methods"].items():
+        assert r["rounds"] == 2 and np.isfinite(r["eval_loss"]), name
+    ring = result["methods"]["gossip-ring-demuon"]
+    assert ring["relayed_payloads_max"] == 2 and ring["consensus_distance"] > 0

@@ -33,7 +33,7 @@ def test_quality_benchmark_reports_every_method(tmp_path, capsys):
         "32",
     ]
     result = quality.main([*args, "--methods", "dense,averaging,sparseloco,peer", "--output-dir", str(out), "--json"])
-    assert set(result["methods"]) == {"dense", "averaging", "sparseloco", "peer"}
+    assert set(result["methods"]) == {"dense", "averaging", "sparseloco", "peer"} and result["device"] == "cpu"
     for name, r in result["methods"].items():
         assert math.isfinite(r["eval_loss"]) and math.isfinite(r["train_loss"]), name
         assert r["bytes_up_per_token"] > 0 and r["tokens"] == 2 * 4 * 2 * 32, name
