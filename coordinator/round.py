@@ -189,8 +189,10 @@ class RoundDispatcher:
         state_bytes: int = 0,
         quorum: int = 0,
         grace: Grace | None = None,
+        gossip: bool = False,
     ) -> None:
         self.outer = outer
+        self.gossip = gossip  # gossip rounds: every push says so (ModelState.gossip)
         self.run_id, self.spec = run_id, spec
         self.pool = pool
         self.timeout = timeout
@@ -210,6 +212,7 @@ class RoundDispatcher:
             self.run_id, self.spec, slot.feedback or {}, slot.inner_optimizer or {}, slot=slot.index
         )
         state.gossip_model = dict(slot.gossip_model or {})
+        state.gossip = self.gossip
         return state
 
     def prepare(self, slots: Sequence[WorkerSlot], step: int) -> RoundPlan:

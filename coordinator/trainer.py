@@ -102,6 +102,7 @@ class Trainer:
             state_bytes=self.state_bytes,
             quorum=config.min_workers,
             grace=config.grace(),
+            gossip=config.gossip,
         )
         self.gather = Gatherer(
             self.outer.codec,

@@ -292,6 +292,7 @@ class ModelState:
     # it (a resumed --overlap run's push); None: it holds none.
     own: tuple[int, CompressedGradient] | None = None
     gossip_model: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # gossip rounds, resumed
+    gossip: bool = False  # the run's rounds are gossip rounds (a node keeps the whole model on every rank)
 
 
 def state_to_proto(s: ModelState) -> pb.ModelState:
@@ -306,6 +307,7 @@ def state_to_proto(s: ModelState) -> pb.ModelState:
         feedback=tensors_to_proto(s.feedback),
         inner_optimizer=tensors_to_proto(s.inner_optimizer),
         gossip_model=tensors_to_proto(s.gossip_model),
+        gossip=s.gossip,
     )
     if s.own is not None:
         m.own_round = s.own[0]
@@ -337,6 +339,7 @@ def state_from_proto(m: pb.ModelState) -> ModelState:
         m.protocol_version,
         own_from_proto(m),
         tensors_from_proto(m.gossip_model, "gossip_model"),
+        m.gossip,
     )
 
 

@@ -50,11 +50,18 @@ class StateHeader:
     update_rule_json: str
     protocol_version: int = protocol.PROTOCOL_VERSION
     own: tuple[int, CompressedGradient] | None = None  # ModelState.own
+    gossip: bool = False  # ModelState.gossip
 
     @classmethod
     def of(cls, state: ModelState) -> StateHeader:
         return cls(
-            state.run_id, state.version, state.model_json, state.update_rule_json, state.protocol_version, state.own
+            state.run_id,
+            state.version,
+            state.model_json,
+            state.update_rule_json,
+            state.protocol_version,
+            state.own,
+            state.gossip,
         )
 
 
@@ -198,7 +205,7 @@ def decode_header(piece: bytes) -> StateHeader:
                 f"model state has no {field} before its tensors (a streamed state sends its other fields first)"
             )
     own = protocol.own_from_proto(m)
-    return StateHeader(m.run_id, m.version, m.model_json, m.update_rule_json, m.protocol_version, own)
+    return StateHeader(m.run_id, m.version, m.model_json, m.update_rule_json, m.protocol_version, own, m.gossip)
 
 
 def decode_tensor(piece: bytes) -> tuple[str, str, torch.Tensor]:

@@ -323,14 +323,19 @@ class WorkerEngine:
             momentum = bool(UpdateRule.from_json(state.update_rule_json).momentum)
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
             raise ProtocolError(f"model state: {e}") from None
-        mode, why = choose_node_mode(
-            elements, self.placement.ranks, self.rank_memory, momentum=momentum, shard=self.placement.shard
+        mode, shard, why = choose_node_mode(
+            elements,
+            self.placement.ranks,
+            self.rank_memory,
+            momentum=momentum,
+            shard=self.placement.shard,
+            whole_model=state.gossip,
         )
         if mode is None:
             raise TooLarge(f"{why} (worker serve --rank-memory-gb, --nproc-per-node)")
         if self.node.info.leader:
             log.info("run %r: --node-mode auto picks %s: %s", state.run_id, mode, why)
-        return dataclasses.replace(self.placement, mode=mode, shard=self.placement.shard if mode == "fsdp" else "full")
+        return dataclasses.replace(self.placement, mode=mode, shard=shard)
 
     def _new_session(
         self, header: statestream.StateHeader, owner: bytes, placement: Placement | None = None

@@ -73,32 +73,47 @@ def physical_memory() -> int:
 
 
 def choose_node_mode(
-    elements: int, ranks: int, budget: int | None, *, momentum: bool, shard: str = "full"
-) -> tuple[str | None, str]:
-    """``--node-mode auto``: DDP when a whole model's local-SGD state fits a rank (the fastest: no
-    parameter gathers), else FSDP when a rank's share of it does (1/ranks of it, or with ``shard``
-    "optimizer", ZeRO-1, the whole model with 1/ranks of the inner state), else ``None`` (refuse). Pure;
-    says why."""
+    elements: int, ranks: int, budget: int | None, *, momentum: bool, shard: str = "full", whole_model: bool = False
+) -> tuple[str | None, str, str]:
+    """``--node-mode auto``: (mode, what an fsdp node shards, why). DDP when a whole model's local-SGD state
+    fits a rank (the fastest: no parameter gathers), else FSDP when a rank's share of it does (1/ranks of
+    it, or with ``shard`` "optimizer", ZeRO-1, the whole model with 1/ranks of the inner state), else
+    ``None`` (refuse). ``whole_model`` (a gossip run, which needs every rank to hold the whole model) allows
+    only DDP and ZeRO-1, whatever ``shard`` says. Pure; says why."""
     whole = sum(state_bytes(elements, momentum=momentum, local_sgd=True).values())
     if budget is None:
-        return "ddp", f"no memory limit on this device: every rank holds the whole model ({size_text(whole)})"
+        return "ddp", "full", f"no memory limit on this device: every rank holds the whole model ({size_text(whole)})"
     room = HEADROOM * budget
     if whole <= room:
         return (
             "ddp",
+            "full",
             f"the whole model's state ({size_text(whole)}) fits {HEADROOM:.0%} of a rank's {size_text(budget)}",
         )
+    if whole_model:
+        shard = "optimizer"
     if shard == "optimizer":
         share = sum(state_bytes(elements, momentum=momentum, local_sgd=True, inner_shards=ranks).values())
     else:
         share = -(-whole // ranks)
     what = f"its inner state split over {ranks} ranks (ZeRO-1)" if shard == "optimizer" else f"a 1/{ranks} share"
+    gossip = "gossip rounds need the whole model on every rank; " if whole_model else ""
     if share <= room:
-        return "fsdp", (
-            f"the whole model's state ({size_text(whole)}) does not fit {HEADROOM:.0%} of a rank's "
-            f"{size_text(budget)}; with {what} ({size_text(share)}) it does: sharded"
+        return (
+            "fsdp",
+            shard,
+            (
+                f"the whole model's state ({size_text(whole)}) does not fit {HEADROOM:.0%} of a rank's "
+                f"{size_text(budget)}; {gossip}with {what} ({size_text(share)}) it does: sharded"
+            ),
         )
-    return None, (
-        f"a model of {elements:,} parameters needs {size_text(whole)} of state, {size_text(share)} a rank even "
-        f"sharded over {ranks} ranks: more than {HEADROOM:.0%} of a rank's {size_text(budget)}"
+    return (
+        None,
+        shard,
+        (
+            f"a model of {elements:,} parameters needs {size_text(whole)} of state, {size_text(share)} a rank even "
+            f"{'with ' + what if whole_model else f'sharded over {ranks} ranks'}: more than {HEADROOM:.0%} of a "
+            f"rank's {size_text(budget)}"
+            + (" (gossip rounds need the whole model on every rank)" if whole_model else "")
+        ),
     )

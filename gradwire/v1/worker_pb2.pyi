@@ -149,7 +149,7 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ModelState(_message.Message):
-    __slots__ = ("protocol_version", "run_id", "version", "model_json", "parameters", "update_rule_json", "optimizer_state", "feedback", "inner_optimizer", "own_payload", "own_round", "gossip_model")
+    __slots__ = ("protocol_version", "run_id", "version", "model_json", "parameters", "update_rule_json", "optimizer_state", "feedback", "inner_optimizer", "own_payload", "own_round", "gossip_model", "gossip")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +162,7 @@ class ModelState(_message.Message):
     OWN_PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     OWN_ROUND_FIELD_NUMBER: _ClassVar[int]
     GOSSIP_MODEL_FIELD_NUMBER: _ClassVar[int]
+    GOSSIP_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     run_id: str
     version: int
@@ -174,7 +175,8 @@ class ModelState(_message.Message):
     own_payload: _codec_pb2.CompressedGradient
     own_round: int
     gossip_model: _containers.RepeatedCompositeFieldContainer[Tensor]
-    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., version: _Optional[int] = ..., model_json: _Optional[str] = ..., parameters: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., update_rule_json: _Optional[str] = ..., optimizer_state: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., feedback: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., inner_optimizer: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., own_payload: _Optional[_Union[_codec_pb2.CompressedGradient, _Mapping]] = ..., own_round: _Optional[int] = ..., gossip_model: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+    gossip: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., version: _Optional[int] = ..., model_json: _Optional[str] = ..., parameters: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., update_rule_json: _Optional[str] = ..., optimizer_state: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., feedback: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., inner_optimizer: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., own_payload: _Optional[_Union[_codec_pb2.CompressedGradient, _Mapping]] = ..., own_round: _Optional[int] = ..., gossip_model: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., gossip: _Optional[bool] = ...) -> None: ...
 
 class PushStateReply(_message.Message):
     __slots__ = ("version", "fingerprint")

@@ -79,6 +79,9 @@ def test_exact_gossip_on_the_complete_graph_is_centralized_local_sgd(tmp_path):
     with live_workers(3) as workers:
         central = train(_config(tmp_path, "star", outer_optimizer="sgd", learning_rate=1.0, **EXACT), workers)
     assert isinstance(gossip, GossipTrainer)
+    # Its pushes say it gossips: a --node-mode auto node then keeps the whole model on every rank.
+    assert gossip.rounds.state_for(gossip.roster.slots[0]).gossip
+    assert not central.rounds.state_for(central.roster.slots[0]).gossip
     consensus = gossip.gossip.consensus()
     _assert_close(consensus, {k: v.detach() for k, v in central.replica.params.items()}, atol=1e-5)
     assert gossip.evaluate() == pytest.approx(central.evaluate(), abs=1e-4)  # the run shows the consensus

@@ -100,9 +100,9 @@ def test_auto_picks_ddp_when_the_whole_model_fits_else_fsdp_else_refuses() -> No
     whole = 24 * 10**6  # a 1M-parameter model's local-SGD state, without outer momentum
     assert choose_node_mode(10**6, 2, None, momentum=False)[0] == "ddp"  # no limit known (a CPU)
     assert choose_node_mode(10**6, 2, int(whole / HEADROOM) + 1, momentum=False)[0] == "ddp"
-    mode, why = choose_node_mode(10**6, 2, int(whole / HEADROOM) - 1, momentum=False)
-    assert mode == "fsdp" and "with a 1/2 share (11.4 MB) it does" in why
-    mode, why = choose_node_mode(10**6, 2, int(whole / 2 / HEADROOM) - 1, momentum=False)
+    mode, shard, why = choose_node_mode(10**6, 2, int(whole / HEADROOM) - 1, momentum=False)
+    assert (mode, shard) == ("fsdp", "full") and "with a 1/2 share (11.4 MB) it does" in why
+    mode, _, why = choose_node_mode(10**6, 2, int(whole / 2 / HEADROOM) - 1, momentum=False)
     assert mode is None and "1,000,000 parameters" in why and "11.4 MB a rank even sharded over 2 ranks" in why
     assert choose_node_mode(10**6, 4, int(whole / 2 / HEADROOM) - 1, momentum=False)[0] == "fsdp"  # more ranks
 
@@ -112,11 +112,29 @@ def test_auto_with_zero1_counts_the_whole_model_and_a_share_of_the_inner_state()
 
     whole = 24 * 10**6  # 1M parameters: 16 B of replica, gradients, feedback and working copy, 8 of AdamW
     zero1 = 16 * 10**6 + 8 * 10**6 // 2  # each of 2 ranks: the whole model, half the inner state
-    mode, why = choose_node_mode(10**6, 2, int(zero1 / HEADROOM) + 1, momentum=False, shard="optimizer")
-    assert mode == "fsdp" and "inner state split over 2 ranks (ZeRO-1) (19.1 MB)" in why
+    mode, shard, why = choose_node_mode(10**6, 2, int(zero1 / HEADROOM) + 1, momentum=False, shard="optimizer")
+    assert (mode, shard) == ("fsdp", "optimizer") and "inner state split over 2 ranks (ZeRO-1) (19.1 MB)" in why
     # Where a 1/2 share of everything fits but ZeRO-1's share does not, ZeRO-1 refuses what ZeRO-3 takes.
     budget = int(whole / 2 / HEADROOM) + 1
     assert choose_node_mode(10**6, 2, budget, momentum=False)[0] == "fsdp"
     assert choose_node_mode(10**6, 2, budget, momentum=False, shard="optimizer")[0] is None
     parts = state_bytes(10**6, momentum=False, local_sgd=True, inner_shards=2)
     assert parts["inner optimizer"] == 4 * 10**6 and sum(parts.values()) == zero1
+
+
+def test_auto_for_a_gossip_run_keeps_the_whole_model_on_every_rank() -> None:
+    """A gossip run trains a model of the worker's own on every rank: auto picks DDP, else ZeRO-1 (whatever
+    --node-shard says), never a split node; where neither fits it refuses and says why."""
+    from gradwire.worker.sizing import choose_node_mode
+
+    whole, zero1 = 24 * 10**6, 20 * 10**6  # 1M parameters, 2 ranks (as above)
+    assert choose_node_mode(10**6, 2, None, momentum=False, whole_model=True)[:2] == ("ddp", "full")
+    assert choose_node_mode(10**6, 2, int(whole / HEADROOM) + 1, momentum=False, whole_model=True)[0] == "ddp"
+    mode, shard, why = choose_node_mode(10**6, 2, int(zero1 / HEADROOM) + 1, momentum=False, whole_model=True)
+    assert (mode, shard) == ("fsdp", "optimizer") and "gossip rounds need the whole model on every rank" in why
+    # A half share of everything fits (a plain run would be sharded), ZeRO-1's does not: refused.
+    budget = int(whole / 2 / HEADROOM) + 1
+    assert choose_node_mode(10**6, 2, budget, momentum=False)[:2] == ("fsdp", "full")
+    mode, _, why = choose_node_mode(10**6, 2, budget, momentum=False, shard="full", whole_model=True)
+    assert mode is None and "19.1 MB a rank even with its inner state split over 2 ranks (ZeRO-1)" in why
+    assert "gossip rounds need the whole model on every rank" in why

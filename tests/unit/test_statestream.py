@@ -64,6 +64,7 @@ def test_pieces_come_out_header_first_then_a_tensor_at_a_time(part_bytes: int) -
     s = state()
     header, *pieces = statestream.read_state(iter(statestream.state_parts(s, part_bytes)), 1 << 30)
     assert statestream.decode_header(header) == statestream.StateHeader.of(s)
+    assert not statestream.decode_header(header).gossip
     decoded = [statestream.decode_tensor(p) for p in pieces]
     expected = tensors(s)
     assert [(kind, name) for kind, name, _ in decoded] == list(expected)
@@ -191,3 +192,12 @@ def test_a_pushed_payload_of_its_own_travels_in_the_header_and_a_round_without_i
     bare.own_round = 4
     with pytest.raises(ProtocolError, match="own_round 4 but carries no own_payload"):
         statestream.decode_header(bare.SerializeToString())
+
+
+def test_a_gossip_runs_push_says_so_in_its_header() -> None:
+    """``ModelState.gossip`` comes out with the header, before any tensor: an auto node picks its mode from
+    it (``worker.sizing.choose_node_mode``'s whole_model) before the first tensor is kept."""
+    s = dataclasses.replace(state(), gossip=True)
+    header = statestream.decode_header(next(statestream.read_state(iter(statestream.state_parts(s)), 1 << 30)))
+    assert header.gossip and header == statestream.StateHeader.of(s)
+    assert protocol.state_from_proto(protocol.state_to_proto(s)).gossip
