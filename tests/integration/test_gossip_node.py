@@ -16,8 +16,10 @@ import torch
 from gradwire.coordinator.client import WorkerClient
 from gradwire.coordinator.metrics import read_metrics
 from gradwire.coordinator.trainer import Trainer
+from gradwire.models import model_spec, spec_elements
 from gradwire.protocol import WorkerInfo
 from gradwire.worker.engine import WorkerEngine
+from gradwire.worker.sizing import GB, HEADROOM, state_bytes
 
 from .conftest import live_workers, run_trainer, steps_with_fault
 from .test_gossip import EXACT, _config
@@ -91,3 +93,27 @@ def test_a_local_sgd_node_gossips_and_its_peer_to_peer_run_is_its_relayed_run(tm
     assert [r["loss"] for r in p2p_records] == [r["loss"] for r in records]
     for k, v in _consensus(relayed).items():
         assert torch.equal(_consensus(p2p)[k], v), k
+
+
+def test_an_auto_node_too_small_for_the_whole_state_gossips_with_zero1(tmp_path):
+    """A gossip run's push says it gossips: an auto node whose ranks cannot hold the whole model's state
+    (which would make a plain run's node fsdp, split) picks ZeRO-1, where every rank holds the whole model
+    and only the inner optimizer's state is split. It computes as a DDP node: the single device's rounds on
+    its whole batch, to float noise."""
+    settings = dict(topology="ring", steps=3, **EXACT)
+    config = _config(tmp_path, "zero1", **settings)
+    elements, momentum = spec_elements(model_spec(config.model)), config.momentum > 0
+    whole = sum(state_bytes(elements, momentum=momentum, local_sgd=True).values())
+    zero1 = sum(state_bytes(elements, momentum=momentum, local_sgd=True, inner_shards=2).values())
+    memory = f"{(whole + zero1) / 2 / HEADROOM / GB:.9f}"  # ZeRO-1's share fits a rank, the whole state does not
+    with live_workers(2) as singles, node(tmp_path, "--rank-memory-gb", memory) as (address, _):
+        trainer = run_trainer(config, [*(w.client() for w in singles), WorkerClient(address, timeout=TIMEOUT)])
+    assert trainer.roster.slots[-1].node_mode == "fsdp:optimizer"
+    factories = [lambda: WorkerEngine("cpu"), lambda: WorkerEngine("cpu"), lambda: TwoRanksOnOneDevice("cpu")]
+    with live_workers(3, factories) as workers:
+        alone = run_trainer(_config(tmp_path, "alone", **settings), [w.client() for w in workers])
+    records, reference = read_metrics(tmp_path / "zero1"), read_metrics(tmp_path / "alone")
+    assert [r["successful_workers"] for r in records] == [3] * 3
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in reference], rel=1e-5)
+    for k, v in _consensus(alone).items():
+        torch.testing.assert_close(_consensus(trainer)[k], v, atol=1e-5, rtol=0, msg=k)
