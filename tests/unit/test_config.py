@@ -63,6 +63,7 @@ def test_elias_fano_indices_keep_as_many_coefficients_as_fit_the_bytes_of_the_mo
     assert TrainConfig(inner_steps=30, index_coding="elias-fano").topk == 143  # 90 in 12-bit indices
     assert TrainConfig(index_coding="elias-fano").topk == 38  # gradient mode: 32
     assert TrainConfig(inner_steps=30, index_coding="elias-fano", topk=100).topk == 100  # given: kept
+    assert TrainConfig(inner_steps=30).index_coding == "packed12"  # the default outside gossip rounds
 
 
 def test_explicit_values_win_over_the_mode_defaults() -> None:
@@ -227,7 +228,10 @@ def test_a_new_field_is_all_a_flag_needs(
 def test_gossip_rounds_take_their_defaults_and_refuse_what_centralized_rounds_alone_do() -> None:
     ring = TrainConfig(topology="ring", inner_steps=3)
     assert ring.gossip and ring.takes_inner_steps and not TrainConfig().gossip
-    assert (ring.gossip_gamma, ring.topk, ring.bins, ring.spot_check_every) == (0.5, 512, 16, 0)
+    # Elias-Fano indices: top-1024 of 4096 in the bytes of top-512 with 12-bit indices.
+    assert (ring.gossip_gamma, ring.topk, ring.bins, ring.spot_check_every) == (0.5, 1024, 16, 0)
+    assert ring.index_coding == "elias-fano" and ring.codec_config().indices == "elias-fano"
+    assert (TrainConfig(topology="ring", index_coding="packed12").topk, TrainConfig().index_coding) == (512, "packed12")
     assert TrainConfig(topology="complete", no_compression=True).gossip_gamma == 1.0
     assert TrainConfig(topology="ring").takes_inner_steps  # one inner step a round at H 1
     assert TrainConfig(topology="ring", resume_from="runs/x").resume_from  # gossip runs resume
