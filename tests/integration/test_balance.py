@@ -166,4 +166,6 @@ def test_a_coordinator_busy_applying_the_update_still_times_each_worker_by_its_o
     assert slowed and len(records) == 3
     for r in records[1:]:
         rates = r["worker_tokens_per_sec"]
-        assert rates[slow] * 1.3 < rates[fast], rates
+        # Slowed 2x; a loaded machine shrinks the ratio (1.24 seen while the suite ran), timing at the look
+        # makes it ~1.
+        assert rates[slow] * 1.15 < rates[fast], rates
