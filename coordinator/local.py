@@ -10,10 +10,9 @@ import contextlib
 import logging
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 
-from gradwire.processes import die_with_parent
+from gradwire.processes import Child, worker_process
 from gradwire.security import TOKEN_ENV
 from gradwire.transport import free_port
 
@@ -70,17 +69,15 @@ def local_workers(
     log.info("local workers: %s", reason)
     # Split the cores: n processes each using every core would only thrash.
     threads = threads or max(1, (os.cpu_count() or 1) // n)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     if token is not None:
         env[TOKEN_ENV] = token
-    procs, addresses = [], []
+    procs: list[Child] = []
+    addresses: list[str] = []
     try:
         for worker_device in devices:
             port = free_port()
-            cmd = [
-                sys.executable,
-                "-m",
-                "gradwire.worker",
+            argv = [
                 "serve",
                 "--host",
                 "127.0.0.1",
@@ -92,7 +89,7 @@ def local_workers(
             # A session of their own: Ctrl-C in the terminal reaches the coordinator alone, which finishes its
             # round and checkpoints with the workers still up, then stops them; if it is killed outright,
             # they die with it.
-            procs.append(subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent))  # noqa: PLW1509 - one prctl call
+            procs.append(worker_process(argv, env))
             addresses.append(f"127.0.0.1:{port}")
         yield addresses
     finally:

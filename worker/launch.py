@@ -8,19 +8,19 @@ runs the very same code. The launcher only supervises:
 * when any rank exits (a crash, a lost rank, rank 0 giving up after a failed collective), the others are
   stopped and the whole node starts again on a fresh process group - up to ``max_restarts`` times. The
   coordinator sees the node fail for a round and pushes it the state when it is back, as for any worker.
+
+Each rank is started by ``processes.worker_process``: on Linux, forked from a server that loaded torch once.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 
-from gradwire.processes import die_with_parent
+from gradwire.processes import Child, worker_process
 from gradwire.transport import free_port
 
 log = logging.getLogger(__name__)
@@ -29,8 +29,8 @@ _POLL = 0.2
 
 
 def rank_env(rank: int, world: int, port: int, restart: int) -> dict[str, str]:
+    """torchrun's variables for one rank (on top of the launcher's environment)."""
     return {
-        **os.environ,
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
         "WORLD_SIZE": str(world),
@@ -53,16 +53,7 @@ def launch(argv: Sequence[str], nproc: int, *, max_restarts: int = 3, grace: flo
     try:
         for restart in range(max_restarts + 1):
             port = free_port()
-            # Own sessions: a terminal's Ctrl-C reaches the launcher alone, which stops rank 0 first.
-            procs = [
-                subprocess.Popen(
-                    [sys.executable, "-m", "gradwire.worker", *argv],
-                    env=rank_env(r, nproc, port, restart),
-                    start_new_session=True,
-                    preexec_fn=die_with_parent,
-                )  # noqa: PLW1509 - one prctl call, no locks
-                for r in range(nproc)
-            ]
+            procs = [worker_process(argv, rank_env(r, nproc, port, restart)) for r in range(nproc)]
             log.info(
                 "node of %d ranks started (pids %s)%s",
                 nproc,
@@ -90,7 +81,7 @@ def launch(argv: Sequence[str], nproc: int, *, max_restarts: int = 3, grace: flo
             signal.signal(sig, handler)
 
 
-def _reap(procs: list[subprocess.Popen], seconds: float) -> None:
+def _reap(procs: list[Child], seconds: float) -> None:
     deadline = time.monotonic() + seconds
     for p in procs:
         try:

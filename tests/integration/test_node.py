@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -453,13 +454,12 @@ def test_a_local_sgd_node_resumes_every_ranks_inner_state(tmp_path):
     assert own and {n.removeprefix("rank1.") for n in inner if n.startswith("rank1.")} == own  # both ranks'
 
 
-def _rank_pid(launcher: subprocess.Popen, rank: int) -> int:
-    children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
-    for pid in children:
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        if f"RANK={rank}".encode() in environ:
-            return int(pid)
-    raise AssertionError(f"no rank {rank} among {children}")
+def _rank_pid(tmp_path: Path, launcher: subprocess.Popen, rank: int) -> int:
+    """The pid of ``rank`` of the node ``launcher`` runs, as the launcher's log names its ranks last."""
+    port = launcher.args[launcher.args.index("--port") + 1]
+    started = re.findall(r"ranks started \(pids \[([\d, ]+)\]\)", (tmp_path / f"node-{port}.log").read_text())
+    assert started, "the launcher has not logged its ranks"
+    return int(started[-1].split(",")[rank])
 
 
 @pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["dies", "hangs"])
@@ -485,7 +485,7 @@ def test_a_node_that_loses_a_rank_fails_its_round_restarts_and_rejoins(tmp_path,
         try:
             trainer.connect()
             records = [trainer.train_step() for _ in range(2)]
-            os.kill(_rank_pid(launcher, 1), fault)  # one GPU process of the node dies, or hangs
+            os.kill(_rank_pid(tmp_path, launcher, 1), fault)  # one GPU process of the node dies, or hangs
             t0 = time.monotonic()
             records.append(trainer.train_step())
             assert time.monotonic() - t0 < 30.0  # within the round's deadline (a hang: the node's 5 s timeout)
@@ -505,7 +505,7 @@ def test_a_node_that_loses_a_rank_fails_its_round_restarts_and_rejoins(tmp_path,
 
 def test_ranks_do_not_outlive_a_killed_launcher(tmp_path):
     with node(tmp_path) as (_, launcher):
-        ranks = [_rank_pid(launcher, r) for r in (0, 1)]
+        ranks = [_rank_pid(tmp_path, launcher, r) for r in (0, 1)]
         launcher.kill()  # SIGKILL: no chance to stop its ranks itself
         launcher.wait(10)
         deadline = time.monotonic() + 20
