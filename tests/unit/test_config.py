@@ -233,6 +233,7 @@ def test_gossip_rounds_take_their_defaults_and_refuse_what_centralized_rounds_al
     assert ring.index_coding == "elias-fano" and ring.codec_config().indices == "elias-fano"
     assert (TrainConfig(topology="ring", index_coding="packed12").topk, TrainConfig().index_coding) == (512, "packed12")
     assert TrainConfig(topology="complete", no_compression=True).gossip_gamma == 1.0
+    assert TrainConfig(topology="complete", inner_optimizer="demuon").gossip_gamma == 0.7  # orthogonalised steps
     assert TrainConfig(topology="ring").takes_inner_steps  # one inner step a round at H 1
     assert TrainConfig(topology="ring", resume_from="runs/x").resume_from  # gossip runs resume
     for flags, named in [
