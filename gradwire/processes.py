@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -49,7 +50,7 @@ class Child(Protocol):
 def _forked_worker(argv: list[str], env: dict[str, str]) -> None:
     """In the forked child: SIGTERM as a fresh process has it, a session of its own, death with the fork
     server, the environment it was given (thread counts too: torch read the server's as it loaded), then
-    the worker command."""
+    the worker command as ``python -m gradwire.worker`` runs it."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.setsid()
     die_with_parent()
@@ -59,9 +60,8 @@ def _forked_worker(argv: list[str], env: dict[str, str]) -> None:
         import torch
 
         torch.set_num_threads(int(threads))
-    from gradwire.worker.cli import main
-
-    sys.exit(main(argv))
+    sys.argv = [sys.executable, *argv]
+    runpy.run_module("gradwire.worker", run_name="__main__", alter_sys=True)
 
 
 class ForkedChild:
