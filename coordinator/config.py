@@ -718,7 +718,7 @@ class TrainConfig:
     def _check_gossip(self) -> None:
         """Gossip rounds: the consensus step's default, and the settings of centralized rounds they exclude.
         Spot checks recompute a gradient at the replica, which a gossip worker does not train: they are off."""
-        if self.gossip_gamma is None:  # measured: docs/benchmarks.md, "Decentralized training"
+        if self.gossip_gamma is None:  # measured: docs/benchmarks.md, "DeMuon with Elias-Fano indices, and its gamma"
             self.gossip_gamma = 1.0 if self.no_compression else 0.7 if self.inner_optimizer == "demuon" else 0.5
         if not (math.isfinite(self.gossip_gamma) and 0 < self.gossip_gamma <= 1):
             raise ValueError(f"--gossip-gamma must be in (0, 1], got {self.gossip_gamma}")
