@@ -407,7 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         rank = rank_from_env()
         # Settings that clash (--node-shard without fsdp) fail before any rank starts; without torch, which
-        # only the ranks load (the launcher stays small).
+        # the launcher never loads (its fork server loads it once for the ranks: gradwire.processes).
         check_placement(
             args.node_mode,
             args.node_shard,
