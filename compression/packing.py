@@ -118,9 +118,9 @@ def pack_ef(indices: np.ndarray, universe: int) -> bytes:
 
 
 def unpack_ef(data: bytes | np.ndarray, chunks: int, k: int, universe: int) -> np.ndarray:
-    """Inverse of ``pack_ef``: (chunks, k) int64. ``ValueError`` for any bytes ``pack_ef`` would not write:
-    the wrong length, nonzero pad bits, a chunk without exactly ``k`` upper bits set, an index outside the
-    universe, or indices that do not increase (a repeat)."""
+    """Inverse of ``pack_ef``: (chunks, k) int32 (int64 past 2**31 bits of upper bits). ``ValueError`` for
+    any bytes ``pack_ef`` would not write: the wrong length, nonzero pad bits, a chunk without exactly ``k``
+    upper bits set, an index outside the universe, or indices that do not increase (a repeat)."""
     raw = np.frombuffer(data, np.uint8) if isinstance(data, (bytes, bytearray, memoryview)) else data
     want = ef_nbytes(chunks, k, universe)
     if raw.size != want:
@@ -138,9 +138,11 @@ def unpack_ef(data: bytes | np.ndarray, chunks: int, k: int, universe: int) -> n
     if (wrong := np.flatnonzero(counts != k)).size:
         raise ValueError(f"chunk {int(wrong[0])} sets {int(counts[wrong[0]])} upper bits, not {k}")
     # Every chunk sets k: the i-th set bit of chunk c is index i's, at (index_i >> low) + i of c's width.
-    high = np.flatnonzero(upper).reshape(chunks, k)
-    high -= np.arange(0, chunks * width, width)[:, None] + np.arange(k)
-    idx = (high << low) | lows.reshape(chunks, k).astype(np.int64)
+    # int32 where the stream's positions fit: half the bytes of int64 to move through every step after.
+    pos = np.int32 if chunks * width < 1 << 31 else np.int64
+    high = np.flatnonzero(upper).astype(pos, copy=False).reshape(chunks, k)
+    high -= np.arange(0, chunks * width, width, dtype=pos)[:, None] + np.arange(k, dtype=pos)
+    idx = (high << low) | lows.reshape(chunks, k)
     if idx.size and idx.max() >= universe:
         raise ValueError(f"index {int(idx.max())} is outside a chunk of {universe} positions")
     if k > 1 and not (np.diff(idx, axis=1) > 0).all():
