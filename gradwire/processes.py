@@ -78,7 +78,7 @@ class ForkedChild:
         return self._process.exitcode
 
     def poll(self) -> int | None:
-        return self._process.exitcode
+        return self.returncode
 
     def send_signal(self, sig: int) -> None:
         if self._process.exitcode is None:
@@ -101,7 +101,9 @@ def worker_process(argv: Sequence[str], env: Mapping[str, str] = {}, *, fork: bo
     """``python -m gradwire.worker *argv`` with ``env`` on top of this process's environment, in a session
     of its own (a terminal's Ctrl-C reaches the parent alone, which stops it in its own way) and dying with
     its parent. ``fork``: from the fork server (default: on Linux)."""
-    if fork if fork is not None else sys.platform == "linux":
+    if fork is None:
+        fork = sys.platform == "linux"
+    if fork:
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(["gradwire.forkpreload"])
         return ForkedChild(context, list(argv), dict(env))
