@@ -41,7 +41,7 @@ from gradwire.compression.plan import (
     value_bits,
     values_nbytes,
 )
-from gradwire.compression.quant import Quantized, dequantize, quantize, quantize_sign, sign_table
+from gradwire.compression.quant import Quantized, quantize, quantize_sign, sign_table, values_table
 from gradwire.compression.select import topk_indices
 
 if TYPE_CHECKING:
@@ -59,7 +59,6 @@ class _GroupLayout:
 
     row_member: torch.Tensor  # (B,) member index of every chunk
     quantized: np.ndarray  # (M,) bool: member sends coded (LUT or SIGN) values
-    value_member_q: np.ndarray  # (N_q,) index among the quantized members of every quantized value
     value_starts: np.ndarray  # (M,) first value of each member in stack order
     pads: np.ndarray | None  # positions of odd-count pads among the group's unpacked indices
     pad_members: np.ndarray | None  # member owning each pad
@@ -349,7 +348,7 @@ class GradientCodec:
         vals = np.empty(group.num_chunks * k, np.float32)
         q_plans = [t for t, q in zip(group.members, layout.quantized) if q]
         if q_plans:
-            q_vals = self._dequantize(q_plans, [by_name[t.name] for t in q_plans], layout.value_member_q)
+            q_vals = self._dequantize(q_plans, [by_name[t.name] for t in q_plans])
         if layout.quantized.all():
             vals = q_vals
         else:
@@ -400,33 +399,36 @@ class GradientCodec:
 
     def _decode_values(self, t: TensorPlan, ct: CompressedTensor) -> torch.Tensor:
         if t.value_format != ValueFormat.FLOAT32:
-            vals = torch.from_numpy(self._dequantize([t], [ct], np.zeros(t.num_values, np.int64)))
+            vals = torch.from_numpy(self._dequantize([t], [ct]))
         else:
             vals = torch.from_numpy(np.frombuffer(ct.values, "<f4").copy())
         return vals.to(self.device)
 
-    def _dequantize(
-        self, plans: Sequence[TensorPlan], cts: Sequence[CompressedTensor], member: np.ndarray
-    ) -> np.ndarray:
-        """Coded values of several tensors, (N,) float32 in order; ``member`` (N,) is each value's tensor.
+    def _dequantize(self, plans: Sequence[TensorPlan], cts: Sequence[CompressedTensor]) -> np.ndarray:
+        """Coded values of several tensors, (N,) float32 in order.
 
         Unpacks each tensor's codes (each is its own bit stream, padded to a byte), checks them against
-        ``bins`` and decodes all through one table lookup.
+        ``bins`` and looks them up in the tensor's table of decoded values (``quant.values_table``).
         """
-        codes = np.concatenate([unpack_bits(ct.values, self._bits, t.num_values) for t, ct in zip(plans, cts)])  # (N,)
         bins = self.config.bins
-        if self._coded == ValueFormat.LUT and bins & (bins - 1):  # not a power of two: codes can exceed it
-            bad = np.flatnonzero(codes >= bins)
-            if bad.size:
-                owner = plans[int(member[bad[0]])]
-                raise PayloadError(owner.name, "values", f"code {int(codes[bad[0]])} is not below bins={bins}")
         if self._coded == ValueFormat.SIGN:
             lut = sign_table(len(cts))
         else:
             lut = torch.from_numpy(np.frombuffer(b"".join(ct.lut for ct in cts), "<f2").reshape(len(cts), -1).copy())
         shift = torch.tensor([ct.shift for ct in cts], dtype=torch.float32)
         scale = torch.tensor([ct.scale for ct in cts], dtype=torch.float32)
-        return dequantize(torch.from_numpy(codes), torch.from_numpy(member), lut, shift, scale).numpy()
+        table = values_table(lut, shift, scale).numpy()  # (T, bins): each tensor's codes are looked up in its row
+        out = np.empty(sum(t.num_values for t in plans), np.float32)
+        start = 0
+        for i, (t, ct) in enumerate(zip(plans, cts)):
+            codes = unpack_bits(ct.values, self._bits, t.num_values)
+            if self._coded == ValueFormat.LUT and bins & (bins - 1):  # not a power of two: codes can exceed it
+                bad = np.flatnonzero(codes >= bins)
+                if bad.size:
+                    raise PayloadError(t.name, "values", f"code {int(codes[bad[0]])} is not below bins={bins}")
+            np.take(table[i], codes, out=out[start : start + t.num_values])
+            start += t.num_values
+        return out
 
     # ---------------------------------------------------------------- aggregate
 
@@ -469,8 +471,6 @@ class GradientCodec:
         counts = torch.tensor([t.num_chunks for t in group.members])
         row_member = torch.repeat_interleave(torch.arange(len(group.members)), counts)
         quantized = np.array([t.value_format != ValueFormat.FLOAT32 for t in group.members])
-        q_counts = np.array([t.num_values for t in group.members])[quantized]
-        value_member_q = np.repeat(np.arange(len(q_counts)), q_counts)
         num_values = np.array([t.num_values for t in group.members])
         value_starts = np.concatenate([[0], np.cumsum(num_values)[:-1]])
         odd = num_values % 2 == 1
@@ -479,7 +479,7 @@ class GradientCodec:
             padded_ends = np.cumsum(num_values + odd)
             pads = (padded_ends - 1)[odd]
             pad_members = np.flatnonzero(odd)
-        return _GroupLayout(row_member, quantized, value_member_q, value_starts, pads, pad_members)
+        return _GroupLayout(row_member, quantized, value_starts, pads, pad_members)
 
 
 def _finite_within(x: np.ndarray, limit: float) -> bool:

@@ -133,15 +133,20 @@ def unpack_ef(data: bytes | np.ndarray, chunks: int, k: int, universe: int) -> n
     bits = np.unpackbits(raw[split:], bitorder="little")
     if bits[chunks * width :].any():
         raise ValueError("the unused high bits of the last byte must be zero")
-    upper = bits[: chunks * width].view(bool).reshape(chunks, width)
-    counts = np.count_nonzero(upper, axis=1)
-    if (wrong := np.flatnonzero(counts != k)).size:
-        raise ValueError(f"chunk {int(wrong[0])} sets {int(counts[wrong[0]])} upper bits, not {k}")
-    # Every chunk sets k: the i-th set bit of chunk c is index i's, at (index_i >> low) + i of c's width.
+    upper = bits[: chunks * width].view(bool)
     # int32 where the stream's positions fit: half the bytes of int64 to move through every step after.
-    pos = np.int32 if chunks * width < 1 << 31 else np.int64
-    high = np.flatnonzero(upper).astype(pos, copy=False).reshape(chunks, k)
-    high -= np.arange(0, chunks * width, width, dtype=pos)[:, None] + np.arange(k, dtype=pos)
+    dtype = np.int32 if chunks * width < 1 << 31 else np.int64
+    pos = np.flatnonzero(upper).astype(dtype, copy=False)
+    start = np.arange(0, chunks * width, width, dtype=dtype)
+    # Every chunk sets exactly k bits when there are chunks x k in all and each chunk's k (the sorted
+    # positions taken k at a time) lie within its own width: then no chunk can hold more than its k.
+    if pos.size != chunks * k or (k and ((pos[::k] < start).any() or (pos[k - 1 :: k] >= start + width).any())):
+        counts = np.count_nonzero(upper.reshape(chunks, width), axis=1)
+        wrong = int(np.flatnonzero(counts != k)[0])
+        raise ValueError(f"chunk {wrong} sets {int(counts[wrong])} upper bits, not {k}")
+    # The i-th set bit of chunk c is index i's, at (index_i >> low) + i of c's width.
+    high = pos.reshape(chunks, k)
+    high -= start[:, None] + np.arange(k, dtype=dtype)
     idx = (high << low) | lows.reshape(chunks, k)
     if idx.size and idx.max() >= universe:
         raise ValueError(f"index {int(idx.max())} is outside a chunk of {universe} positions")
@@ -181,25 +186,68 @@ def unpack_bits(data: bytes | np.ndarray, bits: int, count: int) -> np.ndarray:
     return _unpack_stream(raw, bits, count)
 
 
+# For widths that divide a byte: the values in each byte value, LSB first, (256, 8 // width) uint8.
+_BYTE_VALUES = {
+    w: ((np.arange(256, dtype=np.uint8)[:, None] >> np.arange(0, 8, w, dtype=np.uint8)) & ((1 << w) - 1))
+    for w in (1, 2, 4, 8)
+}
+
+
+def _group_slots(width: int) -> list[tuple[int, int, int]]:
+    """Eight ``width``-bit values fill ``width`` bytes exactly: for each of the eight, its first byte in the
+    group, its last, and its shift within the first."""
+    return [(j * width >> 3, (j * width + width - 1) >> 3, j * width & 7) for j in range(8)]
+
+
 def _pack_stream(values: np.ndarray, width: int) -> bytes:
     """``width``-bit values (0..16 bits) as one LSB-first bit stream, padded with zero bits to a byte: bit j
-    of value i is stream bit ``i * width + j``."""
+    of value i is stream bit ``i * width + j``. Works on groups of eight values, which fill ``width`` bytes:
+    one vectorized pass per value slot and byte, not per bit."""
     if width == 0:
         return b""
-    wide = values.astype("<u2" if width > 8 else np.uint8).reshape(-1, 1).view(np.uint8)
-    stream = np.unpackbits(wide, axis=1, bitorder="little")[:, :width]  # (n, width)
-    return np.packbits(stream.reshape(-1), bitorder="little").tobytes()
+    n = values.size
+    nbytes = (n * width + 7) // 8
+    if 8 % width == 0:  # whole values per byte: shift them into place
+        per = 8 // width
+        v = np.zeros(-(-n // per) * per, np.uint8)
+        v[:n] = values.reshape(-1)
+        v = v.reshape(-1, per)
+        out = v[:, 0].copy()
+        for j in range(1, per):
+            out |= v[:, j] << (j * width)
+        return out.tobytes()
+    wide = np.uint16 if width <= 9 else np.uint32  # a value and its shift within its first byte
+    v = np.zeros(-(-n // 8) * 8, wide)
+    v[:n] = values.reshape(-1)
+    v = v.reshape(-1, 8)
+    out = np.zeros((v.shape[0], width), np.uint8)
+    for j, (first, last, shift) in enumerate(_group_slots(width)):
+        x = v[:, j] << shift
+        for b in range(first, last + 1):
+            out[:, b] |= (x >> (8 * (b - first))).astype(np.uint8)
+    return out.reshape(-1)[:nbytes].tobytes()
 
 
 def _unpack_stream(raw: np.ndarray, width: int, count: int) -> np.ndarray:
     """Inverse of ``_pack_stream``: ``count`` values, uint8 up to 8 bits, else uint16 (pad bits unchecked)."""
-    out = np.zeros(count, np.uint8 if width <= 8 else np.uint16)
     if width == 0:
-        return out
-    planes = np.unpackbits(raw, count=count * width, bitorder="little").reshape(count, width)
-    for j in range(width):  # a pass per bit: cheaper than packing along a short axis
-        out |= planes[:, j].astype(out.dtype) << j
-    return out
+        return np.zeros(count, np.uint8)
+    nbytes = (count * width + 7) // 8
+    if 8 % width == 0:  # whole values per byte: each byte's values from a table
+        return np.take(_BYTE_VALUES[width], raw[:nbytes], axis=0).reshape(-1)[:count]
+    groups = -(-count // 8)
+    g = np.zeros(groups * width, np.uint8)
+    g[:nbytes] = raw[:nbytes]
+    g = g.reshape(groups, width)
+    out = np.empty((groups, 8), np.uint8 if width <= 8 else np.uint16)
+    wide = np.uint16 if width <= 9 else np.uint32
+    mask = (1 << width) - 1
+    for j, (first, last, shift) in enumerate(_group_slots(width)):
+        x = g[:, first].astype(wide)
+        for b in range(first + 1, last + 1):
+            x |= g[:, b].astype(wide) << (8 * (b - first))
+        out[:, j] = (x >> shift) & mask
+    return out.reshape(-1)[:count]
 
 
 def pad_bits(data: bytes | np.ndarray, bits: int, count: int) -> int:

@@ -81,7 +81,11 @@ def dequantize(
     codes: torch.Tensor, segment: torch.Tensor, lut: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor
 ) -> torch.Tensor:
     """Values (N,) float32 from bin ids (N,), their segments (N,) and per-segment tables (T, bins)."""
-    seg = segment.long()
     bins = lut.shape[1]
-    table = lut.float().reshape(-1)
-    return shift[seg] + scale[seg] * table[seg * bins + codes.long()]
+    return values_table(lut, shift, scale).reshape(-1)[segment.long() * bins + codes.long()]
+
+
+def values_table(lut: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Every segment's decoded value of every bin, (T, bins) float32: ``shift + scale * lut``, rounded as
+    computed value by value, so a lookup in it is what ``dequantize`` returns, bit for bit."""
+    return shift[:, None] + scale[:, None] * lut.float()

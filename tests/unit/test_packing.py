@@ -7,6 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gradwire.compression.packing import (
+    _pack_stream,
+    _unpack_stream,
     bits_nbytes,
     ef_chunk_bits,
     ef_low_bits,
@@ -81,6 +83,22 @@ def test_bits_round_trip_any_width_and_length(case):
     out = unpack_bits(packed, bits, len(codes))
     assert out.dtype == np.uint8
     np.testing.assert_array_equal(out, codes)
+
+
+@given(
+    st.integers(1, 16).flatmap(
+        lambda bits: st.tuples(st.just(bits), st.lists(st.integers(0, (1 << bits) - 1), max_size=67))
+    )
+)
+def test_bit_streams_of_any_width_to_16_match_the_layout(case):
+    """The stream under both codes and Elias-Fano's low bits, which take up to 12: grouped eight values at
+    a time, table-decoded for widths that divide a byte."""
+    bits, values = case
+    packed = _pack_stream(np.array(values, dtype=np.int64), bits)
+    assert packed == _reference_pack(values, bits)
+    out = _unpack_stream(np.frombuffer(packed, np.uint8), bits, len(values))
+    assert out.dtype == (np.uint8 if bits <= 8 else np.uint16)
+    np.testing.assert_array_equal(out, values)
 
 
 @given(codes_and_bits)
