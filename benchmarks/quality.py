@@ -661,3 +661,10 @@ if __name__ == "__main__":
 #                      codec) 0.78 / 0.56, the same count chosen per tensor 0.79 / 0.57, over the whole model 0.79 /
 #                      0.60 (the embedding takes more): the pseudo-gradient's energy is spread evenly over the
 #                      chunks, so letting chunks keep different counts would buy ~1 point of energy, not the gap.
+#   Elias-Fano at the bytes of top-90 (averaging re-run: 5.5541): 2-bit top-143 5.6949 (2.57 pt) | 3-bit top-124
+#                      5.7189 (3.01) | 4-bit top-112 5.7442 (3.47), though a round's decoded error falls 0.51 ->
+#                      0.31 -> 0.25 | --fragments 2 5.6971 (2.61) | 128x128 chunks, top-572 (patched) 5.7212 (3.05)
+#                      | kept-mean 5.7178 (2.99)
+#   every inner gradient clipped to norm 1 (--set M.clip_grad_norm=1.0, every row): dense 5.4228 | averaging
+#                      5.4660 (+0.80%) | sparseloco Elias-Fano 5.6219 (2.87 pt) | 12-bit 5.6402 (3.21 pt): clipping
+#                      helps every method by 1-1.6% but not the codec gap
