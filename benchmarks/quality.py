@@ -668,3 +668,6 @@ if __name__ == "__main__":
 #   every inner gradient clipped to norm 1 (--set M.clip_grad_norm=1.0, every row): dense 5.4228 | averaging
 #                      5.4660 (+0.80%) | sparseloco Elias-Fano 5.6219 (2.87 pt) | 12-bit 5.6402 (3.21 pt): clipping
 #                      helps every method by 1-1.6% but not the codec gap
+#   consecutive pseudo-gradients of one worker (AdamW, rounds of 30 steps) have cosines 0.52 / 0.45 / 0.33 / 0.31
+#                      / 0.22: sending each round's difference from a multiple of the last would save 5-27% of the
+#                      energy, not the gap (not built)
