@@ -6,7 +6,9 @@ Large messages travel as ``protocol.PART_BYTES`` (2 MiB) parts, so one gRPC mess
 
 from __future__ import annotations
 
+import random
 import socket
+from pathlib import Path
 
 SERVICE_NAME = "gradwire.v1.Worker"
 
@@ -36,8 +38,44 @@ def grpc_options() -> list[tuple[str, int]]:
     ]
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now (for local workers, a node's rendezvous, tests)."""
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def ephemeral_ports(path: Path = EPHEMERAL_RANGE) -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (Linux's default if it cannot be read)."""
+    try:
+        low, high = (int(v) for v in path.read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
+_handed_out: set[int] = set()  # this process's answers: two calls before either port is bound differ
+
+
+def free_port(host: str = "127.0.0.1", *, ephemeral: tuple[int, int] | None = None) -> int:
+    """A TCP port nothing listens on right now (for local workers, a node's rendezvous, tests).
+
+    The port is taken *below* the kernel's ephemeral range: a port from there (``bind(0)``) can be handed
+    to any outgoing connection (a node's gloo pairs, a gRPC client) in the seconds before its server binds
+    it, and then the server cannot start. Falls back to ``bind(0)`` when there is no room below the range."""
+    low, _ = ephemeral or ephemeral_ports()
+    first = 10_000
+    if low - first >= 1_000:
+        for _ in range(200):
+            port = random.randrange(first, low)
+            if port not in _handed_out and _bindable(host, port):
+                _handed_out.add(port)
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
