@@ -8,6 +8,7 @@ senders. With one or two senders the sum is still sparse, and the inverse is tak
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Iterator
 
@@ -29,10 +30,13 @@ class Aggregator:
     shrinks that sender's values but not the weight divided by: a clipped sender counts for less, it does
     not make the others count for more. ``per_coordinate`` always sums into dense coefficient buffers.
 
-    With few senders the sum is sparse: K = senders x k coefficients per chunk. Then the inverse DCT is
-    computed straight from the coefficients, ``X = (D_r[u] * vals)^T @ D_c[v]``: 2rcK FLOPs per chunk
-    instead of 2rc(r + c), and no dense coefficient buffer. Past that, senders are scatter-added into
-    dense coefficient sums as they arrive, which keeps memory bounded however many there are.
+    With few senders the sum is sparse: k coefficients per chunk from each. Then each sender's inverse DCT
+    is computed straight from its coefficients, ``X = (D_r[u] * vals)^T @ D_c[v]``: 2rck FLOPs per chunk
+    and sender instead of 2rc(r + c), and no dense coefficient buffer; the senders' transforms are
+    weighted and summed in order. A sender's transform does not depend on the others, so a holder that
+    knows one payload early (a worker, its own) computes it ahead (``with_inverse``) and its replay pays
+    for the others' alone. Past that, senders are scatter-added into dense coefficient sums as they
+    arrive, which keeps memory bounded however many there are.
 
     ``dtype=torch.float64`` sums and transforms in float64 and rounds once to float32 at the end: then
     devices that sum in another order (a GPU against a CPU) get the same float32 bits but in cases as rare
@@ -153,7 +157,7 @@ class Aggregator:
             coefficients = None if sparse or fused else self._coefficients(gi)
             for lo, hi in member_slices(group):
                 if sparse:
-                    stack = self._sparse_inverse(gi, lo, hi)
+                    stack = self._held_inverse(gi, lo, hi)
                 elif fused:  # the mean's division rides on the IDCT basis instead of costing a pass
                     sums = self._sums[gi][lo:hi].view(hi - lo, *group.chunk_shape)
                     stack = idct_chunks(sums, 1.0 / self.total_weight)
@@ -166,26 +170,18 @@ class Aggregator:
             dense = zip(codec.plan.dense, self._dense)
             yield {t.name: (acc / self.total_weight).float().view(t.shape) for t, acc in dense}
 
-    def _sparse_inverse(self, gi: int, lo: int, hi: int) -> torch.Tensor:
-        """Inverse DCT of the held senders' coefficients of chunks ``lo:hi`` of group ``gi``, straight from
-        (index, value) pairs."""
-        group = self.codec.plan.groups[gi]
-        idx = torch.cat([d.indices[gi][lo:hi] for d, _ in self._held], dim=1)  # (B, K)
-        vals = torch.cat(
-            [d.values[gi][lo:hi].to(self.dtype) * (w / self.total_weight) for d, w in self._held], dim=1
-        )  # (B, K)
-        if len(group.chunk_shape) == 1:
-            (n,) = group.chunk_shape
-            basis = dct_basis(n, vals.dtype, vals.device)
-            picked = torch.index_select(basis, 0, idx.reshape(-1)).view(*idx.shape, n)  # (B, K, n)
-            return torch.bmm(vals.unsqueeze(1), picked).squeeze(1)  # (B, 1, K) @ (B, K, n) -> (B, n)
-        r, c = group.chunk_shape
-        b, k = idx.shape
-        d_r, d_c = dct_basis(r, vals.dtype, vals.device), dct_basis(c, vals.dtype, vals.device)
-        # Coefficient (u, v) with value a contributes a * outer(D_r[u, :], D_c[v, :]).
-        rows = torch.index_select(d_r, 0, (idx // c).reshape(-1)).view(b, k, r).mul_(vals.unsqueeze(-1))
-        cols = torch.index_select(d_c, 0, (idx % c).reshape(-1)).view(b, k, c)
-        return torch.bmm(rows.transpose(1, 2), cols)  # (B, r, K) @ (B, K, c) -> (B, r, c)
+    def _held_inverse(self, gi: int, lo: int, hi: int) -> torch.Tensor:
+        """The weighted sum of the held senders' inverse DCTs of chunks ``lo:hi`` of group ``gi``: each
+        sender's transform (computed ahead, or here), times its share of the mean, added in sender order."""
+        stack = None
+        for d, weight in self._held:
+            term = d.inverse.get((gi, lo, hi)) if d.inverse is not None else None
+            if term is None or term.dtype != self.dtype:
+                term = sender_inverse(self.codec, d, gi, lo, hi, self.dtype)
+            term = term * (weight / self.total_weight)  # a new tensor: a term computed ahead stays as it was
+            stack = term if stack is None else stack.add_(term)
+        assert stack is not None
+        return stack
 
     def _check_nonempty(self) -> None:
         if self.total_weight <= 0:
@@ -228,13 +224,51 @@ def in_plan_order(codec: GradientCodec, parts: Iterable[dict[str, torch.Tensor]]
     return {t.name: out[t.name] for t in codec.plan.tensors}
 
 
+def sender_inverse(
+    codec: GradientCodec, d: DecodedGradient, gi: int, lo: int, hi: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The inverse DCT of one sender's kept coefficients of chunks ``lo:hi`` of group ``gi``, unweighted,
+    straight from its (index, value) pairs: (hi - lo, *chunk_shape) in ``dtype``."""
+    group = codec.plan.groups[gi]
+    idx, vals = d.indices[gi][lo:hi], d.values[gi][lo:hi].to(dtype)  # (B, k)
+    if len(group.chunk_shape) == 1:
+        (n,) = group.chunk_shape
+        basis = dct_basis(n, dtype, vals.device)
+        picked = torch.index_select(basis, 0, idx.reshape(-1)).view(*idx.shape, n)  # (B, k, n)
+        return torch.bmm(vals.unsqueeze(1), picked).squeeze(1)  # (B, 1, k) @ (B, k, n) -> (B, n)
+    r, c = group.chunk_shape
+    b, k = idx.shape
+    d_r, d_c = dct_basis(r, dtype, vals.device), dct_basis(c, dtype, vals.device)
+    # Coefficient (u, v) with value a contributes a * outer(D_r[u, :], D_c[v, :]).
+    rows = torch.index_select(d_r, 0, (idx // c).reshape(-1)).view(b, k, r).mul_(vals.unsqueeze(-1))
+    cols = torch.index_select(d_c, 0, (idx % c).reshape(-1)).view(b, k, c)
+    return torch.bmm(rows.transpose(1, 2), cols)  # (B, r, k) @ (B, k, c) -> (B, r, c)
+
+
+def sparse_senders(codec: GradientCodec) -> int:
+    """How many senders an aggregate of ``codec``'s payloads sums on its sparse path (0: never)."""
+    return _max_sparse_senders(codec.plan) if codec.config.use_dct else 0
+
+
+def with_inverse(codec: GradientCodec, d: DecodedGradient, dtype: torch.dtype = torch.float32) -> DecodedGradient:
+    """``d`` with its inverse DCT computed ahead (``DecodedGradient.inverse``), slice by slice as an
+    aggregate's ``parts`` cuts it, so both give the same bits. Costs a model's worth of ``dtype``."""
+    inverse = {
+        (gi, lo, hi): sender_inverse(codec, d, gi, lo, hi, dtype)
+        for gi, group in enumerate(codec.plan.groups)
+        for lo, hi in member_slices(group)
+    }
+    return dataclasses.replace(d, inverse=inverse)
+
+
 def _max_sparse_senders(plan: ModelPlan) -> int:
     """How many senders the sparse inverse DCT beats the dense one for, in every group (FLOP count)."""
     limits = []
     for g in plan.groups:
         dense_width = sum(g.chunk_shape) if len(g.chunk_shape) == 2 else g.chunk_shape[0]
-        # Sparse: 2 * numel * K; dense: 2 * numel * (r + c), or 2 * n * n for 1-D. Ask for a 4x margin:
-        # the gathers and small batched matmuls run well below the dense matmuls' rate (measured on CPU:
-        # one default-settings sender is 2x faster sparse, two are even).
-        limits.append(dense_width // (4 * g.k))
+        # Sparse: 2 * numel * k a sender; dense: 2 * numel * (r + c), or 2 * n * n for 1-D, plus zeroing and
+        # scattering into the coefficient sums. Ask for a 2x margin: the gathers and small batched matmuls
+        # run below the dense matmuls' rate (measured on CPU, gpt-10m's 7168 chunks of 64 x 64 at top-32,
+        # one thread: 0.17 s a sender, 0.40 s dense).
+        limits.append(dense_width // (2 * g.k))
     return min(limits, default=0)

@@ -71,6 +71,10 @@ class DecodedGradient:
     indices: list[torch.Tensor]  # per group, (B, k) int64
     values: list[torch.Tensor]  # per group, (B, k) float32
     dense: list[torch.Tensor]  # per dense tensor, (numel,) float32
+    # The inverse DCT of the kept coefficients, unweighted, by (group, first chunk, end chunk) of each
+    # member slice, when computed ahead (``aggregate.with_inverse``): an aggregate that takes this sender
+    # on its sparse path uses it instead of transforming the sender again.
+    inverse: dict[tuple[int, int, int], torch.Tensor] | None = None
 
 
 def _chunk_view(x: torch.Tensor, plan: TensorPlan) -> torch.Tensor:

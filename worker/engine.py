@@ -45,7 +45,15 @@ from google.protobuf.message import Message
 
 import gradwire
 from gradwire import protocol, statestream
-from gradwire.compression import CompressedGradient, DecodedGradient, NonFiniteInput, serde, shard
+from gradwire.compression import (
+    CompressedGradient,
+    DecodedGradient,
+    GradientCodec,
+    NonFiniteInput,
+    aggregate,
+    serde,
+    shard,
+)
 from gradwire.compression.fragment import Fragment, scoped
 from gradwire.errors import AccessDenied, PeersUnreachable, TooLarge
 from gradwire.memory import give_back_freed_memory
@@ -539,6 +547,7 @@ class WorkerEngine:
         known = _sent_decoded(session)
         for update in updates[:before]:
             replica.apply(update, known=known)
+        session.note_replay(updates[:before])
         t_update = time.perf_counter()
         if order.gossip is not None:  # the worker's own model, mixed with its neighbours' (worker.gossip)
             return self._gossip_round(session, order, cancelled, t0)
@@ -572,6 +581,7 @@ class WorkerEngine:
         t_computed = time.perf_counter()
         for update in updates[before:]:
             replica.apply(update, known=known)
+        session.note_replay(updates[before:])
         t_compute = time.perf_counter()  # the encode starts
         update_seconds = (t_update - t0) + (t_compute - t_computed)
         # 4. encode: error feedback and the codec, on rank 0 of a node (a split node: on every rank, each its
@@ -592,8 +602,10 @@ class WorkerEngine:
         # coordinator aggregates, not when the next order has arrived.
         if not session.placement.split:  # a split replica's fingerprint is a collective: taken in the check
             session.fingerprint_ahead = self._ahead.submit(replica.fingerprint)
-        # Its replay sums this payload too: decode it now, while the CPU would wait (1/N of the replay's decoding).
-        session.sent_decoded = self._ahead.submit(replica.codec(order.codec, _fragment(order)).decode, payload)
+        # Its replay sums this payload too: decode it now, while the CPU would wait (1/N of the replay's decoding),
+        # and where that replay will take the sparse path, transform it back too.
+        codec = replica.codec(order.codec, _fragment(order))
+        session.sent_decoded = self._ahead.submit(decode_ahead, codec, payload, session.inverse_ahead(codec))
         if self.node is None and (expected := lookahead.preview(order, replica.version)) is not None:
             self._compute.submit(self._look_ahead, session, expected)  # runs once this round's result is out
         # Where the time since this run's last result went: the wait is what neither the round nor work
@@ -904,6 +916,12 @@ def _view(session: Session | None) -> ReplicaView | None:
         session.fingerprint_ahead = None
     r = session.replica
     return ReplicaView(r.version, r.fingerprint(), r.numels, session.vocab_size, session.stale)
+
+
+def decode_ahead(codec: GradientCodec, payload: CompressedGradient, dtype: torch.dtype | None) -> DecodedGradient:
+    """``payload`` decoded, with its inverse DCT in ``dtype`` (``aggregate.with_inverse``) unless that is None."""
+    decoded = codec.decode(payload)
+    return aggregate.with_inverse(codec, decoded, dtype) if dtype is not None else decoded
 
 
 def _sent_decoded(session: Session) -> tuple[CompressedGradient, DecodedGradient] | None:

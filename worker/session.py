@@ -16,20 +16,29 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import torch
 
-from gradwire.compression import CodecConfig, CompressedGradient, DecodedGradient, ErrorFeedback, GradientCodec, shard
+from gradwire.compression import (
+    CodecConfig,
+    CompressedGradient,
+    DecodedGradient,
+    ErrorFeedback,
+    GradientCodec,
+    aggregate,
+    shard,
+)
+from gradwire.compression.robust import AggregationRule
 from gradwire.compression.stream import StreamPlan
 from gradwire.errors import TooLarge
 from gradwire.models import build_from_spec, spec_elements
 from gradwire.optim.inner import InnerOptimizer, InnerOptimizerConfig
 from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import ModelState, ProtocolError
-from gradwire.replica import Fingerprint, Replica
+from gradwire.replica import Fingerprint, Replica, StateUpdate
 from gradwire.statestream import TENSOR_FIELDS, StateHeader
 from gradwire.worker.lazy import is_dtensor, is_instance
 from gradwire.worker.meta import buffers_to, parameters_on_meta
@@ -124,6 +133,7 @@ class Session:
         self.last_sent: tuple[int, CompressedGradient] | None = header.own
         self.fingerprint_ahead: Future[Fingerprint] | None = None  # the replica's, being taken after a round
         self.sent_decoded: Future[DecodedGradient] | None = None  # last_sent's payload, decoded after the round
+        self.last_replay: tuple[int, AggregationRule] | None = None  # senders and rule of the last replay applied
         self.lookahead: Lookahead | None = None  # --overlap: the next round's contribution, computed ahead
         self.done_at: float | None = None  # perf_counter at the end of this run's last result here
         self.ahead_seconds = 0.0  # compute done ahead since then (a look-ahead, used or not)
@@ -247,6 +257,23 @@ class Session:
         if key not in self._stream_plans:
             self._stream_plans[key] = StreamPlan(self.replica.codec(config), count)
         return self._stream_plans[key]
+
+    def note_replay(self, applied: Sequence[StateUpdate]) -> None:
+        """Remember the senders and rule of the last replay among ``applied`` (``inverse_ahead``'s guess)."""
+        replays = [u for u in applied if u.delta is None]
+        if replays:
+            self.last_replay = (len(replays[-1].payloads), replays[-1].rule)
+
+    def inverse_ahead(self, codec: GradientCodec) -> torch.dtype | None:
+        """The dtype to take this worker's payload's inverse DCT in while the round's result travels, so the
+        replay that sums it (as many senders as the last one, the guess) transforms the others' alone; None
+        where that replay will not sum on the sparse path, or this rank never holds the whole update."""
+        if self.last_replay is None or self.placement.split:
+            return None
+        senders, rule = self.last_replay
+        if rule.mode != "mean" or senders > aggregate.sparse_senders(codec):
+            return None
+        return rule.dtype
 
     def carry_over(self, previous: Session) -> None:
         """A resync push of a run this worker already serves keeps what the push did not bring this rank."""

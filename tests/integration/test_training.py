@@ -191,6 +191,9 @@ def test_a_worker_is_never_sent_its_own_payload_back(tmp_path, two_workers):
     for w in two_workers:
         (session,) = w.engine.sessions.values()
         assert session.last_sent is not None and session.last_sent[0] == trainer.step - 1
+        # Two senders replay on the sparse path: each worker took its own payload's transform ahead, and
+        # its replica still matched the coordinator's every round (no pushes, above).
+        assert session.sent_decoded is not None and session.sent_decoded.result().inverse is not None
 
 
 def test_a_worker_that_lost_its_own_payload_gets_the_state(tmp_path, two_workers):

@@ -210,6 +210,51 @@ def test_sparse_inverse_dct_equals_the_dense_path(senders):
     assert sparse.norm() == pytest.approx(float(_cat(a).norm()), rel=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_sender_transformed_ahead_sums_to_the_same_bits(dtype, monkeypatch):
+    """A worker takes its own payload's inverse DCT while the round's result travels; its replay then sums
+    the same bits as a holder that transforms every sender at once (the coordinator)."""
+    codec = GradientCodec(SHAPES, CodecConfig(topk=8))
+    payloads = [codec.compress(_grads(s)) for s in range(2)]
+    assert aggregate.sparse_senders(codec) >= 2  # both senders go the sparse path
+    decoded = [codec.decode(p) for p in payloads]
+    ahead = [aggregate.with_inverse(codec, d, dtype) for d in decoded]
+    transforms = []
+    real = aggregate.sender_inverse
+    monkeypatch.setattr(aggregate, "sender_inverse", lambda *a: transforms.append(a) or real(*a))
+
+    def result(senders) -> dict[str, torch.Tensor]:
+        transforms.clear()
+        agg = Aggregator(codec, dtype=dtype)
+        for d, w in zip(senders, (1.0, 3.0)):
+            agg.add(d, w)
+        return agg.result()
+
+    plain = result(decoded)
+    assert len(transforms) > 0
+    own_ahead = result([decoded[0], ahead[1]])
+    once = len(transforms)
+    both_ahead = result(ahead)
+    assert len(transforms) == 0 and once == len(transforms_of(codec))  # each of the other's slices, once
+    for name in SHAPES:
+        assert torch.equal(own_ahead[name], plain[name]) and torch.equal(both_ahead[name], plain[name]), name
+    # A transform taken in another dtype than the aggregate's is not used: the same bits all the same.
+    other = torch.float64 if dtype == torch.float32 else torch.float32
+    wrong = result([aggregate.with_inverse(codec, d, other) for d in decoded])
+    assert len(transforms) > 0 and all(torch.equal(wrong[n], plain[n]) for n in SHAPES)
+    # The terms are what the dense path sums, to float32 rounding.
+    dense = Aggregator(codec, sparse=False, dtype=dtype)
+    for p, w in zip(payloads, (1.0, 3.0)):
+        dense.add(p, w)
+    for name, t in dense.result().items():
+        torch.testing.assert_close(plain[name], t, atol=1e-6, rtol=1e-5)
+
+
+def transforms_of(codec: GradientCodec) -> list[tuple[int, int, int]]:
+    """Every (group, first chunk, end chunk) slice an aggregate transforms a sender in."""
+    return [(gi, lo, hi) for gi, g in enumerate(codec.plan.groups) for lo, hi in aggregate.member_slices(g)]
+
+
 @pytest.mark.parametrize("sparse", [True, False])
 def test_an_aggregate_decoded_a_few_tensors_at_a_time_is_the_whole_decode(sparse, monkeypatch):
     shapes = {"a": (128, 128), "b": (64, 128), "c": (256, 64), "d": (64, 64), "norm": (768,)}  # one 64x64 group
