@@ -175,10 +175,12 @@ class Aggregator:
         sender's transform (computed ahead, or here), times its share of the mean, added in sender order."""
         stack = None
         for d, weight in self._held:
-            term = d.inverse.get((gi, lo, hi)) if d.inverse is not None else None
-            if term is None or term.dtype != self.dtype:
-                term = sender_inverse(self.codec, d, gi, lo, hi, self.dtype)
-            term = term * (weight / self.total_weight)  # a new tensor: a term computed ahead stays as it was
+            share = weight / self.total_weight
+            ahead = d.inverse.get((gi, lo, hi)) if d.inverse is not None else None
+            if ahead is not None and ahead.dtype == self.dtype:
+                term = ahead * share  # a new tensor: the term computed ahead stays as it was
+            else:
+                term = sender_inverse(self.codec, d, gi, lo, hi, self.dtype).mul_(share)
             stack = term if stack is None else stack.add_(term)
         assert stack is not None
         return stack
