@@ -185,6 +185,46 @@ def test_the_own_payload_decoded_while_waiting_is_what_the_replay_sums(monkeypat
         assert torch.equal(p, reference.params[name]), name
 
 
+def test_the_own_payload_transformed_while_waiting_replays_to_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a replay of two senders (the sparse path), a worker also takes its next payload's inverse DCT
+    while the result travels; the replay that sums it transforms only the other sender's, to the same bits
+    as a replica that transforms both."""
+    from gradwire.compression import GradientCodec, aggregate
+
+    engine = WorkerEngine("cpu")
+    engine.push_state(_state())
+    (session,) = engine.sessions.values()
+    reference = Replica(build_from_spec(SPEC, seed=0), UpdateRule(optimizer="sgd"), version=4)
+    shapes = {n: tuple(p.shape) for n, p in reference.params.items()}
+    codec = GradientCodec(shapes, CODEC)
+    assert aggregate.sparse_senders(codec) >= 2
+
+    def other(seed: int):
+        return codec.compress(
+            {n: torch.randn(s, generator=torch.Generator().manual_seed(seed)) for n, s in shapes.items()}
+        )
+
+    first = engine.run_round(_order(engine, 0, _batch(1), compute_before_update=False))
+    assert session.sent_decoded.result().inverse is None  # no replay seen yet: nothing says it will be sparse
+    update = StateUpdate(0.5, (first.gradient, other(7)), (1.0, 3.0))
+    second = engine.run_round(_order(engine, 1, _batch(2), compute_before_update=False, update=update.without(0, 0)))
+    reference.apply(update)
+    assert second.status == OK and session.last_replay == (2, update.rule)
+    own_ahead = session.sent_decoded.result()
+    assert own_ahead.inverse is not None  # two senders: its own transform, taken ahead
+    transformed = []
+    real = aggregate.sender_inverse
+    monkeypatch.setattr(aggregate, "sender_inverse", lambda c, d, *a: transformed.append(d) or real(c, d, *a))
+    update = StateUpdate(0.5, (other(8), second.gradient), (2.0, 1.0))
+    third = engine.run_round(_order(engine, 2, _batch(3), compute_before_update=False, update=update.without(1, 1)))
+    assert third.status == OK and third.version == 6
+    assert transformed and not any(d is own_ahead for d in transformed)  # the other's alone was transformed
+    monkeypatch.setattr(aggregate, "sender_inverse", real)
+    reference.apply(update)  # every payload decoded and transformed as it arrives
+    for name, p in session.replica.params.items():
+        assert torch.equal(p, reference.params[name]), name
+
+
 # ------------------------------------------------------------------------------------- local-SGD rounds
 
 STEPS = LocalSteps(2, InnerOptimizerConfig(name="adamw"), (1e-3, 5e-4))
