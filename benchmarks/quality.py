@@ -671,3 +671,7 @@ if __name__ == "__main__":
 #   consecutive pseudo-gradients of one worker (AdamW, rounds of 30 steps) have cosines 0.52 / 0.45 / 0.33 / 0.31
 #                      / 0.22: sending each round's difference from a multiple of the last would save 5-27% of the
 #                      energy, not the gap (not built)
+#   top-k changed round by round at the same total (Elias-Fano, 2-bit, 1430 coefficients per chunk over the 10
+#                      rounds; the round's codec patched in process): 429 in round 1 then 111 (3167x) 5.8018 |
+#                      a ramp 72 -> 214 (3114x) 5.7270 | 143 every round 5.6949 (kept): neither end of the run
+#                      is worth coefficients taken from the other
