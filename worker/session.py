@@ -44,7 +44,7 @@ from gradwire.worker.lazy import is_dtensor, is_instance
 from gradwire.worker.meta import buffers_to, parameters_on_meta
 from gradwire.worker.node import Restore
 from gradwire.worker.placement import Placement
-from gradwire.worker.sizing import fits
+from gradwire.worker.sizing import fits, free_device_memory
 
 if TYPE_CHECKING:
     from gradwire.worker import pipeline
@@ -267,11 +267,16 @@ class Session:
     def inverse_ahead(self, codec: GradientCodec) -> torch.dtype | None:
         """The dtype to take this worker's payload's inverse DCT in while the round's result travels, so the
         replay that sums it (as many senders as the last one, the guess) transforms the others' alone; None
-        where that replay will not sum on the sparse path, or this rank never holds the whole update."""
+        where that replay will not sum on the sparse path, this rank never holds the whole update, or a GPU
+        has not twice the transform's bytes free (it is held until the replay, beside the replay's own)."""
         if self.last_replay is None or self.placement.split:
             return None
         senders, rule = self.last_replay
         if rule.mode != "mean" or senders > aggregate.sparse_senders(codec):
+            return None
+        free = free_device_memory(self.device)
+        need = codec.plan.numel * torch.finfo(rule.dtype).bits // 8
+        if free is not None and 2 * need > free:
             return None
         return rule.dtype
 

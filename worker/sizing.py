@@ -64,6 +64,13 @@ def device_memory(device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).total_memory
 
 
+def free_device_memory(device: torch.device) -> int | None:
+    """A CUDA device's free memory in bytes now; ``None`` elsewhere (as ``device_memory``)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(device)[0]
+
+
 def physical_memory() -> int:
     """This machine's memory in bytes (where the system does not say: 1 TiB, bounding nothing real)."""
     try:

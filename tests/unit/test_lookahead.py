@@ -223,6 +223,13 @@ def test_the_own_payload_transformed_while_waiting_replays_to_the_same_bits(monk
     reference.apply(update)  # every payload decoded and transformed as it arrives
     for name, p in session.replica.params.items():
         assert torch.equal(p, reference.params[name]), name
+    # A GPU without twice the transform's bytes free does without it.
+    from gradwire.worker import session as sessions
+
+    monkeypatch.setattr(sessions, "free_device_memory", lambda device: 3 * 4 * codec.plan.numel // 2)
+    assert session.inverse_ahead(codec) is None
+    monkeypatch.setattr(sessions, "free_device_memory", lambda device: 2 * 4 * codec.plan.numel)
+    assert session.inverse_ahead(codec) == torch.float32
 
 
 # ------------------------------------------------------------------------------------- local-SGD rounds
