@@ -160,8 +160,9 @@ def test_three_honest_workers_are_never_taken_for_copies_nor_benched_in_200_roun
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # In process (the defences are the coordinator's; the transport has its own tests): 200 rounds cost less.
-    # Equal shares (--balance off): balancing by measured speed makes the run depend on the machine's load, and
-    # a worker handed few rows sends a larger gradient norm (on a loaded machine, 3-5 rows of 4 here).
+    # Equal shares (--balance off): balancing by measured speed makes the run depend on the machine's load (on
+    # a loaded machine, 3-5 rows of 4 here), and one such run benched an honest worker. Few rows alone do not:
+    # a worker held at 1 row of 12 by a 4x slowdown was never clipped in 200 rounds.
     with caplog.at_level(logging.WARNING, logger="gradwire.coordinator"):
         run_trainer(
             config(tmp_path, "honest-200", steps=200, eval_batches=1, eval_every=0, balance="off"),
