@@ -252,6 +252,11 @@ def sparse_senders(codec: GradientCodec) -> int:
     return _max_sparse_senders(codec.plan) if codec.config.use_dct else 0
 
 
+def inverse_numel(codec: GradientCodec) -> int:
+    """How many elements ``with_inverse`` holds for a payload of ``codec``: every chunk of every group."""
+    return sum(g.num_chunks * g.chunk_numel for g in codec.plan.groups)
+
+
 def with_inverse(codec: GradientCodec, d: DecodedGradient, dtype: torch.dtype = torch.float32) -> DecodedGradient:
     """``d`` with its inverse DCT computed ahead (``DecodedGradient.inverse``), slice by slice as an
     aggregate's ``parts`` cuts it, so both give the same bits. Costs a model's worth of ``dtype``."""

@@ -226,9 +226,11 @@ def test_the_own_payload_transformed_while_waiting_replays_to_the_same_bits(monk
     # A GPU without twice the transform's bytes free does without it.
     from gradwire.worker import session as sessions
 
-    monkeypatch.setattr(sessions, "free_device_memory", lambda device: 3 * 4 * codec.plan.numel // 2)
+    held = 4 * aggregate.inverse_numel(codec)  # float32 bytes of every chunk
+    assert held == sum(4 * t.numel() for t in own_ahead.inverse.values())
+    monkeypatch.setattr(sessions, "free_device_memory", lambda device: 2 * held - 1)
     assert session.inverse_ahead(codec) is None
-    monkeypatch.setattr(sessions, "free_device_memory", lambda device: 2 * 4 * codec.plan.numel)
+    monkeypatch.setattr(sessions, "free_device_memory", lambda device: 2 * held)
     assert session.inverse_ahead(codec) == torch.float32
 
 
