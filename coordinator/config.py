@@ -137,14 +137,16 @@ def mode_defaults(
     off by round 12 with it, and grew without end over 40 rounds with local SGD's top-90 and 4 levels.
     With ``index_coding`` elias-fano the top-k is the most that costs a chunk the bits of that top-k in
     12-bit indices (``packing.ef_topk_in_bits_of``: 90 -> 143 at 2-bit values): more values, the same bytes.
-    Gossip rounds take it by default (512 -> 1024 of 4096): at 8 workers in benchmarks.quality the complete
-    graph ended 0.17% above the centralized round with it against 0.51% with 12-bit indices, at the same
-    bytes. The other modes keep 12-bit indices: decoding Elias-Fano roughly doubles a coordinator's
-    aggregation time (docs/benchmarks.md).
+    Rounds of inner steps take it by default. Gossip rounds (512 -> 1024 of 4096): at 8 workers in
+    benchmarks.quality the complete graph ended 0.17% above the centralized round with it against 0.51% with
+    12-bit indices, at the same bytes. Local-SGD rounds (90 -> 143 at H 30): the codec gap fell from 3.22 to
+    2.57 points. Gradient mode keeps 12-bit indices: it aggregates every step, and decoding Elias-Fano
+    roughly doubles a CPU coordinator's aggregation time (docs/benchmarks.md); a round of H inner steps
+    pays it once per H steps.
     """
-    if index_coding is None:
-        index_coding = "elias-fano" if gossip else "packed12"
     local = inner_steps > 1
+    if index_coding is None:
+        index_coding = "elias-fano" if gossip or local else "packed12"
     if outer_optimizer is None:
         outer_optimizer = ("nesterov" if no_compression else "sgd") if local else "signsgd"
     if local:
@@ -358,9 +360,9 @@ class TrainConfig:
     topk: int | None = setting(
         None,
         help="coefficients kept per full --target-chunk x --target-chunk chunk (scaled by area for smaller "
-        "chunks) (auto: the mode's density at that chunk: 32 of 64x64 = 0.78% in gradient mode, "
-        "90 of 64x64 = 2.2% with --inner-steps > 1; with --index-coding elias-fano as many as fit the same "
-        "bytes: 38 and 143)",
+        "chunks) (auto: the mode's density at that chunk in 12-bit indices, 32 of 64x64 = 0.78% in gradient "
+        "mode and 90 of 64x64 = 2.2% with --inner-steps > 1; with Elias-Fano indices, the default with "
+        "--inner-steps > 1, as many as fit the same bytes: 38 and 143)",
         section=CODEC,
     )
     target_chunk: int | None = setting(
@@ -392,7 +394,7 @@ class TrainConfig:
         None,
         help="how each chunk's kept indices travel: packed12 (12 bits each) or elias-fano (in increasing "
         "order, about 2 + log2(chunk area / topk) bits each: 668 bits for 90 of 4096, against 1080) "
-        "(auto: elias-fano in gossip rounds, else packed12)",
+        "(auto: elias-fano in rounds of inner steps, local-SGD or gossip; packed12 in gradient mode)",
         section=CODEC,
         choices=INDEX_CODINGS,
     )

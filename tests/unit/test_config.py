@@ -32,10 +32,11 @@ def test_local_sgd_defaults_follow_sparseloco_and_diloco() -> None:
     assert compressed.local_sgd and compressed.outer_optimizer == "sgd"
     assert {k: getattr(compressed, k) for k in defaults} == defaults
     assert compressed.bins == 4 and compressed.feedback_beta == 0.95 and compressed.codec_config().bins == 4
-    assert (compressed.topk, TrainConfig().topk, TrainConfig(inner_steps=30, topk=16).topk) == (90, 32, 16)
-    # Past H 30 the top-k grows with H: the same uplink bytes per trained token.
-    assert [TrainConfig(inner_steps=h).topk for h in (2, 15, 30, 60, 120, 2000)] == [90, 90, 90, 180, 360, 4096]
-    assert TrainConfig(inner_steps=120, target_chunk=32).topk == 90
+    assert (compressed.topk, TrainConfig().topk, TrainConfig(inner_steps=30, topk=16).topk) == (143, 32, 16)
+    # Past H 30 the top-k grows with H: the same uplink bytes per trained token (12-bit indices' counts).
+    twelve = [TrainConfig(inner_steps=h, index_coding="packed12").topk for h in (2, 15, 30, 60, 120, 2000)]
+    assert twelve == [90, 90, 90, 180, 360, 4096]
+    assert TrainConfig(inner_steps=120, target_chunk=32, index_coding="packed12").topk == 90
     dense = TrainConfig(inner_steps=30, no_compression=True)
     assert (dense.outer_optimizer, dense.learning_rate, dense.momentum) == ("nesterov", 0.7, 0.9)
     assert TrainConfig(inner_steps=30, inner_optimizer="muon").inner_momentum == 0.95
@@ -48,10 +49,10 @@ def test_local_sgd_defaults_follow_sparseloco_and_diloco() -> None:
 def test_the_chunk_follows_the_mode_and_topk_keeps_the_density_at_any_chunk() -> None:
     gradient, local = TrainConfig(), TrainConfig(inner_steps=30)
     assert (gradient.target_chunk, gradient.topk, gradient.codec_config().density) == (64, 32, 32 / 4096)
-    assert (local.target_chunk, local.topk) == (64, 90)
+    assert (local.target_chunk, local.topk, local.index_coding) == (64, 143, "elias-fano")
     # A chunk given alone keeps the mode's density (DeMo's 32 of 64x64 in gradient mode) ...
     assert [TrainConfig(target_chunk=c).topk for c in (64, 32, 16, 8)] == [32, 8, 2, 1]
-    assert [TrainConfig(inner_steps=30, target_chunk=c).topk for c in (64, 32)] == [90, 22]
+    assert [TrainConfig(inner_steps=30, target_chunk=c, index_coding="packed12").topk for c in (64, 32)] == [90, 22]
     # ... and an explicit topk is taken as given.
     assert (TrainConfig(topk=8).target_chunk, TrainConfig(topk=8).topk) == (64, 8)
     assert (TrainConfig(topk=4, target_chunk=16).target_chunk, TrainConfig(topk=4, target_chunk=16).topk) == (16, 4)
@@ -63,7 +64,12 @@ def test_elias_fano_indices_keep_as_many_coefficients_as_fit_the_bytes_of_the_mo
     assert TrainConfig(inner_steps=30, index_coding="elias-fano").topk == 143  # 90 in 12-bit indices
     assert TrainConfig(index_coding="elias-fano").topk == 38  # gradient mode: 32
     assert TrainConfig(inner_steps=30, index_coding="elias-fano", topk=100).topk == 100  # given: kept
-    assert TrainConfig(inner_steps=30).index_coding == "packed12"  # the default outside gossip rounds
+    # The default in rounds of inner steps, local-SGD or gossip; gradient mode aggregates every step and
+    # keeps the 12-bit indices a coordinator decodes faster.
+    local = TrainConfig(inner_steps=30)
+    assert local.index_coding == local.codec_config().indices == "elias-fano" and local.codec_config().topk == 143
+    assert (TrainConfig().index_coding, TrainConfig().codec_config().indices) == ("packed12", "packed12")
+    assert TrainConfig(inner_steps=30, index_coding="packed12").topk == 90
 
 
 def test_explicit_values_win_over_the_mode_defaults() -> None:
