@@ -88,22 +88,26 @@ def _assert_every_row_trained_once(config: TrainConfig, ledger: dict[int, list[n
     assert len({r.tobytes() for r in stream}) == total
 
 
-def test_a_slowed_worker_gets_about_half_the_rows_and_every_row_is_trained_once(tmp_path: Path) -> None:
-    config = _config(tmp_path, batch_size=8)
-    trainer, ledger, slowed = _run(config, factor=2.0)
+def test_a_slowed_worker_gets_about_a_third_the_rows_and_every_row_is_trained_once(tmp_path: Path) -> None:
+    # 16 rows a worker and a 3x slowdown: a round's compute outweighs the scheduler's noise on a loaded
+    # machine, and the slowed worker's time stays far past the 25% the shares wait for.
+    rows = 16
+    config = _config(tmp_path, batch_size=rows)
+    trainer, ledger, slowed = _run(config, factor=3.0)
     records = read_metrics(tmp_path / "run")
     assert slowed and [r["step"] for r in records] == list(range(1, STEPS + 1))
     # Every round closed with both in (no straggler cut off after the grace), the global batch unchanged.
     assert all((r["successful_workers"], r["stragglers"], r["rejected"]) == (2, 0, 0) for r in records)
-    assert all(sum(r["worker_rows"].values()) == 2 * 8 for r in records)
-    assert trainer.total_tokens == STEPS * 2 * 8 * 64
+    assert all(sum(r["worker_rows"].values()) == 2 * rows for r in records)
+    assert trainer.total_tokens == STEPS * 2 * rows * 64
     fast, slow = (s.client.address for s in trainer.slots)
-    assert records[0]["worker_rows"] == {fast: 8, slow: 8}  # nothing measured yet
-    # Within a few rounds the slowed worker's share is about half the other's (a little more: the time a
-    # round takes besides the compute is not slowed; and shares move only past a 25% imbalance), and stays so.
+    assert records[0]["worker_rows"] == {fast: rows, slow: rows}  # nothing measured yet
+    # Within a few rounds the slowed worker's share is about a third of the other's (a little more: the time
+    # a round takes besides the compute is not slowed; and shares move only past a 25% imbalance), and
+    # stays so.
     for r in records[-3:]:
-        rows = r["worker_rows"]
-        assert 0.3 <= rows[slow] / rows[fast] <= 0.8, rows
+        shares = r["worker_rows"]
+        assert 0.2 <= shares[slow] / shares[fast] <= 0.65, shares
         assert r["worker_tokens_per_sec"][slow] < r["worker_tokens_per_sec"][fast]
     _assert_every_row_trained_once(config, ledger)
 
