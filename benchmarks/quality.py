@@ -678,3 +678,16 @@ if __name__ == "__main__":
 #                      rounds; the round's codec patched in process): 429 in round 1 then 111 (3167x) 5.8018 |
 #                      a ramp 72 -> 214 (3114x) 5.7270 | 143 every round 5.6949 (kept): neither end of the run
 #                      is worth coefficients taken from the other
+#   how predictable the kept positions are (a gpt-5m worker's pseudo-gradients after 30 and 60 AdamW steps, top-143
+#                      of each 64x64 DCT chunk, offline): Elias-Fano spends 6.79 bits an index, the bound for
+#                      positions drawn at random 6.22; coded against the other round's positions as a prior 6.02-6.05,
+#                      against the tensor's own per-position frequencies (which would have to be sent) 4.89-4.92:
+#                      an entropy coder would buy at most ~1.25x the coefficients in the same bytes (not built)
+#   a better 2-bit quantizer does not track the loss: one round's quantization error (same script, no error
+#                      feedback) falls from 0.29 to 0.11 of the energy with a +-3 sigma window or two magnitude
+#                      levels split at the 80th percentile, per tensor or per chunk alike, yet the +-3 sigma window
+#                      trained worse (above): error feedback re-sends what the quantizer misses
+#   CHOCO gossip on the complete graph of the 2 workers instead of the centralized round (each worker keeps its
+#                      own model and mixes public copies, gamma 0.5; --methods gossip-complete --set
+#                      gossip-complete.topk=143 --set gossip-complete.bins=4): at sparseloco's bytes (3096x) 5.8563,
+#                      worse than sparseloco's 5.6962; at gossip's default message (top-1024, 16 levels, 479x) 5.5490
