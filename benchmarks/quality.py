@@ -696,3 +696,10 @@ if __name__ == "__main__":
 #                      from one start on different rows, cosine 0.62): their own top-143 sets share 36% of their
 #                      positions; the mean's energy missed is 0.49 with each worker's own top-143, 0.52 with the
 #                      positions split, 0.41 for the mean's own top-286 (an oracle): not built
+#   the token embedding's mean row (56% of its pseudo-gradient's energy: one vector added to every token's row;
+#                      the DCT spends 64 of each chunk's 143 coefficients on it) sent exactly beside the codec, in
+#                      the single-process simulation benchmarks.lowrank grew from: 6.0619 against the codec's 5.9957
+#                      (worse); the mean row dropped altogether: 6.0034. The codec's slow, error-fed share of it
+#                      trains better than all of it at once
+#   low-rank factors instead of DCT top-k (python -m benchmarks.lowrank): rank 8 in int8 at 1.06x the bytes cuts
+#                      the gap to averaging from +2.77% to +1.59%; see docs/benchmarks.md. The lead to build next.
