@@ -90,9 +90,10 @@ def _assert_every_row_trained_once(config: TrainConfig, ledger: dict[int, list[n
 
 def test_a_slowed_worker_gets_about_a_third_the_rows_and_every_row_is_trained_once(tmp_path: Path) -> None:
     # 16 rows a worker and a 3x slowdown: a round's compute outweighs the scheduler's noise on a loaded
-    # machine, and the slowed worker's time stays far past the 25% the shares wait for.
+    # machine, and the slowed worker's time stays far past the 25% the shares wait for. The grace, 6x the
+    # fast worker's time, stays as far past the slowdown: no round cuts the slowed worker off.
     rows = 16
-    config = _config(tmp_path, batch_size=rows)
+    config = _config(tmp_path, batch_size=rows, straggler_grace="6x")
     trainer, ledger, slowed = _run(config, factor=3.0)
     records = read_metrics(tmp_path / "run")
     assert slowed and [r["step"] for r in records] == list(range(1, STEPS + 1))
