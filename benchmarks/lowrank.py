@@ -14,10 +14,10 @@ variants differ only in what crosses the link:
   codec              gradwire's codec at the local-SGD defaults of ``coordinator train`` (DCT of 64 x 64
                      chunks, top-k, 2-bit values, Elias-Fano indices), its own error feedback;
   codec:K            the same at top-K;
-  lowrank:R:F[:power] each matrix's error-feedback buffer sent as rank-R factors ``A (rows x R) @ B (R x cols)``
+  lowrank:R:F[:powerN] each matrix's error-feedback buffer sent as rank-R factors ``A (rows x R) @ B (R x cols)``
                      in F = fp16, or int8 with one float16 scale per factor column (of A) and row (of B);
-                     vectors travel as float32. The factors come from a truncated SVD, or with ``power``
-                     from one power iteration warm-started at the last round's (PowerSGD's way, cheap on
+                     vectors travel as float32. The factors come from a truncated SVD, or with ``powerN``
+                     from N power iterations (``power``: one) warm-started at the last round's (PowerSGD's way, cheap on
                      large matrices).
 
 This is not the service: no payload is framed, validated or replayed. Bytes count what would carry the
@@ -32,6 +32,7 @@ import argparse
 import gzip
 import json
 import math
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -70,8 +71,9 @@ def tokens(model: str, needed: int, corpus: Path = CORPUS) -> torch.Tensor:
 class LowRank:
     """Rank-``rank`` factors of each matrix's error-feedback buffer (vectors go whole, in float32)."""
 
-    def __init__(self, rank: int, fmt: str, power: bool) -> None:
-        if rank < 1 or fmt not in ("fp16", "int8"):
+    def __init__(self, rank: int, fmt: str, power: int = 0) -> None:
+        """``power``: power iterations a round, warm-started at the last round's factors (0: a truncated SVD)."""
+        if rank < 1 or fmt not in ("fp16", "int8") or power < 0:
             raise ValueError(f"lowrank:R:F needs R >= 1 and F in fp16, int8; got {rank}, {fmt}")
         self.rank, self.fmt, self.power = rank, fmt, power
         self.buffers: dict[str, torch.Tensor] = {}
@@ -108,8 +110,9 @@ class LowRank:
         q = self.bases.get(name)
         if q is None:
             q = torch.randn(m.shape[1], rank, generator=torch.Generator().manual_seed(len(self.bases)))
-        p, _ = torch.linalg.qr(m @ q)  # (rows, rank), orthonormal
-        q = m.T @ p  # (cols, rank): m ~ p @ q.T
+        for _ in range(self.power):
+            p, _ = torch.linalg.qr(m @ q)  # (rows, rank), orthonormal
+            q = m.T @ p  # (cols, rank): m ~ p @ q.T
         self.bases[name] = q
         return p, q.T
 
@@ -141,9 +144,10 @@ def compressor(spec: str, shapes: dict[str, tuple[int, ...]], inner_steps: int) 
         return None
     if name == "codec" and len(fields) <= 1:
         return Codec(shapes, inner_steps, int(fields[0]) if fields else None)
-    if name == "lowrank" and len(fields) in (2, 3) and fields[2:] in ([], ["power"]):
-        return LowRank(int(fields[0]), fields[1], power=fields[2:] == ["power"])
-    raise SystemExit(f"unknown variant {spec!r}: averaging, codec[:K], lowrank:R:fp16|int8[:power]")
+    iterations = re.fullmatch(r"power(\d*)", fields[2]) if len(fields) == 3 else None
+    if name == "lowrank" and (len(fields) == 2 or iterations):
+        return LowRank(int(fields[0]), fields[1], power=int(iterations.group(1) or 1) if iterations else 0)
+    raise SystemExit(f"unknown variant {spec!r}: averaging, codec[:K], lowrank:R:fp16|int8[:powerN]")
 
 
 def run_variant(spec: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from benchmarks import lowrank
 def test_what_the_factors_do_not_send_stays_in_the_buffer() -> None:
     torch.manual_seed(0)
     delta = {"w": torch.randn(48, 16), "b": torch.randn(16)}
-    sender = lowrank.LowRank(rank=3, fmt="int8", power=False)
+    sender = lowrank.LowRank(rank=3, fmt="int8")
     sent, nbytes = sender.send(delta)
     # Rank 3 of a random 48 x 16 matrix: the buffer holds exactly the rest, the vector goes whole.
     assert torch.allclose(sent["w"] + sender.buffers["w"], delta["w"], atol=1e-6)
@@ -25,8 +25,8 @@ def test_what_the_factors_do_not_send_stays_in_the_buffer() -> None:
     assert torch.allclose(sent2["w"] + sender.buffers["w"], lowrank.BETA * rest + delta["w"], atol=1e-5)
 
 
-@pytest.mark.parametrize("power", [False, True])
-def test_a_matrix_of_the_rank_sent_arrives_whole(power: bool) -> None:
+@pytest.mark.parametrize("power", [0, 1, 2])
+def test_a_matrix_of_the_rank_sent_arrives_whole(power: int) -> None:
     torch.manual_seed(1)
     low = torch.randn(40, 2) @ torch.randn(2, 24)
     sender = lowrank.LowRank(rank=2, fmt="fp16", power=power)
@@ -37,7 +37,7 @@ def test_a_matrix_of_the_rank_sent_arrives_whole(power: bool) -> None:
 
 
 def test_every_kind_of_variant_runs_and_reports_its_gap_and_bytes(capsys: pytest.CaptureFixture) -> None:
-    variants = "averaging,codec,codec:64,lowrank:2:int8,lowrank:2:fp16:power"
+    variants = "averaging,codec,codec:64,lowrank:2:int8,lowrank:2:fp16:power,lowrank:2:int8:power2"
     argv = ["--model", "gpt-tiny", "--rounds", "2", "--inner-steps", "2", "--sequence-length", "16", "--json"]
     result = lowrank.main([*argv, "--variants", variants])
     assert set(result["variants"]) == set(variants.split(","))
