@@ -701,5 +701,6 @@ if __name__ == "__main__":
 #                      the single-process simulation benchmarks.lowrank grew from: 6.0619 against the codec's 5.9957
 #                      (worse); the mean row dropped altogether: 6.0034. The codec's slow, error-fed share of it
 #                      trains better than all of it at once
-#   low-rank factors instead of DCT top-k (python -m benchmarks.lowrank): rank 8 in int8 at 1.06x the bytes cuts
-#                      the gap to averaging from +2.77% to +1.59%; see docs/benchmarks.md. The lead to build next.
+#   low-rank factors instead of DCT top-k (python -m benchmarks.lowrank): rank 7 in int8, in 0.94x the bytes, cuts
+#                      the gap to averaging from +2.77% to +1.54% (SVD) or +1.46% (two warm-started power
+#                      iterations a round); see docs/benchmarks.md. The lead to build next.
