@@ -40,12 +40,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.quality import CORPUS
 from gradwire.compression.codec import GradientCodec
 from gradwire.compression.feedback import ErrorFeedback
 from gradwire.coordinator.config import TrainConfig
 from gradwire.models.registry import build_model, lm_loss, tokenizer_for
 
-CORPUS = Path(__file__).resolve().parent / "data" / "shakespeare_complete.txt.gz"
 DEFAULT_VARIANTS = "averaging,codec,lowrank:8:int8"
 BETA = 0.95  # error feedback, SparseLoCo's
 EVAL_BATCHES = 16

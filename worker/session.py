@@ -275,7 +275,7 @@ class Session:
         if rule.mode != "mean" or senders > aggregate.sparse_senders(codec):
             return None
         free = free_device_memory(self.device)
-        need = aggregate.inverse_numel(codec) * torch.finfo(rule.dtype).bits // 8
+        need = aggregate.inverse_numel(codec) * rule.dtype.itemsize
         if free is not None and 2 * need > free:
             return None
         return rule.dtype
