@@ -14,6 +14,10 @@ variants differ only in what crosses the link:
   codec              gradwire's codec at the local-SGD defaults of ``coordinator train`` (DCT of 64 x 64
                      chunks, top-k, 2-bit values, Elias-Fano indices), its own error feedback;
   codec:K            the same at top-K;
+  codec:rankR[:svd|:randomized]
+                     the same with ``--rank R``: the service's low-rank factors (``compression.lowrank``) for
+                     every matrix, the codec's top-k for vectors; factored as the service does (an exact SVD
+                     for gpt-5m's matrices), or forced to an SVD or to the randomized range finder;
   lowrank:R:F[:powerN] each matrix's error-feedback buffer sent as rank-R factors ``A (rows x R) @ B (R x cols)``
                      in F = fp16, or int8 with one float16 scale per factor column (of A) and row (of B);
                      vectors travel as float32. The factors come from a truncated SVD, or with ``powerN``
@@ -124,11 +128,19 @@ def _int8(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 class Codec:
-    """gradwire's codec at ``coordinator train``'s local-SGD defaults (or at top-``topk``)."""
+    """gradwire's codec at ``coordinator train``'s local-SGD defaults (or at top-``topk``, or ``--rank``)."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], inner_steps: int, topk: int | None) -> None:
-        config = TrainConfig(inner_steps=inner_steps, topk=topk).codec_config()
-        self.codec, self.feedback = GradientCodec(shapes, config), ErrorFeedback(BETA)
+    def __init__(
+        self,
+        shapes: dict[str, tuple[int, ...]],
+        inner_steps: int,
+        topk: int | None,
+        rank: int = 0,
+        factorization: str = "auto",
+    ) -> None:
+        config = TrainConfig(inner_steps=inner_steps, topk=topk, rank=rank).codec_config()
+        self.codec = GradientCodec(shapes, config, factorization=factorization)  # type: ignore[arg-type]
+        self.feedback = ErrorFeedback(BETA)
         self.topk = config.topk
 
     def send(self, delta: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
@@ -142,12 +154,16 @@ def compressor(spec: str, shapes: dict[str, tuple[int, ...]], inner_steps: int) 
     name, *fields = spec.split(":")
     if name == "averaging" and not fields:
         return None
+    rank = re.fullmatch(r"rank(\d+)", fields[0]) if name == "codec" and fields else None
+    if rank and (len(fields) == 1 or fields[1:] in (["svd"], ["randomized"])):
+        return Codec(shapes, inner_steps, None, int(rank.group(1)), fields[1] if len(fields) == 2 else "auto")
     if name == "codec" and len(fields) <= 1:
         return Codec(shapes, inner_steps, int(fields[0]) if fields else None)
     iterations = re.fullmatch(r"power(\d*)", fields[2]) if len(fields) == 3 else None
     if name == "lowrank" and (len(fields) == 2 or iterations):
         return LowRank(int(fields[0]), fields[1], power=int(iterations.group(1) or 1) if iterations else 0)
-    raise SystemExit(f"unknown variant {spec!r}: averaging, codec[:K], lowrank:R:fp16|int8[:powerN]")
+    variants = "averaging, codec[:K|:rankR[:svd|:randomized]], lowrank:R:fp16|int8[:powerN]"
+    raise SystemExit(f"unknown variant {spec!r}: {variants}")
 
 
 def run_variant(spec: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[str, Any]:

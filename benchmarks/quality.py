@@ -32,14 +32,18 @@ when a run would wrap into a second pass.
   diloco           H = 30 inner AdamW steps, uncompressed pseudo-gradients, outer Nesterov (lr 0.7, momentum 0.9).
   averaging        sparseloco's rounds (H = 120) without compression and plain averaging (outer SGD at lr 1):
                    where local SGD itself ends, the floor compression can at best reach.
-  sparseloco       H = 120 inner AdamW steps, pseudo-gradients through error feedback (0.95), DCT + top-k of 4096
-                   with Elias-Fano indices + 2-bit values, outer SGD at lr 1: the service's defaults. The top-k
-                   fills the bytes of 3 H in 12-bit indices (top-360, the most that stays >= 3000x fewer bytes per
-                   token; H 120 trained best of 30/60/120/240 at equal bytes per token): 803 at H 120, 143 at
-                   --inner-steps 30, the field's H (``--set sparseloco.index_coding=packed12``: 360 and 90).
+  sparseloco       H = 120 inner AdamW steps, pseudo-gradients through error feedback (0.95), outer SGD at lr 1:
+                   the service's defaults. Every matrix travels as int8 rank-R factors of its error-feedback
+                   buffer (``--rank``: 8 up to H 30, growing with H past it, 32 at H 120: the bytes per token of
+                   the top-k below), every vector dense in 2-bit values.
                    Aggregated by the service's default ``mean`` (``--set sparseloco.aggregate=kept-mean``: each
                    coefficient the mean over the workers that sent it).
-  sparseloco-sign  the same with 1-bit sign values.
+  sparseloco-topk  sparseloco with ``--rank 0``, the default until 2026-11-27: every tensor by DCT + top-k of 4096
+                   with Elias-Fano indices + 2-bit values. The top-k fills the bytes of 3 H in 12-bit indices
+                   (top-360, the most that stays >= 3000x fewer bytes per token; H 120 trained best of
+                   30/60/120/240 at equal bytes per token): 803 at H 120, 143 at --inner-steps 30, the field's H
+                   (``--set sparseloco-topk.index_coding=packed12``: 360 and 90).
+  sparseloco-sign  sparseloco-topk with 1-bit sign values.
   sparseloco-overlap, sparseloco-eager, sparseloco-fragments
                    sparseloco with ``--overlap --overlap-update delayed`` (each round's inner steps start from
                    the replica before the last round's update, so they can run while it syncs), with
@@ -167,6 +171,7 @@ METHODS: dict[str, dict[str, Any]] = {
         outer_optimizer="sgd",
         learning_rate=1.0,
         values="sign",
+        rank=0,
         feedback_beta=0.95,
         downlink="replay",
     ),
@@ -189,6 +194,7 @@ METHODS: dict[str, dict[str, Any]] = {
         clip_factor=1.0,
         aggregate="kept-mean",
         index_coding="packed12",  # templar's 12-bit indices
+        rank=0,
         downlink="replay",
     ),
 }
@@ -197,6 +203,8 @@ METHODS["sparseloco-down"] = dict(METHODS["sparseloco"], downlink="compressed")
 METHODS["sparseloco-overlap"] = dict(METHODS["sparseloco"], overlap=True, overlap_update="delayed")
 METHODS["sparseloco-eager"] = dict(METHODS["sparseloco"], overlap=True, overlap_update="eager")
 METHODS["sparseloco-fragments"] = dict(METHODS["sparseloco"], fragments=2)
+# The DCT top-k for every tensor (--rank 0), local-SGD rounds' default until rank-8 factors replaced it.
+METHODS["sparseloco-topk"] = dict(METHODS["sparseloco"], rank=0)
 # Gossip rounds (--topology): every worker trains its own model and mixes with its graph neighbours; the
 # consensus (the mean of the public copies) is what is evaluated. Compared with "averaging", the centralized
 # round at the same H and inner optimizer, uncompressed: what mixing with neighbours only costs. "-demuon":
@@ -219,12 +227,13 @@ LOCAL_METHODS = (
     "sparseloco-overlap",
     "sparseloco-eager",
     "sparseloco-fragments",
+    "sparseloco-topk",
     "peer",
 )
 # What a way of hiding or spreading the sync costs: its loss gap less sparseloco's, in points.
 SYNC_METHODS = ("sparseloco-overlap", "sparseloco-eager", "sparseloco-fragments")
 # Compressed local-SGD methods: their codec gap is their loss gap less averaging's at the same H.
-CODEC_METHODS = ("sparseloco", "sparseloco-sign", "sparseloco-down", "peer")
+CODEC_METHODS = ("sparseloco", "sparseloco-sign", "sparseloco-down", "sparseloco-topk", "peer")
 
 
 def corpus_file(path: Path, cache: Path) -> Path:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import torch
 
+from gradwire.compression import lowrank
 from gradwire.compression.config import FORMAT_VERSION, CodecConfig
 from gradwire.compression.dct import dct_chunks, fast_transform_dtype
 from gradwire.compression.feedback import ErrorFeedback
@@ -27,6 +28,7 @@ from gradwire.compression.payload import (
     GRADIENT,
     CompressedGradient,
     CompressedTensor,
+    Encoding,
     NonFiniteInput,
     PayloadError,
     ValueFormat,
@@ -75,6 +77,9 @@ class DecodedGradient:
     # member slice, when computed ahead (``aggregate.with_inverse``): an aggregate that takes this sender
     # on its sparse path uses it instead of transforming the sender again.
     inverse: dict[tuple[int, int, int], torch.Tensor] | None = None
+    # The factored (LOW_RANK) tensors' codes and scales, by name in plan order; their products are in
+    # ``dense``. Checks that compare what senders sent (``coordinator.copies``) read the codes.
+    factors: dict[str, lowrank.Factors] = dataclasses.field(default_factory=dict)
 
 
 def _chunk_view(x: torch.Tensor, plan: TensorPlan) -> torch.Tensor:
@@ -95,10 +100,12 @@ class GradientCodec:
         config: CodecConfig | None = None,
         device: torch.device | str = "cpu",
         transform_dtype: torch.dtype | None = None,
+        factorization: lowrank.Factorization = "auto",
     ) -> None:
         """``transform_dtype``: what the sender's chunk DCT multiplies in (``None``: the device's fastest
         accurate one, ``dct.fast_transform_dtype``). A sender-side choice: the payload format is the same and
-        decoding always runs in float32."""
+        decoding always runs in float32. So is ``factorization``, how factored matrices are factored
+        (``lowrank.factorize``)."""
         self.config = config or CodecConfig()
         self.plan = ModelPlan.build(shapes, self.config)
         self.device = torch.device(device)
@@ -108,6 +115,9 @@ class GradientCodec:
         self._bits = value_bits(self._coded, self.config)
         self._elias_fano = self.config.indices == "elias-fano"
         self._layouts = [self._layout(g) for g in self.plan.groups]
+        if factorization not in lowrank.FACTORIZATIONS:
+            raise ValueError(f"factorization must be one of {', '.join(lowrank.FACTORIZATIONS)}, got {factorization!r}")
+        self.factorization = factorization
 
     # ---------------------------------------------------------------- compress
 
@@ -242,7 +252,13 @@ class GradientCodec:
     def _encode_dense(self, t: TensorPlan, values: torch.Tensor, update_feedback: bool) -> dict[str, CompressedTensor]:
         if not bool(values.isfinite().all()):
             raise NonFiniteInput(t.name)
-        if t.value_format != ValueFormat.FLOAT32:
+        if t.encoding == Encoding.LOW_RANK:
+            factors = lowrank.compress(values.reshape(matrix_view(t.shape)), t.k, self.factorization)
+            if update_feedback:  # what stays behind: all the receiver will not decode
+                values.sub_(factors.decode(values.device).view(-1))
+            codes, scales = factors.to_bytes()
+            ct = CompressedTensor(t.name, t.shape, t.encoding, t.value_format, (), t.k, b"", codes, lut=scales)
+        elif t.value_format != ValueFormat.FLOAT32:
             seg = torch.zeros(values.numel(), dtype=torch.long, device=values.device)
             q = self._quantize(values, seg, 1)
             if update_feedback:
@@ -294,8 +310,16 @@ class GradientCodec:
             idx, val = self._decode_group(group, layout, by_name)
             indices.append(idx)
             values.append(val)
-        dense = [self._decode_values(t, by_name[t.name]) for t in self.plan.dense]
-        return DecodedGradient(indices, values, dense)
+        factors = {
+            t.name: self._factors(t, by_name[t.name]) for t in self.plan.dense if t.encoding == Encoding.LOW_RANK
+        }
+        dense = [
+            factors[t.name].decode(self.device).view(-1)
+            if t.name in factors
+            else self._decode_values(t, by_name[t.name])
+            for t in self.plan.dense
+        ]
+        return DecodedGradient(indices, values, dense, factors=factors)
 
     def _check_tensor(self, t: TensorPlan, ct: CompressedTensor) -> None:
         def fail(field: str, reason: str) -> None:
@@ -320,9 +344,20 @@ class GradientCodec:
         want_vals = values_nbytes(fmt, n, self.config)
         if len(ct.values) != want_vals:
             fail("values", f"expected {want_vals} bytes ({n} {fmt.name} values), got {len(ct.values)}")
-        want_lut = lut_nbytes(fmt, self.config)
+        want_lut = lut_nbytes(fmt, self.config, t.k)
         if len(ct.lut) != want_lut:
             fail("lut", f"expected {want_lut} bytes, got {len(ct.lut)}")
+        if fmt == ValueFormat.INT8:
+            if ct.shift != 0 or ct.scale != 0:
+                fail("shift" if ct.shift != 0 else "scale", "must be 0 for factors (their scales are in lut)")
+            if (np.frombuffer(ct.values, np.int8) == -lowrank.CODE_LIMIT - 1).any():
+                fail("values", f"factor codes must be in [-{lowrank.CODE_LIMIT}, {lowrank.CODE_LIMIT}], got -128")
+            if (
+                not _finite_within(np.frombuffer(ct.lut, "<f4"), VALUE_LIMIT)
+                or (np.frombuffer(ct.lut, "<f4") < 0).any()
+            ):
+                fail("lut", f"factor scales must be finite and in [0, {VALUE_LIMIT:g}]")
+            return
         if fmt == ValueFormat.FLOAT32:
             if not _finite_within(np.frombuffer(ct.values, "<f4"), VALUE_LIMIT):
                 fail("values", f"raw values must be finite and within +-{VALUE_LIMIT:g}")
@@ -401,7 +436,14 @@ class GradientCodec:
             )
         return idx
 
+    @staticmethod
+    def _factors(t: TensorPlan, ct: CompressedTensor) -> lowrank.Factors:
+        """A factored tensor's codes and scales (checked by ``_check_tensor``)."""
+        rows, cols = matrix_view(t.shape)
+        return lowrank.Factors.from_bytes(ct.values, ct.lut, rows, cols, t.k)
+
     def _decode_values(self, t: TensorPlan, ct: CompressedTensor) -> torch.Tensor:
+        """A tensor sent whole, its values flat."""
         if t.value_format != ValueFormat.FLOAT32:
             vals = torch.from_numpy(self._dequantize([t], [ct]))
         else:

@@ -17,6 +17,9 @@ FORMAT_VERSION = 2
 # 12-bit indices address at most 4096 positions, so a chunk holds at most 64 x 64 elements.
 MAX_CHUNK_NUMEL = 1 << 12
 
+# Factors of a larger rank are no longer a compression of any matrix a model of this project has.
+MAX_RANK = 4096
+
 ValueCoding = Literal["lut", "sign"]
 VALUE_CODINGS: tuple[ValueCoding, ...] = ("lut", "sign")
 IndexCoding = Literal["packed12", "elias-fano"]
@@ -43,6 +46,10 @@ class CodecConfig:
         indices: how each chunk's kept indices are coded. ``"packed12"``: 12 bits each. ``"elias-fano"``:
             the chunk's indices in increasing order, Elias-Fano coded in about ``2 + log2(chunk area / k)``
             bits each (668 bits for 90 of 4096, 38% less): more values in the same bytes.
+        rank: 0, or R > 0: every matrix (the tensor's ``matrix_view``) of at least ``min_sparse_numel``
+            elements whose smaller side exceeds R travels as rank-R factors ``A @ B`` in int8 with float32
+            scales (``lowrank``) instead of DCT top-k, and every vector dense (its values coded as any dense
+            tensor's: a few bytes against the factors); other matrices as with 0.
     """
 
     chunk: int = 64
@@ -53,6 +60,7 @@ class CodecConfig:
     range_sigmas: float = 6.0
     min_sparse_numel: int = 256
     indices: IndexCoding = "packed12"
+    rank: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.chunk or self.chunk * self.chunk > MAX_CHUNK_NUMEL:
@@ -67,6 +75,8 @@ class CodecConfig:
             raise ValueError(f"range_sigmas must be a positive finite number, got {self.range_sigmas}")
         if self.indices not in INDEX_CODINGS:
             raise ValueError(f"indices must be one of {', '.join(map(repr, INDEX_CODINGS))}, got {self.indices!r}")
+        if not 0 <= self.rank <= MAX_RANK:
+            raise ValueError(f"rank must be in [0, {MAX_RANK}] (0: no low-rank factors), got {self.rank}")
         if self.min_sparse_numel < 0:
             raise ValueError(f"min_sparse_numel must be >= 0, got {self.min_sparse_numel}")
 

@@ -18,6 +18,8 @@ Byte layouts (all little-endian):
            for a negative value; the value is ``-scale`` or ``+scale``, ``scale`` being the mean
            magnitude of the tensor's kept values (finite, >= 0). ``shift`` is 0, ``lut`` empty.
            ``FLOAT32``: four bytes per value.
+           ``INT8`` (``LOW_RANK`` only): the factors' int8 codes, A's (rows x k) then B's (k x cols), row-major;
+           ``lut`` holds 2k float32 scales, A's columns' then B's rows'; see ``lowrank``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Encoding(enum.IntEnum):
 
     SPARSE = 1  # chunked (DCT) coefficients, top-k per chunk, 12-bit packed indices
     DENSE = 2  # every element, in row-major order, no indices
+    LOW_RANK = 3  # the matrix view as k rank-one terms A @ B (``lowrank``), int8 codes and float32 scales
 
 
 class ValueFormat(enum.IntEnum):
@@ -41,6 +44,7 @@ class ValueFormat(enum.IntEnum):
     FLOAT32 = 1  # raw, four bytes per value
     LUT = 2  # ceil(log2(bins))-bit bin ids, decoded through a per-tensor table
     SIGN = 3  # one sign bit per value, +-scale
+    INT8 = 4  # LOW_RANK factors: one signed byte per entry, a float32 scale per factor in ``lut``
 
 
 # The tensor name a PayloadError carries when the problem is about the payload as a whole.
@@ -74,13 +78,13 @@ class CompressedTensor:
     shape: tuple[int, ...]
     encoding: Encoding
     value_format: ValueFormat
-    chunk_shape: tuple[int, ...]  # () for DENSE
-    k: int  # kept per chunk; 0 for DENSE
+    chunk_shape: tuple[int, ...]  # () for DENSE and LOW_RANK
+    k: int  # kept per chunk; 0 for DENSE; the rank for LOW_RANK
     indices: bytes  # b"" for DENSE
     values: bytes
     shift: float = 0.0  # LUT only (0 for SIGN)
     scale: float = 0.0  # LUT: bin width; SIGN: mean magnitude
-    lut: bytes = b""  # LUT only
+    lut: bytes = b""  # LUT: the bin table; INT8: the factors' scales
 
     @property
     def nbytes(self) -> int:

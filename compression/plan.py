@@ -19,6 +19,7 @@ from gradwire.compression.payload import Encoding, ValueFormat
 LUT_ENTRY_BYTES = 2  # float16
 QUANT_HEADER_BYTES = 8  # float32 shift + float32 scale
 SIGN_HEADER_BYTES = 4  # float32 scale
+FACTOR_SCALE_BYTES = 4  # float32, one per column of A and row of B
 
 
 def largest_divisor_at_most(n: int, limit: int) -> int:
@@ -44,10 +45,10 @@ def code_bits(bins: int) -> int:
 
 
 def value_bits(value_format: ValueFormat, config: CodecConfig) -> int:
-    """Bits per value on the wire: the packed code width, 1 for signs, 32 raw."""
+    """Bits per value on the wire: the packed code width, 1 for signs, 8 for factor codes, 32 raw."""
     if value_format == ValueFormat.LUT:
         return code_bits(config.bins)
-    return 1 if value_format == ValueFormat.SIGN else 32
+    return {ValueFormat.SIGN: 1, ValueFormat.INT8: 8}.get(value_format, 32)
 
 
 def values_nbytes(value_format: ValueFormat, num_values: int, config: CodecConfig) -> int:
@@ -55,8 +56,11 @@ def values_nbytes(value_format: ValueFormat, num_values: int, config: CodecConfi
     return bits_nbytes(num_values, value_bits(value_format, config))
 
 
-def lut_nbytes(value_format: ValueFormat, config: CodecConfig) -> int:
-    """Exact length of a tensor's ``lut`` field: ``bins`` float16 entries for LUT, else nothing."""
+def lut_nbytes(value_format: ValueFormat, config: CodecConfig, rank: int = 0) -> int:
+    """Exact length of a tensor's ``lut`` field: ``bins`` float16 entries for LUT, a float32 scale per factor
+    (two per rank-one term) for INT8, else nothing."""
+    if value_format == ValueFormat.INT8:
+        return 2 * FACTOR_SCALE_BYTES * rank
     return config.bins * LUT_ENTRY_BYTES if value_format == ValueFormat.LUT else 0
 
 
@@ -81,8 +85,8 @@ class TensorPlan:
     shape: tuple[int, ...]
     encoding: Encoding
     value_format: ValueFormat
-    chunk_shape: tuple[int, ...]  # (r, c) or (n,) for SPARSE; () for DENSE
-    k: int  # kept per chunk (0 for DENSE)
+    chunk_shape: tuple[int, ...]  # (r, c) or (n,) for SPARSE; () for DENSE and LOW_RANK
+    k: int  # kept per chunk (0 for DENSE); the rank for LOW_RANK
 
     @property
     def numel(self) -> int:
@@ -98,6 +102,9 @@ class TensorPlan:
 
     @property
     def num_values(self) -> int:
+        """Values in the payload: kept coefficients (SPARSE), elements (DENSE), factor entries (LOW_RANK)."""
+        if self.encoding == Encoding.LOW_RANK:
+            return self.k * sum(matrix_view(self.shape))
         return self.num_chunks * self.k if self.encoding == Encoding.SPARSE else self.numel
 
     @property
@@ -125,6 +132,10 @@ def plan_tensor(name: str, shape: Sequence[int], config: CodecConfig) -> TensorP
     if numel < max(config.min_sparse_numel, 1):
         return TensorPlan(name, shape, Encoding.DENSE, value_format_for(numel, config), (), 0)
     rows, cols = matrix_view(shape)
+    if 0 < config.rank < min(rows, cols):
+        return TensorPlan(name, shape, Encoding.LOW_RANK, ValueFormat.INT8, (), config.rank)
+    if config.rank and (rows == 1 or cols == 1):
+        return TensorPlan(name, shape, Encoding.DENSE, value_format_for(numel, config), (), 0)
     if rows == 1 or cols == 1:  # a vector, whatever its nominal rank
         chunk_shape: tuple[int, ...] = (largest_divisor_at_most(numel, config.chunk),)
     else:
@@ -156,6 +167,10 @@ class ChunkGroup:
 
 @dataclasses.dataclass(frozen=True)
 class ModelPlan:
+    """Every tensor's plan, in payload order; the sparse ones in chunk groups. ``dense`` holds the tensors
+    that are decoded, summed and fed back in the parameter domain, in payload order: those sent whole
+    (DENSE) and those sent as factors (LOW_RANK)."""
+
     config: CodecConfig
     tensors: tuple[TensorPlan, ...]  # in payload order
     groups: tuple[ChunkGroup, ...]
@@ -181,7 +196,7 @@ class ModelPlan:
                 offsets.append(total)
                 total += m.num_chunks
             groups.append(ChunkGroup(chunk_shape, members[0].k, tuple(members), tuple(offsets)))
-        dense = tuple(t for t in tensors if t.encoding == Encoding.DENSE)
+        dense = tuple(t for t in tensors if t.encoding != Encoding.SPARSE)
         return cls(config, tensors, tuple(groups), dense)
 
     @property
@@ -197,5 +212,5 @@ class ModelPlan:
         for t in self.tensors:
             n = t.num_values
             total += indices_nbytes(t, self.config)
-            total += values_nbytes(t.value_format, n, self.config) + lut_nbytes(t.value_format, self.config)
+            total += values_nbytes(t.value_format, n, self.config) + lut_nbytes(t.value_format, self.config, t.k)
         return total

@@ -68,6 +68,7 @@ def settings_to_proto(config: CodecConfig) -> codec_pb2.CodecSettings:
         range_sigmas=config.range_sigmas,
         min_sparse_numel=config.min_sparse_numel,
         indices=int(IndexCoding[config.indices.upper().replace("-", "_")]),
+        rank=config.rank,
     )
 
 
@@ -84,6 +85,7 @@ def settings_from_proto(msg: codec_pb2.CodecSettings) -> CodecConfig:
             range_sigmas=msg.range_sigmas,
             min_sparse_numel=msg.min_sparse_numel,
             indices=indices.name.lower().replace("_", "-"),  # type: ignore[arg-type]  # one of INDEX_CODINGS
+            rank=msg.rank,
         )
     except ValueError as e:  # CodecConfig.__post_init__ names the offending setting
         raise PayloadError(GRADIENT, "settings", str(e)) from None

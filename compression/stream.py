@@ -74,7 +74,9 @@ class StreamPlan:
             (codec,)
             if self.buckets == whole
             else tuple(
-                GradientCodec(subset(shapes, names), codec.config, codec.device, codec.transform_dtype)
+                GradientCodec(
+                    subset(shapes, names), codec.config, codec.device, codec.transform_dtype, codec.factorization
+                )
                 for names in self.buckets
             )
         )
@@ -122,6 +124,7 @@ class StreamPlan:
         indices = [torch.empty((g.num_chunks, g.k), dtype=torch.int64, device=device) for g in plan.groups]
         values = [torch.empty((g.num_chunks, g.k), dtype=torch.float32, device=device) for g in plan.groups]
         dense: list[torch.Tensor | None] = [None] * len(plan.dense)
+        factors = {name: f for d in decoded for name, f in d.factors.items()}
         for b, d in enumerate(decoded):
             for si, sub, gi, whole, rows in self._rows[b]:
                 indices[gi][whole : whole + rows] = d.indices[si][sub : sub + rows]
@@ -129,7 +132,8 @@ class StreamPlan:
             for di, wi in self._dense[b]:
                 dense[wi] = d.dense[di]
         assert all(t is not None for t in dense)
-        return DecodedGradient(indices, values, dense)  # type: ignore[arg-type]
+        ordered = {t.name: factors[t.name] for t in plan.dense if t.name in factors}
+        return DecodedGradient(indices, values, dense, factors=ordered)  # type: ignore[arg-type]
 
 
 class Pieces:

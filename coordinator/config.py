@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gradwire.compression import CodecConfig
-from gradwire.compression.config import INDEX_CODINGS, VALUE_CODINGS
+from gradwire.compression.config import INDEX_CODINGS, MAX_RANK, VALUE_CODINGS
 from gradwire.compression.fragment import MAX_FRAGMENTS
 from gradwire.compression.packing import ef_topk_in_bits_of
 from gradwire.compression.robust import AGGREGATIONS, AggregationRule
@@ -48,6 +48,9 @@ OVERLAP_UPDATES = ("auto", "eager", "delayed")
 # --no-compression: every tensor dense, raw float32 - the codec's exact path, no special case elsewhere.
 DENSE_CODEC = CodecConfig(min_sparse_numel=2**62, bins=0)
 
+# Centralized local-SGD rounds' factors: the bytes of the top-k default on gpt-5m (docs/benchmarks.md).
+DEFAULT_RANK = 8
+
 # The settings ``mode_defaults`` fills when their flag is not given.
 AUTO_FIELDS = (
     "outer_optimizer",
@@ -59,6 +62,7 @@ AUTO_FIELDS = (
     "topk",
     "inner_momentum",
     "index_coding",
+    "rank",
 )
 
 # The sections of the settings, in the order of ``--help``: title -> what the section holds.
@@ -117,6 +121,7 @@ def mode_defaults(
     target_chunk: int | None = None,
     gossip: bool = False,
     index_coding: str | None = None,
+    top_k_given: bool = False,
 ) -> dict[str, object]:
     """The defaults of the mode-dependent settings, with the outer optimizer already chosen or not.
 
@@ -143,6 +148,12 @@ def mode_defaults(
     2.57 points. Gradient mode keeps 12-bit indices: it aggregates every step, and decoding Elias-Fano
     roughly doubles a CPU coordinator's aggregation time (docs/benchmarks.md); a round of H inner steps
     pays it once per H steps.
+    Centralized local-SGD rounds send every matrix as rank-8 factors instead (``rank``; past H 30 the rank
+    grows with H as the top-k does), vectors dense: a pseudo-gradient after tens of inner steps is close to
+    low-rank, and in benchmarks.quality (gpt-5m, H 30) rank 8 cut the codec gap from 3.39 to 2.45 points at
+    600 steps, in the same bytes. Unless a top-k
+    setting is given (``top_k_given``: ``--topk``, ``--target-chunk``, ``--no-dct``, ``--index-coding``),
+    which asks for the DCT top-k. Gossip rounds (model differences) and gradient mode keep the top-k.
     """
     local = inner_steps > 1
     if index_coding is None:
@@ -159,6 +170,7 @@ def mode_defaults(
         density = 512 / 4096
     bins = 16 if gossip else 4 if local else 256
     topk = max(1, round(density * chunk * chunk))
+    factor_rank = min(MAX_RANK, round(DEFAULT_RANK * max(90, 3 * inner_steps) / 90))  # grows with H as the top-k
     if index_coding == "elias-fano":
         topk = ef_topk_in_bits_of(topk, chunk * chunk, math.ceil(math.log2(bins)))
     return {
@@ -171,6 +183,7 @@ def mode_defaults(
         "topk": topk,
         "inner_momentum": {"muon": 0.95, "demuon": 0.8}.get(inner_optimizer, 0.0),
         "index_coding": index_coding,
+        "rank": factor_rank if local and not gossip and not no_compression and not top_k_given else 0,
     }
 
 
@@ -398,6 +411,16 @@ class TrainConfig:
         section=CODEC,
         choices=INDEX_CODINGS,
     )
+    rank: int | None = setting(
+        None,
+        help="send every matrix whose smaller side exceeds R as rank-R factors of its error-feedback buffer "
+        "(a truncated SVD; randomized past 1024 on the smaller side), int8 with a float32 scale per factor, "
+        "and every vector dense, instead of DCT top-k (0: top-k for every tensor; auto: 8 in centralized "
+        "local-SGD rounds up to H 30, about the bytes of the top-k on gpt-5m, then growing with H as the top-k "
+        "does, unless --topk, --target-chunk, --no-dct or --index-coding is given; 0 in gradient mode and "
+        "gossip rounds)",
+        section=CODEC,
+    )
     no_compression: bool = setting(False, help="send exact dense float32 gradients (a baseline)", section=CODEC)
     feedback_beta: float | None = setting(
         None,
@@ -610,6 +633,8 @@ class TrainConfig:
             target_chunk=self.target_chunk,
             gossip=self.topology != "star",
             index_coding=self.index_coding,
+            top_k_given=any(v is not None for v in (self.topk, self.target_chunk, self.index_coding))
+            or not self.use_dct,
         )
         for name in AUTO_FIELDS:
             if getattr(self, name) is None:
@@ -697,7 +722,9 @@ class TrainConfig:
             raise ValueError(f"--log-every must be >= 0 seconds (0: only at the end), got {self.log_every}")
         self.data = tuple(self.data)
         self.update_rule()  # UpdateRule validates --outer-optimizer, --weight-decay, --momentum
-        self.codec_config()  # CodecConfig validates --topk, --target-chunk, --bins, --values
+        if self.rank and self.no_compression:
+            raise ValueError(f"--rank {self.rank} factors what the codec sends; --no-compression sends it all")
+        self.codec_config()  # CodecConfig validates --topk, --target-chunk, --bins, --values, --rank
         self.downlink_codec_config()  # and --downlink-topk
         self.inner_optimizer_config()  # validates the --inner-* optimizer flags
         self.outer_schedule()
@@ -776,9 +803,12 @@ class TrainConfig:
                 bins=self.bins,
                 values=self.values,
                 indices=self.index_coding,
+                rank=self.rank,
             )
         except ValueError as e:
-            raise ValueError(f"codec flags (--topk, --target-chunk, --bins, --values, --index-coding): {e}") from None
+            raise ValueError(
+                f"codec flags (--topk, --target-chunk, --bins, --values, --index-coding, --rank): {e}"
+            ) from None
 
     def downlink_codec_config(self) -> CodecConfig:
         """The codec of a compressed downlink: the workers' chunks and value coding, ``--downlink-topk``."""
@@ -786,8 +816,9 @@ class TrainConfig:
         if self.no_compression:
             return codec
         topk = self.downlink_topk or min(DOWNLINK_TOPK_FACTOR * codec.topk, codec.chunk * codec.chunk)
+        rank = min(DOWNLINK_TOPK_FACTOR * codec.rank, MAX_RANK)  # factors of the aggregate of several senders
         try:
-            return dataclasses.replace(codec, topk=topk)
+            return dataclasses.replace(codec, topk=topk, rank=rank)
         except ValueError as e:
             raise ValueError(f"--downlink-topk: {e}") from None
 

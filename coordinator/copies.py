@@ -24,6 +24,7 @@ Pure: ``digest`` and ``find_copies`` compute from the decoded payloads alone, an
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from collections.abc import Collection, Sequence
 
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 
 from gradwire.compression.codec import DecodedGradient
+from gradwire.compression.lowrank import Factors
 
 ROWS_PER_GROUP = 256  # chunks sampled per chunk group (evenly spaced): enough to tell, cheap to compare
 COPY_SHARE = 0.5  # a payload whose sampled chunks repeat another's index sets this often is a copy
@@ -54,7 +56,8 @@ def digest(decoded: DecodedGradient, chunk_numels: Sequence[int]) -> np.ndarray:
     any order), or 0 for a chunk whose kept values are all the same (its sender had nothing there: top-k of
     nothing picks the same indices for everyone, and quantized zeros are all one code). ``chunk_numels``:
     each group's chunk size (``codec.plan.groups``); a group where two honest chunks could hold the same set
-    by chance (top-1 of 64: one in 64) is left out. Empty if no group is left."""
+    by chance (top-1 of 64: one in 64) is left out. Then the words of each factored tensor, one per
+    rank-one term (``_factor_words``). Empty if nothing is left."""
     words = []
     for indices, values, numel in zip(decoded.indices, decoded.values, chunk_numels):
         chunks, k = indices.shape
@@ -66,7 +69,25 @@ def digest(decoded: DecodedGradient, chunk_numels: Sequence[int]) -> np.ndarray:
         kept = values[rows]
         hashed[(kept == kept[:, :1]).all(dim=1).cpu().numpy()] = 0
         words.append(hashed)
+    words += [_factor_words(f) for f in decoded.factors.values()]
     return np.concatenate(words) if words else np.zeros(0, np.uint64)
+
+
+def _factor_words(factors: Factors) -> np.ndarray:
+    """One 64-bit word per rank-one term of a factored tensor: a hash of its column of A's codes and its row
+    of B's, each up to sign (a sign-flipped copy hashes alike), the tensor's words sorted (so does a copy
+    with its terms reordered); 0 for a term whose codes are all zero. A copy sent with other scales keeps
+    its codes; an honest sender's term repeats another's only if every code of a whole column and row does."""
+    a, b = factors.a.cpu().numpy(), factors.b.cpu().numpy()
+    out = np.zeros(a.shape[1], np.uint64)
+    for t in range(a.shape[1]):
+        column, row = a[:, t], b[t]
+        if not column.any() or not row.any():
+            continue
+        canonical = [v * np.int8(np.sign(v[np.flatnonzero(v)[0]])) for v in (column, row)]
+        h = hashlib.blake2b(canonical[0].tobytes() + b"|" + canonical[1].tobytes(), digest_size=8).digest()
+        out[t] = np.frombuffer(h, np.uint64)[0] or np.uint64(1)
+    return np.sort(out)
 
 
 def _log_sets(n: int, k: int) -> float:

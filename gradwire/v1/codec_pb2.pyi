@@ -12,6 +12,7 @@ class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ENCODING_UNSPECIFIED: _ClassVar[Encoding]
     ENCODING_SPARSE: _ClassVar[Encoding]
     ENCODING_DENSE: _ClassVar[Encoding]
+    ENCODING_LOW_RANK: _ClassVar[Encoding]
 
 class ValueFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -19,6 +20,7 @@ class ValueFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     VALUE_FORMAT_FLOAT32: _ClassVar[ValueFormat]
     VALUE_FORMAT_LUT: _ClassVar[ValueFormat]
     VALUE_FORMAT_SIGN: _ClassVar[ValueFormat]
+    VALUE_FORMAT_INT8: _ClassVar[ValueFormat]
 
 class ValueCoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -34,10 +36,12 @@ class IndexCoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 ENCODING_UNSPECIFIED: Encoding
 ENCODING_SPARSE: Encoding
 ENCODING_DENSE: Encoding
+ENCODING_LOW_RANK: Encoding
 VALUE_FORMAT_UNSPECIFIED: ValueFormat
 VALUE_FORMAT_FLOAT32: ValueFormat
 VALUE_FORMAT_LUT: ValueFormat
 VALUE_FORMAT_SIGN: ValueFormat
+VALUE_FORMAT_INT8: ValueFormat
 VALUE_CODING_UNSPECIFIED: ValueCoding
 VALUE_CODING_LUT: ValueCoding
 VALUE_CODING_SIGN: ValueCoding
@@ -46,7 +50,7 @@ INDEX_CODING_PACKED12: IndexCoding
 INDEX_CODING_ELIAS_FANO: IndexCoding
 
 class CodecSettings(_message.Message):
-    __slots__ = ("chunk", "topk", "use_dct", "bins", "range_sigmas", "min_sparse_numel", "values", "indices")
+    __slots__ = ("chunk", "topk", "use_dct", "bins", "range_sigmas", "min_sparse_numel", "values", "indices", "rank")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
     USE_DCT_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +59,7 @@ class CodecSettings(_message.Message):
     MIN_SPARSE_NUMEL_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     chunk: int
     topk: int
     use_dct: bool
@@ -63,7 +68,8 @@ class CodecSettings(_message.Message):
     min_sparse_numel: int
     values: ValueCoding
     indices: IndexCoding
-    def __init__(self, chunk: _Optional[int] = ..., topk: _Optional[int] = ..., use_dct: _Optional[bool] = ..., bins: _Optional[int] = ..., range_sigmas: _Optional[float] = ..., min_sparse_numel: _Optional[int] = ..., values: _Optional[_Union[ValueCoding, str]] = ..., indices: _Optional[_Union[IndexCoding, str]] = ...) -> None: ...
+    rank: int
+    def __init__(self, chunk: _Optional[int] = ..., topk: _Optional[int] = ..., use_dct: _Optional[bool] = ..., bins: _Optional[int] = ..., range_sigmas: _Optional[float] = ..., min_sparse_numel: _Optional[int] = ..., values: _Optional[_Union[ValueCoding, str]] = ..., indices: _Optional[_Union[IndexCoding, str]] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class CompressedTensor(_message.Message):
     __slots__ = ("name", "shape", "encoding", "value_format", "chunk_shape", "k", "indices", "values", "shift", "scale", "lut")

@@ -88,6 +88,23 @@ def steps_with_fault(trainer: Trainer, fault: Callable[[], None], before: int = 
     return records
 
 
+def rounds_in_step(config: TrainConfig, workers: Sequence[LiveWorker]) -> tuple[Trainer, list[dict | None]]:
+    """``config.steps`` rounds on ``workers``; then every worker's replica is the first's, bit for bit, and
+    the first's is the coordinator's (``assert_in_step``). Returns the trainer and each round's record."""
+    trainer = Trainer(config, [w.client() for w in workers], progress=False)
+    try:
+        trainer.connect()
+        records = [trainer.train_step() for _ in range(config.steps)]
+        replicas = [next(iter(w.engine.sessions.values())).replica for w in workers]
+        for other in replicas[1:]:
+            for name, p in replicas[0].params.items():
+                assert torch.equal(other.params[name], p), name
+        assert_in_step(trainer, workers[0])
+    finally:
+        trainer.close()
+    return trainer, records
+
+
 def assert_in_step(trainer: Trainer, worker: LiveWorker) -> None:
     """The worker's replica is the coordinator's, bit for bit, once both apply the pending update."""
     (session,) = worker.engine.sessions.values()

@@ -18,7 +18,7 @@ from gradwire.coordinator.metrics import read_metrics
 from gradwire.coordinator.trainer import Trainer
 from gradwire.models import build_from_spec, lm_loss, model_spec
 
-from .conftest import assert_in_step, live_workers, train
+from .conftest import assert_in_step, live_workers, rounds_in_step, train
 
 
 def _config(tmp_path, **overrides) -> TrainConfig:
@@ -75,16 +75,7 @@ def test_fragments_are_streaming_diloco_and_replicas_stay_bit_identical(tmp_path
         learning_rate=1.0,
     )
     with live_workers(2) as workers:
-        trainer = Trainer(config, [w.client() for w in workers], progress=False)
-        try:
-            trainer.connect()
-            records = [trainer.train_step() for _ in range(config.steps)]
-            replicas = [next(iter(w.engine.sessions.values())).replica for w in workers]
-            for name, p in replicas[0].params.items():
-                assert torch.equal(replicas[1].params[name], p), name
-            assert_in_step(trainer, workers[0])
-        finally:
-            trainer.close()
+        trainer, records = rounds_in_step(config, workers)
     assert all(r["successful_workers"] == 2 and r["inner_steps"] == 1 for r in records)
     expected = _streaming(trainer, config, 2, 0.5)
     for (name, a), b in zip(trainer.model.named_parameters(), expected.parameters()):

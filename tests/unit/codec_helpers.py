@@ -14,6 +14,7 @@ ASSEMBLY_CONFIGS = {
     "sign": CodecConfig(values="sign"),
     "no-dct": CodecConfig(use_dct=False),
     "elias-fano": CodecConfig(bins=4, topk=143, indices="elias-fano"),
+    "low-rank": CodecConfig(bins=4, topk=143, indices="elias-fano", rank=2),
 }
 
 

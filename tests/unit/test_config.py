@@ -250,3 +250,30 @@ def test_gossip_rounds_take_their_defaults_and_refuse_what_centralized_rounds_al
     ]:
         with pytest.raises(ValueError, match=named):
             TrainConfig(**{"topology": "ring", **flags})
+
+
+def test_centralized_local_sgd_rounds_send_factors_unless_a_top_k_is_asked_for() -> None:
+    # Rank 8 up to H 30, then growing with H as the top-k does: the same bytes per trained token.
+    assert [TrainConfig(inner_steps=h).rank for h in (2, 30, 60, 120)] == [8, 8, 16, 32]
+    assert TrainConfig(inner_steps=30).codec_config().rank == 8
+    # Gradient mode, gossip rounds and uncompressed rounds keep the top-k (or send it all).
+    assert [TrainConfig().rank, TrainConfig(inner_steps=30, topology="ring").rank] == [0, 0]
+    assert TrainConfig(inner_steps=30, no_compression=True).rank == 0
+    # A top-k setting asks for the top-k; an explicit rank wins.
+    for given in (dict(topk=90), dict(target_chunk=32), dict(use_dct=False), dict(index_coding="packed12")):
+        assert TrainConfig(inner_steps=30, **given).rank == 0, given
+    assert TrainConfig(inner_steps=30, topk=90, rank=4).rank == 4
+
+
+def test_rank_reaches_the_codec_and_the_downlink_takes_four_times_it() -> None:
+    config = TrainConfig(inner_steps=30, rank=7)
+    assert (config.codec_config().rank, config.downlink_codec_config().rank) == (7, 28)
+    assert TrainConfig().codec_config().rank == 0 and TrainConfig().downlink_codec_config().rank == 0
+    with pytest.raises(ValueError, match="--rank"):
+        TrainConfig(rank=-1)
+    with pytest.raises(ValueError, match="--no-compression"):
+        TrainConfig(rank=4, no_compression=True)
+    config, _ = load_train(["train", "--local", "1", "--rank", "5"])
+    assert config.codec_config().rank == 5
+    config, _ = load_train(["train", "--local", "1", "--inner-steps", "30", "--rank", "auto"])
+    assert config.codec_config().rank == 8

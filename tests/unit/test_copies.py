@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from gradwire.compression import CodecConfig, GradientCodec
+from gradwire.compression import CodecConfig, GradientCodec, lowrank
 from gradwire.coordinator.copies import COPY_SHARE, Seen, digest, find_copies, shared
 
 SHAPES = {"w": (256, 192), "v": (8192,), "b": (48,)}  # w: 12 chunks of 64 x 64; v: top-1 of each 64
@@ -98,3 +98,41 @@ def test_only_overlapping_pairs_are_compared_and_the_answer_is_the_pairwise_one(
             shared(d, s.digest) >= COPY_SHARE for s in earlier if s.step < 5
         )
         assert pairwise == (i in found), i
+
+
+def _with_factors(payload, name: str, edit) -> object:
+    """``payload`` with the factored tensor ``name``'s codes and scales edited by ``edit(a, sa, b, sb)``."""
+    ct = next(t for t in payload.tensors if t.name == name)
+    rows, cols = ct.shape[0], int(np.prod(ct.shape[1:]))
+    f = lowrank.Factors.from_bytes(ct.values, ct.lut, rows, cols, ct.k)
+    values, lut = lowrank.Factors(*edit(f.a, f.a_scale, f.b, f.b_scale)).to_bytes()
+    tensors = tuple(dataclasses.replace(t, values=values, lut=lut) if t.name == name else t for t in payload.tensors)
+    return dataclasses.replace(payload, tensors=tensors)
+
+
+def test_factored_tensors_copied_scaled_flipped_or_reordered_are_found_and_honest_ones_never() -> None:
+    shapes = {"w": (256, 192), "e": (300, 64), "b": (48,)}
+    codec = GradientCodec(shapes, CodecConfig(topk=32, rank=4))
+    numels = [g.chunk_numel for g in codec.plan.groups]
+    g = torch.Generator().manual_seed(5)
+    honest = [codec.compress({n: torch.randn(s, generator=g) for n, s in shapes.items()}) for _ in range(3)]
+    digests = [digest(codec.decode(p), numels) for p in honest]
+    assert digests[0].size == 8 and (digests[0] != 0).all()  # 4 words for each factored tensor, no group left
+    assert max(shared(a, b) for i, a in enumerate(digests) for b in digests[i + 1 :]) == 0.0
+    flip = torch.tensor([1, -1, 1, -1], dtype=torch.int8)
+    order = torch.tensor([2, 0, 3, 1])
+    copies = {
+        "verbatim": honest[0],
+        "scaled": _with_factors(
+            _with_factors(honest[0], "w", lambda a, sa, b, sb: (a, 3 * sa, b, sb)),
+            "e",
+            lambda a, sa, b, sb: (a, sa, b, sb / 2),
+        ),
+        "sign-flipped": _with_factors(honest[0], "w", lambda a, sa, b, sb: (a * flip, sa, b, sb)),
+        "reordered": _with_factors(honest[0], "e", lambda a, sa, b, sb: (a[:, order], sa[order], b[order], sb[order])),
+    }
+    for how, payload in copies.items():
+        assert shared(digests[0], digest(codec.decode(payload), numels)) == 1.0, how
+    scaled = digest(codec.decode(copies["scaled"]), numels)
+    found = find_copies([("a", digests[0]), ("b", digests[1]), ("c", scaled)], [], 1)
+    assert list(found) == [2] and "a's" in found[2]

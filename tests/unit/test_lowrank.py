@@ -1,0 +1,221 @@
+"""Low-rank factors (``CodecConfig.rank``): the plan, the round trip, error feedback, aggregation, and every
+rule a receiver checks a factored tensor against."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from gradwire.compression import lowrank, serde
+from gradwire.compression.codec import GradientCodec
+from gradwire.compression.config import CodecConfig
+from gradwire.compression.feedback import ErrorFeedback
+from gradwire.compression.payload import CompressedGradient, Encoding, PayloadError, ValueFormat
+from gradwire.compression.robust import AggregationRule, aggregate, payload_norm
+
+from .codec_helpers import rounds_to_send
+
+CONFIG = CodecConfig(bins=4, topk=143, indices="elias-fano", rank=3)
+SHAPES = {
+    "embed": (96, 32),  # factored: 3 < 32
+    "conv": (4, 8, 16),  # factored as its matrix view (32, 16)
+    "thin": (300, 3),  # smaller side 3 = rank: DCT top-k as without a rank
+    "bias": (512,),  # a vector: dense under a rank (DCT top-k without)
+    "norm": (16,),  # fewer than min_sparse_numel: dense
+}
+
+
+@pytest.fixture(scope="module")
+def codec() -> GradientCodec:
+    return GradientCodec(SHAPES, CONFIG)
+
+
+def _grads(seed: int = 0, rank: int | None = None) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+    if rank is not None:  # matrices of exactly this rank
+        out["embed"] = torch.randn(96, rank, generator=g) @ torch.randn(rank, 32, generator=g)
+        out["conv"] = (torch.randn(32, rank, generator=g) @ torch.randn(rank, 16, generator=g)).view(4, 8, 16)
+    return out
+
+
+def test_the_plan_factors_matrices_whose_smaller_side_exceeds_the_rank(codec: GradientCodec) -> None:
+    plan = {t.name: t for t in codec.plan.tensors}
+    assert {n for n, t in plan.items() if t.encoding == Encoding.LOW_RANK} == {"embed", "conv"}
+    assert (plan["thin"].encoding, plan["bias"].encoding, plan["norm"].encoding) == (
+        Encoding.SPARSE,
+        Encoding.DENSE,
+        Encoding.DENSE,
+    )
+    assert plan["bias"].value_format == ValueFormat.LUT  # 2-bit codes, as any dense tensor of that size
+    assert plan["embed"].value_format == ValueFormat.INT8 and plan["embed"].k == 3
+    assert plan["conv"].num_values == 3 * (32 + 16)
+    # Parameter-domain tensors, in payload order: the factored ones and the dense one.
+    assert [t.name for t in codec.plan.dense] == ["embed", "conv", "bias", "norm"]
+    # Rank 0 is today's codec: nothing factored, the vector by top-k.
+    without = {t.name: t.encoding for t in GradientCodec(SHAPES, CodecConfig()).plan.tensors}
+    assert Encoding.LOW_RANK not in without.values() and without["bias"] == Encoding.SPARSE
+
+
+def test_a_matrix_of_the_sent_rank_arrives_within_int8_rounding(codec: GradientCodec) -> None:
+    grads = _grads(rank=3)
+    out = codec.decompress(codec.compress(grads))
+    for name in ("embed", "conv"):
+        rel = float((out[name] - grads[name]).norm() / grads[name].norm())
+        assert rel < 0.02, (name, rel)  # int8 codes: about 1% of each factor's largest entry
+    # A full-rank matrix keeps about its best rank-3 share, no more.
+    full = _grads(seed=1)
+    m = full["embed"]
+    best = torch.linalg.svdvals(m)[:3].square().sum() / m.square().sum()
+    got = 1 - float((codec.decompress(codec.compress(full))["embed"] - m).square().sum() / m.square().sum())
+    assert abs(got - float(best)) < 0.03
+
+
+def test_payload_bytes_follow_the_formula_and_survive_serde(codec: GradientCodec) -> None:
+    payload = codec.compress(_grads())
+    embed = next(t for t in payload.tensors if t.name == "embed")
+    assert (len(embed.values), len(embed.lut), embed.indices, embed.k) == (3 * (96 + 32), 8 * 3, b"", 3)
+    assert payload.nbytes == codec.plan.payload_bytes()
+    again = serde.gradient_from_bytes(serde.gradient_to_bytes(payload))
+    assert again == payload and again.settings.rank == 3
+    assert torch.equal(codec.decode(again).dense[0], codec.decode(payload).dense[0])
+
+
+def test_error_feedback_keeps_exactly_what_the_receiver_did_not_decode(codec: GradientCodec) -> None:
+    feedback = ErrorFeedback(beta=0.9)
+    first, second = _grads(seed=2), _grads(seed=3)
+    sent = codec.decompress(codec.compress(first, feedback))
+    assert torch.equal(feedback.buffers["embed"], (first["embed"] - sent["embed"]).reshape(-1))
+    left = feedback.buffers["embed"].clone()
+    sent = codec.decompress(codec.compress(second, feedback))
+    expected = 0.9 * left + second["embed"].reshape(-1) - sent["embed"].reshape(-1)
+    torch.testing.assert_close(feedback.buffers["embed"], expected, rtol=0, atol=1e-6)
+    # Error feedback carries the rest in later rounds: the same gradient every round, and what was sent,
+    # summed, soon points its way (rank 3 of 32 carries about 1/3 of a random matrix's energy a round).
+    rounds, cosine = rounds_to_send(codec, _grads(seed=4), max_rounds=40)
+    assert cosine >= 0.95 and rounds <= 20, (rounds, cosine)
+
+
+def test_decoding_sums_in_float64_and_rounds_once() -> None:
+    g = torch.Generator().manual_seed(4)
+    factors = lowrank.compress(torch.randn(40, 24, generator=g), 5)
+    a = factors.a.numpy().astype(np.float64) * factors.a_scale.numpy().astype(np.float64)
+    b = factors.b.numpy().astype(np.float64) * factors.b_scale.numpy().astype(np.float64)[:, None]
+    reference = np.einsum("it,tj->ij", a, b).astype(np.float32)  # another summation, the same rounding
+    assert np.array_equal(factors.decode().numpy(), reference)
+    assert factors.decode(device="cpu").dtype == torch.float32
+
+
+def test_a_zero_matrix_sends_zero_scales_and_decodes_to_zero() -> None:
+    factors = lowrank.compress(torch.zeros(16, 8), 2)
+    assert not factors.a_scale.any() and not factors.b_scale.any()
+    assert not factors.decode().any()
+
+
+def test_aggregation_is_the_mean_of_the_decoded_senders(codec: GradientCodec) -> None:
+    payloads = [codec.compress(_grads(seed=s)) for s in (5, 6)]
+    each = [codec.decompress(p) for p in payloads]
+    mean = codec.aggregate(payloads, weights=[1.0, 3.0])
+    torch.testing.assert_close(mean["embed"], (each[0]["embed"] + 3 * each[1]["embed"]) / 4, rtol=0, atol=1e-6)
+    exact = codec.aggregate(payloads, dtype=torch.float64)
+    torch.testing.assert_close(exact["conv"], (each[0]["conv"] + each[1]["conv"]) / 2, rtol=0, atol=1e-6)
+    # Robust aggregation sees the factored tensors too: the norm it clips by counts them, and a
+    # coordinate-wise rule combines them element by element (the median of two is their mean).
+    whole = torch.cat([t.reshape(-1) for t in each[0].values()])
+    assert payload_norm(codec.decode(payloads[0])) == pytest.approx(float(whole.norm()), rel=1e-5)
+    median = aggregate(codec, payloads, [1.0, 1.0], rule=AggregationRule(mode="median")).result()
+    torch.testing.assert_close(median["embed"], (each[0]["embed"] + each[1]["embed"]) / 2, rtol=0, atol=1e-6)
+
+
+def test_non_finite_input_is_named(codec: GradientCodec) -> None:
+    grads = _grads()
+    grads["embed"][3, 4] = float("nan")
+    with pytest.raises(Exception, match="embed"):
+        codec.compress(grads)
+
+
+def _replace(payload: CompressedGradient, name: str, **fields: object) -> CompressedGradient:
+    tensors = tuple(dataclasses.replace(t, **fields) if t.name == name else t for t in payload.tensors)
+    return dataclasses.replace(payload, tensors=tensors)
+
+
+def _scales(values: list[float]) -> bytes:
+    return np.array(values, "<f4").tobytes()
+
+
+@pytest.mark.parametrize(
+    "fields, field",
+    [
+        ({"values": b"\x00" * (3 * 128 - 1)}, "values"),  # one code short
+        ({"values": b"\x80" + b"\x00" * (3 * 128 - 1)}, "values"),  # -128
+        ({"lut": b"\x00" * 20}, "lut"),  # a scale short
+        ({"lut": _scales([1.0, float("nan"), 1, 1, 1, 1])}, "lut"),
+        ({"lut": _scales([1.0, -1.0, 1, 1, 1, 1])}, "lut"),
+        ({"lut": _scales([1.0, 1e31, 1, 1, 1, 1])}, "lut"),
+        ({"shift": 1.0}, "shift"),
+        ({"scale": 0.5}, "scale"),
+        ({"k": 4}, "k"),
+        ({"chunk_shape": (32, 32)}, "chunk_shape"),
+        ({"indices": b"\x00"}, "indices"),
+        ({"encoding": Encoding.SPARSE}, "encoding"),
+        ({"value_format": ValueFormat.LUT}, "value_format"),
+    ],
+)
+def test_a_malformed_factored_tensor_is_refused_naming_it(codec: GradientCodec, fields: dict, field: str) -> None:
+    good = codec.compress(_grads())
+    agg = codec.aggregator()
+    agg.add(good)
+    before = agg.result()
+    with pytest.raises(PayloadError) as err:
+        agg.add(_replace(good, "embed", **fields))
+    assert (err.value.tensor, err.value.field) == ("embed", field)
+    after = agg.result()  # the running sum is as it was
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_settings_with_another_rank_are_refused(codec: GradientCodec) -> None:
+    payload = codec.compress(_grads())
+    other = dataclasses.replace(payload, settings=dataclasses.replace(CONFIG, rank=2))
+    with pytest.raises(PayloadError, match="settings"):
+        codec.decode(other)
+    msg = serde.gradient_to_proto(payload)
+    msg.settings.rank = 5000
+    with pytest.raises(PayloadError, match="rank"):
+        serde.gradient_from_bytes(msg.SerializeToString())
+    with pytest.raises(ValueError, match="rank"):
+        CodecConfig(rank=-1)
+
+
+def _decaying(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """A matrix whose singular values fall as 1 / (i + 1): a pseudo-gradient's spectrum, roughly."""
+    g = torch.Generator().manual_seed(seed)
+    u, _ = torch.linalg.qr(torch.randn(rows, cols, generator=g))
+    v, _ = torch.linalg.qr(torch.randn(cols, cols, generator=g))
+    return (u / torch.arange(1, cols + 1)) @ v.T
+
+
+def test_the_randomized_factorization_is_close_to_the_best_and_repeatable() -> None:
+    m = _decaying(600, 200, seed=7)
+    a, b = lowrank.factorize(m, 6, "svd")
+    best = m - a @ b
+    a, b = lowrank.factorize(m, 6, "randomized")
+    residual = m - a @ b
+    assert float(residual.norm()) <= 1.02 * float(best.norm())  # within 2% of the truncated SVD's error
+    again = lowrank.factorize(m, 6, "randomized")
+    assert torch.equal(again[0], a) and torch.equal(again[1], b)  # a fixed seed: resumes replay it
+    with pytest.raises(ValueError, match="factorization"):
+        lowrank.factorize(m, 6, "qr")
+    with pytest.raises(ValueError, match="factorization"):
+        GradientCodec(SHAPES, CONFIG, factorization="qr")  # type: ignore[arg-type]
+
+
+def test_auto_factors_exactly_up_to_the_limit_and_randomly_past_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    m = _decaying(120, 80, seed=8)
+    exact = lowrank.factorize(m, 4, "svd")
+    assert all(torch.equal(x, y) for x, y in zip(lowrank.factorize(m, 4), exact))
+    monkeypatch.setattr(lowrank, "EXACT_MAX_SIDE", 79)
+    randomized = lowrank.factorize(m, 4, "randomized")
+    assert all(torch.equal(x, y) for x, y in zip(lowrank.factorize(m, 4), randomized))
