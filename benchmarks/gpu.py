@@ -16,6 +16,10 @@ Each check runs once on ``--device`` (default cuda:0) against the CPU and report
   drift     a CPU replica and a GPU replica replay the same ``--updates`` sign-SGD updates: the largest
             parameter difference at the end, with float32 replays and with float64 ones (which round
             once and should agree bit for bit)
+  codec_low_rank, drift_low_rank
+            the codec and float32 drift checks with local-SGD rounds' default codec (``--rank fit``: every
+            matrix as int8 factors, factored by an SVD on the GPU; decoded in float64, so the replays
+            should agree bit for bit)
   node      with two GPUs, a 2-rank NCCL node (``worker serve --nproc-per-node 2``) in each mode (ddp,
             fsdp, pipeline) against one GPU on the whole batch (max abs difference of the gradient)
   memory    with two GPUs, what each rank of a ddp, fsdp and pipeline node holds of a local-SGD run's
@@ -71,10 +75,16 @@ def _flat(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.detach().float().cpu().flatten() for t in tensors.values()])
 
 
-def check_codec(spec: dict, device: str) -> dict[str, Any]:
+TOP_K = CodecConfig()  # gradient mode's default codec
+# Centralized local-SGD rounds' default codec: every matrix as int8 factors at the rank that fits its top-k's
+# bytes, vectors dense.
+LOW_RANK = CodecConfig(bins=4, topk=143, indices="elias-fano", rank_fits_topk=True)
+
+
+def check_codec(spec: dict, device: str, config: CodecConfig = TOP_K) -> dict[str, Any]:
     """A worker on ``device`` and one on the CPU compute and compress the same round."""
     replica, state = _state(spec)
-    order = WorkOrder("gpu-check", 0, 0, _batch(spec), CodecConfig(), replica.fingerprint())
+    order = WorkOrder("gpu-check", 0, 0, _batch(spec), config, replica.fingerprint())
     payloads = {}
     for where in ("cpu", device):
         engine = WorkerEngine(where)
@@ -82,10 +92,10 @@ def check_codec(spec: dict, device: str) -> dict[str, Any]:
         result = engine.run_round(order)
         assert result.status == OK, result.reason
         payloads[where] = result.gradient
-    on_cpu = replica.codec(CodecConfig()).decompress(payloads[device])
-    on_device = Replica(build_from_spec(spec, seed=0).to(device), replica.rule).codec(CodecConfig())
+    on_cpu = replica.codec(config).decompress(payloads[device])
+    on_device = Replica(build_from_spec(spec, seed=0).to(device), replica.rule).codec(config)
     decoded_there = on_device.decompress(payloads[device])
-    reference = replica.codec(CodecConfig()).decompress(payloads["cpu"])
+    reference = replica.codec(config).decompress(payloads["cpu"])
     return {
         "payload_bytes": payloads[device].nbytes,
         "decode_cpu_vs_device_max_abs": float((_flat(on_cpu) - _flat(decoded_there)).abs().max()),
@@ -126,12 +136,14 @@ def check_muon(device: str, shape: tuple[int, int] = (256, 768)) -> dict[str, An
     return {"cosine": _cosine(a, b), "shape": list(shape)}
 
 
-def check_drift(spec: dict, device_a: str, device_b: str, updates: int, exact: bool) -> dict[str, Any]:
+def check_drift(
+    spec: dict, device_a: str, device_b: str, updates: int, exact: bool, config: CodecConfig = TOP_K
+) -> dict[str, Any]:
     """Two replicas, on ``device_a`` and ``device_b``, replay the same ``updates`` sign-SGD updates."""
     rule = UpdateRule(optimizer="signsgd")
     replicas = [Replica(build_from_spec(spec, seed=0).to(d), rule) for d in (device_a, device_b)]
     sender = Replica(build_from_spec(spec, seed=0), rule)  # where the payloads come from, on the CPU
-    codec = sender.codec(CodecConfig())
+    codec = sender.codec(config)
     feedback = [ErrorFeedback(beta=0.999) for _ in range(2)]
     gen = torch.Generator().manual_seed(0)
     for _ in range(updates):
@@ -228,6 +240,8 @@ def run(model: str, device: str, updates: int) -> dict[str, Any]:
         "muon": lambda: check_muon(device),
         "drift_float32": lambda: check_drift(spec, "cpu", device, updates, exact=False),
         "drift_float64": lambda: check_drift(spec, "cpu", device, updates, exact=True),
+        "codec_low_rank": lambda: check_codec(spec, device, LOW_RANK),
+        "drift_low_rank": lambda: check_drift(spec, "cpu", device, updates, exact=False, config=LOW_RANK),
         "stream": lambda: check_stream(spec, device, *((12, 4, 8) if on_gpu else (2, 4, 2))),
     }
     if torch.cuda.device_count() >= 2:

@@ -33,9 +33,9 @@ when a run would wrap into a second pass.
   averaging        sparseloco's rounds (H = 120) without compression and plain averaging (outer SGD at lr 1):
                    where local SGD itself ends, the floor compression can at best reach.
   sparseloco       H = 120 inner AdamW steps, pseudo-gradients through error feedback (0.95), outer SGD at lr 1:
-                   the service's defaults. Every matrix travels as int8 rank-R factors of its error-feedback
-                   buffer (``--rank``: 8 up to H 30, growing with H past it, 32 at H 120: the bytes per token of
-                   the top-k below), every vector dense in 2-bit values.
+                   the service's defaults. Every matrix travels as int8 factors of its error-feedback buffer at
+                   the rank that fits the bytes of its top-k below (``--rank fit``), every vector dense in 2-bit
+                   values.
                    Aggregated by the service's default ``mean`` (``--set sparseloco.aggregate=kept-mean``: each
                    coefficient the mean over the workers that sent it).
   sparseloco-topk  sparseloco with ``--rank 0``, the default until 2026-11-27: every tensor by DCT + top-k of 4096
@@ -203,7 +203,7 @@ METHODS["sparseloco-down"] = dict(METHODS["sparseloco"], downlink="compressed")
 METHODS["sparseloco-overlap"] = dict(METHODS["sparseloco"], overlap=True, overlap_update="delayed")
 METHODS["sparseloco-eager"] = dict(METHODS["sparseloco"], overlap=True, overlap_update="eager")
 METHODS["sparseloco-fragments"] = dict(METHODS["sparseloco"], fragments=2)
-# The DCT top-k for every tensor (--rank 0), local-SGD rounds' default until rank-8 factors replaced it.
+# The DCT top-k for every tensor (--rank 0), local-SGD rounds' default until factors replaced it.
 METHODS["sparseloco-topk"] = dict(METHODS["sparseloco"], rank=0)
 # Gossip rounds (--topology): every worker trains its own model and mixes with its graph neighbours; the
 # consensus (the mean of the public copies) is what is evaluated. Compared with "averaging", the centralized
@@ -712,4 +712,9 @@ if __name__ == "__main__":
 #                      trains better than all of it at once
 #   low-rank factors instead of DCT top-k (python -m benchmarks.lowrank): rank 7 in int8, in 0.94x the bytes, cuts
 #                      the gap to averaging from +2.77% to +1.54% (SVD) or +1.46% (two warm-started power
-#                      iterations a round); see docs/benchmarks.md. The lead to build next.
+#                      iterations a round); see docs/benchmarks.md. Built: --rank
+#   --rank (int8 factors of each matrix's error-feedback buffer by truncated SVD; codec gap at 300 / 600 steps):
+#                      rank 7, vectors by top-k 1.47 / 2.86 pt | rank 8, vectors by top-k 1.38 / - | rank 7, vectors
+#                      dense 1.58 / 2.60 | rank 8, vectors dense 1.30 / 2.45 (3011x) | rank 12 - / 1.75 (2017x) |
+#                      each matrix at the rank that fits its top-k's bytes (fit: 4-9), vectors dense 1.30 / 2.08
+#                      (3253x: kept, the default) | the top-k it replaced 2.58 / 3.39 (3082x)

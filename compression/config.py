@@ -50,6 +50,10 @@ class CodecConfig:
             elements whose smaller side exceeds R travels as rank-R factors ``A @ B`` in int8 with float32
             scales (``lowrank``) instead of DCT top-k, and every vector dense (its values coded as any dense
             tensor's: a few bytes against the factors); other matrices as with 0.
+        rank_fits_topk: each matrix gets the largest rank whose factors fit the bytes its top-k would cost
+            (``plan.fitted_rank``; at most ``rank`` if that is > 0), vectors dense as with a rank; a matrix
+            whose top-k bytes buy no rank-one term, or all of its rank, keeps the top-k. The same bytes as
+            the top-k at any model width, where a fixed rank's grow with the matrices' sides instead.
     """
 
     chunk: int = 64
@@ -61,6 +65,7 @@ class CodecConfig:
     min_sparse_numel: int = 256
     indices: IndexCoding = "packed12"
     rank: int = 0
+    rank_fits_topk: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.chunk or self.chunk * self.chunk > MAX_CHUNK_NUMEL:

@@ -20,6 +20,7 @@ LUT_ENTRY_BYTES = 2  # float16
 QUANT_HEADER_BYTES = 8  # float32 shift + float32 scale
 SIGN_HEADER_BYTES = 4  # float32 scale
 FACTOR_SCALE_BYTES = 4  # float32, one per column of A and row of B
+_HEADER_BYTES = {ValueFormat.LUT: QUANT_HEADER_BYTES, ValueFormat.SIGN: SIGN_HEADER_BYTES}
 
 
 def largest_divisor_at_most(n: int, limit: int) -> int:
@@ -132,10 +133,29 @@ def plan_tensor(name: str, shape: Sequence[int], config: CodecConfig) -> TensorP
     if numel < max(config.min_sparse_numel, 1):
         return TensorPlan(name, shape, Encoding.DENSE, value_format_for(numel, config), (), 0)
     rows, cols = matrix_view(shape)
-    if 0 < config.rank < min(rows, cols):
-        return TensorPlan(name, shape, Encoding.LOW_RANK, ValueFormat.INT8, (), config.rank)
-    if config.rank and (rows == 1 or cols == 1):
+    factored = config.rank > 0 or config.rank_fits_topk
+    if factored and (rows == 1 or cols == 1):  # a vector: a few bytes dense, next to the factors
         return TensorPlan(name, shape, Encoding.DENSE, value_format_for(numel, config), (), 0)
+    top_k = _top_k_plan(name, shape, config)
+    rank = fitted_rank(top_k, config) if config.rank_fits_topk else config.rank
+    if 0 < rank < min(rows, cols):
+        return TensorPlan(name, shape, Encoding.LOW_RANK, ValueFormat.INT8, (), rank)
+    return top_k
+
+
+def fitted_rank(t: TensorPlan, config: CodecConfig) -> int:
+    """The largest rank whose factors (int8 codes and two float32 scales a term) cost at most the bytes of
+    ``t``, a matrix's top-k plan; at most ``config.rank`` if that is > 0; 0 if not even one term fits."""
+    budget = indices_nbytes(t, config) + values_nbytes(t.value_format, t.num_values, config)
+    budget += lut_nbytes(t.value_format, config) + _HEADER_BYTES.get(t.value_format, 0)
+    rank = budget // (sum(matrix_view(t.shape)) + 2 * FACTOR_SCALE_BYTES)
+    return min(rank, config.rank) if config.rank > 0 else rank
+
+
+def _top_k_plan(name: str, shape: tuple[int, ...], config: CodecConfig) -> TensorPlan:
+    """A tensor of at least ``min_sparse_numel`` elements as chunked DCT top-k."""
+    numel = math.prod(shape)
+    rows, cols = matrix_view(shape)
     if rows == 1 or cols == 1:  # a vector, whatever its nominal rank
         chunk_shape: tuple[int, ...] = (largest_divisor_at_most(numel, config.chunk),)
     else:

@@ -69,6 +69,7 @@ def settings_to_proto(config: CodecConfig) -> codec_pb2.CodecSettings:
         min_sparse_numel=config.min_sparse_numel,
         indices=int(IndexCoding[config.indices.upper().replace("-", "_")]),
         rank=config.rank,
+        rank_fits_topk=config.rank_fits_topk,
     )
 
 
@@ -86,6 +87,7 @@ def settings_from_proto(msg: codec_pb2.CodecSettings) -> CodecConfig:
             min_sparse_numel=msg.min_sparse_numel,
             indices=indices.name.lower().replace("_", "-"),  # type: ignore[arg-type]  # one of INDEX_CODINGS
             rank=msg.rank,
+            rank_fits_topk=msg.rank_fits_topk,
         )
     except ValueError as e:  # CodecConfig.__post_init__ names the offending setting
         raise PayloadError(GRADIENT, "settings", str(e)) from None

@@ -48,8 +48,8 @@ OVERLAP_UPDATES = ("auto", "eager", "delayed")
 # --no-compression: every tensor dense, raw float32 - the codec's exact path, no special case elsewhere.
 DENSE_CODEC = CodecConfig(min_sparse_numel=2**62, bins=0)
 
-# Centralized local-SGD rounds' factors: the bytes of the top-k default on gpt-5m (docs/benchmarks.md).
-DEFAULT_RANK = 8
+# --rank's word for "each matrix at the rank that fits its top-k's bytes" (CodecConfig.rank_fits_topk).
+FIT = "fit"
 
 # The settings ``mode_defaults`` fills when their flag is not given.
 AUTO_FIELDS = (
@@ -148,10 +148,11 @@ def mode_defaults(
     2.57 points. Gradient mode keeps 12-bit indices: it aggregates every step, and decoding Elias-Fano
     roughly doubles a CPU coordinator's aggregation time (docs/benchmarks.md); a round of H inner steps
     pays it once per H steps.
-    Centralized local-SGD rounds send every matrix as rank-8 factors instead (``rank``; past H 30 the rank
-    grows with H as the top-k does), vectors dense: a pseudo-gradient after tens of inner steps is close to
-    low-rank, and in benchmarks.quality (gpt-5m, H 30) rank 8 cut the codec gap from 3.39 to 2.45 points at
-    600 steps, in the same bytes. Unless a top-k
+    Centralized local-SGD rounds send every matrix as int8 factors of its error-feedback buffer instead, at
+    the rank that fits the bytes its top-k would cost (``rank`` ``fit``), vectors dense: a pseudo-gradient
+    after tens of inner steps is close to low-rank. In benchmarks.quality (gpt-5m, H 30) that cut the codec
+    gap from 2.58 to 1.30 points at 300 steps and from 3.39 to 2.08 at 600, in 0.95x the bytes
+    (docs/benchmarks.md); a fixed rank 8 did as well at 300 steps and worse at 600. Unless a top-k
     setting is given (``top_k_given``: ``--topk``, ``--target-chunk``, ``--no-dct``, ``--index-coding``),
     which asks for the DCT top-k. Gossip rounds (model differences) and gradient mode keep the top-k.
     """
@@ -170,7 +171,6 @@ def mode_defaults(
         density = 512 / 4096
     bins = 16 if gossip else 4 if local else 256
     topk = max(1, round(density * chunk * chunk))
-    factor_rank = min(MAX_RANK, round(DEFAULT_RANK * max(90, 3 * inner_steps) / 90))  # grows with H as the top-k
     if index_coding == "elias-fano":
         topk = ef_topk_in_bits_of(topk, chunk * chunk, math.ceil(math.log2(bins)))
     return {
@@ -183,7 +183,7 @@ def mode_defaults(
         "topk": topk,
         "inner_momentum": {"muon": 0.95, "demuon": 0.8}.get(inner_optimizer, 0.0),
         "index_coding": index_coding,
-        "rank": factor_rank if local and not gossip and not no_compression and not top_k_given else 0,
+        "rank": FIT if local and not gossip and not no_compression and not top_k_given else 0,
     }
 
 
@@ -411,15 +411,15 @@ class TrainConfig:
         section=CODEC,
         choices=INDEX_CODINGS,
     )
-    rank: int | None = setting(
+    rank: str | int | None = setting(
         None,
-        help="send every matrix whose smaller side exceeds R as rank-R factors of its error-feedback buffer "
-        "(a truncated SVD; randomized past 1024 on the smaller side), int8 with a float32 scale per factor, "
-        "and every vector dense, instead of DCT top-k (0: top-k for every tensor; auto: 8 in centralized "
-        "local-SGD rounds up to H 30, about the bytes of the top-k on gpt-5m, then growing with H as the top-k "
-        "does, unless --topk, --target-chunk, --no-dct or --index-coding is given; 0 in gradient mode and "
-        "gossip rounds)",
+        help="send every matrix as int8 factors A @ B of its error-feedback buffer (a truncated SVD, randomized "
+        "past 1024 on the smaller side) and every vector dense, instead of DCT top-k: R > 0 at rank R (matrices "
+        "whose smaller side exceeds R); fit at the rank whose bytes fit the matrix's top-k's (gpt-5m: 4-9); "
+        "0: top-k for every tensor (auto: fit in centralized local-SGD rounds unless --topk, --target-chunk, "
+        "--no-dct or --index-coding is given; 0 in gradient mode and gossip rounds)",
         section=CODEC,
+        metavar="R|fit",
     )
     no_compression: bool = setting(False, help="send exact dense float32 gradients (a baseline)", section=CODEC)
     feedback_beta: float | None = setting(
@@ -722,6 +722,10 @@ class TrainConfig:
             raise ValueError(f"--log-every must be >= 0 seconds (0: only at the end), got {self.log_every}")
         self.data = tuple(self.data)
         self.update_rule()  # UpdateRule validates --outer-optimizer, --weight-decay, --momentum
+        if isinstance(self.rank, str):  # typed or from a file: a number, or the word
+            if self.rank != FIT and not self.rank.isdigit():
+                raise ValueError(f"--rank must be a non-negative integer or {FIT!r}, got {self.rank!r}")
+            self.rank = self.rank if self.rank == FIT else int(self.rank)
         if self.rank and self.no_compression:
             raise ValueError(f"--rank {self.rank} factors what the codec sends; --no-compression sends it all")
         self.codec_config()  # CodecConfig validates --topk, --target-chunk, --bins, --values, --rank
@@ -803,7 +807,8 @@ class TrainConfig:
                 bins=self.bins,
                 values=self.values,
                 indices=self.index_coding,
-                rank=self.rank,
+                rank=0 if self.rank == FIT else self.rank,
+                rank_fits_topk=self.rank == FIT,
             )
         except ValueError as e:
             raise ValueError(
@@ -816,7 +821,8 @@ class TrainConfig:
         if self.no_compression:
             return codec
         topk = self.downlink_topk or min(DOWNLINK_TOPK_FACTOR * codec.topk, codec.chunk * codec.chunk)
-        rank = min(DOWNLINK_TOPK_FACTOR * codec.rank, MAX_RANK)  # factors of the aggregate of several senders
+        # Factors of the aggregate of several senders: 4x the rank, or what fits 4x the top-k's bytes.
+        rank = min(DOWNLINK_TOPK_FACTOR * codec.rank, MAX_RANK)
         try:
             return dataclasses.replace(codec, topk=topk, rank=rank)
         except ValueError as e:

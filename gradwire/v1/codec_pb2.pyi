@@ -50,7 +50,7 @@ INDEX_CODING_PACKED12: IndexCoding
 INDEX_CODING_ELIAS_FANO: IndexCoding
 
 class CodecSettings(_message.Message):
-    __slots__ = ("chunk", "topk", "use_dct", "bins", "range_sigmas", "min_sparse_numel", "values", "indices", "rank")
+    __slots__ = ("chunk", "topk", "use_dct", "bins", "range_sigmas", "min_sparse_numel", "values", "indices", "rank", "rank_fits_topk")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
     USE_DCT_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class CodecSettings(_message.Message):
     VALUES_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    RANK_FITS_TOPK_FIELD_NUMBER: _ClassVar[int]
     chunk: int
     topk: int
     use_dct: bool
@@ -69,7 +70,8 @@ class CodecSettings(_message.Message):
     values: ValueCoding
     indices: IndexCoding
     rank: int
-    def __init__(self, chunk: _Optional[int] = ..., topk: _Optional[int] = ..., use_dct: _Optional[bool] = ..., bins: _Optional[int] = ..., range_sigmas: _Optional[float] = ..., min_sparse_numel: _Optional[int] = ..., values: _Optional[_Union[ValueCoding, str]] = ..., indices: _Optional[_Union[IndexCoding, str]] = ..., rank: _Optional[int] = ...) -> None: ...
+    rank_fits_topk: bool
+    def __init__(self, chunk: _Optional[int] = ..., topk: _Optional[int] = ..., use_dct: _Optional[bool] = ..., bins: _Optional[int] = ..., range_sigmas: _Optional[float] = ..., min_sparse_numel: _Optional[int] = ..., values: _Optional[_Union[ValueCoding, str]] = ..., indices: _Optional[_Union[IndexCoding, str]] = ..., rank: _Optional[int] = ..., rank_fits_topk: _Optional[bool] = ...) -> None: ...
 
 class CompressedTensor(_message.Message):
     __slots__ = ("name", "shape", "encoding", "value_format", "chunk_shape", "k", "indices", "values", "shift", "scale", "lut")

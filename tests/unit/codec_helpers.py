@@ -15,6 +15,7 @@ ASSEMBLY_CONFIGS = {
     "no-dct": CodecConfig(use_dct=False),
     "elias-fano": CodecConfig(bins=4, topk=143, indices="elias-fano"),
     "low-rank": CodecConfig(bins=4, topk=143, indices="elias-fano", rank=2),
+    "low-rank-fit": CodecConfig(bins=4, topk=143, indices="elias-fano", rank_fits_topk=True),
 }
 
 

@@ -253,9 +253,10 @@ def test_gossip_rounds_take_their_defaults_and_refuse_what_centralized_rounds_al
 
 
 def test_centralized_local_sgd_rounds_send_factors_unless_a_top_k_is_asked_for() -> None:
-    # Rank 8 up to H 30, then growing with H as the top-k does: the same bytes per trained token.
-    assert [TrainConfig(inner_steps=h).rank for h in (2, 30, 60, 120)] == [8, 8, 16, 32]
-    assert TrainConfig(inner_steps=30).codec_config().rank == 8
+    # Each matrix at the rank that fits its top-k's bytes, whatever H (the top-k grows with H past 30).
+    assert [TrainConfig(inner_steps=h).rank for h in (2, 30, 120)] == ["fit"] * 3
+    codec = TrainConfig(inner_steps=30).codec_config()
+    assert (codec.rank, codec.rank_fits_topk, codec.topk) == (0, True, 143)
     # Gradient mode, gossip rounds and uncompressed rounds keep the top-k (or send it all).
     assert [TrainConfig().rank, TrainConfig(inner_steps=30, topology="ring").rank] == [0, 0]
     assert TrainConfig(inner_steps=30, no_compression=True).rank == 0
@@ -263,11 +264,16 @@ def test_centralized_local_sgd_rounds_send_factors_unless_a_top_k_is_asked_for()
     for given in (dict(topk=90), dict(target_chunk=32), dict(use_dct=False), dict(index_coding="packed12")):
         assert TrainConfig(inner_steps=30, **given).rank == 0, given
     assert TrainConfig(inner_steps=30, topk=90, rank=4).rank == 4
+    assert TrainConfig(inner_steps=30, rank="6").rank == 6  # typed or from a file
+    with pytest.raises(ValueError, match="--rank must be a non-negative integer or 'fit'"):
+        TrainConfig(inner_steps=30, rank="most")
 
 
 def test_rank_reaches_the_codec_and_the_downlink_takes_four_times_it() -> None:
     config = TrainConfig(inner_steps=30, rank=7)
     assert (config.codec_config().rank, config.downlink_codec_config().rank) == (7, 28)
+    fit = TrainConfig(inner_steps=30).downlink_codec_config()  # fits the downlink's 4x top-k
+    assert (fit.rank, fit.rank_fits_topk, fit.topk) == (0, True, 572)
     assert TrainConfig().codec_config().rank == 0 and TrainConfig().downlink_codec_config().rank == 0
     with pytest.raises(ValueError, match="--rank"):
         TrainConfig(rank=-1)
@@ -276,4 +282,6 @@ def test_rank_reaches_the_codec_and_the_downlink_takes_four_times_it() -> None:
     config, _ = load_train(["train", "--local", "1", "--rank", "5"])
     assert config.codec_config().rank == 5
     config, _ = load_train(["train", "--local", "1", "--inner-steps", "30", "--rank", "auto"])
-    assert config.codec_config().rank == 8
+    assert config.codec_config().rank_fits_topk
+    config, _ = load_train(["train", "--local", "1", "--rank", "fit"])
+    assert config.rank == "fit" and config.codec_config().rank_fits_topk

@@ -14,8 +14,9 @@ from gradwire.models import model_spec
 SPEC = model_spec("gpt-tiny")
 
 
-def test_the_codec_check_decodes_one_payload_alike_and_matches_the_cpu_worker() -> None:
-    out = gpu.check_codec(SPEC, "cpu")
+@pytest.mark.parametrize("config", [gpu.TOP_K, gpu.LOW_RANK], ids=["top-k", "low-rank"])
+def test_the_codec_check_decodes_one_payload_alike_and_matches_the_cpu_worker(config) -> None:
+    out = gpu.check_codec(SPEC, "cpu", config)
     assert out["payload_bytes"] > 0
     assert out["decode_cpu_vs_device_max_abs"] == 0.0
     assert out["device_vs_cpu_worker_cosine"] == pytest.approx(1.0, abs=1e-9)
@@ -32,8 +33,9 @@ def test_the_muon_check_compares_a_step_with_the_float32_iteration() -> None:
 
 
 @pytest.mark.parametrize("exact", [False, True])
-def test_replicas_on_one_device_kind_replay_without_drift(exact: bool) -> None:
-    out = gpu.check_drift(SPEC, "cpu", "cpu", updates=3, exact=exact)
+@pytest.mark.parametrize("config", [gpu.TOP_K, gpu.LOW_RANK], ids=["top-k", "low-rank"])
+def test_replicas_on_one_device_kind_replay_without_drift(exact: bool, config) -> None:
+    out = gpu.check_drift(SPEC, "cpu", "cpu", updates=3, exact=exact, config=config)
     assert out == {"updates": 3, "max_abs_difference": 0.0, "equal": True}
 
 

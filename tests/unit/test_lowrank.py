@@ -219,3 +219,32 @@ def test_auto_factors_exactly_up_to_the_limit_and_randomly_past_it(monkeypatch: 
     monkeypatch.setattr(lowrank, "EXACT_MAX_SIDE", 79)
     randomized = lowrank.factorize(m, 4, "randomized")
     assert all(torch.equal(x, y) for x, y in zip(lowrank.factorize(m, 4), randomized))
+
+
+def test_fitted_ranks_spend_at_most_each_matrixs_top_k_bytes() -> None:
+    shapes = {"embed": (8192, 256), "qkv": (768, 256), "proj": (256, 256), "small": (64, 64), "norm": (256,)}
+    top_k = CodecConfig(bins=4, topk=143, indices="elias-fano")
+    fit = dataclasses.replace(top_k, rank_fits_topk=True)
+    sparse = {t.name: t for t in GradientCodec(shapes, top_k).plan.tensors}
+    plan = {t.name: t for t in GradientCodec(shapes, fit).plan.tensors}
+    assert {n: (t.encoding, t.k) for n, t in plan.items() if n != "norm"} == {
+        "embed": (Encoding.LOW_RANK, 9),  # gpt-5m's matrices
+        "qkv": (Encoding.LOW_RANK, 7),
+        "proj": (Encoding.LOW_RANK, 4),
+        "small": (Encoding.LOW_RANK, 1),  # 158 bytes of top-k buy one term of 136
+    }
+    assert plan["norm"].encoding == Encoding.DENSE  # vectors dense, as with a fixed rank
+
+    def nbytes(t) -> int:
+        return GradientCodec({t.name: t.shape}, fit if t.encoding == Encoding.LOW_RANK else top_k).plan.payload_bytes()
+
+    for name in ("embed", "qkv", "proj", "small"):
+        factored, one_more = nbytes(plan[name]), (plan[name].k + 1) * (sum(plan[name].shape) + 8)
+        assert factored <= nbytes(sparse[name]) + 8 < one_more, name  # + the top-k's shift and scale
+    # A cap: rank > 0 with the fit bounds it; a matrix too thin to fit a term keeps the top-k.
+    capped = {t.name: t.k for t in GradientCodec(shapes, dataclasses.replace(fit, rank=5)).plan.tensors}
+    assert (capped["embed"], capped["proj"]) == (5, 4)
+    thin = GradientCodec({"w": (2048, 2)}, fit).plan.tensors[0]
+    assert thin.encoding == Encoding.SPARSE
+    settings = serde.settings_from_proto(serde.settings_to_proto(fit))
+    assert settings == fit and settings.rank_fits_topk
