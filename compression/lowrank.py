@@ -69,11 +69,14 @@ def nbytes(rows: int, cols: int, rank: int) -> tuple[int, int]:
 
 
 # Matrices whose smaller side is at most this are factored by an exact SVD; larger ones by a randomized
-# range finder, whose cost grows with the rank instead of the smaller side (a 4096 x 4096 matrix at rank 8:
-# about 2 GFLOP against several hundred).
+# range finder, whose cost grows with the rank instead of the smaller side (4096 x 4096 at rank 78: 0.69 s
+# on one CPU thread). The SVD trained better where both were measured: in
+# benchmarks.quality (gpt-5m, fit ranks 4-9) the codec gap at 300 / 600 steps was 1.30 / 2.08 points by
+# SVD, 1.29 / 2.34 by the range finder with 4 power iterations, 1.44 / 2.64 with 2 (docs/benchmarks.md),
+# though it costs 7-10x the time (8192 x 384 at rank 9: 164 ms against 23 ms with 2 iterations).
 EXACT_MAX_SIDE = 1024
-OVERSAMPLE = 8  # extra directions the range finder keeps, dropped after the small SVD
-POWER_ITERATIONS = 2  # passes of (M M^T) that sharpen the range towards the top singular vectors
+OVERSAMPLE = 8  # extra directions the range finder keeps (at least the rank again), dropped after the small SVD
+POWER_ITERATIONS = 4  # passes of (M M^T) that sharpen the range towards the top singular vectors
 
 Factorization = Literal["auto", "svd", "randomized"]
 FACTORIZATIONS: tuple[Factorization, ...] = ("auto", "svd", "randomized")
@@ -83,7 +86,8 @@ def factorize(m: torch.Tensor, rank: int, method: Factorization = "auto") -> tup
     """A rank-``rank`` approximation of the matrix ``m`` as ``A`` (rows, rank) and ``B`` (rank, cols), the
     singular values split evenly between them. ``svd``: the best one, by a truncated SVD in float32.
     ``randomized``: Halko, Martinsson and Tropp's range finder with ``POWER_ITERATIONS`` power iterations
-    and ``OVERSAMPLE`` extra directions, from a fixed seed (the same matrix gives the same factors).
+    and a basis of ``max(rank + OVERSAMPLE, 2 rank)`` directions, from a fixed seed (the same matrix gives
+    the same factors).
     ``auto``: ``svd`` up to ``EXACT_MAX_SIDE`` on the smaller side, ``randomized`` past it."""
     if method not in FACTORIZATIONS:
         raise ValueError(f"factorization must be one of {', '.join(FACTORIZATIONS)}, got {method!r}")
@@ -98,7 +102,7 @@ def factorize(m: torch.Tensor, rank: int, method: Factorization = "auto") -> tup
 
 def _randomized_svd(m: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The top of ``m``'s SVD through an orthonormal basis of its range (``rank + OVERSAMPLE`` columns)."""
-    width = min(rank + OVERSAMPLE, *m.shape)
+    width = min(max(rank + OVERSAMPLE, 2 * rank), *m.shape)
     generator = torch.Generator(device=m.device).manual_seed(0)
     q, _ = torch.linalg.qr(m @ torch.randn(m.shape[1], width, device=m.device, generator=generator))
     for _ in range(POWER_ITERATIONS):  # re-orthonormalised each pass, so small singular values survive

@@ -414,8 +414,9 @@ class TrainConfig:
     rank: str | int | None = setting(
         None,
         help="send every matrix as int8 factors A @ B of its error-feedback buffer (a truncated SVD, randomized "
-        "past 1024 on the smaller side) and every vector dense, instead of DCT top-k: R > 0 at rank R (matrices "
-        "whose smaller side exceeds R); fit at the rank whose bytes fit the matrix's top-k's (gpt-5m: 4-9); "
+        "past 1024 on the smaller side) and every vector dense, instead of DCT top-k: R > 0 at "
+        "rank R (matrices whose smaller side exceeds R); fit at the rank whose bytes fit the matrix's top-k's "
+        "(gpt-5m: 4-9); "
         "0: top-k for every tensor (auto: fit in centralized local-SGD rounds unless --topk, --target-chunk, "
         "--no-dct or --index-coding is given; 0 in gradient mode and gossip rounds)",
         section=CODEC,
