@@ -21,7 +21,8 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SHIPPED = sorted(CONFIGS.glob("*.yaml"))
 FIELDS = dataclasses.fields(TrainConfig)
 WITH_CHOICES = [f.name for f in FIELDS if "choices" in f.metadata]
-NUMERIC = [f.name for f in FIELDS if type(TrainConfig().to_dict()[f.name]) in (int, float)]
+# Numbers alone; --rank also takes a word (fit), and says so (test_rank_takes_a_number_or_fit).
+NUMERIC = [f.name for f in FIELDS if type(TrainConfig().to_dict()[f.name]) in (int, float) and "str" not in f.type]
 
 
 def write(tmp_path: Path, text: str, name: str = "run.yaml") -> str:
@@ -241,6 +242,15 @@ def test_every_numeric_setting_refuses_text_naming_the_key(
 ) -> None:
     err = fails(capsys, load_train, ["train", "--config", write(tmp_path, f"local: 1\n{name}: lots\n")])
     assert f"key {name!r}: expected" in err and "run.yaml" in err, err
+
+
+def test_rank_takes_a_number_or_fit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config, _ = load_train(["train", "--config", write(tmp_path, "local: 1\ninner_steps: 30\nrank: 6\n")])
+    assert config.rank == 6 and config.codec_config().rank == 6
+    config, _ = load_train(["train", "--config", write(tmp_path, "local: 1\nrank: fit\n")])
+    assert config.codec_config().rank_fits_topk
+    err = fails(capsys, load_train, ["train", "--config", write(tmp_path, "local: 1\nrank: lots\n")])
+    assert "key 'rank': --rank must be a non-negative integer or 'fit', got 'lots'" in err, err
 
 
 def test_local_device_is_a_flag_and_a_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
