@@ -230,7 +230,9 @@ def run_gradwire(
     for r in timed:
         for address, share in r["worker_utilisation"].items():
             per_worker.setdefault(address, []).append(share)
-    waiting = [r["wait_s"] / workers / r["step_time"] for r in timed]
+    # Each worker's idle seconds over its own span (from its previous result to this one): idle time before
+    # a round's order was sent (the coordinator's work between rounds) counts, as it does for a worker.
+    waiting = [r["wait_s"] / r["worker_wall_s"] if r["worker_wall_s"] > 0 else 0.0 for r in timed]
     return {
         "step_time": step,
         "compute_time": compute,

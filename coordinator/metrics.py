@@ -292,17 +292,22 @@ def utilisation(timings: Mapping[str, float]) -> float | None:
     counts against it; ``compute`` may hold work done ahead (a look-ahead), hence the clamp. Without a
     ``wall`` (a worker that does not report one, or a round with none before it), ``compute / total``.
     ``None``: nothing to say (no compute time, or no span to divide it by)."""
-    compute = _seconds(timings, "compute")
-    span = next((s for s in (_seconds(timings, k) for k in ("wall", "total")) if s is not None and s > 0), None)
-    if compute is None or span is None:
+    compute, seconds = _seconds(timings, "compute"), span(timings)
+    if compute is None or seconds <= 0:
         return None
-    return min(1.0, max(0.0, compute / span))
+    return min(1.0, max(0.0, compute / seconds))
 
 
 def waited(timings: Mapping[str, float]) -> float:
     """The seconds a worker sat idle before the round's work began (its ``wait`` timing; the wire leaves out
     a zero, so absent is 0). Pure."""
     return max(0.0, _seconds(timings, "wait") or 0.0)
+
+
+def span(timings: Mapping[str, float]) -> float:
+    """The seconds a worker's round spanned, from its previous result's end to this one's (its ``wall``
+    timing, or ``total`` without one; 0 if neither): what its ``wait`` is a share of. Pure."""
+    return next((s for s in (_seconds(timings, k) for k in ("wall", "total")) if s is not None and s > 0), 0.0)
 
 
 def round_record(
@@ -380,6 +385,7 @@ def round_record(
         # sat idle, summed over them, before this round's work began
         "utilisation": sum(shares.values()) / len(shares) if shares else None,
         "wait_s": sum(waited(r.timings) for r in usable),
+        "worker_wall_s": sum(span(r.timings) for r in usable),
         "worker_utilisation": {w: round(u, 4) for w, u in shares.items()},
     }
 

@@ -18,6 +18,7 @@ from gradwire.coordinator.metrics import (
     ProgressBar,
     read_metrics,
     round_record,
+    span,
     utilisation,
     waited,
 )
@@ -132,6 +133,12 @@ def test_waited_is_the_wait_timing_absent_as_zero() -> None:
     assert waited({"wait": -1.0}) == 0.0 and waited({"wait": float("nan")}) == 0.0
 
 
+def test_a_workers_span_is_its_wall_or_total_time() -> None:
+    assert span({"compute": 1.0, "total": 1.2, "wall": 2.5}) == 2.5  # from its previous result to this one
+    assert span({"compute": 1.0, "total": 1.2}) == 1.2
+    assert span({"compute": 1.0}) == 0.0 and span({"wall": float("nan")}) == 0.0
+
+
 @dataclasses.dataclass
 class Link:
     address: str
@@ -158,6 +165,7 @@ def test_a_rounds_record_has_its_senders_mean_utilisation_and_wait(tmp_path: Pat
     record = record_of(outcomes, 2)
     assert record["utilisation"] == pytest.approx((0.8 + 0.4) / 2)
     assert record["wait_s"] == pytest.approx(1.4)
+    assert record["worker_wall_s"] == pytest.approx(1.25 + 2.5)  # the waits' share is 1.4 of it
     assert record["worker_utilisation"] == {"w0:1": 0.8, "w1:1": 0.4}
     # a sender without timings is left out of the mean; none measured: None
     bare = SlotOutcome(slots[0], result())
