@@ -135,6 +135,7 @@ def test_round_record_arithmetic(tmp_path: Path) -> None:
         "agreement_min": 0.05,  # the senders' lowest agreement score
         "utilisation": 1.0 / 1.6,  # the senders' mean compute / wall (or total); r2 has no span: not measured
         "wait_s": 0.0,  # none reported a wait: busy all along
+        "worker_wall_s": 1.6,  # the senders' spans: r1's total (no wall); r2 has none
     }
     assert record.pop("worker_utilisation") == {"w0:1": 0.625}  # by address, the measured senders'
     assert record == pytest.approx(want)
