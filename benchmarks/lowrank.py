@@ -16,7 +16,7 @@ variants differ only in what crosses the link:
   codec:K            the same at top-K;
   codec:rankR[:svd|:randomized]
                      the same with ``--rank R``: the service's low-rank factors (``compression.lowrank``) for
-                     every matrix, the codec's top-k for vectors; factored as the service does (an exact SVD
+                     every matrix, vectors dense in 2-bit values; factored as the service does (an exact SVD
                      for gpt-5m's matrices), or forced to an SVD or to the randomized range finder;
   lowrank:R:F[:powerN] each matrix's error-feedback buffer sent as rank-R factors ``A (rows x R) @ B (R x cols)``
                      in F = fp16, or int8 with one float16 scale per factor column (of A) and row (of B);
@@ -145,8 +145,7 @@ class Codec:
 
     def send(self, delta: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
         payload = self.codec.compress(delta, self.feedback)
-        nbytes = sum(len(t.indices) + len(t.values) + len(t.lut) for t in payload.tensors)
-        return self.codec.decompress(payload), nbytes
+        return self.codec.decompress(payload), payload.nbytes
 
 
 def compressor(spec: str, shapes: dict[str, tuple[int, ...]], inner_steps: int) -> Codec | LowRank | None:

@@ -352,10 +352,8 @@ class GradientCodec:
                 fail("shift" if ct.shift != 0 else "scale", "must be 0 for factors (their scales are in lut)")
             if (np.frombuffer(ct.values, np.int8) == -lowrank.CODE_LIMIT - 1).any():
                 fail("values", f"factor codes must be in [-{lowrank.CODE_LIMIT}, {lowrank.CODE_LIMIT}], got -128")
-            if (
-                not _finite_within(np.frombuffer(ct.lut, "<f4"), VALUE_LIMIT)
-                or (np.frombuffer(ct.lut, "<f4") < 0).any()
-            ):
+            scales = np.frombuffer(ct.lut, "<f4")
+            if not _finite_within(scales, VALUE_LIMIT) or (scales < 0).any():
                 fail("lut", f"factor scales must be finite and in [0, {VALUE_LIMIT:g}]")
             return
         if fmt == ValueFormat.FLOAT32:

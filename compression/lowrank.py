@@ -42,18 +42,13 @@ class Factors:
 
     @classmethod
     def from_bytes(cls, values: bytes, lut: bytes, rows: int, cols: int, rank: int) -> Factors:
-        """The inverse of ``to_bytes`` for lengths already checked (``nbytes``); ``ValueError`` for a code of
-        -128 or a scale that is not finite and >= 0, naming which."""
+        """The inverse of ``to_bytes``, for fields the codec has checked (``GradientCodec.decode``: lengths,
+        codes in [-127, 127], scales finite and >= 0)."""
         codes = np.frombuffer(values, np.int8)
-        if (codes == -CODE_LIMIT - 1).any():
-            raise ValueError(f"code -128 at position {int(np.flatnonzero(codes == -128)[0])}: codes are in [-127, 127]")
-        scales = np.frombuffer(lut, "<f4")
-        if not (np.isfinite(scales).all() and (scales >= 0).all()):
-            raise ValueError("every scale must be finite and >= 0")
         a = torch.from_numpy(codes[: rows * rank].reshape(rows, rank).copy())
         b = torch.from_numpy(codes[rows * rank :].reshape(rank, cols).copy())
-        scales_t = torch.from_numpy(scales.astype(np.float32))
-        return cls(a, scales_t[:rank].clone(), b, scales_t[rank:].clone())
+        scales = torch.from_numpy(np.frombuffer(lut, "<f4").astype(np.float32))
+        return cls(a, scales[:rank].clone(), b, scales[rank:].clone())
 
     def decode(self, device: torch.device | str | None = None) -> torch.Tensor:
         """The matrix ``A @ B``, (rows, cols) float32, summed in float64 (see the module)."""
@@ -61,11 +56,6 @@ class Factors:
         a = self.a.to(device, torch.float64) * self.a_scale.to(device, torch.float64)
         b = self.b.to(device, torch.float64) * self.b_scale.to(device, torch.float64)[:, None]
         return (a @ b).float()
-
-
-def nbytes(rows: int, cols: int, rank: int) -> tuple[int, int]:
-    """Exact lengths of a low-rank tensor's (values, lut) fields."""
-    return rank * (rows + cols), 8 * rank
 
 
 # Matrices whose smaller side is at most this are factored by an exact SVD; larger ones by a randomized
