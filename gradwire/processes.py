@@ -9,6 +9,7 @@ dies with its parent.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing
 import os
@@ -81,8 +82,11 @@ class ForkedChild:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
+        """Signal the child unless it has ended. It may have exited before its exit code reached the fork
+        server's sentinel: then the signal finds no process, and there is nothing to stop."""
         if self._process.exitcode is None:
-            os.kill(self.pid, sig)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)

@@ -31,3 +31,22 @@ def test_a_serving_worker_process_has_a_session_of_its_own_and_stops_on_sigterm(
         assert worker.wait(timeout=60) in (0, -signal.SIGTERM)  # stopped gracefully, or before it could
     finally:
         worker.kill()
+
+
+def test_signalling_a_forked_worker_that_is_gone_but_not_yet_reaped_is_harmless() -> None:
+    """A rank that died before the fork server reported its exit code: the launcher stopping the rest
+    signals a pid with no process behind it, which must not raise (it once took the launcher down)."""
+    from gradwire.processes import ForkedChild
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # reaped: its pid names no process now
+
+    class Unreported:  # the fork server has not said the child ended
+        exitcode = None
+
+    child = object.__new__(ForkedChild)
+    child._process, child.pid = Unreported(), gone.pid  # type: ignore[assignment]
+    child.terminate()
+    child.kill()
+    with pytest.raises(ProcessLookupError):  # what the bare signal does
+        os.kill(gone.pid, signal.SIGTERM)
