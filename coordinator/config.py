@@ -148,6 +148,13 @@ def mode_defaults(
     2.57 points. Gradient mode keeps 12-bit indices: it aggregates every step, and decoding Elias-Fano
     roughly doubles a CPU coordinator's aggregation time (docs/benchmarks.md); a round of H inner steps
     pays it once per H steps.
+    Gossip rounds with DeMuon inside send twice the coefficients (top-2048 of 4096, 1.75x the bytes): an
+    orthogonalized step moves every direction of a matrix alike, so a round's change is harder to compress
+    (top-1024 of a gpt-5m worker's 30 steps leaves 30% of its energy behind, against 23% under AdamW), and
+    the difference the messages leave behind keeps the workers apart. In benchmarks.quality (8 workers,
+    H 30) the complete graph ended 0.39% above the centralized round with it, against 0.53% at top-1536 and
+    0.81% at top-1024; 2-bit values at top-2048 (1.25x the bytes) trained worse than top-1024 at 4-bit
+    (docs/benchmarks.md).
     Centralized local-SGD rounds send every matrix as int8 factors of its error-feedback buffer instead, at
     the rank that fits the bytes its top-k would cost (``rank`` ``fit``), vectors dense: a pseudo-gradient
     after tens of inner steps is close to low-rank. In benchmarks.quality (gpt-5m, H 30) that cut the codec
@@ -173,6 +180,8 @@ def mode_defaults(
     topk = max(1, round(density * chunk * chunk))
     if index_coding == "elias-fano":
         topk = ef_topk_in_bits_of(topk, chunk * chunk, math.ceil(math.log2(bins)))
+    if gossip and inner_optimizer == "demuon":
+        topk = min(chunk * chunk, 2 * topk)
     return {
         "outer_optimizer": outer_optimizer,
         "learning_rate": learning_rate,
@@ -375,7 +384,8 @@ class TrainConfig:
         help="coefficients kept per full --target-chunk x --target-chunk chunk (scaled by area for smaller "
         "chunks) (auto: the mode's density at that chunk in 12-bit indices, 32 of 64x64 = 0.78% in gradient "
         "mode and 90 of 64x64 = 2.2% with --inner-steps > 1; with Elias-Fano indices, the default with "
-        "--inner-steps > 1, as many as fit the same bytes: 38 and 143)",
+        "--inner-steps > 1, as many as fit the same bytes: 38 and 143; gossip rounds: 1024, 2048 with DeMuon "
+        "inside)",
         section=CODEC,
     )
     target_chunk: int | None = setting(

@@ -93,7 +93,7 @@ def test_exact_gossip_on_the_complete_graph_is_centralized_local_sgd(tmp_path):
 
 def test_a_ring_relays_each_worker_its_two_neighbours_messages_and_keeps_copies_in_step(tmp_path):
     config = _config(tmp_path, "ring", topology="ring", steps=14, inner_optimizer="demuon", inner_learning_rate=0.02)
-    assert (config.topk, config.bins, config.gossip_gamma, config.index_coding) == (1024, 16, 0.7, "elias-fano")
+    assert (config.topk, config.bins, config.gossip_gamma, config.index_coding) == (2048, 16, 0.7, "elias-fano")
     with live_workers(4) as workers:
         trainer = train(config, workers)
         _holders_agree(trainer, workers)

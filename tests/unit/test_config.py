@@ -239,7 +239,10 @@ def test_gossip_rounds_take_their_defaults_and_refuse_what_centralized_rounds_al
     assert ring.index_coding == "elias-fano" and ring.codec_config().indices == "elias-fano"
     assert (TrainConfig(topology="ring", index_coding="packed12").topk, TrainConfig().index_coding) == (512, "packed12")
     assert TrainConfig(topology="complete", no_compression=True).gossip_gamma == 1.0
-    assert TrainConfig(topology="complete", inner_optimizer="demuon").gossip_gamma == 0.7  # orthogonalised steps
+    demuon = TrainConfig(topology="complete", inner_optimizer="demuon")
+    assert (demuon.gossip_gamma, demuon.topk) == (0.7, 2048)  # orthogonalised steps: less compressible
+    assert TrainConfig(topology="ring", inner_optimizer="demuon", index_coding="packed12").topk == 1024
+    assert TrainConfig(topology="ring", inner_optimizer="demuon", topk=512).topk == 512  # a given top-k stands
     assert TrainConfig(topology="ring").takes_inner_steps  # one inner step a round at H 1
     assert TrainConfig(topology="ring", resume_from="runs/x").resume_from  # gossip runs resume
     for flags, named in [
