@@ -718,3 +718,9 @@ if __name__ == "__main__":
 #                      dense 1.58 / 2.60 | rank 8, vectors dense 1.30 / 2.45 (3011x) | rank 12 - / 1.75 (2017x) |
 #                      each matrix at the rank that fits its top-k's bytes (fit: 4-9), vectors dense 1.30 / 2.08
 #                      (3253x: kept, the default) | the top-k it replaced 2.58 / 3.39 (3082x)
+#   gossip with DeMuon inside, 8 workers, 300 steps, gamma 0.7, the complete graph against averaging-demuon's
+#                      5.6909 (CPU): top-1024 5.7370 (+0.81%) | top-1536 5.7212 (+0.53%) | top-2048 5.7131 (+0.39%:
+#                      kept, DeMuon's default) | top-2048 at 2-bit values 6.2754 at round 4 against top-1024's 6.2403
+#                      (stopped) | --rank fit 6.0154 at round 6 against 5.8925 (stopped) | inner steps starting from
+#                      the public copies' mix, the residual set aside (gamma 1) 5.7410 | the models' mean fetched
+#                      at the end instead of the public copies' 5.7354 against 5.7370 (not built)
