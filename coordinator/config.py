@@ -148,13 +148,6 @@ def mode_defaults(
     2.57 points. Gradient mode keeps 12-bit indices: it aggregates every step, and decoding Elias-Fano
     roughly doubles a CPU coordinator's aggregation time (docs/benchmarks.md); a round of H inner steps
     pays it once per H steps.
-    Gossip rounds with DeMuon inside send twice the coefficients (top-2048 of 4096, 1.75x the bytes): an
-    orthogonalized step moves every direction of a matrix alike, so a round's change is harder to compress
-    (top-1024 of a gpt-5m worker's 30 steps leaves 30% of its energy behind, against 23% under AdamW), and
-    the difference the messages leave behind keeps the workers apart. In benchmarks.quality (8 workers,
-    H 30) the complete graph ended 0.39% above the centralized round with it, against 0.53% at top-1536 and
-    0.81% at top-1024; 2-bit values at top-2048 (1.25x the bytes) trained worse than top-1024 at 4-bit
-    (docs/benchmarks.md).
     Centralized local-SGD rounds send every matrix as int8 factors of its error-feedback buffer instead, at
     the rank that fits the bytes its top-k would cost (``rank`` ``fit``), vectors dense: a pseudo-gradient
     after tens of inner steps is close to low-rank. In benchmarks.quality (gpt-5m, H 30) that cut the codec
@@ -162,6 +155,13 @@ def mode_defaults(
     (docs/benchmarks.md); a fixed rank 8 did as well at 300 steps and worse at 600. Unless a top-k
     setting is given (``top_k_given``: ``--topk``, ``--target-chunk``, ``--no-dct``, ``--index-coding``),
     which asks for the DCT top-k. Gossip rounds (model differences) and gradient mode keep the top-k.
+    Gossip rounds with DeMuon inside send twice the coefficients (top-2048 of 4096, 1.75x the bytes): an
+    orthogonalized step moves every direction of a matrix alike, so a round's change is harder to compress
+    (top-1024 of a gpt-5m worker's 30 steps leaves 30% of its energy behind, against 23% under AdamW), and
+    the difference the messages leave behind keeps the workers apart. In benchmarks.quality (8 workers,
+    H 30) the complete graph ended 0.39% above the centralized round with it, against 0.53% at top-1536 and
+    0.81% at top-1024; 2-bit values at top-2048 (1.25x the bytes) trained worse than top-1024 at 4-bit
+    (docs/benchmarks.md).
     """
     local = inner_steps > 1
     if index_coding is None:
