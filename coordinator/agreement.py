@@ -7,9 +7,10 @@ are left out: top-k sets of honest workers overlap little, and a coefficient one
 nothing about direction.
 
 Pure: ``leave_one_out`` computes from the decoded payloads and their weights alone (tokens times clip
-scale, the weights they aggregate with). It scatters every sender into dense (chunks, chunk_numel) sums
-once, a slice of chunks at a time, then per sender gathers the sums at its own indices and takes its own
-part back out: no loop over chunks, and the working memory is a few slices however large the model.
+scale, the weights they aggregate with). A slice of chunks at a time, it sorts every sender's (index,
+value) pairs of a chunk together, sums each coefficient over the senders that sent it, and takes each
+sender's own part back out: no loop over chunks, and the cost is the payloads', not the model's (no
+(chunks, chunk_numel) buffer; on the coordinator's critical path, issue 44).
 ``agreements`` peels senders that point away off the others' references first (see there).
 
 What payloads look like (gpt-tiny, gradient mode with error feedback, 3 workers of 4 rows of 32 tokens,
@@ -52,7 +53,7 @@ import torch
 
 from gradwire.compression.codec import DecodedGradient
 
-SLICE_ELEMENTS = 1 << 21  # chunk elements per slice of the dense sums (16 MB each in float64)
+SLICE_ELEMENTS = 1 << 18  # (index, value) pairs of all senders together sorted at once (2 MB of indices)
 PEEL_BELOW = 0.0  # a sender agreeing less than this is taken out of the others' references (``agreements``)
 # With two senders that disagree nothing says which one points away (two honest DeMo workers, error
 # feedback 0.999, sat at -0.3 to -0.4 for rounds late in benchmarks.quality): agreement needs three.
@@ -99,61 +100,68 @@ def leave_one_out(
         return [None] * n
     first = decoded[0]
     device = first.dense[0].device if first.dense else first.indices[0].device if first.indices else "cpu"
-    dot = torch.zeros(n, dtype=torch.float64, device=device)  # per sender, over shared: <own, others>,
-    own_sq = torch.zeros_like(dot)  # |own|^2,
-    others_sq = torch.zeros_like(dot)  # |others|^2
     w = [float(x) for x in weights]
-    for gi, numel in enumerate(chunk_numels):
-        chunks = decoded[0].indices[gi].shape[0]
-        rows = max(1, SLICE_ELEMENTS // max(1, numel))
+    weight = torch.tensor(w, dtype=torch.float64, device=device)  # (n,)
+    # (n, 3): per sender, over the coefficients it shares, <own, others>, |own|^2 and |others|^2
+    sums = torch.zeros(n, 3, dtype=torch.float64, device=device)
+    for gi in range(len(chunk_numels)):
+        chunks = first.indices[gi].shape[0]
+        rows = max(1, SLICE_ELEMENTS // max(1, sum(d.indices[gi].shape[1] for d in decoded)))
         for lo in range(0, chunks, rows):
             parts = [(d.indices[gi][lo : lo + rows], d.values[gi][lo : lo + rows].double()) for d in decoded]
-            _add_group_slice(parts, w, numel, dot, own_sq, others_sq)
-    for ti in range(len(decoded[0].dense)):
+            _add_group_slice(parts, weight, sums)
+    for ti in range(len(first.dense)):
         values = [d.dense[ti].double() for d in decoded]  # (numel,) each
         total = sum(v * wi for v, wi in zip(values, w))
         for s, own in enumerate(values):
             others = total - own * w[s]
-            dot[s] += torch.dot(own, others)
-            own_sq[s] += torch.dot(own, own)
-            others_sq[s] += torch.dot(others, others)
+            sums[s] += torch.stack([torch.dot(own, others), torch.dot(own, own), torch.dot(others, others)])
     out: list[float | None] = []
-    for d, o, t in zip(dot.tolist(), own_sq.tolist(), others_sq.tolist()):
+    for d, o, t in sums.tolist():
         norm = math.sqrt(o * t)
         out.append(max(-1.0, min(1.0, d / norm)) if norm > 0 else None)
     return out
 
 
 def _add_group_slice(
-    parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    weights: Sequence[float],
-    numel: int,
-    dot: torch.Tensor,
-    own_sq: torch.Tensor,
-    others_sq: torch.Tensor,
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor]], weights: torch.Tensor, sums: torch.Tensor
 ) -> None:
-    """Add one slice of one chunk group to the per-sender sums. ``parts``: per sender its (B, k) indices
-    and values of the slice's B chunks."""
-    b = parts[0][0].shape[0]
-    if b == 0 or parts[0][0].shape[1] == 0:
+    """Add one slice of one chunk group to the per-sender sums (``leave_one_out``). ``parts``: per sender
+    its (B, k) indices and float64 values of the slice's B chunks; ``weights``: (n,) float64.
+
+    Every sender's pairs of a chunk are sorted by (index, sender): a run of one index is everyone who sent
+    that coefficient, and within it a run of one sender is that sender's listings of it. Sums over those
+    runs give per coefficient the weighted total and how often senders of weight > 0 listed it, and per
+    (sender, coefficient) its summed value and how often it listed it: O(B L log L) for L pairs a chunk
+    (all senders'), and no (B, chunk_numel) buffer."""
+    n = len(parts)
+    listed = sum(idx.shape[1] for idx, _ in parts)  # pairs a chunk, all senders together
+    if parts[0][0].shape[0] == 0 or listed == 0:
         return
-    total = torch.zeros(b, numel, dtype=torch.float64, device=dot.device)  # (B, numel): the weighted sum
-    hits = torch.zeros_like(total)  # (B, numel): how many senders of weight > 0 sent each coefficient
-    for (idx, vals), w in zip(parts, weights):
-        if w:
-            total.scatter_add_(1, idx, vals * w)
-            hits.scatter_add_(1, idx, torch.ones_like(vals))
-    own = torch.zeros_like(total)  # (B, numel): one sender's values, put in and taken out again (O(B k) each)
-    own_hits = torch.zeros_like(hits)
-    for s, ((idx, vals), w) in enumerate(zip(parts, weights)):
-        own.scatter_add_(1, idx, vals)
-        own_hits.scatter_add_(1, idx, torch.ones_like(vals))
-        mine, mine_hits = own.gather(1, idx), own_hits.gather(1, idx)  # (B, k): a repeated index sums
-        others = total.gather(1, idx) - mine * w  # (B, k)
-        # A coefficient counts once however often the sender lists it, and only where another sent it too.
-        share = ((hits.gather(1, idx) - (mine_hits if w else 0)) > 0) / mine_hits  # (B, k)
-        dot[s] += (share * mine * others).sum()
-        own_sq[s] += (share * mine * mine).sum()
-        others_sq[s] += (share * others * others).sum()
-        own.scatter_(1, idx, 0.0)
-        own_hits.scatter_(1, idx, 0.0)
+    sender = torch.cat([torch.full_like(idx, s) for s, (idx, _) in enumerate(parts)], dim=1)  # (B, L)
+    keys, order = (torch.cat([idx for idx, _ in parts], dim=1) * n + sender).sort(dim=1)  # (B, L)
+    vals = torch.cat([v for _, v in parts], dim=1).gather(1, order).view(-1)  # (B L,)
+    _, coefficient = _runs(keys // n)  # (B L,): the run of its index
+    first, pair = _runs(keys)  # (B L,): a pair's first listing (where it is counted); the run of its pair
+    sender = keys.remainder(n).view(-1)  # (B L,)
+    w = weights[sender]  # (B L,)
+    counted = (w != 0).double()  # a sender of weight 0 is in no one's reference
+    zeros = torch.zeros_like(vals)  # no more runs than elements: sums over runs need no count of them (no sync)
+    total = zeros.index_add(0, coefficient, vals * w)[coefficient]  # (B L,): the weighted sum of all senders
+    hits = zeros.index_add(0, coefficient, counted)[coefficient]  # listings by senders of weight > 0
+    mine = zeros.index_add(0, pair, vals)[pair]  # the sender's summed value (a repeated index sums)
+    mine_hits = zeros.index_add(0, pair, torch.ones_like(vals))[pair]  # how often the sender listed it
+    others = total - mine * w
+    # A coefficient counts once however often the sender lists it, and only where another sent it too.
+    share = (first & (hits - mine_hits * counted > 0)).double()
+    terms = torch.stack([mine * others, mine * mine, others * others], dim=1) * share.unsqueeze(1)  # (B L, 3)
+    sums.index_add_(0, sender, terms)
+
+
+def _runs(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs of equal ``keys`` (rows sorted along dim 1; a run never spans two rows), per element flattened:
+    whether it starts its run, and its run's number counted from 0 in row-major order, (rows * cols,) each."""
+    starts = torch.ones_like(keys, dtype=torch.bool)
+    starts[:, 1:] = keys[:, 1:] != keys[:, :-1]
+    starts = starts.view(-1)
+    return starts, starts.cumsum(0).sub_(1)

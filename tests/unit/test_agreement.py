@@ -128,7 +128,8 @@ def test_a_sender_pointing_away_is_peeled_off_the_others_references() -> None:
 def test_slices_of_chunks_measure_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     decoded = [payload(1, base=0), payload(2, base=0), payload(3, base=0, noise=2.0)]
     whole = leave_one_out(decoded, [1.0, 2.0, 3.0], NUMELS)
-    monkeypatch.setattr(agreement, "SLICE_ELEMENTS", 64 * 5)  # 5 chunks a slice: 3 slices of the first group
+    # 5 chunks a slice of the first group (3 senders of 8 pairs a chunk): 3 slices of it
+    monkeypatch.setattr(agreement, "SLICE_ELEMENTS", 3 * 8 * 5)
     assert leave_one_out(decoded, [1.0, 2.0, 3.0], NUMELS) == pytest.approx(whole, abs=1e-12)
 
 

@@ -1,0 +1,222 @@
+"""The coordinator's per-round measurements cost payloads, not the model (issue 44): ``Aggregator.norm`` on
+its sparse path and ``agreement.leave_one_out`` equal the dense computations they replaced.
+
+The references are the old code's: a (num_chunks, chunk_numel) buffer per chunk group, scattered into.
+Payloads are random ``DecodedGradient``s with repeated indices (within a sender and across senders), zero
+payloads, senders of weight 0, 1-D and 2-D chunk groups and dense tensors, cut into several slices, and
+real payloads of the codec.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradwire.compression import CodecConfig, GradientCodec
+from gradwire.compression import aggregate as aggregate_module
+from gradwire.compression.aggregate import Aggregator
+from gradwire.compression.codec import DecodedGradient
+from gradwire.coordinator import agreement
+from gradwire.coordinator.agreement import leave_one_out
+
+SHAPES = {"w": (128, 128), "e": (96, 64), "v": (4096,), "b": (64,)}  # 2-D groups, a 1-D group, a dense tensor
+CONFIG = CodecConfig(topk=8)  # few kept: the aggregate holds up to 8 senders sparse
+
+
+def random_decoded(
+    numels: list[int], chunks: list[int], ks: list[int], dense: list[int], seed: int, zero: bool = False
+) -> DecodedGradient:
+    """Per group, k indices a chunk drawn from the first 2k coefficients (so many repeat, within the sender
+    and across senders) with random values; random dense tensors; everything 0 where ``zero``."""
+    g = torch.Generator().manual_seed(seed)
+    indices = [torch.randint(0, min(n, 2 * k), (b, k), generator=g) for n, b, k in zip(numels, chunks, ks)]
+    values = [torch.randn(b, k, generator=g) * (0.0 if zero else 1.0) for b, k in zip(chunks, ks)]
+    return DecodedGradient(indices, values, [torch.randn(n, generator=g) * (0.0 if zero else 1.0) for n in dense])
+
+
+def codec_payload(codec: GradientCodec, seed: int, zero: bool = False, extra_k: int = 3) -> DecodedGradient:
+    """A random decoded payload for ``codec``'s plan, ``extra_k`` more pairs a chunk than it keeps."""
+    groups = codec.plan.groups
+    return random_decoded(
+        [g.chunk_numel for g in groups],
+        [g.num_chunks for g in groups],
+        [g.k + extra_k for g in groups],
+        [t.numel for t in codec.plan.dense],
+        seed,
+        zero,
+    )
+
+
+def dense_norm(agg: Aggregator, norm_dtype: torch.dtype = torch.float64) -> float:
+    """The old ``Aggregator.norm`` on the sparse path: per group every held sender scattered into a dense
+    (num_chunks, chunk_numel) buffer in the aggregate's dtype, whose norm is taken in ``norm_dtype``
+    (float32 there before: ``norm_dtype=torch.float32`` is the old code to the bit)."""
+    parts = []
+    for gi, group in enumerate(agg.codec.plan.groups):
+        acc = torch.zeros(group.num_chunks, group.chunk_numel, dtype=agg.dtype)
+        for d, weight in agg._held:
+            acc.scatter_add_(1, d.indices[gi], d.values[gi].to(agg.dtype) * (weight / agg.total_weight))
+        parts.append(torch.linalg.vector_norm(acc.to(norm_dtype)))
+    parts += [torch.linalg.vector_norm(d) / agg.total_weight for d in agg._dense]
+    return float(torch.linalg.vector_norm(torch.stack(parts).double()))
+
+
+def no_dense_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(self: Aggregator, gi: int) -> torch.Tensor:
+        raise AssertionError("the sparse norm built a dense coefficient buffer")
+
+    monkeypatch.setattr(Aggregator, "_coefficients", refuse)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "senders",
+    [
+        [(1, 1.0, 1.0)],
+        [(1, 2.0, 1.0), (2, 3.0, 0.5)],
+        [(1, 1.0, 1.0), (2, 0.0, 1.0), (3, 4.0, 0.25)],  # a sender of weight 0
+        [(1, 1.0, 1.0), ("zero", 2.0, 1.0), (3, 1.0, 1.0), (4, 5.0, 0.0)],  # a zero payload, a scale of 0
+    ],
+    ids=["one", "two", "weight-0", "zero"],
+)
+def test_the_sparse_norm_equals_the_dense_buffers(senders, dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    codec = GradientCodec(SHAPES, CONFIG)
+    assert {len(g.chunk_shape) for g in codec.plan.groups} == {1, 2} and codec.plan.dense
+    agg = Aggregator(codec, dtype=dtype)
+    for seed, weight, scale in senders:
+        d = codec_payload(codec, 0, zero=True) if seed == "zero" else codec_payload(codec, seed)
+        agg.add(d, weight, scale)
+    assert agg._sums is None and len(agg._held) == len(senders)  # the sparse path, every sender held
+    want, old = dense_norm(agg), dense_norm(agg, torch.float32)
+    no_dense_buffer(monkeypatch)
+    got = agg.norm()
+    assert got == pytest.approx(want, rel=1e-12)  # the same sums, squared in float64
+    assert got == pytest.approx(old, rel=1e-5)  # the old code's float32 norm
+    monkeypatch.setattr(aggregate_module, "NORM_SLICE_PAIRS", 7)  # under a chunk of pairs: a chunk a slice
+    assert agg.norm() == pytest.approx(want, rel=1e-12)
+    monkeypatch.setattr(aggregate_module, "NORM_SLICE_PAIRS", 200)  # a few chunks a slice, a short last one
+    assert agg.norm() == pytest.approx(want, rel=1e-12)
+
+
+def test_the_sparse_norm_of_real_payloads_is_the_norm_of_the_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    codec = GradientCodec(SHAPES, CONFIG)
+    g = torch.Generator().manual_seed(5)
+    grads = [{n: torch.randn(*s, generator=g) for n, s in SHAPES.items()} for _ in range(3)]
+    sparse, dense = Aggregator(codec), Aggregator(codec, sparse=False)
+    for i, grad in enumerate(grads):
+        p = codec.compress(grad)
+        sparse.add(p, 1.0 + i)
+        dense.add(p, 1.0 + i)
+    assert sparse._sums is None and dense._sums is not None
+    want, spilled = dense_norm(sparse), dense.norm()  # the dense-sums path, as it was
+    result = torch.cat([t.reshape(-1) for t in sparse.result().values()])
+    no_dense_buffer(monkeypatch)
+    assert sparse.norm() == pytest.approx(want, rel=1e-12)
+    assert sparse.norm() == pytest.approx(spilled, rel=1e-5)
+    assert sparse.norm() == pytest.approx(float(torch.linalg.vector_norm(result)), rel=1e-4)
+
+
+def dense_leave_one_out(decoded: list[DecodedGradient], weights: list[float], numels: list[int]) -> list[float | None]:
+    """The old ``leave_one_out``: per group, the senders scattered into dense (chunks, numel) float64
+    buffers of the weighted total and of how often senders of weight > 0 listed each coefficient; per
+    sender, its own values gathered at its indices and taken back out."""
+    n = len(decoded)
+    dot, own_sq, others_sq = [0.0] * n, [0.0] * n, [0.0] * n
+    for gi, numel in enumerate(numels):
+        b = decoded[0].indices[gi].shape[0]
+        total = torch.zeros(b, numel, dtype=torch.float64)
+        hits = torch.zeros_like(total)
+        for d, w in zip(decoded, weights):
+            if w:
+                total.scatter_add_(1, d.indices[gi], d.values[gi].double() * w)
+                hits.scatter_add_(1, d.indices[gi], torch.ones_like(d.values[gi], dtype=torch.float64))
+        for s, (d, w) in enumerate(zip(decoded, weights)):
+            idx, vals = d.indices[gi], d.values[gi].double()
+            own = torch.zeros_like(total).scatter_add_(1, idx, vals)
+            own_hits = torch.zeros_like(total).scatter_add_(1, idx, torch.ones_like(vals))
+            mine, mine_hits = own.gather(1, idx), own_hits.gather(1, idx)
+            others = total.gather(1, idx) - mine * w
+            share = ((hits.gather(1, idx) - (mine_hits if w else 0)) > 0) / mine_hits
+            dot[s] += float((share * mine * others).sum())
+            own_sq[s] += float((share * mine * mine).sum())
+            others_sq[s] += float((share * others * others).sum())
+    for ti in range(len(decoded[0].dense)):
+        values = [d.dense[ti].double() for d in decoded]
+        total = sum(v * w for v, w in zip(values, weights))
+        for s, own in enumerate(values):
+            others = total - own * weights[s]
+            dot[s] += float(own @ others)
+            own_sq[s] += float(own @ own)
+            others_sq[s] += float(others @ others)
+    out: list[float | None] = []
+    for d, o, t in zip(dot, own_sq, others_sq):
+        norm = (o * t) ** 0.5
+        out.append(max(-1.0, min(1.0, d / norm)) if norm > 0 else None)
+    return out
+
+
+def assert_same(got: list[float | None], want: list[float | None]) -> None:
+    assert [x is None for x in got] == [x is None for x in want], (got, want)
+    assert [x for x in got if x is not None] == pytest.approx([x for x in want if x is not None], abs=1e-9)
+
+
+NUMELS = [4096, 64, 5, 1]  # a 64 x 64 chunk, a 1-D one, a tiny one, one of a single coefficient
+CHUNKS = [9, 13, 4, 3]
+
+
+def agreement_payload(seed: int, extra_k: int = 0, zero: bool = False, sign: float = 1.0) -> DecodedGradient:
+    """A shared direction's pairs, a third of them swapped for pairs of the sender's own (indices drawn from
+    the first 2k coefficients of a chunk, so many repeat), plus noise; ``extra_k`` more pairs a chunk."""
+    ks = [8 + extra_k, 4 + extra_k, 3, 2]
+    own = random_decoded(NUMELS, CHUNKS, ks, [6, 3], seed)
+    shared = random_decoded(NUMELS, CHUNKS, ks, [6, 3], 1000 + extra_k)
+    g = torch.Generator().manual_seed(seed)
+    swapped = [torch.rand(idx.shape, generator=g) < 1 / 3 for idx in own.indices]
+    indices = [torch.where(m, o, s) for m, o, s in zip(swapped, own.indices, shared.indices)]
+    values = [torch.where(m, o, s + 0.5 * o) for m, o, s in zip(swapped, own.values, shared.values)]
+    dense = [s + 0.5 * o for s, o in zip(shared.dense, own.dense)]
+    scale = 0.0 if zero else sign
+    return DecodedGradient(indices, [v * scale for v in values], [v * scale for v in dense])
+
+
+CASES = {
+    "three": ([agreement_payload(1), agreement_payload(2), agreement_payload(3, sign=-1.0)], [2.0, 2.0, 1.0]),
+    "weight-0": ([agreement_payload(1), agreement_payload(2), agreement_payload(4)], [4.0, 0.0, 1.0]),
+    "lone-weighted": ([agreement_payload(1), agreement_payload(2)], [4.0, 0.0]),
+    "zero": ([agreement_payload(1), agreement_payload(2, zero=True), agreement_payload(3)], [1.0, 1.0, 1.0]),
+    "two-zero": ([agreement_payload(1), agreement_payload(2, zero=True)], [1.0, 1.0]),
+    "unequal-k": ([agreement_payload(1), agreement_payload(2, extra_k=5), agreement_payload(5)], [2.0, 1.0, 1.0]),
+    "five": ([agreement_payload(s, sign=(-1.0) ** s) for s in range(5)], [1.0, 0.5, 0.0, 3.0, 2.0]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("slice_pairs", [None, 1, 17, 100])
+def test_leave_one_out_equals_the_dense_buffers(case: str, slice_pairs: int | None, monkeypatch) -> None:
+    decoded, weights = CASES[case]
+    assert any((d.indices[0][:, None, :] == d.indices[0][:, :, None]).sum() > d.indices[0].numel() for d in decoded)
+    if slice_pairs is not None:  # 1: a chunk a slice; 17 and 100: a few chunks a slice, a short last one
+        monkeypatch.setattr(agreement, "SLICE_ELEMENTS", slice_pairs)
+    got = leave_one_out(decoded, weights, NUMELS)
+    want = dense_leave_one_out(decoded, weights, NUMELS)
+    assert_same(got, want)
+    if case == "three":
+        assert got[0] > 0.3 and got[1] > 0.3 and got[2] < -0.3  # two agreeing, one pointing away
+    if case == "lone-weighted":
+        assert got[0] is None and got[1] is not None  # measured, but its weight 0 leaves the other nothing
+    if case == "two-zero":
+        assert got == [None, None]
+
+
+def test_leave_one_out_of_real_payloads_equals_the_dense_buffers() -> None:
+    codec = GradientCodec(SHAPES, CONFIG)
+    g = torch.Generator().manual_seed(9)
+    base = {n: torch.randn(*s, generator=g) for n, s in SHAPES.items()}
+    grads = [{n: t + 0.7 * torch.randn(t.shape, generator=g) for n, t in base.items()} for _ in range(3)]
+    grads.append({n: -t for n, t in grads[0].items()})
+    decoded = [codec.decode(codec.compress(grad)) for grad in grads]
+    numels = [group.chunk_numel for group in codec.plan.groups]
+    weights = [1.0, 2.0, 1.5, 1.0]
+    got = leave_one_out(decoded, weights, numels)
+    assert_same(got, dense_leave_one_out(decoded, weights, numels))
+    assert all(x is not None for x in got) and got[3] < 0 < got[1]
