@@ -2,6 +2,7 @@
 
     python -m benchmarks.gpu --json                       # gpt-tiny, every check once (~1 min on a GPU)
     python -m benchmarks.gpu --model gpt-10m --json       # a larger model
+    python -m benchmarks.gpu --model llama-1b --checks autocast --json   # the 1B Llama's bf16 (~1 min)
 
 Each check runs once on ``--device`` (default cuda:0) against the CPU and reports what it found:
 
@@ -37,6 +38,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -228,7 +230,23 @@ def check_stream(spec: dict, device: str, rounds: int = 12, buckets: int = 4, ro
     return out
 
 
-def run(model: str, device: str, updates: int) -> dict[str, Any]:
+# Every check, in the order it runs; --checks picks some.
+CHECKS = (
+    "codec",
+    "autocast",
+    "muon",
+    "drift_float32",
+    "drift_float64",
+    "codec_low_rank",
+    "drift_low_rank",
+    "stream",
+    "node",
+    "memory",
+)
+
+
+def run(model: str, device: str, updates: int, only: Sequence[str] = CHECKS) -> dict[str, Any]:
+    """The checks named in ``only`` (all by default) on ``model``, each reported with its seconds."""
     spec = model_spec(model)
     out: dict[str, Any] = {"model": model, "device": device, "torch": torch.__version__}
     on_gpu = torch.device(device).type == "cuda"
@@ -248,8 +266,10 @@ def run(model: str, device: str, updates: int) -> dict[str, Any]:
         checks["node"] = lambda: check_node(spec)
         checks["memory"] = lambda: check_memory(model)
     else:
-        out["node"] = out["memory"] = {"skipped": "needs two GPUs"}
+        out.update({name: {"skipped": "needs two GPUs"} for name in ("node", "memory") if name in only})
     for name, check in checks.items():
+        if name not in only:
+            continue
         t0 = time.perf_counter()
         try:
             out[name] = {**check(), "seconds": round(time.perf_counter() - t0, 2)}
@@ -258,17 +278,32 @@ def run(model: str, device: str, updates: int) -> dict[str, Any]:
     return out
 
 
+def _checks(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown check(s) {unknown or [text]}; the checks are {','.join(CHECKS)}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gpt-tiny", choices=model_names())
     parser.add_argument("--device", default="cuda:0", help="the CUDA device to check (default: cuda:0)")
     parser.add_argument("--updates", type=int, default=100, help="replayed updates of the drift check")
+    parser.add_argument(
+        "--checks",
+        type=_checks,
+        default=CHECKS,
+        help=f"a comma-separated subset of the checks to run (default: all: {','.join(CHECKS)}); on llama-1b the "
+        "codec and drift checks compute a billion parameters' rounds and replays on the CPU too",
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(json.dumps({"cuda": False, "reason": "no CUDA device: nothing to check"}))
         return 0
-    result = {"cuda": True, **run(args.model, args.device, args.updates)}
+    result = {"cuda": True, **run(args.model, args.device, args.updates, args.checks)}
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 

@@ -57,12 +57,18 @@ def _gpu_count() -> int:
 
 @contextlib.contextmanager
 def local_workers(
-    n: int, *, threads: int | None = None, device: str = "cpu", token: str | None = None
+    n: int,
+    *,
+    threads: int | None = None,
+    device: str = "cpu",
+    token: str | None = None,
+    precision: str | None = None,
 ) -> Iterator[list[str]]:
     """Start ``n`` ``worker serve`` processes; yield their addresses; stop them (SIGTERM, then kill).
 
     ``device`` is ``--local-device``: auto, cpu or cuda (see ``local_devices``); ValueError if it cannot be
-    met. With ``token`` the workers require it (handed over in the environment, not on a command line)."""
+    met. With ``token`` the workers require it (handed over in the environment, not on a command line).
+    ``precision``: their ``--precision`` (auto, fp32 or bf16; None: the worker's default)."""
     if n < 1:
         raise ValueError(f"--local must be >= 1, got {n}")
     devices, reason = local_devices(n, device, 0 if device == "cpu" else _gpu_count())
@@ -85,6 +91,7 @@ def local_workers(
                 str(port),
                 "--device",
                 worker_device,
+                *(["--precision", precision] if precision is not None else []),
             ]
             # A session of their own: Ctrl-C in the terminal reaches the coordinator alone, which finishes its
             # round and checkpoints with the workers still up, then stops them; if it is killed outright,

@@ -39,6 +39,28 @@ def _gpt(**fields: Any) -> dict[str, Any]:
     return {"arch": "gpt", "tokenizer": "bpe-8k", "config": GPTConfig(**fields).to_dict()}
 
 
+def _llama(**fields: Any) -> dict[str, Any]:
+    # A Llama decoder (RMSNorm, rotary positions, SwiGLU, no biases, untied output layer) in the GPT-2
+    # vocabulary, so the shipped gpt2 tokenizer feeds it: the vocabulary rounded up to a multiple of 128,
+    # which the GPU's matmuls prefer. Every other transformers default (rotary base, RMSNorm epsilon) stays.
+    config = {
+        "model_type": "llama",
+        "vocab_size": 50304,
+        "max_position_embeddings": 2048,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": 50256,
+        "eos_token_id": 50256,
+        # Training never reuses keys/values across calls; the cache would only cost memory.
+        "use_cache": False,
+        **fields,
+    }
+    return {"arch": "hf", "tokenizer": "gpt2", "config": config}
+
+
 _SPECS: dict[str, dict[str, Any]] = {
     # For tests: builds and runs a step in milliseconds.
     "gpt-tiny": _gpt(vocab_size=8192, n_layer=2, n_head=4, d_model=64, d_ff=128, max_seq_len=256),
@@ -83,6 +105,14 @@ _SPECS: dict[str, dict[str, Any]] = {
             "use_cache": False,
         },
     },
+    # For tests: the llama-1b family at a size that builds and steps in milliseconds (6.5M parameters, nearly
+    # all of them in the two 50304 x 64 embeddings). Width 64, as gpt-tiny's: at 32, local-SGD rounds' default
+    # codec would factor some matrices for the downlink and not for the workers, and refuse the model.
+    "llama-tiny": _llama(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=176),
+    # A model that needs a GPU: 1.016B parameters, 810M in 16 blocks of width 2048 (32 heads of 64; the MLP
+    # 5504 wide, Llama's 8/3 x 2048 rounded up to a multiple of 128) and 206M in the input and output
+    # embeddings. Fresh weights; about 16 GB with float32 AdamW state, so it trains on one GPU.
+    "llama-1b": _llama(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, intermediate_size=5504),
 }
 
 

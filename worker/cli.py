@@ -32,29 +32,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def resolve_device(name: str) -> str:
-    """``auto`` -> ``cuda`` if available else ``cpu``; check that ``cuda``/``cuda:i`` exist. ValueError if not."""
-    if name == "cpu":
-        return "cpu"
-    import torch  # here: a CPU worker's launcher need not load it
-
-    if name == "auto":
-        return "cuda:0" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        device = None
-    if device is None or device.type != "cuda":
-        raise ValueError(f"--device must be auto, cpu, cuda or cuda:INDEX, got {name!r}")
-    if not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: no CUDA device is available here (use --device cpu or auto)")
-    index = device.index or 0
-    if index >= torch.cuda.device_count():
-        raise ValueError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s), numbered from 0")
-    return f"cuda:{index}"
-
-
 def _device(text: str) -> str:
+    from gradwire.hardware import resolve_device  # here: a CPU worker's launcher need not load torch
+
     try:
         return resolve_device(text)
     except ValueError as e:
@@ -244,9 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--precision",
-        choices=["fp32", "bf16"],
+        choices=["auto", "fp32", "bf16"],
         default="fp32",
-        help="bf16: autocast forward/backward (weights, replica and codec stay float32) (default: fp32)",
+        help="bf16: autocast forward/backward (weights, replica and codec stay float32); auto: bf16 on a GPU that "
+        "computes in bfloat16, else fp32 (default: fp32)",
     )
     join = serve.add_argument_group(
         "joining a run",
@@ -450,6 +431,7 @@ def run_rank(args: argparse.Namespace, rank: RankInfo | None) -> int:
     """One worker process: a single-device worker, or one rank of a node (rank 0 serves gRPC)."""
     import torch
 
+    from gradwire.hardware import resolve_precision
     from gradwire.memory import keep_freed_memory
     from gradwire.worker.engine import NodeFailure, WorkerEngine
     from gradwire.worker.node import NodeGroup
@@ -462,6 +444,8 @@ def run_rank(args: argparse.Namespace, rank: RankInfo | None) -> int:
         device = f"cuda:{rank.local_rank}"  # one GPU per rank
         torch.cuda.set_device(device)
     node = NodeGroup(rank, torch.device(device), timeout=args.node_timeout) if rank is not None else None
+    args.precision, why = resolve_precision(args.precision, device)
+    log.info("forward/backward in %s (%s)", args.precision, why)
     placement = placement_of(args, node)
     memory = round(args.rank_memory_gb * GB) if args.rank_memory_gb is not None else None
     budget = round(args.push_budget_gb * GB) if args.push_budget_gb is not None else None

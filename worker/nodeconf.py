@@ -68,8 +68,8 @@ def check_placement(
         raise ValueError(f"--node-sync-steps must be >= 0, got {sync_steps}")
     if comm_hook not in COMM_HOOKS:
         raise ValueError(f"--node-comm-hook must be one of {', '.join(COMM_HOOKS)}, got {comm_hook!r}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision not in (*PRECISIONS, "auto"):  # auto: resolved for the device (gradwire.hardware)
+        raise ValueError(f"--precision must be auto or one of {', '.join(PRECISIONS)}, got {precision!r}")
     if microbatches < 0:
         raise ValueError(f"--pipeline-microbatches must be >= 0, got {microbatches}")
     if schedule not in PIPELINE_SCHEDULES:

@@ -62,6 +62,8 @@ class Placement:
             self.microbatches,
             self.schedule,
         )
+        if self.precision == "auto":  # the CLI resolves it for its device before building a Placement
+            raise ValueError("a Placement computes in fp32 or bf16: resolve --precision auto first (resolve_precision)")
 
     @property
     def ranks(self) -> int:

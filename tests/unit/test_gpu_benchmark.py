@@ -92,3 +92,12 @@ def test_the_stream_check_times_whole_and_streamed_rounds_and_compares_their_pay
         assert set(timed) == {"compute", "compress", "total"} and timed["total"] >= timed["compute"] > 0
     # on a CPU the pieces are the payload, byte for byte, and a second whole run is the first
     assert out["fp32_streamed_vs_whole_max_abs"] == out["fp32_whole_again_vs_whole_max_abs"] == 0.0
+
+
+def test_checks_runs_the_named_checks_alone() -> None:
+    out = gpu.run("gpt-tiny", "cpu", updates=1, only=("muon", "node"))
+    assert set(out) == {"model", "device", "torch", "muon", "node"}
+    assert out["node"] == {"skipped": "needs two GPUs"} or "max_abs_difference" in out["node"]
+    assert gpu.main.__module__ == "benchmarks.gpu" and "llama-1b" in gpu.model_names()  # --model llama-1b parses
+    with pytest.raises(SystemExit):
+        gpu.main(["--checks", "muon,warp"])
