@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -423,8 +424,9 @@ class TrainConfig:
     )
     rank: str | int | None = setting(
         None,
-        help="send every matrix as int8 factors A @ B of its error-feedback buffer (a truncated SVD, randomized "
-        "past 1024 on the smaller side) and every vector dense, instead of DCT top-k: R > 0 at "
+        help="send every matrix as int8 factors A @ B of its error-feedback buffer (found by one power iteration "
+        "a round from the subspace of the round before; a truncated SVD the first round) and every vector "
+        "dense, instead of DCT top-k: R > 0 at "
         "rank R (matrices whose smaller side exceeds R); fit at the rank whose bytes fit the matrix's top-k's "
         "(gpt-5m: 4-9); "
         "0: top-k for every tensor (auto: fit in centralized local-SGD rounds unless --topk, --target-chunk, "
@@ -507,11 +509,18 @@ class TrainConfig:
         section=ROUND_POLICY,
         choices=AGGREGATIONS,
     )
+    device: str = setting(
+        "auto",
+        help="where the coordinator keeps its replica and does its dense work (the replica's apply, held-out "
+        "evaluation, spot-check recomputes, a compressed downlink's encode): auto (a GPU when there is one), "
+        "cpu, cuda or cuda:INDEX",
+        section=ROUND_POLICY,
+    )
     replay_precision: str = setting(
         "auto",
         help="how replicas combine a replayed update: float64 (rounded once to float32) computes the same "
-        "bits on CPUs and GPUs, so sign steps cannot drift apart across device kinds; auto (the default) "
-        "uses it only when some worker's device kind differs from the coordinator's",
+        "bits on every device kind, so sign steps cannot drift apart; auto (the default) uses it only across "
+        "device kinds whose float32 replays are not measured to agree (CPUs and CUDA GPUs are)",
         section=ROUND_POLICY,
         choices=REPLAY_PRECISIONS,
     )
@@ -668,6 +677,8 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         self.aggregation_rule()  # validates --aggregate
+        if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", self.device):
+            raise ValueError(f"--device must be auto, cpu, cuda or cuda:INDEX, got {self.device!r}")
         if self.replay_precision not in REPLAY_PRECISIONS:
             raise ValueError(
                 f"--replay-precision must be one of {', '.join(REPLAY_PRECISIONS)}, got {self.replay_precision!r}"

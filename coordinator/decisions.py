@@ -356,28 +356,38 @@ def decide_first_push(new: int, others: int) -> tuple[Literal["block", "backgrou
     return "background", f"{others} other worker(s) train meanwhile; it works from the round after the state lands"
 
 
+# Device kinds whose float32 replays have been measured to agree bit for bit (``benchmarks.gpu``'s drift
+# check: a CPU replica and a GPU replica replaying the same sign-SGD updates; docs/benchmarks.md has the runs).
+FLOAT32_AGREE = frozenset({"cpu", "cuda"})
+
+
 def replay_precision(setting: str, coordinator_device: str, worker_devices: Sequence[str]) -> tuple[bool, str]:
     """Whether this round's replay combines in float64 (``AggregationRule.exact``), and why.
 
-    Replicas replay an update by summing the senders' coefficients and transforming them back; a GPU sums
-    in another order than a CPU, so in float32 their results differ in the last bits, and a sign step
-    (signsgd) flips wherever a coordinate is near zero: the replicas drift apart and need pushes. In
-    float64, rounded once to float32, they agree. ``auto`` pays for float64 only when some worker's
-    device kind (cpu, cuda, mps...) differs from the coordinator's; ``float32``/``float64`` force it.
+    Replicas replay an update by summing the senders' coefficients and transforming them back. Two kinds of
+    device could sum in another order and round differently in float32, and then a sign step (signsgd) flips
+    wherever a coordinate is near zero: the replicas drift apart and need pushes. In float64, rounded once to
+    float32, they agree, at twice the replay's cost. ``auto`` pays for it only where the device kinds present
+    (the coordinator's, its workers') include one whose float32 replays have not been measured to agree with
+    the others' (``FLOAT32_AGREE``: CPUs and CUDA GPUs agree bit for bit, measured on an H200 and an H100);
+    the per-round fingerprint check still catches a drift, and a push mends it. ``float32``/``float64``
+    force it.
     """
     if setting == "float64":
         return True, "--replay-precision float64"
     if setting == "float32":
         return False, "--replay-precision float32"
-    kind = coordinator_device.split(":")[0]
-    others = sorted({d.split(":")[0] for d in worker_devices if d and d.split(":")[0] != kind})
-    if others:
+    kinds = {coordinator_device.split(":")[0]} | {d.split(":")[0] for d in worker_devices if d}
+    unmeasured = sorted(kinds - FLOAT32_AGREE)
+    if unmeasured and len(kinds) > 1:
         return (
             True,
-            f"workers on {', '.join(others)} and the coordinator on {kind}: replays combine in float64 so that every "
-            "replica computes the same bits",
+            f"replicas on {', '.join(sorted(kinds))}: float32 replays on {', '.join(unmeasured)} are not measured "
+            "to agree with the others', so replays combine in float64 and every replica computes the same bits",
         )
-    return False, f"every worker on {kind}, as the coordinator: float32 replays agree bit for bit"
+    if len(kinds) > 1:
+        return False, f"replicas on {', '.join(sorted(kinds))}, whose float32 replays are measured to agree bit for bit"
+    return False, f"every replica on {coordinator_device.split(':')[0]}: float32 replays agree bit for bit"
 
 
 # ------------------------------------------------------------------------------------------- downlink

@@ -1,9 +1,12 @@
 """The coordinator's outer step and the replica the workers mirror: two strategies, one interface.
 
 Workers in sync hold the replica at ``base_version``; ``pending`` (the last round's update) moves it one
-version on. The coordinator applies ``pending`` to its own copy while the workers compute the next round
-(or earlier, on a ``flush`` before a checkpoint or an evaluation), so its replica is at ``base_version`` or
-``base_version + 1``, and every work order carries ``pending`` plus the fingerprint of ``base_version``.
+version on. Every work order carries ``pending`` plus the fingerprint of ``base_version``. The coordinator
+applies ``pending`` to its own copy on a thread of its own (``advance.ReplicaAdvancer``), started when the
+round's orders go out (``advance``), so the workers' compute hides it and the round's critical path never
+waits for it; what needs the replica at the round's version (a push, a checkpoint, an evaluation, a spot
+check, the next orders' fingerprint) waits for that apply alone (``wait_applied``), only when it needs it.
+Its replica is at ``base_version`` or ``base_version + 1``, and never between while anyone reads it.
 
 * ``ReplayOuter`` (``sgd``, ``nesterov``, ``signsgd``): the model *is* the replica. The update is the
   senders' own payloads; every replica aggregates them with the same code and takes the same outer step
@@ -25,6 +28,8 @@ import abc
 import collections
 import json
 import logging
+from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 
@@ -33,6 +38,7 @@ from gradwire.compression import CodecConfig, CompressedGradient, ErrorFeedback,
 from gradwire.compression.aggregate import Aggregator
 from gradwire.compression.fragment import Fragment
 from gradwire.compression.robust import MEAN, AggregationRule, CoordinateAggregate
+from gradwire.coordinator.advance import ReplicaAdvancer
 from gradwire.models import build_from_spec
 from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import ModelState
@@ -42,6 +48,11 @@ log = logging.getLogger(__name__)
 
 TensorGroups = dict[str, dict[str, torch.Tensor]]
 Aggregate = Aggregator | CoordinateAggregate
+FingerprintSoon = Fingerprint | Future[Fingerprint]  # taken, or being taken by the advancer
+
+
+def _resolved(fingerprint: FingerprintSoon) -> Fingerprint:
+    return fingerprint.result() if isinstance(fingerprint, Future) else fingerprint
 
 
 class OuterStrategy(abc.ABC):
@@ -54,12 +65,14 @@ class OuterStrategy(abc.ABC):
         self.replica = replica  # what every worker holds a copy of
         self.codec = replica.codec(codec_config)
         self.pending: StateUpdate | None = None
+        self.advancer = ReplicaAdvancer(replica)
+        # The apply of ``pending`` to our replica, once submitted: its future holds the target fingerprint.
+        self._applying: Future[Fingerprint] | None = None
         self.base_version = replica.version
-        self.base_fingerprint = replica.fingerprint()
-        self._target_fingerprint = self.base_fingerprint
+        self._base_fingerprint: FingerprintSoon = replica.fingerprint()
         # The last updates before ``pending``, for workers that missed rounds: (from version, fingerprint
         # there, update), oldest first (``catch_up``).
-        self.history: collections.deque[tuple[int, Fingerprint, StateUpdate]] = collections.deque(maxlen=8)
+        self.history: collections.deque[tuple[int, FingerprintSoon, StateUpdate]] = collections.deque(maxlen=8)
         # Who sent ``pending``'s payloads (slot indices, in payload order) and in which round: each of them
         # kept its own payload and is sent the replay without it (``update_for``).
         self._senders: tuple[int, ...] = ()
@@ -79,7 +92,7 @@ class OuterStrategy(abc.ABC):
         start = next((i for i, (v, _, _) in enumerate(self.history) if v == version), None)
         if start is None:
             return None
-        return self.history[start][1], tuple(u for _, _, u in list(self.history)[start:])
+        return _resolved(self.history[start][1]), tuple(u for _, _, u in list(self.history)[start:])
 
     # ------------------------------------------------------------------------------------------ versions
 
@@ -89,9 +102,18 @@ class OuterStrategy(abc.ABC):
         return self.base_version + (1 if self.pending is not None else 0)
 
     @property
+    def base_fingerprint(self) -> Fingerprint:
+        """The replica's fingerprint at ``base_version`` (waits for the apply that reaches it, if running)."""
+        return _resolved(self._base_fingerprint)
+
+    @property
     def target_fingerprint(self) -> Fingerprint:
-        """The replica's fingerprint at ``target_version`` (once ``apply_pending`` has run)."""
-        return self.base_fingerprint if self.pending is None else self._target_fingerprint
+        """The replica's fingerprint at ``target_version`` (waits for ``pending``'s apply)."""
+        if self.pending is None:
+            return self.base_fingerprint
+        self.advance()
+        assert self._applying is not None
+        return self._applying.result()
 
     def update_for(self, slot: int) -> StateUpdate | None:
         """``pending`` as worker ``slot`` is sent it: a sender's replay leaves out the payload it sent,
@@ -101,15 +123,34 @@ class OuterStrategy(abc.ABC):
             return update
         return update.without(self._senders.index(slot), self._sent_in)
 
+    def advance(self) -> None:
+        """Start applying ``pending`` to the coordinator's replica on the advancer's thread, if it has not
+        started: returns at once (``wait_applied`` waits for it)."""
+        if self.pending is not None and self._applying is None:
+            self._applying = self.advancer.submit(self._apply_job(self.pending))
+
+    def wait_applied(self) -> None:
+        """Block until the coordinator's replica is at ``target_version`` (``ReplicaError`` if it cannot be)."""
+        self.advance()
+        if self._applying is not None:
+            self._applying.result()
+
+    def settle(self) -> None:
+        """Block until nothing is writing to the replica; unlike ``wait_applied``, start nothing: a replica
+        at ``base_version`` with ``pending`` not yet started stays there."""
+        self.advancer.settle()
+
     def apply_pending(self, keep_behind: bool = False) -> None:
         """Bring the coordinator's replica to ``target_version``, if it is not there yet; ``keep_behind``:
-        keep a copy of it at ``base_version`` first (``checkpoint_behind``)."""
-        if self.pending is not None and self.replica.version == self.base_version:
-            if keep_behind:
-                params = {n: p.detach().clone() for n, p in self.replica.params.items()}
-                self._behind = (params, [m.clone() for m in self.replica.momentum])
-            self._apply(self.pending)
-            self._target_fingerprint = self.replica.fingerprint()
+        keep a copy of it at ``base_version`` first (``checkpoint_behind``), if it is still there."""
+        if keep_behind and self.pending is not None and self._applying is None:
+            self.settle()
+            params = {n: p.detach().clone() for n, p in self.replica.params.items()}
+            self._behind = (params, [m.clone() for m in self.replica.momentum])
+        self.wait_applied()
+
+    def close(self) -> None:
+        self.advancer.close()
 
     def step(
         self,
@@ -136,30 +177,32 @@ class OuterStrategy(abc.ABC):
         """
         if senders and len(senders) != len(payloads):
             raise ValueError(f"{len(senders)} senders for {len(payloads)} payloads")
-        self.apply_pending()  # a no-op when the round already did it, as it does while workers compute
+        self.advance()  # started when the round's orders went out; finishing meanwhile, off this path
         self._behind = None
-        target, target_fingerprint = self.target_version, self.target_fingerprint
+        target = self.target_version
+        target_fingerprint = self._applying if self._applying is not None else self._base_fingerprint
         norm = aggregator.norm()
         if self.pending is not None:
-            self.history.append((self.base_version, self.base_fingerprint, self.pending))
+            self.history.append((self.base_version, self._base_fingerprint, self.pending))
         if compressed and fragment is not None:
             raise ValueError("a fragment's update is a replay of its payloads, not a compressed aggregate")
         replay = StateUpdate(lr, payloads, weights, scales=scales, rule=rule, fragment=fragment)
         self.pending = self._next_update(aggregator, replay, compressed)
         # A sender keeps its own payload and is sent the others; a compressed update goes whole to everyone.
         self._senders, self._sent_in = (() if compressed else tuple(senders)), round
-        self.base_version, self.base_fingerprint = target, target_fingerprint
+        self.base_version, self._base_fingerprint, self._applying = target, target_fingerprint, None
         return norm
 
     def rebase(self, pending: StateUpdate | None = None, senders: tuple[int, ...] = (), sent_in: int = -1) -> None:
         """After a resume: the replica as loaded is every worker's base, with ``pending`` (an --overlap
         checkpoint's update in flight, whose payloads ``senders`` sent in round ``sent_in``) or nothing pending."""
-        self.pending = pending
+        self.settle()
+        self.pending, self._applying = pending, None
         self._behind = None
         self._senders, self._sent_in = senders, sent_in
         self.history.clear()
         self.base_version = self.replica.version
-        self.base_fingerprint = self._target_fingerprint = self.replica.fingerprint()
+        self._base_fingerprint = self.replica.fingerprint()
 
     # ------------------------------------------------------------------------------------------ state
 
@@ -214,6 +257,7 @@ class OuterStrategy(abc.ABC):
         the update in flight (group ``pending``: its StateUpdate message's bytes), which it applies after."""
         if self.pending is None:
             raise ValueError("no update in flight: take a plain checkpoint")
+        self.settle()
         groups = self.checkpoint()
         if self._behind is not None:
             params, momentum = self._behind
@@ -231,6 +275,7 @@ class OuterStrategy(abc.ABC):
         return groups
 
     def restore(self, tensors: TensorGroups, version: int) -> None:
+        self.settle()
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 p.copy_(tensors["model"][name])
@@ -249,6 +294,11 @@ class OuterStrategy(abc.ABC):
     def _next_update(self, aggregator: Aggregate, replay: StateUpdate, compressed: bool) -> StateUpdate:
         """The update that follows ``aggregator``; ``replay`` is the round's contributions as a replay;
         ``compressed``: the workers' downlink carries one payload, whatever the number of senders."""
+
+    def _apply_job(self, update: StateUpdate) -> Callable[[], None]:
+        """What the advancer runs to apply ``update``, bound now to what it needs (the next round's step
+        replaces ``pending`` and its aggregate while this runs)."""
+        return lambda: self._apply(update)
 
     @abc.abstractmethod
     def _apply(self, update: StateUpdate) -> None: ...
@@ -286,9 +336,12 @@ class ReplayOuter(OuterStrategy):
         self._aggregator = aggregator
         return replay
 
+    def _apply_job(self, update: StateUpdate) -> Callable[[], None]:
+        aggregator, self._aggregator = self._aggregator, None
+        return lambda: self.replica.apply(update, aggregator)
+
     def _apply(self, update: StateUpdate) -> None:
-        self.replica.apply(update, self._aggregator)
-        self._aggregator = None
+        self.replica.apply(update)
 
     def downlink(self, aggregator: Aggregate, replay: StateUpdate) -> StateUpdate:
         """The round's aggregate as one replayed payload: re-compressed in the coefficient domain with the
@@ -310,7 +363,7 @@ class ReplayOuter(OuterStrategy):
         momentum = [optimizer[f"momentum.{i}"] for i in range(sum(k.startswith("momentum.") for k in optimizer))]
         self.replica.load_state(tensors["model"], momentum, version=version)
         self._aggregator = None
-        self.downlink_feedback.load_state_dict(tensors.get("downlink-feedback", {}))
+        self.downlink_feedback.load_state_dict(_on(self.codec.device, tensors.get("downlink-feedback", {})))
 
 
 class DeltaOuter(OuterStrategy):
@@ -321,7 +374,7 @@ class DeltaOuter(OuterStrategy):
     def __init__(
         self, model: torch.nn.Module, rule: UpdateRule, codec_config: CodecConfig, spec: dict, seed: int
     ) -> None:
-        shadow = build_from_spec(spec, seed=seed)
+        shadow = build_from_spec(spec, seed=seed).to(next(model.parameters()).device)
         shadow.load_state_dict(model.state_dict())  # the same (possibly pretrained) start
         super().__init__(model, Replica(shadow, rule), codec_config)
         self.optimizer = torch.optim.AdamW(
@@ -330,7 +383,9 @@ class DeltaOuter(OuterStrategy):
         self.feedback = ErrorFeedback(beta=1.0)
 
     def _next_update(self, aggregator: Aggregate, replay: StateUpdate, compressed: bool) -> StateUpdate:
-        # One compressed delta, whatever ``compressed`` says: the moments stay here.
+        # One compressed delta, whatever ``compressed`` says: the moments stay here. The delta is taken from
+        # the shadow at the round's version: this rule waits for its apply (it is dense on the coordinator).
+        self.wait_applied()
         aggregate, lr = aggregator.result(), replay.learning_rate
         for name, p in self.model.named_parameters():
             p.grad = aggregate[name].to(p.dtype)
@@ -363,9 +418,14 @@ class DeltaOuter(OuterStrategy):
                 for key, v in optimizer.items()
                 if key.startswith(prefix) and "." not in key[len(prefix) :]
             }
-            if state:
-                self.optimizer.state[p] = state
-        self.feedback.load_state_dict(tensors.get("delta-feedback", {}))
+            if state:  # AdamW keeps its step count on the CPU, the moments beside the parameter
+                self.optimizer.state[p] = {k: v if k == "step" else v.to(p.device) for k, v in state.items()}
+        self.feedback.load_state_dict(_on(self.codec.device, tensors.get("delta-feedback", {})))
+
+
+def _on(device: torch.device | str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` (a checkpoint's, read on the CPU) on the coordinator's ``device``."""
+    return {k: v.to(device) for k, v in tensors.items()}
 
 
 def make_outer(

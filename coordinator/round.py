@@ -1,8 +1,10 @@
 """The dispatch of one round: state pushes, concurrent work orders, retries, and what each worker did.
 
 ``RoundDispatcher.run`` pushes the full state to the workers that have never had it, sends every worker
-its order concurrently, and applies the pending update to the coordinator's own replica while they
-compute. A worker new to a running job gets the state *in the background* (``prepare``;
+its order concurrently, and starts applying the pending update to the coordinator's own replica on the
+replica's own thread (``OuterStrategy.advance``) while they compute; nothing in the round waits for that
+apply but what needs the round's version (a push to a worker out of sync, the next round's fingerprint).
+A worker new to a running job gets the state *in the background* (``prepare``;
 ``decisions.decide_first_push``): the rounds go on without it while the state travels (a snapshot: the
 replica moves on meanwhile), and it works from the first round after its push completes, catching up on
 the updates it missed by replay, so a joiner on a slow link, or one that stalls mid-push, holds no round.
@@ -100,6 +102,10 @@ class RoundOutcome:
     pushes: int  # every state push of the round started: before it, in the background, on a retry
     push_bytes: int  # bytes of the pushes before the round, and of background ones that completed during it
     joining: tuple[int, ...] = ()  # slots receiving the state in the background, not in this round
+    # When (time.monotonic) the round's first order went out, and when it closed: its last result came in or
+    # the rest were cut off. A round's turnaround is its first order's time less the last round's close.
+    first_order_at: float | None = None
+    closed_at: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +206,7 @@ class RoundDispatcher:
         self.quorum = quorum  # 0: wait for every worker
         self.grace = grace or Grace()
         self._joining: dict[int, Future[_Push]] = {}  # slot index -> its background push
+        self.first_order_at: float | None = None  # the round in flight's first order (time.monotonic)
 
     @property
     def joining(self) -> list[int]:
@@ -223,9 +230,10 @@ class RoundDispatcher:
         new = [s for s in slots if s.version is None and s.guess is None]  # never had the state
         how, why = decide_first_push(len(new), len(slots) - len(new)) if new else ("block", "")
         if how == "background":
+            self.outer.settle()  # a snapshot of a replica nothing is writing to
             for slot in new:
                 log.info("step %d: worker %d gets the state in the background: %s", step, slot.index, why)
-                state = _snapshot(self.state_for(slot))  # now: apply_pending writes to the replica meanwhile
+                state = _snapshot(self.state_for(slot))  # now: the replica moves on meanwhile
                 self._joining[slot.index] = self.pool.submit(self._push, slot, state)
             return RoundPlan([s for s in slots if s not in new], len(new), landed)
         return RoundPlan(slots, 0, landed)
@@ -237,24 +245,22 @@ class RoundDispatcher:
         step = work.round
         outer, slots = self.outer, plan.slots
         to_push = [s for s in slots if s.version is None and s.guess is None]  # never had the state: the run's start
-        # Blocking pushes first, from a replica nothing is writing to; then the round and, alongside it,
-        # our own copy of the pending update.
+        # Blocking pushes first, from a replica nothing is writing to; then the round and, alongside it on the
+        # replica's thread, our own copy of the pending update.
+        if to_push:
+            outer.settle()
         pushed = dict(zip((s.index for s in to_push), self.pool.map(self._push, to_push)))
-        applied = threading.Event()
+        outer.advance()
         cut_off = {slot.index: threading.Event() for slot in slots}  # set for a straggler: make no further call
         start = time.monotonic()
+        self.first_order_at = None
         futures = [
-            self.pool.submit(
-                self._timed, start, slot, work, pushed.get(slot.index), applied, cut_off[slot.index], stream
-            )
+            self.pool.submit(self._timed, start, slot, work, pushed.get(slot.index), cut_off[slot.index], stream)
             for slot in slots
         ]
-        try:
-            outer.apply_pending()
-        finally:
-            applied.set()  # never leave a worker's retry waiting, whatever happened here
         cut = self._close(futures, slots, step, start, cut_off)
-        closed = time.monotonic() - start
+        closed_at = time.monotonic()
+        closed = closed_at - start
         outcomes = [f.result() for f in futures]  # the cut-off ones return at once, cancelled
         pushed.update(plan.landed)
         for o in outcomes:
@@ -266,7 +272,14 @@ class RoundDispatcher:
                 o.error = f"cut off as a straggler ({o.error})"
             _note_version(o, outer.target_version)
         pushes = len(to_push) + plan.started + sum(o.pushes for o in outcomes)
-        return RoundOutcome(outcomes, pushes, sum(p.bytes_down for p in pushed.values()), tuple(self.joining))
+        return RoundOutcome(
+            outcomes,
+            pushes,
+            sum(p.bytes_down for p in pushed.values()),
+            tuple(self.joining),
+            first_order_at=self.first_order_at,
+            closed_at=closed_at,
+        )
 
     def _landed(self) -> dict[int, _Push]:
         """The background pushes that have completed (the slot's version is set, or reset on failure)."""
@@ -315,14 +328,13 @@ class RoundDispatcher:
         slot: WorkerSlot,
         work: RoundWork,
         push: _Push | None,
-        applied: threading.Event,
         cut_off: threading.Event,
         stream: StreamPlan | None,
     ) -> SlotOutcome:
         """``_work``, its outcome stamped with the seconds from ``start`` on its own dispatch thread as the
-        answer comes in: not when the round's thread next looks (it may be busy applying the pending update
-        then, and two workers finishing during that would look equally fast to the balancer and the grace)."""
-        outcome = self._work(slot, work, push, applied, cut_off, stream)
+        answer comes in: not when the round's thread next looks (two workers finishing while it was busy
+        would look equally fast to the balancer and the grace)."""
+        outcome = self._work(slot, work, push, cut_off, stream)
         outcome.seconds = time.monotonic() - start
         return outcome
 
@@ -331,7 +343,6 @@ class RoundDispatcher:
         slot: WorkerSlot,
         work: RoundWork,
         push: _Push | None,
-        applied: threading.Event,
         cut_off: threading.Event,
         stream: StreamPlan | None = None,
     ) -> SlotOutcome:
@@ -353,7 +364,7 @@ class RoundDispatcher:
                 action, why = decide_sync(version, outer.base_version, target, self._catch_up_bytes(version))
                 if action == "push":
                     log.info("step %d: worker %d gets the state: %s", step, slot.index, why)
-                    applied.wait()  # push the round's version, not one being written
+                    outer.wait_applied()  # push the round's version, not one being written
                     retry = self._push(slot)
                     if retry.error:
                         outcome.error = retry.error
@@ -362,9 +373,11 @@ class RoundDispatcher:
                     outcome.bytes_down += retry.bytes_down
                     version = slot.version
                     continue
-                order = self._order(slot, work, action, version, applied)
+                order = self._order(slot, work, action, version)
                 outcome.catch_ups += action == "catch-up"
                 receiver = _Receiver(stream, outcome)
+                if self.first_order_at is None:
+                    self.first_order_at = time.monotonic()
                 result, traffic = slot.client.run_round(order, timeout=self.timeout, on_piece=receiver.take)
                 outcome.bytes_down += traffic.down
                 outcome.bytes_up += traffic.up
@@ -405,9 +418,7 @@ class RoundDispatcher:
         total = sum(u.nbytes for u in missed[1]) + (self.outer.pending.nbytes if self.outer.pending is not None else 0)
         return total if not self.state_bytes or total < self.state_bytes else None
 
-    def _order(
-        self, slot: WorkerSlot, work: RoundWork, action: str, version: int | None, applied: threading.Event
-    ) -> WorkOrder:
+    def _order(self, slot: WorkerSlot, work: RoundWork, action: str, version: int | None) -> WorkOrder:
         outer = self.outer
         if action == "replay":
             update = outer.update_for(slot.index)
@@ -416,7 +427,7 @@ class RoundDispatcher:
             assert version is not None
             fingerprint, missed = outer.catch_up(version)  # type: ignore[misc]
             return work.order(self.run_id, slot.index, version, outer.update_for(slot.index), fingerprint, missed)
-        applied.wait()  # at the round's version (pushed after the pending update was applied, or current)
+        outer.wait_applied()  # at the round's version (pushed after the pending update was applied, or current)
         return work.order(self.run_id, slot.index, outer.target_version, None, outer.target_fingerprint)
 
     def _push(self, slot: WorkerSlot, state: ModelState | None = None) -> _Push:

@@ -1,12 +1,14 @@
 """The coordinator's training loop. It only puts the run's components in order; each lives in its own module.
 
-One round (``train_step``):
-  membership (``membership.Roster``) -> the round's work: every worker's batch, H inner steps' worth in
-  local-SGD rounds (``round.RoundWork``) -> dispatch: orders carrying the last round's update, never the
-  state (``round.RoundDispatcher``) -> now and then a spot check of one sender (``spotcheck``) -> gather:
-  validate, clip, judge, aggregate in the coefficient domain (``gather.Gatherer``) -> the outer step
-  (``outer``) -> the metrics record (``metrics.round_record``) and the status page's rows
-  (``status.worker_events``).
+One round (``train_step``), in stages:
+  plan: membership (``membership.Roster``) and the round's work, every worker's batch, H inner steps' worth
+  in local-SGD rounds (``round.RoundWork``) -> dispatch: orders carrying the last round's update, never the
+  state (``round.RoundDispatcher``), while the coordinator's own replica applies that update on its own
+  thread (``advance``) -> judge: now and then a spot check of one sender (``spotcheck``), then validate,
+  clip, agree, aggregate in the coefficient domain (``gather.Gatherer``) -> the outer step (``outer``) ->
+  the metrics record (``metrics.round_record``) and the status page's rows (``status.worker_events``).
+From a round's last result to the next round's orders, nothing grows with the model: the replica's apply,
+its fingerprint, evaluations and checkpoints happen off that path, each waiting for the version it needs.
 The run (``run``) repeats rounds, backs off after failed ones (``decisions.after_failed_round``),
 evaluates, logs, and checkpoints (``checkpointer.RunCheckpointer``). A worker that fails, times out or
 sends a bad payload spoils its own contribution to one round, not the run.
@@ -14,6 +16,7 @@ sends a bad payload spoils its own contribution to one round, not the run.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -26,7 +29,7 @@ import numpy as np
 import torch
 
 from gradwire.compression import CompressedGradient, GradientCodec
-from gradwire.compression.fragment import of_round
+from gradwire.compression.fragment import Fragment, of_round
 from gradwire.compression.robust import AggregationRule
 from gradwire.compression.stream import StreamPlan
 from gradwire.coordinator.checkpointer import RunCheckpointer, RunPosition
@@ -38,17 +41,31 @@ from gradwire.coordinator.inputs import load_inputs
 from gradwire.coordinator.membership import MemberSource, Roster
 from gradwire.coordinator.metrics import RunRecorder, progress, round_record
 from gradwire.coordinator.outer import ReplayOuter, make_outer
-from gradwire.coordinator.round import RoundDispatcher, RoundOutcome, RoundWork, WorkerSlot
+from gradwire.coordinator.round import RoundDispatcher, RoundOutcome, RoundPlan, RoundWork, WorkerSlot
 from gradwire.coordinator.rundir import claim, truncate_metrics
 from gradwire.coordinator.spotcheck import SpotChecks
 from gradwire.coordinator.status import StatusBoard, worker_events
 from gradwire.coordinator.tracking import make_tracker
 from gradwire.coordinator.work import WorkPlanner
+from gradwire.hardware import resolve_device
 from gradwire.link import WorkerLink
 from gradwire.models import lm_loss
 from gradwire.replica import Replica, StateUpdate
 
 log = logging.getLogger("gradwire.coordinator")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedRound:
+    """A round's plan (``Trainer._plan``): its index and learning rate, who works on which rows, and the codec
+    of what it syncs."""
+
+    step: int
+    lr: float
+    plan: RoundPlan
+    work: RoundWork
+    fragment: Fragment | None
+    codec: GradientCodec
 
 
 class Trainer:
@@ -75,6 +92,10 @@ class Trainer:
         self.roster = Roster(clients, source=members, connect=connect, connect_timeout=config.connect_timeout)
         inputs = load_inputs(config, len(clients))
         self.model, self.spec, self.tokenizer, self.data = inputs.model, inputs.spec, inputs.tokenizer, inputs.data
+        # --device: the replica, its dense work and the spot checks' recomputes on a GPU when there is one.
+        self.device = torch.device(resolve_device(config.device))
+        self.model.to(self.device)
+        log.info("the coordinator's replica is on %s (--device %s)", self.device, config.device)
         self.codec_config = config.codec_config()
         self.outer = make_outer(
             self.model, config.update_rule(), self.codec_config, self.spec, config.seed, config.downlink_codec_config()
@@ -124,6 +145,9 @@ class Trainer:
         self._stop = threading.Event()
         self._exact = False  # replays in float64 (decisions.replay_precision), as last decided
         self._compressed: bool | None = None  # one aggregate down (decisions.decide_downlink), as last decided
+        self._closed_at: float | None = None  # when the last round closed (its last result in)
+        self._busy_seen = 0.0  # the advancer's busy seconds at the last record
+        self._turnaround_s: float | None = None  # the round in flight's (``_turnaround``)
         claim(self.output_dir, self.checkpoint_dir, resuming=bool(config.resume_from), overwrite=config.overwrite)
         if config.resume_from:
             self.position = self.checkpoints.restore(config.resume_from, self.slots)
@@ -143,6 +167,8 @@ class Trainer:
     # The outer strategy holds the workers' replica and the update in flight; these read through to it.
     @property
     def replica(self) -> Replica:
+        """The coordinator's replica, once no update is being applied to it (``OuterStrategy.settle``)."""
+        self.outer.settle()
         return self.outer.replica
 
     @property
@@ -212,61 +238,119 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ one round
 
     def train_step(self) -> dict | None:
-        """One round. Returns its metrics, or None when no worker produced a usable contribution."""
-        step, t0, lr = self.step, time.perf_counter(), self.config.lr_at(self.step)
-        self.roster.update(step)
-        plan = self.rounds.prepare(self.roster.active(step), step)  # less those getting the state meanwhile
-        work = self.round_work(step, plan.slots)
-        fragment = of_round(step, self.config.fragments)
-        codec = self.outer.codec_of(fragment)
-        round_ = self.rounds.run(plan, work, self._stream_plan(codec))
-        self.planner.observe(work, round_)  # each worker's throughput, for the next rounds' shares (--balance)
+        """One round, as its stages: plan (who works on what), dispatch (orders out, results in; the replica
+        follows on its own thread), judge (spot check; validate, clip, agree, aggregate in the coefficient
+        domain), step (the outer step makes the next update), record. Returns the round's metrics, or None
+        when no worker produced a usable contribution."""
+        step, t0 = self.step, time.perf_counter()
+        planned = self._plan(step)
+        round_ = self._dispatch(planned)
         t_gathered = time.perf_counter()
-        rule = self._aggregation_rule()
-        caught, spot = self.spot_checks(step, round_, work, self.outer.apply_pending)
-        gathered = self.gather(round_, step, work.batches, rule, caught, work.redundant, codec)
-        self._log_fates(step, gathered)
+        gathered, spot, rule = self._judge(planned, round_)
         if gathered.aggregator is None:
             self._report(round_, None, gathered)
             return None
-        usable = gathered.results
-        payloads = tuple(r.gradient for r in usable if r.gradient is not None)
+        grad_norm, compressed = self._outer_step(planned, gathered, rule)
+        record = self._record(planned, round_, gathered, grad_norm, compressed, (t0, t_gathered))
+        if spot:
+            record["spot_check"] = spot
+        self._report(round_, record, gathered)
+        return record
+
+    def _plan(self, step: int) -> PlannedRound:
+        """Membership, who works this round (not those getting the state in the background), each worker's
+        rows, and the codec of what the round syncs (the model's, or a fragment's)."""
+        self.roster.update(step)
+        plan = self.rounds.prepare(self.roster.active(step), step)
+        work = self.round_work(step, plan.slots)
+        fragment = of_round(step, self.config.fragments)
+        return PlannedRound(step, self.config.lr_at(step), plan, work, fragment, self.outer.codec_of(fragment))
+
+    def _dispatch(self, planned: PlannedRound) -> RoundOutcome:
+        """Orders out, results in (``round.RoundDispatcher``); the workers' measured throughput feeds the
+        next rounds' shares (--balance)."""
+        round_ = self.rounds.run(planned.plan, planned.work, self._stream_plan(planned.codec))
+        self._turnaround_s = self._turnaround(round_)
+        self.planner.observe(planned.work, round_)
+        return round_
+
+    def _judge(self, planned: PlannedRound, round_: RoundOutcome) -> tuple[Gathered, dict, AggregationRule]:
+        """Now and then a spot check of one sender (it waits for the replica at the round's version); then
+        validate, clip, agree and aggregate what came in (``gather.Gatherer``): payload-sized work."""
+        step, work = planned.step, planned.work
+        rule = self._aggregation_rule()
+        caught, spot = self.spot_checks(step, round_, work, self.outer.apply_pending)
+        gathered = self.gather(round_, step, work.batches, rule, caught, work.redundant, planned.codec)
+        self._log_fates(step, gathered)
+        return gathered, spot, rule
+
+    def _outer_step(self, planned: PlannedRound, gathered: Gathered, rule: AggregationRule) -> tuple[float, bool]:
+        """The outer step: the round's aggregate becomes the next update (the senders' payloads, or one
+        re-compressed aggregate); returns the aggregate's norm and whether the downlink is compressed."""
+        payloads = tuple(r.gradient for r in gathered.results if r.gradient is not None)
         compressed = self._compressed_downlink(payloads)
         grad_norm = self.outer.step(
             gathered.aggregator,
             payloads,
             gathered.weights,
-            lr,
+            planned.lr,
             scales=gathered.scales if any(x < 1 for x in gathered.scales) else (),
             rule=rule,
             senders=gathered.senders,
-            round=step,
+            round=planned.step,
             compressed=compressed,
-            fragment=fragment,
+            fragment=planned.fragment,
         )
         tokens = round(sum(gathered.weights))  # rows given to several workers (a spot check) count once
-        self.position = RunPosition(step + 1, self.total_tokens + tokens)
+        self.position = RunPosition(planned.step + 1, self.total_tokens + tokens)
+        if compressed and self.pending is not None:  # sent back as a worker's own, it is a copy
+            self.gather.remember_sent(self.pending.payloads[0], planned.step)
+        return grad_norm, compressed
+
+    def _record(
+        self,
+        planned: PlannedRound,
+        round_: RoundOutcome,
+        gathered: Gathered,
+        grad_norm: float,
+        compressed: bool,
+        times: tuple[float, float],
+    ) -> dict:
+        """The round's metrics record (``metrics.round_record``) and what this loop adds to it."""
         record = round_record(
             self.step,
             round_,
             gathered,
             grad_norm=grad_norm,
-            lr=lr,
-            times=(t0, t_gathered, time.perf_counter()),
+            lr=planned.lr,
+            times=(*times, time.perf_counter()),
             total_tokens=self.total_tokens,
-            dense_bytes=4 * codec.plan.numel,  # of what the round syncs: the model, or a fragment of it
+            dense_bytes=4 * planned.codec.plan.numel,  # of what the round syncs: the model, or a fragment of it
             inner_steps=self.config.round_steps,
             benched=sum(s.standing.benched(self.step) for s in self.slots),
             clip_grad_norm=0.0 if self.config.local_sgd else self.config.clip_grad_norm,
         )
         record["downlink_compressed"] = int(compressed)
-        if spot:
-            record["spot_check"] = spot
-        if compressed and self.pending is not None:  # sent back as a worker's own, it is a copy
-            self.gather.remember_sent(self.pending.payloads[0], step)
-        record.update(self.planner.record(work))  # each worker's rows, and the throughput they were sized to
-        self._report(round_, record, gathered)
+        # The coordinator's own share of the critical path: from the last round's last result to this round's
+        # first order (None in a run's first round); and the seconds its replica advanced off that path.
+        record["turnaround_s"] = self._turnaround_s
+        record["background_s"] = self._background()
+        record.update(self.planner.record(planned.work))  # each worker's rows, and the throughput they were sized to
         return record
+
+    def _turnaround(self, round_: RoundOutcome) -> float | None:
+        """Seconds from the last round's close to this round's first order (None: no last round, or no
+        order went out); remembers this round's close for the next."""
+        last, self._closed_at = self._closed_at, round_.closed_at
+        if last is None or round_.first_order_at is None:
+            return None
+        return max(0.0, round_.first_order_at - last)
+
+    def _background(self) -> float:
+        """The seconds the replica's advancer worked since the last record."""
+        busy = self.outer.advancer.busy_s
+        since, self._busy_seen = busy - self._busy_seen, busy
+        return since
 
     def _stream_plan(self, codec: GradientCodec) -> StreamPlan:
         """The buckets a round's results stream in (``--stream-buckets``; one, the whole payload, if off),
@@ -283,7 +367,7 @@ class Trainer:
 
     def _aggregation_rule(self) -> AggregationRule:
         """``--aggregate``, in the precision ``decisions.replay_precision`` picks for the workers present."""
-        coordinator = next(iter(self.replica.params.values())).device.type
+        coordinator = self.device.type
         exact, why = replay_precision(self.config.replay_precision, coordinator, [s.device for s in self.slots])
         if exact != self._exact:
             log.info("replays combine in %s: %s", "float64" if exact else "float32", why)
@@ -334,7 +418,8 @@ class Trainer:
         model.eval()
         try:
             batches = self.data.val_batches(cfg.batch_size, cfg.sequence_length, cfg.eval_batches)
-            losses = [float(lm_loss(model, torch.from_numpy(b.astype("int64")))) for b in batches]
+            rows = (torch.from_numpy(b.astype("int64")).to(self.device) for b in batches)
+            losses = [float(lm_loss(model, r)) for r in rows]
         finally:
             model.train(was_training)
         loss = sum(losses) / len(losses)
@@ -360,3 +445,4 @@ class Trainer:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.outer.close()

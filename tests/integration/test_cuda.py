@@ -121,3 +121,38 @@ def test_gossip_rounds_with_demuon_train_on_the_gpu(tmp_path):
         assert r["rounds"] == 2 and np.isfinite(r["eval_loss"]), name
     ring = result["methods"]["gossip-ring-demuon"]
     assert ring["relayed_payloads_max"] == 2 and ring["consensus_distance"] > 0
+
+
+def test_a_coordinator_on_the_gpu_keeps_gpu_workers_in_step(tmp_path):
+    """``coordinator train --device cuda``: the replica, its background apply, evaluation and spot checks on
+    the GPU; the workers follow by replay with no push after the first, and their replicas are its bits."""
+    from gradwire.coordinator.config import TrainConfig
+    from gradwire.coordinator.trainer import Trainer
+    from gradwire.worker.inprocess import in_process_clients
+
+    config = TrainConfig(
+        model="gpt-tiny",
+        steps=4,
+        batch_size=2,
+        sequence_length=32,
+        device="cuda",
+        eval_every=2,
+        spot_check_every=1,
+        spot_check_by="recompute",
+        output_dir=str(tmp_path),
+    )
+    clients = in_process_clients(2, device="cuda:0")
+    trainer = Trainer(config, clients, progress=False)
+    try:
+        records = trainer.run()
+    finally:
+        trainer.close()
+    assert trainer.device.type == "cuda" and next(trainer.model.parameters()).is_cuda
+    assert [r["pushes"] for r in records] == [2, 0, 0, 0]
+    assert all(r["spot_check"]["passed"] for r in records if "spot_check" in r)
+    assert all(np.isfinite(r["eval_loss"]) for r in records if "eval_loss" in r)
+    for client in clients:
+        (session,) = client.engine.sessions.values()
+        session.replica.apply(trainer.pending)
+        for name, p in trainer.replica.params.items():
+            assert torch.equal(session.replica.params[name], p), name

@@ -92,7 +92,7 @@ def test_resume_continues_the_same_trajectory(tmp_path):
 
 
 def test_float64_replays_keep_replicas_bit_identical(tmp_path, two_workers):
-    """--replay-precision float64 (what auto picks for CUDA workers under a CPU coordinator): the workers'
+    """--replay-precision float64 (what auto picks across device kinds not measured to agree): the workers'
     replicas still equal the coordinator's bit for bit, with no push after the first."""
     trainer = Trainer(
         _config(tmp_path, steps=6, replay_precision="float64"), [w.client() for w in two_workers], progress=False

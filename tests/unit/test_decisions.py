@@ -64,12 +64,15 @@ def test_decide_sync_catches_up_when_the_missed_updates_are_in_the_window() -> N
     assert decide_sync(6, 4, 5, catch_up_bytes=10)[0] == "push"  # ahead of the coordinator: never replayed
 
 
-def test_replay_precision_is_float64_only_across_device_kinds() -> None:
+def test_replay_precision_is_float64_only_across_device_kinds_not_measured_to_agree() -> None:
     from gradwire.coordinator.decisions import replay_precision
 
     assert replay_precision("auto", "cpu", ["cpu", "cpu"])[0] is False
     exact, why = replay_precision("auto", "cpu", ["cuda:0", "cpu", ""])  # "": not described yet
-    assert exact and "cuda" in why and "float64" in why
+    assert not exact and "measured to agree" in why  # CPU and CUDA float32 replays: measured bit-identical
+    exact, why = replay_precision("auto", "cuda:0", ["mps", "cuda:0"])
+    assert exact and "mps" in why and "float64" in why
+    assert replay_precision("auto", "mps", ["mps"])[0] is False  # one kind: the same kernels everywhere
     assert replay_precision("auto", "cuda", ["cuda:1", "cuda:0"])[0] is False  # same kind, other index
     assert replay_precision("float64", "cpu", ["cpu"]) == (True, "--replay-precision float64")
     assert replay_precision("float32", "cpu", ["cuda"])[0] is False
