@@ -323,7 +323,11 @@ class ReplayOuter(OuterStrategy):
         self._aggregator: Aggregate | None = None  # the pending payloads, already combined
         self.downlink_codec = self.replica.codec(downlink_config or codec_config)
         if [g.chunk_shape for g in self.downlink_codec.plan.groups] != [g.chunk_shape for g in self.codec.plan.groups]:
-            raise ValueError("the downlink's codec must cut the model into the workers' chunks")
+            # A larger budget can factor a small matrix the workers send as top-k (--rank fit: one rank-1 term
+            # of a 32-row matrix fits 4x its top-k's bytes, not 1x): the aggregate's chunks would not be the
+            # downlink's. Such a model's downlink keeps the workers' own codec.
+            log.info("the downlink's codec would cut the model unlike the workers': it uses theirs")
+            self.downlink_codec = self.codec
         # What compressed downlinks have not sent of the aggregates yet (coefficient domain).
         self.downlink_feedback = ErrorFeedback(beta=1.0)
 

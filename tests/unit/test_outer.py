@@ -66,3 +66,21 @@ def test_update_rule_validates_and_round_trips():
     for bad in ('{"optimizer": "sgd", "foo": 1}', "null", "[1]", '{"betas": 3}', '{"momentum": "x"}', "{not json"):
         with pytest.raises(ValueError):
             UpdateRule.from_json(bad)
+
+
+def test_a_downlink_that_would_factor_what_the_workers_send_as_top_k_keeps_their_codec():
+    """--rank fit: a 32-row matrix gets no rank-1 term from its top-k's bytes, but does from 4x them."""
+    import dataclasses
+
+    from gradwire.compression import CodecConfig
+    from gradwire.coordinator.outer import ReplayOuter
+    from gradwire.optim.outer import UpdateRule
+
+    workers = CodecConfig(topk=143, indices="elias-fano", values="lut", bins=4, rank_fits_topk=True)
+    downlink = dataclasses.replace(workers, topk=4 * 143)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 512), torch.nn.Linear(512, 512))
+    outer = ReplayOuter(model, UpdateRule(optimizer="sgd"), workers, downlink)
+    assert outer.downlink_codec is outer.codec
+    wide = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 1024))  # cut alike: its own
+    outer = ReplayOuter(wide, UpdateRule(optimizer="sgd"), workers, downlink)
+    assert outer.downlink_codec.config == downlink
