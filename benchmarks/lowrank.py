@@ -2,6 +2,7 @@
 
     python -m benchmarks.lowrank --json                                   # codec, low-rank 8, averaging
     python -m benchmarks.lowrank --json --variants codec,lowrank:4:fp16,lowrank:8:int8,lowrank:8:int8:power
+    python -m benchmarks.lowrank --json --encode --model gpt-80m --threads 2   # what a round's encode costs
 
 A single process plays SparseLoCo's rounds: ``--workers`` workers each take ``--inner-steps`` AdamW steps
 from the shared model (warmup, then cosine to 0.1), the pseudo-gradients go through a compressor with error
@@ -14,10 +15,12 @@ variants differ only in what crosses the link:
   codec              gradwire's codec at the local-SGD defaults of ``coordinator train`` (DCT of 64 x 64
                      chunks, top-k, 2-bit values, Elias-Fano indices), its own error feedback;
   codec:K            the same at top-K;
-  codec:rankR[:svd|:randomized]
+  codec:rankR[:auto|:svd|:randomized]
                      the same with ``--rank R``: the service's low-rank factors (``compression.lowrank``) for
-                     every matrix, vectors dense in 2-bit values; factored as the service does (an exact SVD
-                     for gpt-5m's matrices), or forced to an SVD or to the randomized range finder;
+                     every matrix, vectors dense in 2-bit values; factored as the service does (one power
+                     iteration a round from the subspace carried in the error feedback), or from scratch
+                     every round: ``auto`` as before 2026-11-27 (an exact SVD for gpt-5m's matrices), or
+                     forced to an SVD or to the randomized range finder;
   lowrank:R:F[:powerN] each matrix's error-feedback buffer sent as rank-R factors ``A (rows x R) @ B (R x cols)``
                      in F = fp16, or int8 with one float16 scale per factor column (of A) and row (of B);
                      vectors travel as float32. The factors come from a truncated SVD, or with ``powerN``
@@ -28,6 +31,13 @@ This is not the service: no payload is framed, validated or replayed. Bytes coun
 information: a codec payload's indices, values and tables; the factors and their scales. Reports per variant
 the held-out loss after every round, the bytes per worker and round, and the gap to ``averaging``
 (``gap_vs_averaging``, relative). Prints one JSON object (``--json``: on one line).
+
+``--encode`` trains nothing: it times the service's encode of one local-SGD round's payload (``compress``
+with error feedback, the codec at ``coordinator train``'s local-SGD defaults, ``--rank fit``) on the shapes
+of ``--model``, on ``--device``, for ``--rounds`` rounds of synthetic pseudo-gradients (each matrix rank 32
+plus 10% noise), per way of factoring: ``power`` (the service's), ``auto`` (from scratch, as before), and
+``topk`` (``--rank 0``) for scale. Reports the first round (which seeds the carried subspaces) and the
+median of the later ones, in seconds.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ import gzip
 import json
 import math
 import re
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -45,6 +56,7 @@ import numpy as np
 import torch
 
 from benchmarks.quality import CORPUS
+from gradwire.compression import Encoding
 from gradwire.compression.codec import GradientCodec
 from gradwire.compression.feedback import ErrorFeedback
 from gradwire.coordinator.config import TrainConfig
@@ -136,7 +148,7 @@ class Codec:
         inner_steps: int,
         topk: int | None,
         rank: int = 0,
-        factorization: str = "auto",
+        factorization: str = "power",
     ) -> None:
         config = TrainConfig(inner_steps=inner_steps, topk=topk, rank=rank).codec_config()
         self.codec = GradientCodec(shapes, config, factorization=factorization)  # type: ignore[arg-type]
@@ -154,14 +166,14 @@ def compressor(spec: str, shapes: dict[str, tuple[int, ...]], inner_steps: int) 
     if name == "averaging" and not fields:
         return None
     rank = re.fullmatch(r"rank(\d+)", fields[0]) if name == "codec" and fields else None
-    if rank and (len(fields) == 1 or fields[1:] in (["svd"], ["randomized"])):
-        return Codec(shapes, inner_steps, None, int(rank.group(1)), fields[1] if len(fields) == 2 else "auto")
+    if rank and (len(fields) == 1 or fields[1:] in (["auto"], ["svd"], ["randomized"])):
+        return Codec(shapes, inner_steps, None, int(rank.group(1)), fields[1] if len(fields) == 2 else "power")
     if name == "codec" and len(fields) <= 1:
         return Codec(shapes, inner_steps, int(fields[0]) if fields else None)
     iterations = re.fullmatch(r"power(\d*)", fields[2]) if len(fields) == 3 else None
     if name == "lowrank" and (len(fields) == 2 or iterations):
         return LowRank(int(fields[0]), fields[1], power=int(iterations.group(1) or 1) if iterations else 0)
-    variants = "averaging, codec[:K|:rankR[:svd|:randomized]], lowrank:R:fp16|int8[:powerN]"
+    variants = "averaging, codec[:K|:rankR[:auto|:svd|:randomized]], lowrank:R:fp16|int8[:powerN]"
     raise SystemExit(f"unknown variant {spec!r}: {variants}")
 
 
@@ -245,6 +257,71 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {**settings, "sequence_length": args.sequence_length, "tokens_per_variant": needed, "variants": results}
 
 
+ENCODINGS = ("power", "auto", "topk")
+SYNTHETIC_RANK = 32
+
+
+def _pseudo_gradient(shapes: dict[str, tuple[int, ...]], seed: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every matrix of rank ``SYNTHETIC_RANK`` plus 10% noise (in norm, about), every vector noise."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in shapes.items():
+        if len(shape) == 2 and min(shape) > SYNTHETIC_RANK:
+            rows, cols = shape
+            x = torch.randn(rows, SYNTHETIC_RANK, generator=gen) @ torch.randn(SYNTHETIC_RANK, cols, generator=gen)
+            x = x / SYNTHETIC_RANK**0.5 + 0.1 * torch.randn(shape, generator=gen)
+        else:
+            x = torch.randn(shape, generator=gen)
+        out[name] = (1e-3 * x).to(device)
+    return out
+
+
+def time_encode(args: argparse.Namespace) -> dict[str, Any]:
+    """``--encode``: seconds of one round's ``compress`` with error feedback, per way of factoring (module)."""
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    shapes = {n: tuple(p.shape) for n, p in build_model(args.model, seed=args.seed).named_parameters()}
+    config = TrainConfig(model=args.model, inner_steps=args.inner_steps).codec_config()
+    ranks = sorted({t.k for t in GradientCodec(shapes, config).plan.dense if t.encoding == Encoding.LOW_RANK})
+    topk = TrainConfig(model=args.model, inner_steps=args.inner_steps, rank=0).codec_config()
+    codecs = {
+        way: GradientCodec(shapes, topk, device)
+        if way == "topk"
+        else GradientCodec(shapes, config, device, factorization=way)  # type: ignore[arg-type]
+        for way in ENCODINGS
+    }
+    feedback = {way: ErrorFeedback(BETA) for way in ENCODINGS}
+    seconds: dict[str, list[float]] = {way: [] for way in ENCODINGS}
+    nbytes = {}
+    for r in range(args.rounds):  # the ways take turns within each round: the same load on the machine for each
+        delta = _pseudo_gradient(shapes, args.seed + r, device)
+        for way, codec in codecs.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            nbytes[way] = codec.compress(delta, feedback[way]).nbytes
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds[way].append(time.perf_counter() - t0)
+    results = {
+        way: {
+            "first_round_s": round(s[0], 4),
+            "later_rounds_s": round(statistics.median(s[1:]), 4) if len(s) > 1 else None,
+            "payload_bytes": nbytes[way],
+        }
+        for way, s in seconds.items()
+    }
+    return {
+        "model": args.model,
+        "device": str(device),
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "fit_ranks": ranks,
+        "factored_matrices": sum(t.encoding == Encoding.LOW_RANK for t in GradientCodec(shapes, config).plan.dense),
+        "encode": results,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated (default: {DEFAULT_VARIANTS})")
@@ -258,8 +335,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="one line of JSON")
+    parser.add_argument("--encode", action="store_true", help="time a round's encode instead (see the module)")
+    parser.add_argument("--device", default="cpu", help="--encode's device (cpu, cuda, cuda:1, ...)")
     args = parser.parse_args(argv)
-    result = run(args)
+    result = time_encode(args) if args.encode else run(args)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return result
 

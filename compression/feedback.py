@@ -4,11 +4,19 @@ The buffer is kept in the codec's coefficient domain (the chunked, DCT-transform
 is orthonormal and linear, so this is exactly DeMo's parameter-domain buffer seen through the transform,
 and it saves a forward and an inverse DCT per step: the codec transforms the gradient once, accumulates,
 selects, and subtracts the decoded values it sent (quantization error included) in place.
+
+Matrices sent as low-rank factors (``lowrank``) keep their buffer in the parameter domain, and beside it the
+subspace their factors were last found in (``subspaces``), which the next round's factors start from. Both
+are the sender's state: ``state_dict`` holds the subspaces too (keys ``SUBSPACE + key``), so whatever saves,
+pushes or restores the error feedback carries them, and a resumed sender factors as the straight one.
 """
 
 from __future__ import annotations
 
 import torch
+
+# The state-dict key of a buffer's carried subspace is this and the buffer's key.
+SUBSPACE = "subspace:"
 
 
 class ErrorFeedback:
@@ -19,6 +27,7 @@ class ErrorFeedback:
             raise ValueError(f"beta must be in [0, 1], got {beta}")
         self.beta = beta
         self.buffers: dict[str, torch.Tensor] = {}
+        self.subspaces: dict[str, torch.Tensor] = {}  # by buffer key: (cols, width) float32, orthonormal
 
     def accumulate(self, key: str, update: torch.Tensor) -> torch.Tensor:
         """``m[key] <- beta * m[key] + update``; returns the buffer itself, for the codec to edit in place."""
@@ -29,14 +38,24 @@ class ErrorFeedback:
             buf.mul_(self.beta).add_(update)
         return buf
 
+    def subspace(self, key: str) -> torch.Tensor | None:
+        """The subspace buffer ``key``'s factors were last found in, if any."""
+        return self.subspaces.get(key)
+
+    def keep_subspace(self, key: str, q: torch.Tensor) -> None:
+        self.subspaces[key] = q
+
     def reset(self) -> None:
         self.buffers.clear()
+        self.subspaces.clear()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return dict(self.buffers)
+        return {**self.buffers, **{SUBSPACE + k: q for k, q in self.subspaces.items()}}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.buffers = {k: v.detach().float().clone() for k, v in state.items()}
+        state = {k: v.detach().float().clone() for k, v in state.items()}
+        self.subspaces = {k.removeprefix(SUBSPACE): v for k, v in state.items() if k.startswith(SUBSPACE)}
+        self.buffers = {k: v for k, v in state.items() if not k.startswith(SUBSPACE)}
 
 
 class ScopedFeedback:
@@ -53,3 +72,9 @@ class ScopedFeedback:
 
     def accumulate(self, key: str, update: torch.Tensor) -> torch.Tensor:
         return self.feedback.accumulate(self.prefix + key, update)
+
+    def subspace(self, key: str) -> torch.Tensor | None:
+        return self.feedback.subspace(self.prefix + key)
+
+    def keep_subspace(self, key: str, q: torch.Tensor) -> None:
+        self.feedback.keep_subspace(self.prefix + key, q)

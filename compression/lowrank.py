@@ -6,6 +6,13 @@ can travel as its truncated SVD, ``A = U_k sqrt(S_k)`` and ``B = sqrt(S_k) V_k^T
 int8 with one float32 scale per rank-one term (A's columns, B's rows). Large matrices take a randomized
 SVD instead (``factorize``): the receiver cannot tell, it decodes whatever factors arrive.
 
+A sender with error feedback need not factor from scratch every round: its buffer's top subspace moves
+little between rounds. ``refine`` carries each matrix's right subspace (``carried_width`` directions) from
+round to round and sharpens it with one power iteration, PowerSGD's way, batched over every matrix of one
+shape: three thin products and three thin QRs, where a fresh factorization costs an SVD or a range
+finder's nine passes. The first round (no subspace yet) is factored as before and seeds it (``seed``). The
+subspace lives beside the error feedback (``feedback.ErrorFeedback.subspaces``) and travels with it.
+
 The decoded matrix is computed in float64 from the codes and scales and rounded once to float32, so a CPU
 and a GPU receiver get the same bits (but where a float64 rounding error lands on a float32 rounding
 boundary): every term ``code * scale`` is exact in float64, and so is every product of two.
@@ -27,12 +34,17 @@ CODE_LIMIT = 127  # codes are symmetric: -128 is never sent
 @dataclasses.dataclass(frozen=True)
 class Factors:
     """A matrix's rank-k factors as codes and scales: ``A = a * a_scale`` (columnwise), ``B = b * b_scale``
-    (rowwise)."""
+    (rowwise). ``quantize`` and ``decode`` also take a batch of matrices of one shape (a leading dimension
+    on every field); ``unbind`` splits it."""
 
     a: torch.Tensor  # (rows, k) int8
     a_scale: torch.Tensor  # (k,) float32
     b: torch.Tensor  # (k, cols) int8
     b_scale: torch.Tensor  # (k,) float32
+
+    def unbind(self) -> list[Factors]:
+        """A batch's factors, one ``Factors`` per matrix."""
+        return [Factors(*fields) for fields in zip(self.a, self.a_scale, self.b, self.b_scale)]
 
     def to_bytes(self) -> tuple[bytes, bytes]:
         """(values, lut): the codes, A's then B's, row-major; the scales, A's then B's, float32."""
@@ -51,10 +63,11 @@ class Factors:
         return cls(a, scales[:rank].clone(), b, scales[rank:].clone())
 
     def decode(self, device: torch.device | str | None = None) -> torch.Tensor:
-        """The matrix ``A @ B``, (rows, cols) float32, summed in float64 (see the module)."""
+        """The matrix ``A @ B``, (rows, cols) float32, summed in float64 (see the module); (B, rows, cols)
+        for a batch."""
         device = self.a.device if device is None else device
-        a = self.a.to(device, torch.float64) * self.a_scale.to(device, torch.float64)
-        b = self.b.to(device, torch.float64) * self.b_scale.to(device, torch.float64)[:, None]
+        a = self.a.to(device, torch.float64) * self.a_scale.to(device, torch.float64)[..., None, :]
+        b = self.b.to(device, torch.float64) * self.b_scale.to(device, torch.float64)[..., :, None]
         return (a @ b).float()
 
 
@@ -67,9 +80,17 @@ class Factors:
 EXACT_MAX_SIDE = 1024
 OVERSAMPLE = 8  # extra directions the range finder keeps (at least the rank again), dropped after the small SVD
 POWER_ITERATIONS = 4  # passes of (M M^T) that sharpen the range towards the top singular vectors
+# Directions a carried subspace keeps beyond the rank it sends (at most the rank again): one power
+# iteration a round then sharpens the top ``rank`` towards the buffer's as subspace iteration with a wider
+# block does, and the directions just past them, which error feedback leaves in the buffer, are at hand.
+CARRIED_EXTRA = 8
 
-Factorization = Literal["auto", "svd", "randomized"]
-FACTORIZATIONS: tuple[Factorization, ...] = ("auto", "svd", "randomized")
+# How a sender factors each matrix. ``power``: a subspace carried in the error feedback and refined once a
+# round (``refine``; ``seed`` where none is carried yet, and without error feedback ``auto``). The others
+# factor from scratch every round (``factorize``).
+Factorization = Literal["power", "auto", "svd", "randomized"]
+FACTORIZATIONS: tuple[Factorization, ...] = ("power", "auto", "svd", "randomized")
+FRESH: tuple[Factorization, ...] = ("auto", "svd", "randomized")
 
 
 def factorize(m: torch.Tensor, rank: int, method: Factorization = "auto") -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,15 +100,23 @@ def factorize(m: torch.Tensor, rank: int, method: Factorization = "auto") -> tup
     and a basis of ``max(rank + OVERSAMPLE, 2 rank)`` directions, from a fixed seed (the same matrix gives
     the same factors).
     ``auto``: ``svd`` up to ``EXACT_MAX_SIDE`` on the smaller side, ``randomized`` past it."""
-    if method not in FACTORIZATIONS:
-        raise ValueError(f"factorization must be one of {', '.join(FACTORIZATIONS)}, got {method!r}")
-    m = m.float()
+    u, s, vh = _top_svd(m.float(), rank, method)
+    return _split(u[:, :rank], s[:rank], vh[:rank])
+
+
+def _top_svd(m: torch.Tensor, rank: int, method: Factorization) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The top of ``m``'s SVD, at least ``rank`` terms, as ``factorize``'s ``method`` finds it."""
+    if method not in FRESH:
+        raise ValueError(f"factorization must be one of {', '.join(FRESH)}, got {method!r}")
     if method == "randomized" or (method == "auto" and min(m.shape) > EXACT_MAX_SIDE):
-        u, s, vh = _randomized_svd(m, rank)
-    else:
-        u, s, vh = torch.linalg.svd(m, full_matrices=False)
-    root = s[:rank].sqrt()
-    return u[:, :rank] * root, root[:, None] * vh[:rank]
+        return _randomized_svd(m, rank)
+    return torch.linalg.svd(m, full_matrices=False)
+
+
+def _split(u: torch.Tensor, s: torch.Tensor, vh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``A = U sqrt(S)`` and ``B = sqrt(S) V^T``, for one matrix or a batch."""
+    root = s.sqrt()
+    return u * root[..., None, :], root[..., :, None] * vh
 
 
 def _randomized_svd(m: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -102,13 +131,50 @@ def _randomized_svd(m: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Ten
     return q @ u, s, vh
 
 
+def carried_width(rank: int, rows: int, cols: int) -> int:
+    """Directions of a matrix's carried subspace: ``CARRIED_EXTRA`` beyond the rank sent, at most the smaller
+    side (and at most what the range finder that seeds it keeps)."""
+    return min(rank + min(CARRIED_EXTRA, rank), rows, cols)
+
+
+def seed(m: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A first round's factors of the matrix ``m``, as ``factorize(m, rank)`` finds them (the same bits),
+    and the subspace they start: ``m``'s top ``carried_width`` right singular vectors, (cols, width)."""
+    u, s, vh = _top_svd(m.float(), rank, "auto")
+    a, b = _split(u[:, :rank], s[:rank], vh[:rank])
+    return a, b, vh[: carried_width(rank, *m.shape)].T.contiguous()
+
+
+def refine(m: torch.Tensor, q: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank-``rank`` factors of a batch of matrices ``m`` (B, rows, cols) from their carried subspaces ``q``
+    (B, cols, width), and the subspaces refined, (B, cols, width): one power iteration turns ``q`` towards
+    each matrix's top right singular vectors, and the factors are read off the refined subspace (Rayleigh-Ritz:
+    ``m ~ m q q^T``, its top ``rank`` terms), the subspace's columns left in order of the singular values
+    found. Float32 on ``m``'s device; a zero matrix gives zero factors and keeps an orthonormal subspace.
+
+    Three thin products: PowerSGD sends after two (``p p^T m``, ``p = orth(m q_old)``), which in
+    benchmarks.quality (gpt-5m, ``--rank fit``, 300 steps) ended at 5.6360 where a fresh SVD every round ended
+    at 5.6264; the third, from the refined side, at 5.6217 (600 steps: 5.5145 against 5.5063; a subspace
+    three times the rank, 5.5160; docs/benchmarks.md)."""
+    m = m.float()
+    p, _ = torch.linalg.qr(m @ q)  # (B, rows, width): an orthonormal basis of m's range seen through q
+    q, _ = torch.linalg.qr(m.mT @ p)  # (B, cols, width): the subspace, one power iteration on
+    p, r = torch.linalg.qr(m @ q)  # m q = p r: (B, rows, width), (B, width, width)
+    ur, s, vrh = torch.linalg.svd(r)  # (B, width, width): small
+    u, vh = p @ ur, vrh @ q.mT  # m q q^T = u diag(s) vh: (B, rows, width), (B, width, cols)
+    a, b = _split(u[..., :rank], s[..., :rank], vh[..., :rank, :])
+    return a, b, vh.mT.contiguous()
+
+
 def quantize(a: torch.Tensor, b: torch.Tensor) -> Factors:
     """``a`` (rows, k) and ``b`` (k, cols) rounded to int8 codes, one scale per rank-one term: the largest
-    magnitude of A's column (B's row) maps to 127. A term that is all zeros gets scale 0 and codes 0."""
-    a_scale = a.abs().amax(dim=0) / CODE_LIMIT
-    b_scale = b.abs().amax(dim=1) / CODE_LIMIT
-    a_codes = (a / a_scale.clamp_min(torch.finfo(torch.float32).tiny)).round().clamp(-CODE_LIMIT, CODE_LIMIT)
-    b_codes = (b / b_scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).round().clamp(-CODE_LIMIT, CODE_LIMIT)
+    magnitude of A's column (B's row) maps to 127. A term that is all zeros gets scale 0 and codes 0. A batch
+    (B, rows, k) and (B, k, cols) gives a batch of factors."""
+    a_scale = a.abs().amax(dim=-2) / CODE_LIMIT
+    b_scale = b.abs().amax(dim=-1) / CODE_LIMIT
+    tiny = torch.finfo(torch.float32).tiny
+    a_codes = (a / a_scale.clamp_min(tiny)[..., None, :]).round().clamp(-CODE_LIMIT, CODE_LIMIT)
+    b_codes = (b / b_scale.clamp_min(tiny)[..., :, None]).round().clamp(-CODE_LIMIT, CODE_LIMIT)
     return Factors(a_codes.to(torch.int8), a_scale.float(), b_codes.to(torch.int8), b_scale.float())
 
 

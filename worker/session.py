@@ -2,7 +2,8 @@
 
 * ``replica`` - the coordinator's model, moved only by the updates every holder applies alike. It is never
   trained on: gradient rounds only read its gradients, local-SGD rounds train a separate working copy.
-* ``feedback`` - what this worker has not sent yet (error feedback, in the codec's coefficient domain).
+* ``feedback`` - what this worker has not sent yet (error feedback, in the codec's coefficient domain), and
+  for matrices sent as factors the subspace their next factors start from; both travel as its state.
 * the *working* model and the *inner optimizer* of local-SGD rounds, built on first use. The working model
   is reloaded from the replica at the start of every local round; the inner optimizer's state is kept
   across rounds, as DiLoCo does.

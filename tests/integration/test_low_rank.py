@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from gradwire.compression import Encoding
+from gradwire.compression.feedback import SUBSPACE
+from gradwire.coordinator.checkpoint import load_checkpoint
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.metrics import read_metrics
 from gradwire.coordinator.trainer import Trainer
@@ -50,7 +52,8 @@ def test_local_sgd_rounds_with_factors_train_and_keep_replicas_exact(tmp_path):
 
 
 def test_resume_with_factors_is_the_straight_run(tmp_path):
-    # The workers' parameter-domain error feedback travels in the checkpoint.
+    # The workers' parameter-domain error feedback travels in the checkpoint, and beside it the subspace each
+    # matrix's factors are refined from round to round: a resumed worker factors as the straight one.
     settings = dict(inner_steps=2, balance="off")
     with live_workers(2) as workers:
         straight = train(_config(tmp_path / "a", steps=8, **settings), workers)
@@ -66,6 +69,18 @@ def test_resume_with_factors_is_the_straight_run(tmp_path):
     ]
     for (name, a), (_, b) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
         assert torch.equal(a, b), name
+    # The workers' state at the end, subspaces included, bit for bit (groups are named by the workers'
+    # addresses, which differ between the runs: each of one run's equals one of the other's).
+    ends = [load_checkpoint(t.last_checkpoint)[0] for t in (straight, resumed)]
+    straight_fb, resumed_fb = ([ts for g, ts in end.items() if g.startswith("feedback-")] for end in ends)
+    assert len(straight_fb) == len(resumed_fb) == 2
+
+    def same(a: dict, b: dict) -> bool:
+        return a.keys() == b.keys() and all(torch.equal(t, b[k]) for k, t in a.items())
+
+    for tensors in straight_fb:
+        assert any(k.startswith(SUBSPACE) for k in tensors)
+        assert sum(same(tensors, other) for other in resumed_fb) == 1
 
 
 @pytest.mark.parametrize(

@@ -12,8 +12,8 @@ import torch
 from gradwire.compression import lowrank, serde
 from gradwire.compression.codec import GradientCodec
 from gradwire.compression.config import CodecConfig
-from gradwire.compression.feedback import ErrorFeedback
-from gradwire.compression.payload import CompressedGradient, Encoding, PayloadError, ValueFormat
+from gradwire.compression.feedback import SUBSPACE, ErrorFeedback, ScopedFeedback
+from gradwire.compression.payload import CompressedGradient, Encoding, NonFiniteInput, PayloadError, ValueFormat
 from gradwire.compression.robust import AggregationRule, aggregate, payload_norm
 
 from .codec_helpers import rounds_to_send
@@ -135,6 +135,10 @@ def test_non_finite_input_is_named(codec: GradientCodec) -> None:
     grads["embed"][3, 4] = float("nan")
     with pytest.raises(Exception, match="embed"):
         codec.compress(grads)
+    grads = _grads()
+    grads["conv"][1, 2, 3] = -float("inf")
+    with pytest.raises(NonFiniteInput, match="conv"):
+        codec.compress(grads, ErrorFeedback())
 
 
 def _replace(payload: CompressedGradient, name: str, **fields: object) -> CompressedGradient:
@@ -248,3 +252,115 @@ def test_fitted_ranks_spend_at_most_each_matrixs_top_k_bytes() -> None:
     assert thin.encoding == Encoding.SPARSE
     settings = serde.settings_from_proto(serde.settings_to_proto(fit))
     assert settings == fit and settings.rank_fits_topk
+
+
+# ------------------------------------------------------------------ the subspace carried from round to round
+
+FIT = CodecConfig(bins=4, topk=512, indices="elias-fano", rank_fits_topk=True, rank=3)  # --rank fit, capped at 3
+LOW = {"q": (96, 48), "k": (96, 48), "v": (96, 48), "out": (48, 80)}  # three matrices of one shape: one stack
+
+
+def _low_rank_rounds(rounds: int, seed: int = 0, rank: int = 3, noise: float = 1e-3) -> list[dict[str, torch.Tensor]]:
+    """Pseudo-gradients whose matrices share a rank-``rank`` subspace from round to round (new weights on it
+    every round), plus a little noise."""
+    g = torch.Generator().manual_seed(seed)
+    bases = {n: (torch.randn(s[0], rank, generator=g), torch.randn(rank, s[1], generator=g)) for n, s in LOW.items()}
+    return [
+        {
+            n: u @ torch.diag(torch.rand(rank, generator=g) + 0.5) @ v + noise * torch.randn(LOW[n], generator=g)
+            for n, (u, v) in bases.items()
+        }
+        for _ in range(rounds)
+    ]
+
+
+def test_the_carried_subspace_sends_the_payload_a_fresh_factorization_would_in_the_same_bytes() -> None:
+    power, fresh = GradientCodec(LOW, FIT), GradientCodec(LOW, FIT, factorization="svd")
+    assert power.factorization == "power"  # the default
+    assert {t.k for t in power.plan.dense} == {3}
+    feedback, top_k_bytes = ErrorFeedback(beta=0.95), GradientCodec(LOW, dataclasses.replace(FIT, rank_fits_topk=False))
+    for r, grads in enumerate(_low_rank_rounds(4)):
+        # The buffer this round factors, and the best rank-3 factors of it, found from scratch.
+        buffers = {n: feedback.beta * feedback.buffers[n].view(g.shape) + g if r else g for n, g in grads.items()}
+        payload = power.compress(grads, feedback)
+        assert payload.nbytes == power.plan.payload_bytes() <= top_k_bytes.plan.payload_bytes()
+        got = power.decompress(payload)
+        for name, m in buffers.items():
+            best = fresh.decompress(fresh.compress({**grads, name: m}))[name]  # no feedback: from scratch
+            if r == 0:  # no subspace yet: seeded by the fresh factorization itself, bit for bit
+                assert torch.equal(got[name], best), name
+            else:  # one power iteration from last round's subspace gets as close as int8 codes can tell
+                rel = float((got[name] - best).norm() / best.norm())
+                assert rel < 1e-4, (r, name, rel)  # (int8 codes alone are about 1% off)
+        assert set(feedback.subspaces) == set(LOW) and feedback.subspaces["q"].shape == (48, 6)  # rank + 3 more
+
+
+def test_one_power_iteration_a_round_turns_a_subspace_seeded_on_noise_to_the_best() -> None:
+    # Seeded on noise, then the same matrix every round (beta 0: the buffer is the matrix): each round's
+    # iteration sharpens the carried subspace, and what is sent nears the truncated SVD's share in a few.
+    m = _decaying(96, 48, seed=5)
+    best = float(torch.linalg.svdvals(m)[:3].square().sum() / m.square().sum())  # rank 3 holds 84%
+    codec, feedback = GradientCodec({"w": (96, 48)}, CONFIG), ErrorFeedback(beta=0.0)
+    codec.compress({"w": torch.randn(96, 48, generator=torch.Generator().manual_seed(1))}, feedback)
+    shares = []
+    for _ in range(4):
+        sent = codec.decompress(codec.compress({"w": m}, feedback))["w"]
+        shares.append(1 - float((sent - m).square().sum() / m.square().sum()))
+    assert shares[0] < best - 0.01 and shares == sorted(shares) and shares[-1] > best - 0.001, (shares, best)
+
+
+def test_stacked_by_shape_each_matrix_gets_what_it_would_alone() -> None:
+    rounds = _low_rank_rounds(3, seed=1)
+    together, feedback = GradientCodec(LOW, FIT), ErrorFeedback(beta=0.95)
+    alone = {n: (GradientCodec({n: s}, FIT), ErrorFeedback(beta=0.95)) for n, s in LOW.items()}
+    for grads in rounds:
+        payload = {t.name: t for t in together.compress(grads, feedback).tensors}
+        for name, (codec, own) in alone.items():
+            (single,) = codec.compress({name: grads[name]}, own).tensors
+            assert single == payload[name], name  # the same codes and scales
+            assert torch.equal(own.subspaces[name], feedback.subspaces[name])
+            assert torch.equal(own.buffers[name], feedback.buffers[name])
+
+
+def test_the_subspace_travels_in_the_feedback_state_and_a_restored_sender_sends_the_same_bytes() -> None:
+    rounds = _low_rank_rounds(5, seed=2)
+    codec, straight = GradientCodec(LOW, FIT), ErrorFeedback(beta=0.95)
+    for grads in rounds[:2]:
+        codec.compress(grads, straight)
+    state = straight.state_dict()
+    assert {k for k in state if k.startswith(SUBSPACE)} == {SUBSPACE + n for n in LOW}
+    restored = ErrorFeedback(beta=0.95)
+    restored.load_state_dict({k: v.clone() for k, v in state.items()})
+    assert restored.buffers.keys() == straight.buffers.keys() and restored.subspaces.keys() == set(LOW)
+    lost = ErrorFeedback(beta=0.95)  # a state without its subspaces (a checkpoint from before them)
+    lost.load_state_dict({k: v for k, v in state.items() if not k.startswith(SUBSPACE)})
+    for grads in rounds[2:]:
+        want = serde.gradient_to_bytes(codec.compress(grads, straight))
+        assert serde.gradient_to_bytes(codec.compress(grads, restored)) == want
+        assert serde.gradient_to_bytes(codec.compress(grads, lost)) != want  # seeded afresh: other factors
+    assert all(torch.equal(straight.state_dict()[k], v) for k, v in restored.state_dict().items())
+    # Scoped (a fragment's, a bucket's) subspaces sit under their prefix; a reset drops them with the buffers.
+    scoped = ErrorFeedback()
+    GradientCodec(LOW, FIT).compress(rounds[0], ScopedFeedback(scoped, "fragment0of2/"))
+    assert set(scoped.subspaces) == {f"fragment0of2/{n}" for n in LOW}
+    scoped.reset()
+    assert not scoped.subspaces and not scoped.state_dict()
+
+
+def test_without_feedback_or_from_scratch_nothing_is_carried() -> None:
+    grads = _low_rank_rounds(1, seed=3)[0]
+    power, auto = GradientCodec(LOW, FIT), GradientCodec(LOW, FIT, factorization="auto")
+    assert power.compress(grads) == auto.compress(grads)  # no feedback, nowhere to keep a subspace: auto
+    feedback = ErrorFeedback()
+    auto.compress(grads, feedback)
+    assert feedback.buffers and not feedback.subspaces
+
+
+def test_a_zero_buffer_sends_zeros_and_keeps_an_orthonormal_subspace() -> None:
+    codec, feedback = GradientCodec({"w": (40, 24)}, CONFIG), ErrorFeedback(beta=0.0)
+    codec.compress({"w": torch.randn(40, 24)}, feedback)  # seeds
+    for _ in range(2):
+        factors = codec.decode(codec.compress({"w": torch.zeros(40, 24)}, feedback)).factors["w"]
+        assert not factors.a_scale.any() and not factors.b_scale.any()
+        q = feedback.subspaces["w"]
+        torch.testing.assert_close(q.T @ q, torch.eye(q.shape[1]), rtol=0, atol=1e-5)

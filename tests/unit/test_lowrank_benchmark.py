@@ -56,3 +56,11 @@ def test_every_kind_of_variant_runs_and_reports_its_gap_and_bytes(capsys: pytest
 def test_an_unknown_variant_is_refused_before_anything_trains() -> None:
     with pytest.raises(SystemExit, match="unknown variant 'lowrank:2'"):
         lowrank.main(["--model", "gpt-tiny", "--rounds", "1", "--inner-steps", "1", "--variants", "codec,lowrank:2"])
+
+
+def test_encode_times_every_way_of_factoring_at_the_same_bytes() -> None:
+    result = lowrank.main(["--encode", "--model", "gpt-tiny", "--rounds", "2", "--json"])
+    encode = result["encode"]
+    assert set(encode) == {"power", "auto", "topk"} and result["fit_ranks"] and result["factored_matrices"] > 0
+    assert encode["power"]["payload_bytes"] == encode["auto"]["payload_bytes"]  # another way, the same payload size
+    assert all(w["first_round_s"] > 0 and w["later_rounds_s"] > 0 for w in encode.values())
