@@ -14,9 +14,11 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from gradwire.compression import products
 from gradwire.compression.codec import CompressedGradient, DecodedGradient, GradientCodec, Normalize
 from gradwire.compression.dct import dct_basis, idct_chunks
-from gradwire.compression.plan import ChunkGroup, ModelPlan
+from gradwire.compression.lowrank import Factors
+from gradwire.compression.plan import ChunkGroup, Encoding, ModelPlan
 
 
 class Aggregator:
@@ -64,7 +66,13 @@ class Aggregator:
         self._hits: list[torch.Tensor] | None = None
         self._held: list[tuple[DecodedGradient, float]] = []  # decoded senders not yet spilled
         self._max_held = _max_sparse_senders(plan) if sparse and normalize == "mean" and codec.config.use_dct else 0
-        self._dense = [torch.zeros(t.numel, device=device, dtype=dtype) for t in plan.dense]
+        # Dense tensors' weighted sums; a factored matrix's (LOW_RANK) stays its senders' factors, each with its
+        # weight, until someone reads the sum (``_dense_sum``): a norm or a check costs the factors' bytes.
+        self._dense: list[torch.Tensor | None] = [
+            None if t.encoding == Encoding.LOW_RANK else torch.zeros(t.numel, device=device, dtype=dtype)
+            for t in plan.dense
+        ]
+        self._factored: dict[int, list[tuple[products.Products, float]]] = {}  # by dense tensor: senders' tensors
 
     def add(self, payload: CompressedGradient | DecodedGradient, weight: float = 1.0, scale: float = 1.0) -> None:
         """Add one sender with ``weight`` (its share of the mean) times ``scale`` (a clip factor in [0, 1]:
@@ -81,10 +89,14 @@ class Aggregator:
         else:
             self._spill()
             self._scatter(d, effective, weight)
-        for acc, vals in zip(self._dense, d.dense):
+        for i, vals in enumerate(products.items(d.dense)):
+            if isinstance(vals, Factors) and self._dense[i] is None:
+                assert isinstance(d.dense, products.Products)
+                self._factored.setdefault(i, []).append((d.dense, effective))
+                continue
             # The product rounded first, as the coefficient sums do (not fused into the add): then the sum
             # of two senders is the same bits in either order.
-            acc.add_(vals.to(self.dtype) * effective)
+            self._dense_sum(i).add_(d.dense[i].to(self.dtype) * effective)
         self.total_weight += weight
         self.senders += 1
 
@@ -131,7 +143,18 @@ class Aggregator:
     def dense_values(self) -> Iterator[torch.Tensor]:
         """The normalised aggregate of the dense (uncompressed) tensors, flat, in plan order."""
         self._check_nonempty()
-        return (acc / self.total_weight for acc in self._dense)
+        return (self._dense_sum(i) / self.total_weight for i in range(len(self._dense)))
+
+    def _dense_sum(self, i: int) -> torch.Tensor:
+        """Dense tensor ``i``'s weighted sum; a factored matrix's senders multiplied out and added in the order
+        they came (the bits of adding each product as it came), once, on first read."""
+        acc = self._dense[i]
+        if acc is None:
+            t = self.codec.plan.dense[i]
+            acc = self._dense[i] = torch.zeros(t.numel, device=self.codec.device, dtype=self.dtype)
+            for dense, effective in self._factored.pop(i, []):  # a product made ahead (a worker's own) is reused
+                acc.add_(dense[i].to(self.dtype) * effective)
+        return acc
 
     def norm(self) -> float:
         """L2 norm of ``result()``, without the inverse DCT: the transform is orthonormal.
@@ -147,8 +170,13 @@ class Aggregator:
             parts = [self._held_norm_sq(gi).sqrt() for gi in groups]
         else:
             parts = [torch.linalg.vector_norm(self._coefficients(gi)).double() for gi in groups]
-        parts += [(torch.linalg.vector_norm(d) / self.total_weight).double() for d in self._dense]
-        return float(torch.linalg.vector_norm(torch.stack(parts))) if parts else 0.0
+        parts += [
+            (torch.linalg.vector_norm(acc) / self.total_weight).double() for acc in self._dense if acc is not None
+        ]
+        factored = [[(dense.items[i], w) for dense, w in self._factored.get(i, [])] for i in self._factored]
+        if factored:  # the factored matrices' senders: ||sum_s w_s A_s B_s|| from k x k products
+            parts.append(products.sum_norm_sq(factored).clamp_min(0).sqrt() / self.total_weight)
+        return float(torch.linalg.vector_norm(torch.stack([p.to(parts[0].device) for p in parts]))) if parts else 0.0
 
     def _held_norm_sq(self, gi: int) -> torch.Tensor:
         """The squared norm of group ``gi``'s normalised sum of the held senders, from their (index, value)
@@ -199,8 +227,10 @@ class Aggregator:
                         stack = idct_chunks(stack)
                 yield unchunk_group(codec, group, stack.float(), lo, hi)  # float64 sums round once, here
         if codec.plan.dense:
-            dense = zip(codec.plan.dense, self._dense)
-            yield {t.name: (acc / self.total_weight).float().view(t.shape) for t, acc in dense}
+            yield {
+                t.name: (self._dense_sum(i) / self.total_weight).float().view(t.shape)
+                for i, t in enumerate(codec.plan.dense)
+            }
 
     def _held_inverse(self, gi: int, lo: int, hi: int) -> torch.Tensor:
         """The weighted sum of the held senders' inverse DCTs of chunks ``lo:hi`` of group ``gi``: each

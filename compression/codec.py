@@ -4,6 +4,8 @@ Compression, per chunk group (all tensors whose chunks share a shape):
   gather every member's chunks into one (B, r, c) stack -> chunk DCT (two matmuls) -> error feedback
   -> one top-k over all B chunks -> per-tensor quantization to LUT codes or sign bits (vectorized over
   tensors) -> bit-packed bytes.
+Matrices sent as low-rank factors (``lowrank``) are factored together by shape: one stack, one batched power
+iteration from the subspaces their error feedback carries (``factorization="power"``).
 Decoding validates a payload against the plan; ``aggregate.Aggregator`` sums decoded senders in the
 coefficient domain and runs a single inverse DCT per group.
 No Python loop touches individual chunks; the loops that remain run over tensors or senders.
@@ -22,7 +24,7 @@ import torch
 from gradwire.compression import lowrank
 from gradwire.compression.config import FORMAT_VERSION, CodecConfig
 from gradwire.compression.dct import dct_chunks, fast_transform_dtype
-from gradwire.compression.feedback import ErrorFeedback
+from gradwire.compression.feedback import ErrorFeedback, ScopedFeedback
 from gradwire.compression.packing import pack12, pack_bits, pack_ef, pad_bits, unpack12_padded, unpack_bits, unpack_ef
 from gradwire.compression.payload import (
     GRADIENT,
@@ -43,6 +45,7 @@ from gradwire.compression.plan import (
     value_bits,
     values_nbytes,
 )
+from gradwire.compression.products import Products
 from gradwire.compression.quant import Quantized, quantize, quantize_sign, sign_table, values_table
 from gradwire.compression.select import topk_indices
 
@@ -53,6 +56,10 @@ if TYPE_CHECKING:
 VALUE_LIMIT = 1e30
 
 Normalize = Literal["mean", "per_coordinate"]
+
+# Factored matrices of one shape are stacked at most this many elements at a time (256 MB of float32): the
+# stack is a copy, and a large model's matrices of one shape can hold gigabytes.
+FACTOR_BATCH_NUMEL = 1 << 26
 
 
 @dataclasses.dataclass
@@ -72,13 +79,14 @@ class DecodedGradient:
 
     indices: list[torch.Tensor]  # per group, (B, k) int64
     values: list[torch.Tensor]  # per group, (B, k) float32
-    dense: list[torch.Tensor]  # per dense tensor, (numel,) float32
+    dense: Sequence[torch.Tensor]  # per dense tensor, (numel,) float32
     # The inverse DCT of the kept coefficients, unweighted, by (group, first chunk, end chunk) of each
     # member slice, when computed ahead (``aggregate.with_inverse``): an aggregate that takes this sender
     # on its sparse path uses it instead of transforming the sender again.
     inverse: dict[tuple[int, int, int], torch.Tensor] | None = None
     # The factored (LOW_RANK) tensors' codes and scales, by name in plan order; their products are in
-    # ``dense``. Checks that compare what senders sent (``coordinator.copies``) read the codes.
+    # ``dense`` (a ``products.Products``: multiplied out when read). Checks that compare what senders sent
+    # (``coordinator.copies``) read the codes.
     factors: dict[str, lowrank.Factors] = dataclasses.field(default_factory=dict)
 
 
@@ -100,12 +108,13 @@ class GradientCodec:
         config: CodecConfig | None = None,
         device: torch.device | str = "cpu",
         transform_dtype: torch.dtype | None = None,
-        factorization: lowrank.Factorization = "auto",
+        factorization: lowrank.Factorization = "power",
     ) -> None:
         """``transform_dtype``: what the sender's chunk DCT multiplies in (``None``: the device's fastest
         accurate one, ``dct.fast_transform_dtype``). A sender-side choice: the payload format is the same and
         decoding always runs in float32. So is ``factorization``, how factored matrices are factored
-        (``lowrank.factorize``)."""
+        (``lowrank.Factorization``: by default from the subspace the error feedback carries, refined by one
+        power iteration; ``auto``, ``svd`` and ``randomized`` factor from scratch every time)."""
         self.config = config or CodecConfig()
         self.plan = ModelPlan.build(shapes, self.config)
         self.device = torch.device(device)
@@ -151,11 +160,16 @@ class GradientCodec:
                 raise ValueError(f"chunk group {gi}: expected ({group.num_chunks}, {group.chunk_numel}) coefficients")
             coeffs = feedback.accumulate(f"group{gi}", coeffs) if feedback is not None else coeffs.float()
             out.update(self._select(group, self._layouts[gi], coeffs, feedback is not None))
+        factored = []
         for t in self.plan.dense:
             values = next(dense).reshape(-1).float()
             if feedback is not None:
                 values = feedback.accumulate(t.name, values)
-            out.update(self._encode_dense(t, values, feedback is not None))
+            if t.encoding == Encoding.LOW_RANK:
+                factored.append((t, values))  # factored by shape once every buffer is in
+            else:
+                out.update(self._encode_dense(t, values, feedback is not None))
+        out.update(self._encode_factored(factored, feedback))
         return CompressedGradient(self.config, tuple(out[t.name] for t in self.plan.tensors), FORMAT_VERSION)
 
     def _coefficients(self, group: ChunkGroup, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -252,13 +266,7 @@ class GradientCodec:
     def _encode_dense(self, t: TensorPlan, values: torch.Tensor, update_feedback: bool) -> dict[str, CompressedTensor]:
         if not bool(values.isfinite().all()):
             raise NonFiniteInput(t.name)
-        if t.encoding == Encoding.LOW_RANK:
-            factors = lowrank.compress(values.reshape(matrix_view(t.shape)), t.k, self.factorization)
-            if update_feedback:  # what stays behind: all the receiver will not decode
-                values.sub_(factors.decode(values.device).view(-1))
-            codes, scales = factors.to_bytes()
-            ct = CompressedTensor(t.name, t.shape, t.encoding, t.value_format, (), t.k, b"", codes, lut=scales)
-        elif t.value_format != ValueFormat.FLOAT32:
+        if t.value_format != ValueFormat.FLOAT32:
             seg = torch.zeros(values.numel(), dtype=torch.long, device=values.device)
             q = self._quantize(values, seg, 1)
             if update_feedback:
@@ -274,6 +282,69 @@ class GradientCodec:
             if update_feedback:
                 values.zero_()  # sent exactly
         return {t.name: ct}
+
+    def _encode_factored(
+        self, factored: Sequence[tuple[TensorPlan, torch.Tensor]], feedback: ErrorFeedback | ScopedFeedback | None
+    ) -> dict[str, CompressedTensor]:
+        """The LOW_RANK tensors, each ``(plan, values)`` (its error-feedback buffer where there is one),
+        factored and quantized a stack of one (rows, cols, rank) at a time; with ``feedback``, what the
+        receiver decodes is taken off each buffer and (``power``) each matrix's refined subspace kept."""
+        by_shape: dict[tuple[int, int, int], list[tuple[TensorPlan, torch.Tensor]]] = {}
+        for t, values in factored:
+            # A sum meets any NaN or infinity (and a sum past float32's range, which no gradient reaches), in a
+            # tenth of the time of checking every element on a CPU.
+            if not bool(torch.isfinite(values.sum())):
+                raise NonFiniteInput(t.name)
+            by_shape.setdefault((*matrix_view(t.shape), t.k), []).append((t, values))
+        out = {}
+        for (rows, cols, rank), members in by_shape.items():
+            step = max(1, FACTOR_BATCH_NUMEL // (rows * cols))
+            for first in range(0, len(members), step):
+                batch = members[first : first + step]
+                views = [values.view(rows, cols) for _, values in batch]
+                m = torch.stack(views) if len(views) > 1 else views[0][None]  # (B, rows, cols) float32
+                factors = lowrank.quantize(*self._factor(m, [t.name for t, _ in batch], rank, feedback))
+                if feedback is not None:  # what stays behind: all the receiver will not decode
+                    sent = factors.decode(m.device)  # (B, rows, cols)
+                    for (_, values), s in zip(batch, sent):
+                        values.sub_(s.view(-1))
+                for (t, _), f in zip(batch, factors.unbind()):
+                    codes, scales = f.to_bytes()
+                    out[t.name] = CompressedTensor(
+                        t.name, t.shape, t.encoding, t.value_format, (), t.k, b"", codes, lut=scales
+                    )
+        return out
+
+    def _factor(
+        self, m: torch.Tensor, names: Sequence[str], rank: int, feedback: ErrorFeedback | ScopedFeedback | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank-``rank`` factors ``A`` (B, rows, rank) and ``B`` (B, rank, cols) of the stack ``m``. ``power``
+        with error feedback: one power iteration from each matrix's carried subspace, all carried ones at
+        once, the others seeded (``lowrank.seed``); the refined subspaces are kept. Otherwise each matrix from
+        scratch."""
+        if self.factorization != "power" or feedback is None:
+            method = "auto" if self.factorization == "power" else self.factorization
+            a, b = zip(*(lowrank.factorize(x, rank, method) for x in m))
+            return torch.stack(a), torch.stack(b)
+        cols, width = m.shape[2], lowrank.carried_width(rank, *m.shape[1:])
+        subspaces = [feedback.subspace(name) for name in names]
+        carried = [i for i, q in enumerate(subspaces) if q is not None and tuple(q.shape) == (cols, width)]
+        if len(carried) == len(m):  # every round but a run's first: one batched iteration, no copies
+            a, b, q = lowrank.refine(m, torch.stack([s.to(m.device) for s in subspaces]), rank)
+            for name, qi in zip(names, q):
+                feedback.keep_subspace(name, qi.clone())  # its own storage: a state dict's tensors share none
+            return a, b
+        a = m.new_empty((len(m), m.shape[1], rank))
+        b = m.new_empty((len(m), rank, cols))
+        if carried:
+            q = torch.stack([subspaces[i].to(m.device) for i in carried])  # (len(carried), cols, width)
+            a[carried], b[carried], q = lowrank.refine(m[carried], q, rank)
+            for i, qi in zip(carried, q):
+                feedback.keep_subspace(names[i], qi.clone())
+        for i in sorted(set(range(len(m))) - set(carried)):  # the first round: factored as before, and seeding
+            a[i], b[i], qi = lowrank.seed(m[i], rank)
+            feedback.keep_subspace(names[i], qi)
+        return a, b
 
     # ---------------------------------------------------------------- validate / decode
 
@@ -313,12 +384,15 @@ class GradientCodec:
         factors = {
             t.name: self._factors(t, by_name[t.name]) for t in self.plan.dense if t.encoding == Encoding.LOW_RANK
         }
-        dense = [
-            factors[t.name].decode(self.device).view(-1)
-            if t.name in factors
-            else self._decode_values(t, by_name[t.name])
-            for t in self.plan.dense
-        ]
+        # A factored matrix's product is multiplied out only when read (``products``): what a norm, a check or
+        # an aggregate's running sum needs, its factors say.
+        dense = Products(
+            [
+                factors[t.name] if t.name in factors else self._decode_values(t, by_name[t.name])
+                for t in self.plan.dense
+            ],
+            self.device,
+        )
         return DecodedGradient(indices, values, dense, factors=factors)
 
     def _check_tensor(self, t: TensorPlan, ct: CompressedTensor) -> None:

@@ -31,6 +31,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from gradwire.compression import products
 from gradwire.compression.aggregate import Aggregator, in_plan_order, unchunk_group
 from gradwire.compression.codec import CompressedGradient, DecodedGradient, GradientCodec
 from gradwire.compression.dct import idct_chunks
@@ -71,9 +72,14 @@ MEAN = AggregationRule()
 
 
 def payload_norm(d: DecodedGradient) -> float:
-    """L2 norm of a decoded payload, from its kept coefficients and dense values."""
-    parts = [torch.linalg.vector_norm(v.float()) for v in (*d.values, *d.dense)]
-    return float(torch.linalg.vector_norm(torch.stack(parts).double())) if parts else 0.0
+    """L2 norm of a decoded payload, from its kept coefficients, dense values and factors (a factored
+    matrix's norm from k x k products of its factors, never the matrix)."""
+    items = products.items(d.dense)
+    parts = [torch.linalg.vector_norm(v.float()).double() for v in (*d.values, *products.tensors(items))]
+    factored = products.factored(items)
+    if factored:
+        parts.append(products.norm_sq(factored).clamp_min(0).sqrt().to(parts[0].device if parts else "cpu"))
+    return float(torch.linalg.vector_norm(torch.stack(parts))) if parts else 0.0
 
 
 def clip_scales(norms: Sequence[float], factor: float, reference: float | None = None) -> tuple[float, ...]:

@@ -78,14 +78,16 @@ def _factor_words(factors: Factors) -> np.ndarray:
     of B's, each up to sign (a sign-flipped copy hashes alike), the tensor's words sorted (so does a copy
     with its terms reordered); 0 for a term whose codes are all zero. A copy sent with other scales keeps
     its codes; an honest sender's term repeats another's only if every code of a whole column and row does."""
-    a, b = factors.a.cpu().numpy(), factors.b.cpu().numpy()
-    out = np.zeros(a.shape[1], np.uint64)
-    for t in range(a.shape[1]):
-        column, row = a[:, t], b[t]
-        if not column.any() or not row.any():
-            continue
-        canonical = [v * np.int8(np.sign(v[np.flatnonzero(v)[0]])) for v in (column, row)]
-        h = hashlib.blake2b(canonical[0].tobytes() + b"|" + canonical[1].tobytes(), digest_size=8).digest()
+    a, b = factors.a.cpu().numpy(), factors.b.cpu().numpy()  # (rows, k), (k, cols)
+    k = a.shape[1]
+    columns, rows = np.ascontiguousarray(a.T), b  # term t: columns[t], rows[t]
+    live = columns.any(axis=1) & rows.any(axis=1)  # (k,)
+    # Each side up to the sign of its first non-zero code (all terms at once; a dead side's sign is unused).
+    signs = [np.sign(x[np.arange(k), (x != 0).argmax(axis=1)]).astype(np.int8) for x in (columns, rows)]
+    columns, rows = columns * signs[0][:, None], rows * signs[1][:, None]
+    out = np.zeros(k, np.uint64)
+    for t in np.flatnonzero(live):
+        h = hashlib.blake2b(columns[t].tobytes() + b"|" + rows[t].tobytes(), digest_size=8).digest()
         out[t] = np.frombuffer(h, np.uint64)[0] or np.uint64(1)
     return np.sort(out)
 

@@ -322,6 +322,9 @@ class ReplayOuter(OuterStrategy):
         super().__init__(model, Replica(model, rule), codec_config)
         self._aggregator: Aggregate | None = None  # the pending payloads, already combined
         self.downlink_codec = self.replica.codec(downlink_config or codec_config)
+        config = self.downlink_codec.config
+        if (config.chunk, config.use_dct) != (self.codec.config.chunk, self.codec.config.use_dct):
+            raise ValueError("the downlink's codec must cut the model into the workers' chunks")
         if [g.chunk_shape for g in self.downlink_codec.plan.groups] != [g.chunk_shape for g in self.codec.plan.groups]:
             # A larger budget can factor a small matrix the workers send as top-k (--rank fit: one rank-1 term
             # of a 32-row matrix fits 4x its top-k's bytes, not 1x): the aggregate's chunks would not be the

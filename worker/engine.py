@@ -921,6 +921,7 @@ def _view(session: Session | None) -> ReplicaView | None:
 def decode_ahead(codec: GradientCodec, payload: CompressedGradient, dtype: torch.dtype | None) -> DecodedGradient:
     """``payload`` decoded, with its inverse DCT in ``dtype`` (``aggregate.with_inverse``) unless that is None."""
     decoded = codec.decode(payload)
+    list(decoded.dense)  # its factored matrices multiplied out now, while the worker waits, not in the replay
     return aggregate.with_inverse(codec, decoded, dtype) if dtype is not None else decoded
 
 

@@ -1,0 +1,116 @@
+"""A decoded payload's dense tensors, its factored matrices multiplied out only when someone reads them.
+
+A matrix sent as low-rank factors (``lowrank.Factors``) costs its factors' bytes, but its product costs the
+matrix's. Whoever only needs what the factors already say - a norm, an aggregate's running sum of senders,
+an emptiness check - reads ``items`` (a tensor, or the factors) and pays for the payload; whoever reads the
+list as tensors (``dense[i]``, iteration) gets each product, computed once on first read and kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from gradwire.compression.lowrank import Factors
+
+Item = torch.Tensor | Factors
+
+
+class Products(Sequence[torch.Tensor]):
+    """Flat dense tensors, some given as factors: ``self[i]`` is tensor ``i`` (a product multiplied out on
+    ``device`` on first read, then kept); ``items`` are as given."""
+
+    def __init__(self, items: Sequence[Item], device: torch.device | str) -> None:
+        self.items: list[Item] = list(items)
+        self.device = torch.device(device)
+        self._made: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> torch.Tensor:  # type: ignore[override]
+        if isinstance(i, slice):
+            raise TypeError("Products are read a tensor at a time")
+        item = self.items[i]
+        if isinstance(item, torch.Tensor):
+            return item
+        i = i % len(self.items)
+        if i not in self._made:
+            self._made[i] = item.decode(self.device).view(-1)
+        return self._made[i]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (self[i] for i in range(len(self.items)))
+
+
+def items(dense: Sequence[torch.Tensor]) -> list[Item]:
+    """``dense`` as given: a ``Products``' items (factors left as they are), or the tensors of a plain list."""
+    return dense.items if isinstance(dense, Products) else list(dense)
+
+
+def tensors(items: Sequence[Item]) -> list[torch.Tensor]:
+    return [x for x in items if isinstance(x, torch.Tensor)]
+
+
+def factored(items: Sequence[Item]) -> list[Factors]:
+    return [x for x in items if isinstance(x, Factors)]
+
+
+def factor_matrices(f: Factors, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """``f``'s ``A`` (rows, k) and ``B`` (k, cols) in ``dtype``: codes times their scales (a batch of
+    factors of one shape: (n, rows, k) and (n, k, cols))."""
+    a = f.a.to(dtype) * f.a_scale.to(dtype).unsqueeze(-2)
+    b = f.b.to(dtype) * f.b_scale.to(dtype).unsqueeze(-1)
+    return a, b
+
+
+def inner(f: Factors, g: Factors) -> torch.Tensor:
+    """``<A_f B_f, A_g B_g>`` (the Frobenius inner product of the two products) in float64, from the factors
+    alone: ``sum((A_f^T A_g) * (B_f B_g^T))``, k x k matrices instead of rows x cols."""
+    a_f, b_f = factor_matrices(f)
+    a_g, b_g = factor_matrices(g)
+    return ((a_f.mT @ a_g) * (b_f @ b_g.mT)).sum()
+
+
+def is_zero(f: Factors) -> bool:
+    """Whether ``f``'s product is zero for certain: every rank-one term has a zero side."""
+    a_live = (f.a != 0).any(dim=-2) & (f.a_scale != 0)  # (k,): column i of A is non-zero
+    b_live = (f.b != 0).any(dim=-1) & (f.b_scale != 0)  # (k,): row i of B is non-zero
+    return not bool((a_live & b_live).any())
+
+
+def sum_norm_sq(matrices: Sequence[Sequence[tuple[Factors, float]]]) -> torch.Tensor:
+    """``sum_m || sum_s w_s A_ms B_ms ||^2``: per matrix ``m`` its senders' factors and weights, in float64
+    from k x k inner products, matrices of one shape batched together; on the factors' device, no sync.
+    Every matrix of a shape must have as many senders."""
+    device = next((terms[0][0].a.device for terms in matrices if terms), torch.device("cpu"))
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    by_shape: dict[tuple, list[Sequence[tuple[Factors, float]]]] = {}
+    for terms in matrices:
+        if terms:
+            by_shape.setdefault((len(terms), *(tuple(f.a.shape) + tuple(f.b.shape) for f, _ in terms)), []).append(
+                terms
+            )
+    for group in by_shape.values():
+        senders = len(group[0])
+        stacks = []
+        for s in range(senders):  # sender s's factors of every matrix in the group: (n, rows, k), (n, k, cols)
+            a, b = factor_matrices(_stack([terms[s][0] for terms in group]))
+            w = torch.tensor([terms[s][1] for terms in group], dtype=torch.float64, device=device)
+            stacks.append((a * w[:, None, None], b))
+        for s, (a_s, b_s) in enumerate(stacks):
+            for t in range(s, senders):
+                a_t, b_t = stacks[t]
+                term = ((a_s.mT @ a_t) * (b_s @ b_t.mT)).sum()
+                total += term if t == s else 2 * term
+    return total
+
+
+def norm_sq(factors: Sequence[Factors]) -> torch.Tensor:
+    """``sum_f ||A_f B_f||^2`` in float64, factors of one shape batched together."""
+    return sum_norm_sq([[(f, 1.0)] for f in factors])
+
+
+def _stack(factors: Sequence[Factors]) -> Factors:
+    return Factors(*(torch.stack(fields) for fields in zip(*((f.a, f.a_scale, f.b, f.b_scale) for f in factors))))

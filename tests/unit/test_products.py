@@ -1,0 +1,92 @@
+"""Factored matrices stay factors on the coordinator's critical path (``compression.products``): a norm, an
+aggregate's running sum and an emptiness check read the factors; the product is multiplied out only when
+read, and the aggregate's result is the bits of multiplying out each sender as it came."""
+
+from __future__ import annotations
+
+import torch
+
+from gradwire.compression import CodecConfig, ErrorFeedback, GradientCodec, products
+from gradwire.compression.aggregate import Aggregator
+from gradwire.compression.lowrank import Factors, quantize
+from gradwire.compression.robust import payload_norm
+
+SHAPES = {"embed": (96, 64), "qkv": (64, 192), "bias": (192,), "norm": (64,)}
+CONFIG = CodecConfig(bins=4, topk=143, indices="elias-fano", rank=3)
+
+
+def _factors(seed: int, rows: int = 40, cols: int = 24, rank: int = 3) -> Factors:
+    gen = torch.Generator().manual_seed(seed)
+    return quantize(torch.randn(rows, rank, generator=gen), torch.randn(rank, cols, generator=gen))
+
+
+def _payloads(n: int) -> tuple[GradientCodec, list]:
+    codec = GradientCodec(SHAPES, CONFIG)
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        grads = {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}
+        out.append(codec.compress(grads, ErrorFeedback(beta=0.9)))
+    return codec, out
+
+
+def test_inner_products_and_norms_come_from_the_factors():
+    f, g = _factors(1), _factors(2)
+    (a_f, b_f), (a_g, b_g) = products.factor_matrices(f), products.factor_matrices(g)
+    dense_f, dense_g = a_f @ b_f, a_g @ b_g
+    assert torch.allclose(dense_f.float(), f.decode("cpu"), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(products.inner(f, g), (dense_f * dense_g).sum(), rtol=1e-10)
+    terms = [(f, 0.25), (g, 1.5), (f, -0.5)]
+    total = sum(w * d for (_, w), d in zip(terms, (dense_f, dense_g, dense_f)))
+    other = [(g, 2.0), (f, 1.0), (g, 0.5)]  # a second matrix of the same shape: batched with the first
+    total_other = sum(w * d for (_, w), d in zip(other, (dense_g, dense_f, dense_g)))
+    small = [(_factors(4, 8, 5, 2), 1.0), (_factors(5, 8, 5, 2), 1.0), (_factors(6, 8, 5, 2), 1.0)]  # another shape
+    total_small = sum(w * (lambda a, b: a @ b)(*products.factor_matrices(x)) for x, w in small)
+    expected = total.square().sum() + total_other.square().sum() + total_small.square().sum()
+    assert torch.allclose(products.sum_norm_sq([terms, other, small]), expected, rtol=1e-10)
+    assert torch.allclose(products.norm_sq([f, g]), dense_f.square().sum() + dense_g.square().sum(), rtol=1e-10)
+    zero = Factors(torch.zeros_like(f.a), f.a_scale, f.b, f.b_scale)
+    assert products.is_zero(zero) and not products.is_zero(f)
+    half = Factors(f.a, torch.tensor([0.0, 1.0, 0.0]), f.b, torch.tensor([1.0, 0.0, 1.0]))  # no live term
+    assert products.is_zero(half)
+
+
+def test_products_are_multiplied_out_once_and_only_when_read():
+    f, plain = _factors(3), torch.arange(5.0)
+    dense = products.Products([plain, f], "cpu")
+    assert products.items(dense)[1] is f and not dense._made
+    product = dense[1]
+    assert torch.equal(product, f.decode("cpu").view(-1)) and dense[1] is product  # kept
+    assert [t.shape for t in dense] == [(5,), (40 * 24,)] and dense[0] is plain
+    assert products.items([plain]) == [plain]
+
+
+def test_a_factored_aggregate_is_summed_from_factors_and_multiplied_out_bit_for_bit():
+    codec, payloads = _payloads(3)
+    decoded = [codec.decode(p) for p in payloads]
+    assert any(isinstance(x, Factors) for x in products.items(decoded[0].dense))
+    weights = (2.0, 1.0, 3.0)
+    agg = Aggregator(codec)
+    for d, w in zip(decoded, weights):
+        agg.add(d, w)
+    factored = [i for i, t in enumerate(codec.plan.dense) if agg._dense[i] is None]
+    assert factored  # nothing allocated for the factored matrices by adding senders and taking the norm
+    norm = agg.norm()
+    assert all(agg._dense[i] is None for i in factored)
+    # The sum: each sender multiplied out and added as it came, as a dense buffer of their products would be.
+    for i, t in enumerate(codec.plan.dense):
+        expected = torch.zeros(t.numel)
+        for d, w in zip(decoded, weights):
+            expected.add_(d.dense[i].to(torch.float32) * w)
+        got = next(v for j, v in enumerate(agg.dense_values()) if j == i)
+        assert torch.equal(got, expected / sum(weights)), t.name
+    result = agg.result()
+    flat = torch.cat([v.reshape(-1).double() for v in result.values()])
+    assert abs(norm - float(flat.norm())) <= 1e-5 * norm
+
+
+def test_the_clip_norm_of_a_factored_payload_is_its_dense_norm():
+    codec, (payload,) = _payloads(1)
+    d = codec.decode(payload)
+    dense = torch.cat([*(v.double().reshape(-1) for v in d.values), *(t.double() for t in d.dense)])
+    assert abs(payload_norm(codec.decode(payload)) - float(dense.norm())) <= 1e-6 * float(dense.norm())
