@@ -225,9 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--precision",
         choices=["auto", "fp32", "bf16"],
-        default="fp32",
-        help="bf16: autocast forward/backward (weights, replica and codec stay float32); auto: bf16 on a GPU that "
-        "computes in bfloat16, else fp32 (default: fp32)",
+        default="auto",
+        help="bf16: autocast forward/backward (weights, replica and codec stay float32); auto (the default): bf16 "
+        "on a GPU that computes in bfloat16, else fp32",
     )
     join = serve.add_argument_group(
         "joining a run",
