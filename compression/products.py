@@ -65,14 +65,6 @@ def factor_matrices(f: Factors, dtype: torch.dtype = torch.float64) -> tuple[tor
     return a, b
 
 
-def inner(f: Factors, g: Factors) -> torch.Tensor:
-    """``<A_f B_f, A_g B_g>`` (the Frobenius inner product of the two products) in float64, from the factors
-    alone: ``sum((A_f^T A_g) * (B_f B_g^T))``, k x k matrices instead of rows x cols."""
-    a_f, b_f = factor_matrices(f)
-    a_g, b_g = factor_matrices(g)
-    return ((a_f.mT @ a_g) * (b_f @ b_g.mT)).sum()
-
-
 def is_zero(f: Factors) -> bool:
     """Whether ``f``'s product is zero for certain: every rank-one term has a zero side."""
     a_live = (f.a != 0).any(dim=-2) & (f.a_scale != 0)  # (k,): column i of A is non-zero

@@ -295,13 +295,10 @@ class OuterStrategy(abc.ABC):
         """The update that follows ``aggregator``; ``replay`` is the round's contributions as a replay;
         ``compressed``: the workers' downlink carries one payload, whatever the number of senders."""
 
-    def _apply_job(self, update: StateUpdate) -> Callable[[], None]:
-        """What the advancer runs to apply ``update``, bound now to what it needs (the next round's step
-        replaces ``pending`` and its aggregate while this runs)."""
-        return lambda: self._apply(update)
-
     @abc.abstractmethod
-    def _apply(self, update: StateUpdate) -> None: ...
+    def _apply_job(self, update: StateUpdate) -> Callable[[], None]:
+        """What the advancer runs to apply ``update`` to the replica, bound now to what it needs (the next
+        round's step replaces ``pending`` and its aggregate while this runs)."""
 
     @abc.abstractmethod
     def _restore(self, tensors: TensorGroups, version: int) -> None: ...
@@ -346,9 +343,6 @@ class ReplayOuter(OuterStrategy):
     def _apply_job(self, update: StateUpdate) -> Callable[[], None]:
         aggregator, self._aggregator = self._aggregator, None
         return lambda: self.replica.apply(update, aggregator)
-
-    def _apply(self, update: StateUpdate) -> None:
-        self.replica.apply(update)
 
     def downlink(self, aggregator: Aggregate, replay: StateUpdate) -> StateUpdate:
         """The round's aggregate as one replayed payload: re-compressed in the coefficient domain with the
@@ -403,8 +397,8 @@ class DeltaOuter(OuterStrategy):
             delta = {n: p.detach() - self.replica.params[n] for n, p in self.model.named_parameters()}
         return StateUpdate(lr, delta=self.codec.compress(delta, self.feedback))
 
-    def _apply(self, update: StateUpdate) -> None:
-        self.replica.apply(update)
+    def _apply_job(self, update: StateUpdate) -> Callable[[], None]:
+        return lambda: self.replica.apply(update)
 
     def checkpoint(self) -> TensorGroups:
         groups = super().checkpoint()
