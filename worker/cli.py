@@ -433,8 +433,9 @@ def run_rank(args: argparse.Namespace, rank: RankInfo | None) -> int:
 
     from gradwire.hardware import resolve_precision
     from gradwire.memory import keep_freed_memory
-    from gradwire.worker.engine import NodeFailure, WorkerEngine
+    from gradwire.worker.engine import WorkerEngine
     from gradwire.worker.node import NodeGroup
+    from gradwire.worker.rounds import NodeFailure
     from gradwire.worker.server import serve
     from gradwire.worker.sizing import GB
 

@@ -1,7 +1,7 @@
 """The worker's core: turn a work order into a compressed contribution. No networking here.
 
 A worker keeps one ``Session`` per coordinator run (the replica, error feedback, the local-SGD working copy).
-A round runs in four stages:
+A round runs in stages (``worker.rounds``; a gossip round's in ``worker.gossip_round``):
 
   check (pure: version, fingerprint, token range; ``check``) -> advance the replica by the order's update
   -> compute (a strategy: one gradient, or H local steps; ``compute``) -> encode (error feedback + codec).
@@ -35,37 +35,20 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from types import TracebackType
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
-import numpy as np
 import torch
-import torch.distributed as dist
 from google.protobuf.message import Message
 
 import gradwire
 from gradwire import protocol, statestream
-from gradwire.compression import (
-    CompressedGradient,
-    DecodedGradient,
-    GradientCodec,
-    NonFiniteInput,
-    aggregate,
-    serde,
-    shard,
-)
-from gradwire.compression.fragment import Fragment, scoped
-from gradwire.errors import AccessDenied, PeersUnreachable, TooLarge
+from gradwire.errors import AccessDenied, TooLarge
 from gradwire.memory import give_back_freed_memory
 from gradwire.models import spec_elements
 from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import (
-    BEHIND,
     NEEDS_STATE,
-    OK,
     PROTOCOL_VERSION,
-    UNREACHABLE,
-    GossipLinks,
     GossipPieceRequest,
     ModelState,
     ProtocolError,
@@ -77,10 +60,9 @@ from gradwire.protocol import (
 from gradwire.replica import Fingerprint
 from gradwire.security import same_owner
 from gradwire.v1 import worker_pb2 as pb
-from gradwire.worker import gossip, lazy, lookahead
+from gradwire.worker import gossip_round, lazy, lookahead, rounds
 from gradwire.worker.budget import PushBudget
-from gradwire.worker.check import ReplicaView, Verdict, check_order
-from gradwire.worker.compute import Contribution, Placement, gradient_step, inner_steps, strategy_for
+from gradwire.worker.compute import Placement, strategy_for
 from gradwire.worker.node import (
     Command,
     NodeGroup,
@@ -88,12 +70,10 @@ from gradwire.worker.node import (
     merge_shard_states,
 )
 from gradwire.worker.peers import Peers
+from gradwire.worker.rounds import NodeErrors, NodeFailure
 from gradwire.worker.session import Session, host_tensors
 from gradwire.worker.sizing import choose_node_mode, device_memory, physical_memory
-from gradwire.worker.streaming import BucketStream, Emit
-
-if TYPE_CHECKING:
-    from gradwire.worker.bus import CollectiveBytes
+from gradwire.worker.streaming import Emit
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -106,10 +86,6 @@ DEFAULT_MAX_MODEL_PARAMS = 2_000_000_000  # parameters and buffers of one run's 
 STATE_COPIES = 8
 ORDER_COPIES = 32
 REQUEST_SLACK = 64 << 20
-
-
-class NodeFailure(RuntimeError):
-    """A collective among the node's ranks failed (a rank died, hung past the timeout, or disagreed)."""
 
 
 class WorkerEngine:
@@ -144,12 +120,17 @@ class WorkerEngine:
         # one cost ~5-15% of a CPU step (measured on gpt-10m: 2.21 s on one thread, 2.33-2.56 s on fresh ones).
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradwire-compute")
         self._giving_back = False  # a split node's rank gives freed memory back (gradwire.memory)
-        self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradwire-ahead")  # fingerprints
-        # A streamed round's buckets are compressed here while the backward goes on (``worker.streaming``).
-        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradwire-encode")
-        self.lookaheads: collections.Counter[str] = (
-            collections.Counter()
-        )  # --overlap: gradients computed ahead "used" / "dropped"
+        # A round's stages (worker.rounds): fingerprints and decodes are taken on a thread of their own while
+        # a result travels, and a streamed round's buckets compressed on another while the backward goes on.
+        self.rounds = rounds.Rounds(
+            self.device,
+            self.node,
+            ahead=ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradwire-ahead"),
+            encoder=ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradwire-encode"),
+            look_ahead=self._queue_look_ahead,
+            bus_bytes=self._bus_bytes,
+        )
+        self.lookaheads = self.rounds.lookaheads  # --overlap: gradients computed ahead "used" / "dropped"
         # What to do when the node loses a rank (the server sets it: stop, so that the node restarts).
         self.on_node_failure: Callable[[], None] = lambda: None
         # Peer-to-peer gossip: how this worker pulls its neighbours' messages (the server sets its token and TLS).
@@ -259,7 +240,7 @@ class WorkerEngine:
         session.loaded()
         if self.node is not None:
             self._command(Command.PUSH_END, push)
-            with _NodeErrors():
+            with NodeErrors():
                 if not self.node.all_true(True):
                     raise RuntimeError("another rank of this node could not take the state (see its log)")
         log.info("run %r: state at version %d", session.run_id, session.replica.version)
@@ -268,7 +249,7 @@ class WorkerEngine:
     def _command(self, command: Command, payload: bytes = b"") -> None:
         """Rank 0 of a node: hand the other ranks a command (nothing off a node)."""
         if self.node is not None:
-            with _NodeErrors():
+            with NodeErrors():
                 self.node.send(command, payload)
             self._last_command = time.monotonic()
 
@@ -308,7 +289,7 @@ class WorkerEngine:
     def _beat(self) -> None:
         if time.monotonic() - self._last_command < self._heartbeat_every:
             return  # a call went out while this waited its turn
-        with _NodeErrors():
+        with NodeErrors():
             self.node.send(Command.HEARTBEAT)
         self._last_command = time.monotonic()
 
@@ -395,7 +376,7 @@ class WorkerEngine:
                 raise AccessDenied(f"run {run_id!r} belongs to another coordinator")
             feedback, inner = host_tensors(session.feedback.state_dict()), host_tensors(session.committed_inner_state())
             if self.node is not None and (session.placement.own_inner_state or session.placement.split):
-                with _NodeErrors():
+                with NodeErrors():
                     self.node.send(Command.FETCH_STATE, run_id.encode())
                     parts = self.node.gather_bytes(b"")
                 self._last_command = time.monotonic()
@@ -460,7 +441,7 @@ class WorkerEngine:
         )
 
     def _locked_round(self, order: WorkOrder, cancelled: Callable[[], bool], emit: Emit | None = None) -> RoundResult:
-        with self._lock, _NodeErrors(active=self.node is not None):
+        with self._lock, NodeErrors(active=self.node is not None):
             return self._run_round(order, cancelled, emit)
 
     def follow(self) -> None:
@@ -522,348 +503,31 @@ class WorkerEngine:
                 log.warning("could not tell the node's ranks to stop: %s", e)
 
     def _run_round(self, order: WorkOrder, cancelled: Callable[[], bool], emit: Emit | None = None) -> RoundResult:
+        """The order's round (``worker.rounds``): check, advance, then a gossip round or compute and encode."""
         t0 = time.perf_counter()
         session = self.sessions.get(order.run_id)
-        # 1. check: may this replica serve the order? On a node, only if it may on every rank.
         self.placement.check_rows(order)
-        verdict = check_order(order, _view(session))
-        if self.node is not None and not self.node.all_true(verdict.ok) and verdict.ok:
-            verdict = Verdict(False, "another rank of this node is out of sync", stale=True)
-        if not verdict.ok:
-            if session is not None and verdict.stale:
-                session.stale = True
-            if session is not None and not verdict.stale:  # sound, at another version: it may catch up by replay
-                return RoundResult(BEHIND, order.round, verdict.reason, version=session.replica.version)
-            return RoundResult(
-                NEEDS_STATE, order.round, verdict.reason, version=session.replica.version if session else 0
-            )
+        refused = self.rounds.check(order, session)
+        if refused is not None:
+            return refused
         assert session is not None
-        replica = session.replica
-        bus_before = self._bus_bytes()
-        # 2. advance the replica to the round's version (every payload is validated before a parameter
-        # moves); a delayed round (--overlap) applies the round's own update only after the compute.
-        updates = (*order.catch_up, *([order.update] if order.update is not None else []))
-        before = len(updates) - 1 if order.compute_before_update and order.update is not None else len(updates)
-        known = _sent_decoded(session)
-        for update in updates[:before]:
-            replica.apply(update, known=known)
-        session.note_replay(updates[:before])
-        t_update = time.perf_counter()
-        if order.gossip is not None:  # the worker's own model, mixed with its neighbours' (worker.gossip)
+        if order.gossip is not None:  # the worker's own model, mixed with its neighbours' (worker.gossip_round)
+            rounds.advance(session, rounds.split_updates(order)[0], rounds.sent_decoded(session))
             return self._gossip_round(session, order, cancelled, t0)
-        # 3. compute: one gradient, or H local steps on the working copy; or the gradient computed ahead.
-        ahead, session.lookahead = session.lookahead, None
-        use, why = ahead.serves(order, replica.version) if ahead is not None else (False, "")
-        if ahead is not None:
-            self.lookaheads["used" if use else "dropped"] += 1
-            if not use:
-                log.info("run %r round %d: the work computed ahead is dropped: %s", order.run_id, order.round, why)
-                if ahead.inner_before is not None:  # its inner steps never happened
-                    session.restore_inner(ahead.inner_before)
-        # A split node's collectives are torch's own (FSDP2's gathers, a pipeline's sends): counted as issued,
-        # around the calls that issue them only (every op under the mode goes through Python).
-        counting = None
-        if session.placement.split:
-            from gradwire.worker import bus  # loaded as the node started, outside any round (worker.lazy)
-
-            counting = bus.CollectiveBytes()
-        session.feedback.beta = order.feedback_beta
-        stream = self._stream(session, order, emit)
-        try:
-            with counting or contextlib.nullcontext():
-                contribution, compute_seconds = self._contribution(
-                    session, order, ahead if use else None, cancelled, stream
-                )
-        except BaseException:
-            if stream is not None:
-                stream.settle()  # nothing writes to the error feedback once the round is over
-            raise
-        t_computed = time.perf_counter()
-        for update in updates[before:]:
-            replica.apply(update, known=known)
-        session.note_replay(updates[before:])
-        t_compute = time.perf_counter()  # the encode starts
-        update_seconds = (t_update - t0) + (t_compute - t_computed)
-        # 4. encode: error feedback and the codec, on rank 0 of a node (a split node: on every rank, each its
-        # own tensors; rank 0 assembles the payload); a streamed round's buckets not sent yet.
-        if stream is not None:
-            payload = self._finish_stream(session, stream, contribution)
-        elif counting is not None:
-            payload = self._encode_shards(session, order, contribution, counting)
-            session.placement.bus.bytes += counting.bytes
-            session.placement.bus.calls += counting.calls
-        else:
-            payload = self._encode(session, order, contribution)
-        if payload is None:  # a rank > 0: rank 0 answers for the node
-            return RoundResult(OK, order.round, "", None, contribution.loss, contribution.tokens, replica.version)
-        session.last_sent = (order.round, payload)  # the coordinator leaves it out of the replay it sends back
-        t_done = time.perf_counter()
-        # The next round's check needs this replica's fingerprint: take it while the result travels and the
-        # coordinator aggregates, not when the next order has arrived.
-        if not session.placement.split:  # a split replica's fingerprint is a collective: taken in the check
-            session.fingerprint_ahead = self._ahead.submit(replica.fingerprint)
-        # Its replay sums this payload too: decode it now, while the CPU would wait (1/N of the replay's decoding),
-        # and where that replay will take the sparse path, transform it back too.
-        codec = replica.codec(order.codec, _fragment(order))
-        session.sent_decoded = self._ahead.submit(decode_ahead, codec, payload, session.inverse_ahead(codec))
-        if self.node is None and (expected := lookahead.preview(order, replica.version)) is not None:
-            self._compute.submit(self._look_ahead, session, expected)  # runs once this round's result is out
-        # Where the time since this run's last result went: the wait is what neither the round nor work
-        # done ahead for it filled (``Session.done_at``, ``ahead_seconds``).
-        wall = t_done - session.done_at if session.done_at is not None else t_done - t0
-        wait = max(0.0, t0 - session.done_at - session.ahead_seconds) if session.done_at is not None else 0.0
-        session.done_at, session.ahead_seconds = t_done, 0.0
-        timings = {
-            "update": update_seconds,
-            "compute": compute_seconds,
-            "compress": t_done - t_compute,
-            "total": t_done - t0,
-            "wait": wait,
-            "wall": wall,
-        }
-        return RoundResult(
-            OK,
-            order.round,
-            "",
-            payload,
-            contribution.loss,
-            contribution.tokens,
-            replica.version,
-            timings,
-            self._bus_bytes() - bus_before,
-            contribution.grad_norm,
-            contribution.fingerprint,
-        )
+        return self.rounds.run(session, order, cancelled, emit, t0)
 
     def _gossip_round(
         self, session: Session, order: WorkOrder, cancelled: Callable[[], bool], t0: float
     ) -> RoundResult:
-        """A gossip round (``worker.gossip``): take the order's links, mix, train the worker's own model in
-        place, and send its message. The replica does not move.
-
-        On a node whose ranks each hold the whole model (ddp, local-sgd, zero1) every rank keeps the same
-        gossip state: each takes the same links and mixes alike, the inner steps end with the same model on
-        every rank (DDP's gradient all-reduce, local-sgd's parameter average), and each sends the same
-        message; rank 0 answers for the node. Only rank 0 pulls from neighbours (``_pull_neighbours``)."""
-        if session.placement.split:
-            raise ProtocolError(
-                f"gossip rounds need every rank to hold the whole model; this node splits it ({session.placement.mode})"
-            )
-        links, replica = order.gossip, session.replica
-        assert links is not None
-        codec = replica.codec(order.codec)
-        working = session.own_model()
-        model = dict(zip(replica.params, working.parameters()))
-        keep = session.gossip is None and session.own_model_restored  # a resumed run's x came with the push
-        leader = self.node is None or self.node.info.leader
-        if links.pulls:  # peer-to-peer: the neighbours' messages come from them, then go in as relays would
-            pulled = self._pull_neighbours(order, links, replica.version, cancelled)
-            if isinstance(pulled, RoundResult):  # nothing taken: the coordinator relays them from now on
-                return pulled
-            links = pulled
-        try:
-            session.gossip = gossip.take_links(
-                session.gossip, links, model, replica.params, codec, keep_model=keep, round_=order.round
-            )
-        except gossip.BadMessage as e:  # nothing taken; one pulled: the coordinator checks that sender's from now on
-            if e.member not in order.gossip.pulls:
-                raise
-            return RoundResult(UNREACHABLE, order.round, str(e), version=replica.version, unreachable_peers=(e.member,))
-        gossip.mix(session.gossip, links, model)
-        t_compute = time.perf_counter()
-        tokens = self._tokens(order.batch)
-        loss, fingerprint = inner_steps(session, working, order, tokens, cancelled, session.placement)
-        t_encode = time.perf_counter()
-        payload, residual = gossip.send(session.gossip, model, codec)
-        sent = None
-        if not leader:  # rank 0 answers for the node
-            return RoundResult(OK, order.round, "", None, loss, 0, replica.version)
-        if links.peer_key:  # kept for the neighbours to pull; the coordinator gets its digest and sketches
-            sent = gossip.keep_for_peers(session.gossip, order.round, payload, replica.params)
-            payload = payload if links.upload else None  # uploaded for neighbours that cannot pull from it
-        t_done = time.perf_counter()
-        wall = t_done - session.done_at if session.done_at is not None else t_done - t0
-        wait = max(0.0, t0 - session.done_at) if session.done_at is not None else 0.0
-        session.done_at = t_done
-        timings = {
-            "update": t_compute - t0,
-            "compute": t_encode - t_compute,
-            "compress": t_done - t_encode,
-            "total": t_done - t0,
-            "wait": wait,
-            "wall": wall,
-        }
-        tokens_in = tokens.shape[0] * (tokens.shape[1] - 1)
-        return RoundResult(
-            OK,
-            order.round,
-            "",
-            payload,
-            loss,
-            tokens_in,
-            replica.version,
-            timings,
-            gradient_fingerprint=fingerprint,
-            gossip_residual=residual,
-            gossip_sent=sent,
-        )
-
-    def _pull_neighbours(
-        self, order: WorkOrder, links: GossipLinks, version: int, cancelled: Callable[[], bool]
-    ) -> GossipLinks | RoundResult:
-        """Peer-to-peer: the links with the messages they name pulled and put among the relays, or the round's
-        answer if a neighbour could not be reached. On a node rank 0 pulls and hands the other ranks either
-        one as protobuf bytes (a tag, then the message), so that all of them go on alike."""
-        if self.node is not None and not self.node.info.leader:
-            data = self.node.broadcast_bytes()
-            if data[:1] == _PULLED:
-                return protocol.gossip_from_proto(protocol.parse(pb.GossipLinks, data[1:]))
-            if data[:1] == _UNREACHABLE:
-                return protocol.result_from_proto(protocol.parse(pb.RoundResult, data[1:]))
-            raise ProtocolError(f"round {order.round}: rank 0 gave the round up while it pulled the neighbours'")
-        outcome: GossipLinks | RoundResult
-        try:
-            pulled = self.peers.pull(order.run_id, links.peer_key, links.pulls, cancelled)
-            outcome = dataclasses.replace(links, relays={**links.relays, **pulled}, pulls={})
-        except PeersUnreachable as e:
-            outcome = RoundResult(UNREACHABLE, order.round, str(e), version=version, unreachable_peers=e.members)
-        except BaseException:
-            if self.node is not None:
-                with _NodeErrors():
-                    self.node.broadcast_bytes(b"-")  # the other ranks give the round up too
-            raise
-        if self.node is not None:
-            if isinstance(outcome, RoundResult):
-                data = _UNREACHABLE + protocol.result_to_proto(outcome).SerializeToString()
-            else:
-                data = _PULLED + protocol.gossip_to_proto(outcome).SerializeToString()
-            with _NodeErrors():
-                self.node.broadcast_bytes(data)
-        return outcome
+        return gossip_round.run(self.rounds, self.peers, session, order, cancelled, t0)
 
     def pull_gossip(self, request: GossipPieceRequest) -> bytes:
-        """What ``Worker.PullGossip`` answers (``worker.gossip``): this worker's message of a round, or its
-        public copy, as the serialized ``GossipPiece``. Authorised by the run's peer key, not by ownership:
-        neighbours ask too. Never waits for a round: the gossip state has a lock of its own."""
-        session = self.sessions.get(request.run_id)
-        state = session.gossip if session is not None else None
-        if state is None:
-            raise AccessDenied(f"PullGossip: no peer-to-peer gossip of run {request.run_id!r} here")
-        if not request.copy:
-            return gossip.message_piece(state, request.peer_key, request.round)
-        copy = gossip.copy_at(state, request.peer_key, request.round, request.last)
-        return protocol.copy_piece_to_proto(state.node.member, request.round, copy).SerializeToString()
+        """What ``Worker.PullGossip`` answers (``gossip_round.piece``). Never waits for a round: the gossip
+        state has a lock of its own."""
+        return gossip_round.piece(self.sessions, request)
 
-    def _contribution(
-        self,
-        session: Session,
-        order: WorkOrder,
-        ahead: lookahead.Lookahead | None,
-        cancelled: Callable[[], bool],
-        stream: BucketStream | None,
-    ) -> tuple[Contribution, float]:
-        """The round's contribution and its compute seconds: the one computed ahead, or one computed now. A
-        streamed round's buckets leave as the backward finishes them, where the backward's gradient is the
-        one sent (not clipped after it)."""
-        if ahead is not None:
-            return ahead.contribution, ahead.seconds
-        t0 = time.perf_counter()
-        tokens = self._tokens(order.batch)
-        if stream is not None and not order.clip_grad_norm:
-            hooks = stream.hooks(session.replica.params)
-            contribution = gradient_step(session, order, tokens, cancelled, session.placement, hooks)
-        else:
-            contribution = strategy_for(order)(session, order, tokens, cancelled, session.placement)
-        return contribution, time.perf_counter() - t0
-
-    def _stream(self, session: Session, order: WorkOrder, emit: Emit | None) -> BucketStream | None:
-        """A streamed order's pieces (``worker.streaming``), on a single device; a node sends its gradient
-        whole, in the result (which the order allows)."""
-        if order.stream_buckets < 2 or order.local_steps is not None or self.node is not None:
-            return None
-        plan = session.stream_plan(order.codec, order.stream_buckets)
-        return BucketStream(plan, session.feedback, emit, self._encoder)
-
-    def _finish_stream(self, session: Session, stream: BucketStream, contribution: Contribution) -> CompressedGradient:
-        """The streamed round's whole payload, once every bucket is out; a NaN resets the error feedback."""
-        try:
-            return stream.finish(contribution.tensors)
-        except NonFiniteInput:
-            session.diverged()
-            raise
-
-    def _encode(self, session: Session, order: WorkOrder, contribution: Contribution) -> CompressedGradient | None:
-        """Rank 0 (or a single device) compresses the contribution (``None`` on other ranks). A NaN or
-        infinity found there resets the error feedback and inner state that took it in, on every rank of
-        the node alike (they all trained the same way into it)."""
-        payload, failure = None, None
-        if self.node is None or self.node.info.leader:
-            fragment = _fragment(order)
-            try:
-                codec = session.replica.codec(order.codec, fragment)
-                payload = codec.compress(contribution.tensors, scoped(session.feedback, fragment))
-            except NonFiniteInput as e:
-                failure = e
-        if self.node is not None:
-            with _NodeErrors():
-                diverged = not self.node.all_true(failure is None)
-        else:
-            diverged = failure is not None
-        if diverged:
-            session.diverged()  # the NaN is in the error feedback (and inner state) now: drop them
-            if failure is not None:
-                raise failure
-        return payload
-
-    def _encode_shards(
-        self, session: Session, order: WorkOrder, contribution: Contribution, counting: CollectiveBytes
-    ) -> CompressedGradient | None:
-        """Every rank of a split node compresses the tensors it owns with its own error feedback
-        (``compression.shard``); rank 0 assembles the payload a single device would send (``None`` elsewhere).
-        The gathers to the encoding ranks count in ``counting``."""
-        assert self.node is not None
-        codec = session.replica.codec(order.codec)
-        fragment = _fragment(order)
-        mine = session.owned(order.codec)  # of the whole model, so that a rank encodes the same tensors each round
-        if fragment is not None:  # ... of those this round sends
-            mine = tuple(n for n in mine if n in contribution.tensors)
-        if session.placement.sharded:
-            from gradwire.worker.fsdp import gather_to
-
-            # Each tensor is gathered to the rank that encodes it, one at a time, every rank in the same order.
-            owners = shard.owners(codec.plan, self.node.world_size)
-            owner = {name: rank for rank, names in enumerate(owners) for name in names}
-            whole = {}
-            with counting:
-                for name, t in contribution.tensors.items():
-                    full = gather_to(t, owner[name]) if lazy.is_dtensor(t) else t
-                    if name in mine:
-                        whole[name] = full
-        else:  # a pipeline stage holds its tensors whole
-            whole = {name: contribution.tensors[name] for name in mine}
-        try:
-            feedback = scoped(session.feedback, fragment)
-            part, ok = (session.shard_codec(order.codec, mine).compress(whole, feedback) if mine else None), True
-        except NonFiniteInput:
-            part, ok = None, False
-        with _NodeErrors():
-            ok = self.node.all_true(ok)
-            parts = self.node.gather_bytes(serde.gradient_to_bytes(part) if ok and part is not None else b"")
-        if not ok:
-            session.diverged()
-            if self.node.info.leader:
-                raise NonFiniteInput("a tensor of this node's gradient")
-            return None
-        if not self.node.info.leader:
-            return None
-        sent = session.replica.codec(order.codec, fragment).plan
-        return shard.assemble(sent, [serde.gradient_from_bytes(p) for p in parts if p])  # b"": a rank with none
-
-    def _tokens(self, batch: np.ndarray) -> torch.Tensor:
-        tokens = torch.from_numpy(batch.astype("int64"))  # (rows, T + 1)
-        if self.device.type == "cuda":  # page-locked, so the copy overlaps with the work queued before it
-            tokens = tokens.pin_memory().to(self.device, non_blocking=True)
-        return tokens
+    def _queue_look_ahead(self, session: Session, expected: WorkOrder) -> None:
+        self._compute.submit(self._look_ahead, session, expected)  # runs once this round's result is out
 
     def _look_ahead(self, session: Session, expected: WorkOrder) -> None:
         """On the compute thread, after a delayed round: the gradient the next order most likely asks for
@@ -879,7 +543,7 @@ class WorkerEngine:
             inner_before = session.inner_state() if expected.local_steps is not None else None
             try:
                 contribution = strategy_for(expected)(
-                    session, expected, self._tokens(expected.batch), lambda: False, self.placement
+                    session, expected, self.rounds.tokens(expected.batch), lambda: False, self.placement
                 )
             except Exception as e:  # noqa: BLE001 - the round will compute it again, and say what fails
                 log.warning("run %r: computing round %d ahead failed: %s", expected.run_id, expected.round, e)
@@ -903,56 +567,4 @@ def _elements(header: statestream.StateHeader) -> int:
         raise ProtocolError(f"model state: {e}") from None
 
 
-def _fragment(order: WorkOrder) -> Fragment | None:
-    """The fragment a local-SGD round sends (``--fragments``); ``None``: the whole model."""
-    return order.local_steps.fragment if order.local_steps is not None else None
-
-
-def _view(session: Session | None) -> ReplicaView | None:
-    if session is None:
-        return None
-    if session.fingerprint_ahead is not None:  # wait for the one being taken ahead rather than take it twice
-        session.fingerprint_ahead.result()
-        session.fingerprint_ahead = None
-    r = session.replica
-    return ReplicaView(r.version, r.fingerprint(), r.numels, session.vocab_size, session.stale)
-
-
-def decode_ahead(codec: GradientCodec, payload: CompressedGradient, dtype: torch.dtype | None) -> DecodedGradient:
-    """``payload`` decoded, with its inverse DCT in ``dtype`` (``aggregate.with_inverse``) unless that is None."""
-    decoded = codec.decode(payload)
-    list(decoded.dense)  # its factored matrices multiplied out now, while the worker waits, not in the replay
-    return aggregate.with_inverse(codec, decoded, dtype) if dtype is not None else decoded
-
-
-def _sent_decoded(session: Session) -> tuple[CompressedGradient, DecodedGradient] | None:
-    """The last payload this worker sent and its decoded form, taken after that round (``Replica.apply``'s
-    ``known``); ``None`` if there is none or it could not be decoded (then the replay decodes it, and says why)."""
-    ahead, session.sent_decoded = session.sent_decoded, None
-    if ahead is None or session.last_sent is None:
-        return None
-    try:
-        return session.last_sent[1], ahead.result()
-    except Exception:  # noqa: BLE001 - the replay decodes the payload itself and raises what is wrong
-        return None
-
-
 _PUSH_COMMANDS = (Command.PUSH_BEGIN, Command.PUSH_TENSOR, Command.PUSH_END, Command.PUSH_ABORT)
-
-
-_PULLED, _UNREACHABLE = b"L", b"U"  # what rank 0 of a node hands its ranks after a peer-to-peer pull
-
-
-class _NodeErrors:
-    """Turns a failed collective (a lost or hung rank) into ``NodeFailure``; a no-op off a node."""
-
-    def __init__(self, active: bool = True) -> None:
-        self.active = active
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> bool:
-        if self.active and isinstance(error, (dist.DistError, RuntimeError)) and not isinstance(error, NodeFailure):
-            raise NodeFailure(f"the node lost a rank or its process group failed: {error}") from error
-        return False

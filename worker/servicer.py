@@ -35,7 +35,8 @@ from gradwire.security import caller
 from gradwire.transport import DEFAULT_MESSAGE_MB
 from gradwire.v1 import worker_pb2 as pb
 from gradwire.v1 import worker_pb2_grpc
-from gradwire.worker.engine import NodeFailure, WorkerEngine
+from gradwire.worker.engine import WorkerEngine
+from gradwire.worker.rounds import NodeFailure
 
 log = logging.getLogger(__name__)
 
