@@ -173,9 +173,11 @@ class Aggregator:
         parts += [
             (torch.linalg.vector_norm(acc) / self.total_weight).double() for acc in self._dense if acc is not None
         ]
-        factored = [[(dense.items[i], w) for dense, w in self._factored.get(i, [])] for i in self._factored]
-        if factored:  # the factored matrices' senders: ||sum_s w_s A_s B_s|| from k x k products
-            parts.append(products.sum_norm_sq(factored).clamp_min(0).sqrt() / self.total_weight)
+        senders = list(self._factored.items())
+        factored = [[(dense.items[i], w) for dense, w in held] for i, held in senders]
+        if factored:  # the factored matrices' senders: ||sum_s w_s A_s B_s|| from k x k products (each sender's
+            known = [[dense.norms_sq()[i] for dense, _ in held] for i, held in senders]  # own, kept from its clip)
+            parts.append(products.sum_norm_sq(factored, known).clamp_min(0).sqrt() / self.total_weight)
         return float(torch.linalg.vector_norm(torch.stack([p.to(parts[0].device) for p in parts]))) if parts else 0.0
 
     def _held_norm_sq(self, gi: int) -> torch.Tensor:

@@ -25,6 +25,15 @@ class Products(Sequence[torch.Tensor]):
         self.items: list[Item] = list(items)
         self.device = torch.device(device)
         self._made: dict[int, torch.Tensor] = {}
+        self._norms_sq: dict[int, torch.Tensor] | None = None
+
+    def norms_sq(self) -> dict[int, torch.Tensor]:
+        """Each factored matrix's squared norm ``||A B||^2`` (float64, by index), from k x k products batched
+        by shape: computed once, then kept, so that a sender's clip norm and the aggregate's norm share it."""
+        if self._norms_sq is None:
+            indices = [i for i, x in enumerate(self.items) if isinstance(x, Factors)]
+            self._norms_sq = dict(zip(indices, item_norms_sq([self.items[i] for i in indices]).unbind()))
+        return self._norms_sq
 
     def __len__(self) -> int:
         return len(self.items)
@@ -72,15 +81,22 @@ def is_zero(f: Factors) -> bool:
     return not bool((a_live & b_live).any())
 
 
-def sum_norm_sq(matrices: Sequence[Sequence[tuple[Factors, float]]]) -> torch.Tensor:
+def sum_norm_sq(
+    matrices: Sequence[Sequence[tuple[Factors, float]]], known: Sequence[Sequence[torch.Tensor]] | None = None
+) -> torch.Tensor:
     """``sum_m || sum_s w_s A_ms B_ms ||^2``: per matrix ``m`` its senders' factors and weights, in float64
     from k x k inner products, matrices of one shape batched together; on the factors' device, no sync.
-    Every matrix of a shape must have as many senders."""
+    ``known[m][s]``: ``||A_ms B_ms||^2`` where already computed (``Products.norms_sq``): then only the cross
+    terms between senders are, and a matrix with one sender costs nothing."""
     device = next((terms[0][0].a.device for terms in matrices if terms), torch.device("cpu"))
     total = torch.zeros((), dtype=torch.float64, device=device)
+    if known is not None:
+        for terms, norms in zip(matrices, known):
+            for (_, w), n in zip(terms, norms):
+                total += (w * w) * n.to(device)
     by_shape: dict[tuple, list[Sequence[tuple[Factors, float]]]] = {}
     for terms in matrices:
-        if terms:
+        if terms and (known is None or len(terms) > 1):
             by_shape.setdefault((len(terms), *(tuple(f.a.shape) + tuple(f.b.shape) for f, _ in terms)), []).append(
                 terms
             )
@@ -92,7 +108,7 @@ def sum_norm_sq(matrices: Sequence[Sequence[tuple[Factors, float]]]) -> torch.Te
             w = torch.tensor([terms[s][1] for terms in group], dtype=torch.float64, device=device)
             stacks.append((a * w[:, None, None], b))
         for s, (a_s, b_s) in enumerate(stacks):
-            for t in range(s, senders):
+            for t in range(s if known is None else s + 1, senders):
                 a_t, b_t = stacks[t]
                 term = ((a_s.mT @ a_t) * (b_s @ b_t.mT)).sum()
                 total += term if t == s else 2 * term
@@ -101,7 +117,20 @@ def sum_norm_sq(matrices: Sequence[Sequence[tuple[Factors, float]]]) -> torch.Te
 
 def norm_sq(factors: Sequence[Factors]) -> torch.Tensor:
     """``sum_f ||A_f B_f||^2`` in float64, factors of one shape batched together."""
-    return sum_norm_sq([[(f, 1.0)] for f in factors])
+    return item_norms_sq(factors).sum()
+
+
+def item_norms_sq(factors: Sequence[Factors]) -> torch.Tensor:
+    """``||A_f B_f||^2`` of each of ``factors`` (float64, in order), factors of one shape batched together."""
+    device = factors[0].a.device if factors else torch.device("cpu")
+    out = torch.zeros(len(factors), dtype=torch.float64, device=device)
+    by_shape: dict[tuple, list[int]] = {}
+    for i, f in enumerate(factors):
+        by_shape.setdefault((*f.a.shape, *f.b.shape), []).append(i)
+    for positions in by_shape.values():
+        a, b = factor_matrices(_stack([factors[i] for i in positions]))  # (n, rows, k), (n, k, cols)
+        out[positions] = ((a.mT @ a) * (b @ b.mT)).sum(dim=(1, 2))
+    return out
 
 
 def _stack(factors: Sequence[Factors]) -> Factors:

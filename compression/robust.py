@@ -76,9 +76,14 @@ def payload_norm(d: DecodedGradient) -> float:
     matrix's norm from k x k products of its factors, never the matrix)."""
     items = products.items(d.dense)
     parts = [torch.linalg.vector_norm(v.float()).double() for v in (*d.values, *products.tensors(items))]
-    factored = products.factored(items)
-    if factored:
-        parts.append(products.norm_sq(factored).clamp_min(0).sqrt().to(parts[0].device if parts else "cpu"))
+    if isinstance(d.dense, products.Products) and (known := d.dense.norms_sq()):  # kept for the aggregate's norm
+        factored_sq = torch.stack(list(known.values())).sum()
+    elif factored := products.factored(items):
+        factored_sq = products.norm_sq(factored)
+    else:
+        factored_sq = None
+    if factored_sq is not None:
+        parts.append(factored_sq.clamp_min(0).sqrt().to(parts[0].device if parts else "cpu"))
     return float(torch.linalg.vector_norm(torch.stack(parts))) if parts else 0.0
 
 

@@ -46,10 +46,32 @@ def test_inner_products_and_norms_come_from_the_factors():
     expected = total.square().sum() + total_other.square().sum() + total_small.square().sum()
     assert torch.allclose(products.sum_norm_sq([terms, other, small]), expected, rtol=1e-10)
     assert torch.allclose(products.norm_sq([f, g]), dense_f.square().sum() + dense_g.square().sum(), rtol=1e-10)
+    # Each sender's own squared norm given (kept from its clip): only the cross terms are computed.
+    known = [[products.norm_sq([x]) for x, _ in m] for m in (terms, other, small)]
+    assert torch.allclose(products.sum_norm_sq([terms, other, small], known), expected, rtol=1e-10)
+    assert products.sum_norm_sq([[(f, 0.5)]], [[torch.tensor(8.0, dtype=torch.float64)]]) == 2.0  # read, not computed
     zero = Factors(torch.zeros_like(f.a), f.a_scale, f.b, f.b_scale)
     assert products.is_zero(zero) and not products.is_zero(f)
     half = Factors(f.a, torch.tensor([0.0, 1.0, 0.0]), f.b, torch.tensor([1.0, 0.0, 1.0]))  # no live term
     assert products.is_zero(half)
+
+
+def test_a_payloads_factored_norms_are_computed_once_for_its_clip_and_the_aggregate():
+    codec, payloads = _payloads(2)
+    decoded = [codec.decode(p) for p in payloads]
+    norms = decoded[0].dense.norms_sq()
+    assert norms and all(isinstance(products.items(decoded[0].dense)[i], Factors) for i in norms)
+    dense = {i: decoded[0].dense[i].double() for i in norms}
+    assert all(torch.allclose(n, dense[i].square().sum(), rtol=1e-8) for i, n in norms.items())
+    assert decoded[0].dense.norms_sq() is norms  # kept
+    fresh = [codec.decode(p) for p in payloads]  # their norms not computed yet: the aggregate computes its own
+    for senders in (decoded[:1], decoded, fresh[:1], fresh):
+        agg = Aggregator(codec)
+        for d, w in zip(senders, (1.0, 3.0)):
+            agg.add(d, w)
+        expected = torch.linalg.vector_norm(torch.cat([t.double().view(-1) for t in agg.result().values()]))
+        assert abs(agg.norm() - float(expected)) < 1e-5 * float(expected)
+    assert payload_norm(decoded[1]) == payload_norm(codec.decode(payloads[1]))
 
 
 def test_products_are_multiplied_out_once_and_only_when_read():
