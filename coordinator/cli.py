@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from gradwire.cliconfig import add_security_flags, parse_args_with_config, subcommand_parser
 from gradwire.coordinator.checkpoint import latest_checkpoint
 from gradwire.coordinator.client import WorkerClient, WorkerError
-from gradwire.coordinator.config import AUTO_FIELDS, RUN, SECTIONS, TrainConfig
+from gradwire.coordinator.config import AUTO_SETTINGS, RUN, SECTIONS, TrainConfig
 from gradwire.coordinator.local import LOCAL_DEVICES, local_workers
 from gradwire.coordinator.membership import MemberSource, WorkersFile
 from gradwire.coordinator.tunnel import Tunnels
@@ -47,7 +47,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> dict[str, argparse._Ar
         group = groups[meta["section"]]
         flag = "--" + field.name.replace("_", "-")
         default = field.default
-        shown = AUTO if field.name in AUTO_FIELDS else repr(default)
+        shown = AUTO if field.name in AUTO_SETTINGS else repr(default)
         # A help that says its default in words ("default: the model's own") is not given a second one.
         text = meta["help"] if "(default:" in meta["help"] else f"{meta['help']} (default: {shown})"
         # argparse %-formats help text: a literal % is written %%.
@@ -65,7 +65,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> dict[str, argparse._Ar
                 pair.add_argument(negative, dest=field.name, action="store_false", help=negative_help)
             else:
                 group.add_argument(flag, action="store_true", default=default, **kwargs)
-        elif field.name in AUTO_FIELDS:  # "auto" (or nothing) leaves it to the mode's default
+        elif field.name in AUTO_SETTINGS:  # "auto" (or nothing) leaves it to the mode's default
             group.add_argument(
                 flag,
                 type=_or_auto(_flag_type(field)),
@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
-    values.update({name: None for name in AUTO_FIELDS if values[name] == AUTO})
+    values.update({name: None for name in AUTO_SETTINGS if values[name] == AUTO})
     values["data"] = tuple(values["data"] or ())
     return TrainConfig(**values)
 

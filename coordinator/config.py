@@ -66,6 +66,11 @@ AUTO_FIELDS = (
     "rank",
 )
 
+# Settings whose flag also takes ``auto`` but that are filled later, by the check of the mode they belong to.
+AUTO_LATER = ("gossip_gamma",)  # _check_gossip
+# Every setting whose flag and YAML key take ``auto`` (None: the mode's default).
+AUTO_SETTINGS = (*AUTO_FIELDS, *AUTO_LATER)
+
 # The sections of the settings, in the order of ``--help``: title -> what the section holds.
 MODEL_AND_DATA = "model and data"
 OUTER = "outer optimizer"
@@ -773,7 +778,7 @@ class TrainConfig:
     def _check_gossip(self) -> None:
         """Gossip rounds: the consensus step's default, and the settings of centralized rounds they exclude.
         Spot checks recompute a gradient at the replica, which a gossip worker does not train: they are off."""
-        if self.gossip_gamma is None:  # measured: docs/benchmarks.md, "DeMuon with Elias-Fano indices, and its gamma"
+        if self.gossip_gamma is None:  # measured: docs/benchmarks-history.md, "DeMuon with Elias-Fano indices, ..."
             self.gossip_gamma = 1.0 if self.no_compression else 0.7 if self.inner_optimizer == "demuon" else 0.5
         if not (math.isfinite(self.gossip_gamma) and 0 < self.gossip_gamma <= 1):
             raise ValueError(f"--gossip-gamma must be in (0, 1], got {self.gossip_gamma}")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from gradwire.cliconfig import subcommand_parser
 from gradwire.coordinator import cli as coordinator_cli
-from gradwire.coordinator.config import AUTO_FIELDS, CODEC, TrainConfig
+from gradwire.coordinator.config import AUTO_SETTINGS, CODEC, TrainConfig
 from gradwire.worker import cli as worker_cli
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -43,8 +43,6 @@ MODES: tuple[tuple[str, dict[str, object]], ...] = (
     ("gossip, H 30", {"inner_steps": 30, "topology": "ring"}),
     ("gossip, H 30, DeMuon", {"inner_steps": 30, "topology": "ring", "inner_optimizer": "demuon"}),
 )
-# Mode-dependent settings that are not AUTO_FIELDS: left unset, they take the mode's value all the same.
-RESOLVED_LATER = ("gossip_gamma",)
 OUTER_FIELDS = ("outer_optimizer", "learning_rate", "momentum")
 CODEC_FIELDS = tuple(name for name, f in FIELDS.items() if f.metadata["section"] == CODEC)
 
@@ -121,9 +119,9 @@ def _anchor(command: str, action: argparse.Action) -> str:
 def _row(command: str, action: argparse.Action, field: dataclasses.Field | None) -> str:
     if field is not None and action.option_strings[0] == "--" + field.name.replace("_", "-"):
         help_text, in_words = _split_default(field.metadata["help"])
-        default = in_words or (AUTO if field.name in AUTO_FIELDS else _value(field.default))
+        default = in_words or (AUTO if field.name in AUTO_SETTINGS else _value(field.default))
         choices = field.metadata.get("choices")
-        if choices is not None and field.name in AUTO_FIELDS:
+        if choices is not None and field.name in AUTO_SETTINGS:
             choices = (*choices, AUTO)
     else:  # not a TrainConfig field (or its --no- twin): argparse holds all there is
         help_text, in_words = _split_default((action.help or "").replace("%%", "%"))
@@ -181,7 +179,7 @@ def _auto_table() -> list[str]:
         "| setting | " + " | ".join(title for title, _ in configs) + " |",
         "|---|" + "---|" * len(configs),
     ]
-    for name in (*AUTO_FIELDS, *RESOLVED_LATER):
+    for name in AUTO_SETTINGS:
         cells = []
         for _, config in configs:
             gossip = config.topology != "star"

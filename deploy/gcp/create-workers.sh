@@ -6,8 +6,8 @@
 #     WORKERS=2 bash deploy/gcp/create-workers.sh
 #
 # Before: build and push the CUDA image (deploy/README.md); make a token (openssl rand -hex 32 > token) and
-# a CA and worker certificates whose SANs hold the VMs' external IPs or DNS names (README "Security"); put
-# token, worker.crt, worker.key in a bucket the VMs' service account can read: GS_SECRETS=gs://bucket/path.
+# a CA and worker certificates whose SANs hold the VMs' external IPs or DNS names (docs/real-machines.md,
+# "Tokens and TLS"); put token, worker.crt, worker.key in a bucket the VMs' service account can read: GS_SECRETS=gs://bucket/path.
 # After: coordinator train --workers IP1:50051,IP2:50051 --token-file token --tls-ca ca.crt ...
 set -euo pipefail
 

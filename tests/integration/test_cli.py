@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from gradwire.coordinator.cli import build_parser, config_from_args
-from gradwire.coordinator.config import AUTO_FIELDS, RUN, SECTIONS, TrainConfig
+from gradwire.coordinator.config import AUTO_SETTINGS, RUN, SECTIONS, TrainConfig
 from gradwire.coordinator.metrics import METRIC_KEYS, read_metrics
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -251,7 +251,7 @@ def test_train_help_shows_every_setting_under_its_section():
         assert flag in flags[section], (flag, section)
         entry = " ".join(entries[section][flag].split())
         assert field.metadata["help"] in entry, flag  # the metadata's help, word for word
-        if field.name in AUTO_FIELDS:
+        if field.name in AUTO_SETTINGS:
             assert entry.endswith("(default: auto)"), entry
     # Nothing else in the sections but the --use-dct pair and the run's progress flags.
     extra = {"--no-dct", "--no-progress", "--log-level"}

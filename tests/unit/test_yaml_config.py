@@ -14,7 +14,7 @@ import yaml
 
 from gradwire.coordinator import cli as coordinator_cli
 from gradwire.coordinator.cli import load_train
-from gradwire.coordinator.config import AUTO_FIELDS, TrainConfig
+from gradwire.coordinator.config import AUTO_SETTINGS, TrainConfig
 from gradwire.worker import cli as worker_cli
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -203,7 +203,7 @@ def test_every_setting_is_a_yaml_key(tmp_path: Path) -> None:
     assert set(args.config_keys) == {f.name for f in FIELDS} | {"local"}
     # Dashed spellings too; "auto" (or null) for the mode-dependent ones.
     dashed = {name.replace("_", "-"): value for name, value in settings.items()}
-    dashed.update({name.replace("_", "-"): "auto" for name in AUTO_FIELDS})
+    dashed.update({name.replace("_", "-"): "auto" for name in AUTO_SETTINGS})
     config, _ = load_train(["train", "--config", write(tmp_path, yaml.safe_dump({"local": 1, **dashed}), "d.yaml")])
     assert config == TrainConfig()
 
