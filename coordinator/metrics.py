@@ -371,7 +371,8 @@ def round_record(
         "worker_compute_time": slowest["compute"],
         "worker_update_time": slowest["update"],
         "worker_compress_time": slowest["compress"],
-        # gradient mode: the senders' gradient norms before --clip-grad-norm, and how many it clipped
+        # the senders' gradient norms before --clip-grad-norm (local-SGD rounds: the mean of their inner steps'),
+        # and how many it clipped (counted where the caller passes clip_grad_norm: gradient mode)
         "worker_grad_norm": sum(r.grad_norm for r in usable) / len(usable),
         "grad_clipped": sum(r.grad_norm > clip_grad_norm for r in usable) if clip_grad_norm else 0,
         "clipped": gathered.count("clipped"),

@@ -328,7 +328,7 @@ class Trainer:
             dense_bytes=4 * planned.codec.plan.numel,  # of what the round syncs: the model, or a fragment of it
             inner_steps=self.config.round_steps,
             benched=sum(s.standing.benched(self.step) for s in self.slots),
-            clip_grad_norm=0.0 if self.config.local_sgd else self.config.clip_grad_norm,
+            clip_grad_norm=self.config.clip_grad_norm,  # local SGD: workers whose steps' mean norm exceeded it
         )
         record["downlink_compressed"] = int(compressed)
         # The coordinator's own share of the critical path: from the last round's last result to this round's

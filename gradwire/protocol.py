@@ -933,7 +933,7 @@ class RoundResult:
     version: int = 0
     timings: Mapping[str, float] = dataclasses.field(default_factory=dict)
     node_bytes: int = 0
-    grad_norm: float = 0.0  # gradient mode: the gradient's L2 norm before clipping (0 in local-SGD rounds)
+    grad_norm: float = 0.0  # the gradient's L2 norm before clipping (local-SGD rounds: its mean over the inner steps)
     gradient_fingerprint: Fingerprint | None = None  # what WorkOrder.fingerprint_gradient asked for
     gossip_residual: float = 0.0  # a gossip round: |x - x^_own|^2 after the worker's message
     gossip_sent: GossipSent | None = None  # a peer-to-peer gossip round: the message kept for the neighbours

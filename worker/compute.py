@@ -32,7 +32,7 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -56,7 +56,8 @@ class Contribution:
     tensors: Mapping[str, torch.Tensor]  # by parameter name: a gradient or a pseudo-gradient
     loss: float  # mean over every row trained on
     tokens: int  # tokens trained on (every inner step's)
-    grad_norm: float = 0.0  # gradient mode: the gradient's global L2 norm before clipping
+    # the gradient's global L2 norm before clipping; local-SGD rounds: its mean over the inner steps
+    grad_norm: float = 0.0
     fingerprint: Fingerprint | None = None  # the round's first gradient's, if the order asked (spot checks)
 
 
@@ -157,7 +158,7 @@ def local_steps(
         with torch.no_grad():
             for w, s in zip(working.parameters(), start.values()):
                 w.copy_(s)
-    loss, fingerprint = inner_steps(session, working, order, tokens, cancelled, placement)
+    trained = inner_steps(session, working, order, tokens, cancelled, placement)
     sent = set(session.replica.fragment_names(plan.fragment)) if plan.fragment is not None else None
     with torch.no_grad():
         delta = {
@@ -166,7 +167,15 @@ def local_steps(
             if sent is None or n in sent
         }
     tokens_in = tokens.shape[0] * (tokens.shape[1] - 1)
-    return Contribution(delta, loss, tokens_in, fingerprint=fingerprint)
+    return Contribution(delta, trained.loss, tokens_in, trained.grad_norm, trained.fingerprint)
+
+
+class InnerSteps(NamedTuple):
+    """What a round's inner steps leave besides the trained model."""
+
+    loss: float  # mean over the inner steps (and a node's ranks)
+    grad_norm: float  # mean over the inner steps of the gradient's global L2 norm before clipping
+    fingerprint: Fingerprint | None  # the first step's gradient's, if the order asked
 
 
 def inner_steps(
@@ -176,16 +185,16 @@ def inner_steps(
     tokens: torch.Tensor,
     cancelled: IsCancelled,
     placement: Placement,
-) -> tuple[float, Fingerprint | None]:
-    """The order's H inner steps of the session's inner optimizer on ``working``, in place; the mean loss
-    and, if the order asks, the first step's gradient fingerprint."""
+) -> InnerSteps:
+    """The order's H inner steps of the session's inner optimizer on ``working``, in place, each one's
+    gradient clipped to the plan's ``clip_grad_norm`` (0: not clipped, only measured)."""
     plan = order.local_steps
     assert plan is not None
     model = placement.wrap(session, working)
     optimizer = session.inner_optimizer(plan.optimizer)
     cancelled = placement.cancellable(cancelled)
     rows = tokens.shape[0] // plan.steps  # the protocol checked that the batch splits evenly
-    loss_sum = 0.0
+    loss_sum = norm_sum = 0.0
     drifted = False  # local-sgd ranks step apart until they average; DDP ranks step alike
     fingerprint = None
     for h, lr in enumerate(plan.learning_rates):
@@ -195,8 +204,8 @@ def inner_steps(
         )
         if h == 0 and order.fingerprint_gradient:
             fingerprint = _first_gradient_fingerprint(session, working, placement)
-        if plan.clip_grad_norm:
-            placement.clip_grad_norm(session, dict(working.named_parameters()), plan.clip_grad_norm)
+        # The norm before clipping, as gradient rounds report theirs; with max_norm inf it only measures.
+        norm_sum += placement.clip_grad_norm(session, dict(working.named_parameters()), plan.clip_grad_norm or math.inf)
         placement.step(optimizer, lr)
         optimizer.zero_grad()
         if placement.apart:
@@ -206,7 +215,10 @@ def inner_steps(
                 drifted = False
     if drifted:
         placement.node.average(working.parameters())  # the node returns one model: its ranks' average
-    return placement.mean(loss_sum / plan.steps), fingerprint
+    norm = norm_sum / plan.steps
+    if placement.apart:  # each rank measured its own gradients: the node's is their mean, as its loss is
+        norm = placement.mean(norm)
+    return InnerSteps(placement.mean(loss_sum / plan.steps), norm, fingerprint)
 
 
 def eager_start(

@@ -35,7 +35,7 @@ def run(
     """A gossip round: take the order's links, mix, train the worker's own model in place, and send its
     message.
 
-    On a node whose ranks each hold the whole model (ddp, local-sgd, zero1) every rank keeps the same
+    On a node whose ranks each hold the whole model (ddp, local-sgd, fsdp:optimizer) every rank keeps the same
     gossip state: each takes the same links and mixes alike, the inner steps end with the same model on
     every rank (DDP's gradient all-reduce, local-sgd's parameter average), and each sends the same
     message; rank 0 answers for the node. Only rank 0 pulls from neighbours (``pull_neighbours``)."""
@@ -65,11 +65,11 @@ def run(
     gossip.mix(session.gossip, links, model)
     t_compute = time.perf_counter()
     tokens = rounds.tokens(order.batch)
-    loss, fingerprint = inner_steps(session, working, order, tokens, cancelled, session.placement)
+    trained = inner_steps(session, working, order, tokens, cancelled, session.placement)
     t_encode = time.perf_counter()
     payload, residual = gossip.send(session.gossip, model, codec)
     if node is not None and not node.info.leader:  # rank 0 answers for the node
-        return RoundResult(OK, order.round, "", None, loss, 0, replica.version)
+        return RoundResult(OK, order.round, "", None, trained.loss, 0, replica.version)
     sent = None
     if links.peer_key:  # kept for the neighbours to pull; the coordinator gets its digest and sketches
         sent = gossip.keep_for_peers(session.gossip, order.round, payload, replica.params)
@@ -80,11 +80,12 @@ def run(
         order.round,
         "",
         payload,
-        loss,
+        trained.loss,
         tokens.shape[0] * (tokens.shape[1] - 1),
         replica.version,
         timings(session, marks, t_encode - t_compute),
-        gradient_fingerprint=fingerprint,
+        grad_norm=trained.grad_norm,
+        gradient_fingerprint=trained.fingerprint,
         gossip_residual=residual,
         gossip_sent=sent,
     )

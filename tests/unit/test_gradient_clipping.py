@@ -1,8 +1,11 @@
-"""``--clip-grad-norm`` in gradient mode: each worker clips its gradient before error feedback and the codec.
+"""``--clip-grad-norm``: in gradient mode each worker clips its gradient before error feedback and the codec;
+in local-SGD rounds it clips every inner step's.
 
 The clipped gradient is exactly what ``torch.nn.utils.clip_grad_norm_`` makes of the unclipped one; the
 setting crosses the wire in the work order, the norm before clipping comes back in the result, a look-ahead
 computed under another setting is not used, and the coordinator's orders carry it in gradient mode only.
+A local-SGD round's pseudo-gradient is that of inner steps clipped by hand (so each moves the model by at
+most lr x the bound), and the round reports its inner steps' mean norm before clipping.
 """
 
 from __future__ import annotations
@@ -20,12 +23,12 @@ from gradwire.compression import CodecConfig, ErrorFeedback
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.metrics import read_metrics
 from gradwire.coordinator.trainer import Trainer
-from gradwire.models import build_from_spec, model_spec
+from gradwire.models import build_from_spec, lm_loss, model_spec
 from gradwire.optim.inner import InnerOptimizerConfig
 from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import BEHIND, OK, LocalSteps, ModelState, ProtocolError, RoundResult, WorkOrder
 from gradwire.replica import Replica
-from gradwire.worker.compute import Contribution, gradient_step
+from gradwire.worker.compute import Contribution, gradient_step, local_steps
 from gradwire.worker.engine import WorkerEngine
 from gradwire.worker.inprocess import in_process_clients
 from gradwire.worker.lookahead import Lookahead
@@ -41,9 +44,12 @@ def _state() -> ModelState:
     return ModelState("run", 4, json.dumps(SPEC), params, replica.rule.to_json())
 
 
+def _batch(rows: int = 4) -> np.ndarray:
+    return np.random.default_rng(0).integers(0, 8192, (rows, 17)).astype(np.uint16)
+
+
 def _order(session: Session, **changes: object) -> WorkOrder:
-    batch = np.random.default_rng(0).integers(0, 8192, (4, 17)).astype(np.uint16)
-    order = WorkOrder("run", 0, session.replica.version, batch, CODEC, session.replica.fingerprint())
+    order = WorkOrder("run", 0, session.replica.version, _batch(), CODEC, session.replica.fingerprint())
     return dataclasses.replace(order, **changes)
 
 
@@ -151,6 +157,53 @@ def test_the_coordinator_clips_in_gradient_mode_and_reports_it(tmp_path, inner_s
     if inner_steps == 1:  # gradient mode: the order clips the gradient, and every worker's was over the bound
         assert work.clip_grad_norm == 1e-3 and work.local_steps is None
         assert all(r["grad_clipped"] == 2 and r["worker_grad_norm"] > 1e-3 for r in records)
-    else:  # local-SGD rounds clip every inner step instead
+    else:  # local-SGD rounds clip every inner step instead, and report their norms before clipping
         assert work.clip_grad_norm == 0.0 and work.local_steps.clip_grad_norm == 1e-3
-        assert all(r["grad_clipped"] == 0 and r["worker_grad_norm"] == 0.0 for r in records)
+        assert all(r["grad_clipped"] == 2 and r["worker_grad_norm"] > 1e-3 for r in records)
+
+
+LOCAL = LocalSteps(3, InnerOptimizerConfig(name="sgd"), (0.2, 0.1, 0.1))
+
+
+def _local_round(clip: float) -> Contribution:
+    session = Session.from_state(_state(), torch.device("cpu"))
+    plan = dataclasses.replace(LOCAL, clip_grad_norm=clip)
+    order = _order(session, batch=_batch(LOCAL.steps), local_steps=plan)
+    return local_steps(session, order, torch.from_numpy(order.batch.astype(np.int64)), lambda: False)
+
+
+def _local_by_hand(clip: float) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """``LOCAL``'s inner steps (one row each) with plain SGD and ``clip_grad_norm_``: the pseudo-gradient,
+    and each step's norm before clipping."""
+    start, model = build_from_spec(SPEC, seed=0), build_from_spec(SPEC, seed=0)
+    rows = torch.from_numpy(_batch(LOCAL.steps).astype(np.int64))
+    norms = []
+    for h, lr in enumerate(LOCAL.learning_rates):
+        model.zero_grad()
+        lm_loss(model, rows[h : h + 1]).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip or math.inf)))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(p.grad, alpha=-lr)
+    return {n: p.detach() - q.detach() for (n, p), q in zip(start.named_parameters(), model.parameters())}, norms
+
+
+def _norm(tensors: dict[str, torch.Tensor]) -> float:
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in tensors.values()])))
+
+
+def test_local_sgd_rounds_clip_every_inner_step_and_report_the_norm_before_clipping() -> None:
+    free, (free_expected, free_norms) = _local_round(0.0), _local_by_hand(0.0)
+    clip = min(free_norms) / 4
+    clipped, (expected, norms) = _local_round(clip), _local_by_hand(clip)
+    assert min(norms) > clip  # every inner step was clipped
+    for got, want in ((free, free_expected), (clipped, expected)):
+        for name, d in want.items():
+            torch.testing.assert_close(got.tensors[name], d, atol=1e-6, rtol=0, msg=name)
+    # Sent: each inner step moved the model by lr x the bound at most, far less than unclipped.
+    bound = sum(LOCAL.learning_rates) * clip
+    assert _norm(clipped.tensors) <= bound * (1 + 1e-5) < _norm(free.tensors) / 2
+    # Reported: the mean of the inner steps' norms before clipping (the later steps' differ with clipping).
+    assert free.grad_norm == pytest.approx(sum(free_norms) / 3, rel=1e-5)
+    assert clipped.grad_norm == pytest.approx(sum(norms) / 3, rel=1e-5) and clipped.grad_norm > clip
+    assert norms[1:] != pytest.approx(free_norms[1:], rel=1e-3)
