@@ -49,7 +49,7 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     # Makes a rename inside ``path`` durable. Not possible on every platform (e.g. Windows): skip there.
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -123,12 +123,12 @@ def save_checkpoint(
             _fsync_file(path)
         (tmp / META).write_text(meta_json + "\n", encoding="utf-8")
         _fsync_file(tmp / META)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         _move_into_place(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync_dir(root)
+    fsync_dir(root)
     _write_latest(root, final.name)
     return final
 
@@ -161,7 +161,7 @@ def _write_latest(root: Path, name: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
 def latest_checkpoint(root: Path | str) -> Path | None:
