@@ -83,6 +83,7 @@ class Rounds:
     look_ahead: Callable[[Session, WorkOrder], None]
     bus_bytes: Callable[[], int]  # the bytes this rank has put on the node's bus so far
     lookaheads: Counter[str] = dataclasses.field(default_factory=Counter)  # computed ahead: "used" / "dropped"
+    resent: int = 0  # rounds asked for again and answered with the result computed before (``again``)
 
     def run(
         self, session: Session, order: WorkOrder, cancelled: Callable[[], bool], emit: Emit | None, t0: float
@@ -91,9 +92,11 @@ class Rounds:
         and start what the next round needs."""
         bus_before = self.bus_bytes()
         now, later = split_updates(order)
+        if not now and not later and (again := self.again(session, order)) is not None:
+            return again
         known = sent_decoded(session)
         advance(session, now, known)
-        t_advanced = time.perf_counter()
+        t_advanced, t_advanced_version = time.perf_counter(), session.replica.version
         ahead = self.take_ahead(session, order)
         counting = _collectives(session)
         session.feedback.beta = order.feedback_beta
@@ -116,7 +119,7 @@ class Rounds:
         t_done = time.perf_counter()
         self.prepare_next(session, order, payload)
         marks = Marks(t0, t_advanced, t_computed, t_encode, t_done)
-        return RoundResult(
+        result = RoundResult(
             OK,
             order.round,
             "",
@@ -129,6 +132,23 @@ class Rounds:
             contribution.grad_norm,
             contribution.fingerprint,
         )
+        if not order.compute_before_update:  # a delayed round computed before its update: another version
+            session.last_done = Done(order, t_advanced_version, result)
+        return result
+
+    def again(self, session: Session, order: WorkOrder) -> RoundResult | None:
+        """The result of a round this worker computed already, if ``order`` asks for that very round again (a
+        coordinator restarted from its update log re-sends the round in flight): sent again, not computed
+        again, since its error feedback and inner state have moved on by it."""
+        done = session.last_done
+        if done is None:
+            return None
+        same, why = done.serves(order, session.replica.version)
+        if same:
+            log.info("run %r round %d: computed already; its result goes again", order.run_id, order.round)
+            self.resent += 1
+            return done.result
+        return None
 
     def check(self, order: WorkOrder, session: Session | None) -> RoundResult | None:
         """The answer to an order this replica may not serve (``None``: it may). On a node every rank must
@@ -298,6 +318,37 @@ class Rounds:
         if self.device.type == "cuda":  # page-locked, so the copy overlaps with the work queued before it
             tokens = tokens.pin_memory().to(self.device, non_blocking=True)
         return tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class Done:
+    """The last round a worker computed for a run: its order, the replica version it computed at, its result."""
+
+    order: WorkOrder
+    version: int
+    result: RoundResult
+
+    def serves(self, order: WorkOrder, version: int) -> tuple[bool, str]:
+        """Whether ``order``, with the replica at ``version``, asks for this very computation again; and why
+        not, when it does not."""
+        made = self.order
+        if (order.run_id, order.round) != (made.run_id, made.round):
+            return False, f"round {made.round} was computed, the order is round {order.round}"
+        if version != self.version:
+            return False, f"computed at version {self.version}, the order computes at {version}"
+        if order.compute_before_update or order.gossip is not None:
+            return False, "the order is a delayed or a gossip round"
+        same = (
+            order.local_steps == made.local_steps
+            and order.micro_batch_size == made.micro_batch_size
+            and order.clip_grad_norm == made.clip_grad_norm
+            and order.codec == made.codec
+            and order.feedback_beta == made.feedback_beta
+            and order.fingerprint_gradient == made.fingerprint_gradient
+            and order.batch.shape == made.batch.shape
+            and np.array_equal(order.batch, made.batch)
+        )
+        return (True, "the same round again") if same else (False, "the order asks for other work")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from gradwire.worker import pipeline
     from gradwire.worker.gossip import GossipState
     from gradwire.worker.lookahead import Lookahead
+    from gradwire.worker.rounds import Done
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +137,7 @@ class Session:
         self.sent_decoded: Future[DecodedGradient] | None = None  # last_sent's payload, decoded after the round
         self.last_replay: tuple[int, AggregationRule] | None = None  # senders and rule of the last replay applied
         self.lookahead: Lookahead | None = None  # --overlap: the next round's contribution, computed ahead
+        self.last_done: Done | None = None  # the last round computed, sent again if asked again (worker.rounds)
         self.done_at: float | None = None  # perf_counter at the end of this run's last result here
         self.ahead_seconds = 0.0  # compute done ahead since then (a look-ahead, used or not)
         self.stale = False  # found out of sync: every round answers NEEDS_STATE until the next push
