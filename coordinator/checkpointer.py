@@ -116,21 +116,50 @@ class RunCheckpointer:
         meta = {
             "config": self.config.to_dict(),
             "version": version,
-            "total_tokens": position.total_tokens,
-            "data_step": position.step,
+            "run_id": self.run_id,
             "workers": len(slots),
-            "worker_keys": list(futures),
-            "data_layouts": [[first, start, list(rows)] for first, start, rows in self.data.layouts],
-            # How each worker has stood: strikes, benching, agreement score, spot checks (the judge's memory).
-            "standings": {worker_key(slot): standing_state(slot) for slot in slots},
             "extra": extra_meta,
+            **self.position_meta(position, slots),
         }
-        if self.planner is not None:  # the shares the next rounds get: a function of these
-            meta["balance"] = self.planner.state(position.step, [slot.client.address for slot in slots])
         path = save_checkpoint(self.directory, position.step, tensors, meta)
         if self.config.keep_checkpoints:
             keep_last(self.directory, self.config.keep_checkpoints)
         return path
+
+    def position_meta(self, position: RunPosition, slots: Sequence[WorkerSlot]) -> dict:
+        """Where the run stands besides its tensors (JSON): tokens, where the data stream stood for every worker,
+        how each worker has stood (strikes, benching, agreement score, spot checks: the judge's memory), and
+        the balancing estimates the next rounds' shares are a function of."""
+        meta = {
+            "total_tokens": position.total_tokens,
+            "data_step": position.step,
+            "worker_keys": [worker_key(slot) for slot in slots],
+            "data_layouts": [[first, start, list(rows)] for first, start, rows in self.data.layouts],
+            "standings": {worker_key(slot): standing_state(slot) for slot in slots},
+        }
+        if self.planner is not None:
+            meta["balance"] = self.planner.state(position.step, [slot.client.address for slot in slots])
+        return meta
+
+    def restore_position(self, meta: dict, slots: Sequence[WorkerSlot]) -> dict[int, str]:
+        """What ``position_meta`` saved, into the data, the planner and ``slots``' standings; each slot's key in
+        ``meta`` (a worker at a new address takes the key of the one that had its position, if that one is
+        not in the run any more)."""
+        if meta.get("data_layouts"):
+            self.data.restore_layouts(meta["data_layouts"])  # where the stream stood, worker by worker
+        if self.planner is not None and meta.get("balance"):
+            self.planner.restore(meta["balance"], [slot.client.address for slot in slots])
+        saved_keys = meta.get("worker_keys", [])
+        present = {worker_key(slot) for slot in slots}
+        keys = {}
+        for position, slot in enumerate(slots):
+            key = worker_key(slot)
+            if key not in saved_keys and position < len(saved_keys) and saved_keys[position] not in present:
+                key = saved_keys[position]
+            keys[slot.index] = key
+            if key in meta.get("standings", {}):
+                restore_standing(slot, meta["standings"][key])
+        return keys
 
     def restore(self, path: str | Path, slots: Sequence[WorkerSlot]) -> RunPosition:
         """Load ``path`` into the outer strategy, the RNG, the gather stage, the data and ``slots`` (whose
@@ -143,24 +172,14 @@ class RunCheckpointer:
         self.outer.restore(tensors, meta["version"])
         torch.set_rng_state(tensors["rng"]["torch"])
         self.gather.norms.extend(tensors.get("robust", {}).get("norms", torch.zeros(0)).tolist())
-        if meta.get("data_layouts"):
-            self.data.restore_layouts(meta["data_layouts"])  # where the stream stood, worker by worker
-        if self.planner is not None and meta.get("balance"):
-            self.planner.restore(meta["balance"], [slot.client.address for slot in slots])
-        saved_keys = meta.get("worker_keys", [])
-        present = {worker_key(slot) for slot in slots}
-        for position, slot in enumerate(slots):
-            key = worker_key(slot)
-            # A worker at a new address takes the state of the one that had its position, if that one is
-            # not in the run any more; a known worker whose state was not saved starts without any.
-            if key not in saved_keys and position < len(saved_keys) and saved_keys[position] not in present:
-                key = saved_keys[position]
+        keys = self.restore_position(meta, slots)
+        for slot in slots:
+            # A known worker whose state was not saved starts without any.
+            key = keys[slot.index]
             slot.feedback = tensors.get(f"feedback-{key}", tensors.get(f"feedback-{slot.index}"))
             slot.inner_optimizer = tensors.get(f"inner-{key}", tensors.get(f"inner-{slot.index}"))
             slot.gossip_model = tensors.get(f"gossip-model-{key}")
             slot.version = None
-            if key in meta.get("standings", {}):
-                restore_standing(slot, meta["standings"][key])
         if meta.get("workers") != len(slots):
             log.warning(
                 "resuming %d-worker checkpoint with %d workers: worker state restored by slot where it exists",

@@ -26,6 +26,7 @@ from gradwire.coordinator.client import WorkerClient, WorkerError
 from gradwire.coordinator.config import AUTO_SETTINGS, RUN, SECTIONS, TrainConfig
 from gradwire.coordinator.local import LOCAL_DEVICES, local_workers
 from gradwire.coordinator.membership import MemberSource, WorkersFile
+from gradwire.coordinator.runlock import RunLock, RunLocked
 from gradwire.coordinator.tunnel import Tunnels
 from gradwire.security import ClientSecurity, ServerSecurity, resolve_token
 from gradwire.tunnel import TUNNEL_PREFIX
@@ -407,10 +408,56 @@ def train(
     status_host: str = "127.0.0.1",
     listen_security: ServerSecurity | None = None,
 ) -> int:
-    from gradwire.coordinator.trainer import Trainer  # torch and models load only when training
+    from gradwire.coordinator.durable import load_run_key, resume_root  # torch loads only when training
     from gradwire.memory import keep_freed_memory
 
     keep_freed_memory()
+    # One coordinator per run directory (a supervisor's restart racing one not dead yet is refused), and the
+    # run's key kept with its checkpoints: restarted on the run, it is the same owner to its workers, which
+    # kept its sessions (coordinator.durable).
+    security = security or ClientSecurity()
+    try:
+        if config.resume_from and (kept := load_run_key(resume_root(Path(config.resume_from)))) is not None:
+            security = dataclasses.replace(security, run_key=kept)
+        lock = RunLock(config.output_dir).acquire()
+    except (ValueError, RunLocked) as e:
+        print(f"coordinator train: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return _train_locked(
+            config,
+            workers=workers,
+            local=local,
+            local_device=local_device,
+            progress=progress,
+            security=security,
+            workers_file=workers_file,
+            listen=listen,
+            status_port=status_port,
+            status_host=status_host,
+            listen_security=listen_security,
+        )
+    finally:
+        lock.release()
+
+
+def _train_locked(
+    config: TrainConfig,
+    *,
+    workers: str | None,
+    local: int | None,
+    local_device: str,
+    progress: bool,
+    security: ClientSecurity,
+    workers_file: str | None,
+    listen: str | None,
+    status_port: int | None,
+    status_host: str,
+    listen_security: ServerSecurity | None,
+) -> int:
+    """``train`` in its run directory, which it holds."""
+    from gradwire.coordinator.durable import save_run_key
+    from gradwire.coordinator.trainer import Trainer
 
     tunnels = Tunnels() if listen is not None else None  # workers behind NAT call in (--listen)
 
@@ -428,6 +475,7 @@ def train(
             except (ValueError, FileNotFoundError) as e:  # a flag, a model, a file: say which, no traceback
                 print(f"coordinator train: error: {e}", file=sys.stderr)
                 return 2
+            save_run_key(trainer.checkpoint_dir, security.run_key)
             status = None
             if status_port is not None:
                 from gradwire.coordinator.status import StatusBoard, StatusServer

@@ -124,6 +124,7 @@ class Roster:
             slot.client.wait_ready(self.connect_timeout)
             info = slot.client.describe()
             slot.ranks, slot.device, slot.node_mode = info.ranks, info.device, info.node_mode
+            slot.held = dict(info.replicas)
             node = (
                 f", a node of {info.ranks} ranks ({info.node_mode}: {', '.join(info.rank_devices)})"
                 if info.ranks > 1

@@ -193,6 +193,12 @@ class OuterStrategy(abc.ABC):
         self.base_version, self._base_fingerprint, self._applying = target, target_fingerprint, None
         return norm
 
+    @property
+    def senders(self) -> tuple[tuple[int, ...], int]:
+        """The slots whose payloads the pending update replays (each is sent it without its own), and the
+        round they sent them in; none for a compressed update, which goes whole to everyone."""
+        return self._senders, self._sent_in
+
     def rebase(self, pending: StateUpdate | None = None, senders: tuple[int, ...] = (), sent_in: int = -1) -> None:
         """After a resume: the replica as loaded is every worker's base, with ``pending`` (an --overlap
         checkpoint's update in flight, whose payloads ``senders`` sent in round ``sent_in``) or nothing pending."""

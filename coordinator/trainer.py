@@ -32,9 +32,20 @@ from gradwire.compression import CompressedGradient, GradientCodec
 from gradwire.compression.fragment import Fragment, of_round
 from gradwire.compression.robust import AggregationRule
 from gradwire.compression.stream import StreamPlan
-from gradwire.coordinator.checkpointer import RunCheckpointer, RunPosition
+from gradwire.coordinator.checkpointer import RunCheckpointer, RunPosition, worker_key
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.decisions import FailedRounds, decide_downlink, replay_precision
+from gradwire.coordinator.durable import (
+    RoundState,
+    RunLog,
+    decide_replay,
+    plan_replay,
+    read_records,
+    replay,
+    resume_root,
+    rng_state,
+    set_rng_state,
+)
 from gradwire.coordinator.export import export_model
 from gradwire.coordinator.gather import Gathered, Gatherer
 from gradwire.coordinator.inputs import load_inputs
@@ -46,6 +57,7 @@ from gradwire.coordinator.rundir import claim, truncate_metrics
 from gradwire.coordinator.spotcheck import SpotChecks
 from gradwire.coordinator.status import StatusBoard, worker_events
 from gradwire.coordinator.tracking import make_tracker
+from gradwire.coordinator.updatelog import LogRecord
 from gradwire.coordinator.work import WorkPlanner
 from gradwire.hardware import resolve_device
 from gradwire.link import WorkerLink
@@ -149,8 +161,83 @@ class Trainer:
         self._busy_seen = 0.0  # the advancer's busy seconds at the last record
         self._turnaround_s: float | None = None  # the round in flight's (``_turnaround``)
         claim(self.output_dir, self.checkpoint_dir, resuming=bool(config.resume_from), overwrite=config.overwrite)
+        # Each round's update, durable before it goes out (coordinator.durable); gossip runs keep none yet.
+        self.runlog = None if config.gossip else RunLog(self.checkpoint_dir)
+        self._logged: tuple[LogRecord, ...] = ()  # rounds after the checkpoint resumed from (``_plan_replay``)
+        self._committed: tuple[int, RoundState] | None = None  # the last round stepped, not yet logged
         if config.resume_from:
             self.position = self.checkpoints.restore(config.resume_from, self.slots)
+            self._plan_replay(Path(config.resume_from))
+        elif self.runlog is not None:
+            self.runlog.restart()  # a log no checkpoint of this run precedes belongs to no run
+
+    def _plan_replay(self, resume_from: Path) -> None:
+        """The rounds the update log holds after the checkpoint just restored, where they would rebuild the
+        coordinator bit for bit (``durable.plan_replay``); ``connect`` replays them if the workers kept up."""
+        if self.runlog is None:
+            return
+        outer = self.outer
+        records = read_records(resume_root(resume_from) / self.runlog.path.name, self.runlog.max_record_bytes)
+        self._logged, why = plan_replay(records, self.step, outer.base_version, outer.pending is not None, outer)
+        if records and not self._logged:
+            log.warning("resuming from the checkpoint of step %d alone: %s", self.step, why)
+        if not self._logged:
+            self.runlog.restart()  # the rounds from the checkpoint on are trained anew
+
+    def _replay_log(self) -> None:
+        """Once the workers have said which replicas they hold: continue from the checkpoint by the logged rounds
+        after it if every worker that sent the last one still holds its version (``durable.decide_replay``).
+        Then the run stands where it stood after its last logged round, its run id and its workers' sessions
+        are the same, and each takes the next order by replay, its own error feedback untouched. Otherwise the
+        run goes on from the checkpoint, as the run from there would."""
+        logged, self._logged = self._logged, ()
+        if not logged or self.runlog is None:
+            return
+        state = RoundState.from_bytes(logged[-1].coordinator_state)
+        held = {worker_key(slot): slot.held.get(state.run_id) for slot in self.slots}
+        use, why = decide_replay(state.versions, held)
+        if not use:
+            log.warning("resuming from the checkpoint of step %d, not the update log: %s", self.step, why)
+            self.runlog.restart()
+            return
+        replay(self.outer, logged)
+        self.position = RunPosition(state.step, state.total_tokens)
+        restored = self.checkpoints.restore_position(state.meta, self.slots)
+        self.gather.norms.clear()
+        self.gather.norms.extend(state.norms)
+        set_rng_state(state.rng)
+        self.run_id = self.rounds.run_id = self.checkpoints.run_id = state.run_id  # the workers' sessions are its
+        for slot in self.slots:  # where each worker stands: at the logged version, or one on (it had the next order)
+            slot.guess = slot.held.get(state.run_id) if restored[slot.index] in state.versions else None
+        log.info(
+            "resumed at step %d by replaying the update log (rounds %d..%d): %s",
+            self.step,
+            logged[0].round,
+            logged[-1].round,
+            why,
+        )
+
+    def _log_round(self) -> None:
+        """Make the round just recorded durable (``durable.RunLog``) before the next round's orders carry its
+        update: a restart resumes after it, its metrics line written."""
+        committed, self._committed = self._committed, None
+        if committed is not None and self.runlog is not None:
+            self.runlog.append(committed[0], self.outer, committed[1])
+
+    def _round_state(self) -> RoundState:
+        """The coordinator's state after the round just stepped: what its log record keeps besides the update."""
+        senders, sent_in = self.outer.senders
+        return RoundState(
+            self.run_id,
+            self.step,
+            self.total_tokens,
+            self.checkpoints.position_meta(self.position, self.slots),
+            tuple(self.gather.norms),
+            rng_state(),
+            senders,
+            sent_in,
+            {worker_key(slot): slot.version for slot in self.slots if slot.version is not None},
+        )
 
     @property
     def step(self) -> int:
@@ -182,8 +269,10 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ the run
 
     def connect(self) -> None:
-        """Describe every worker; a protocol mismatch or an unreachable worker stops here, clearly."""
+        """Describe every worker; a protocol mismatch or an unreachable worker stops here, clearly. A resumed
+        run then knows which replicas its workers kept, and whether to replay its update log."""
         self.roster.describe_all()
+        self._replay_log()
 
     def run(self) -> list[dict]:
         """Train from ``self.step`` to ``config.steps``; returns the metrics records of this call.
@@ -214,6 +303,7 @@ class Trainer:
                     record["eval_loss"] = self.evaluate()
                 recorder.append(record)
                 records.append(record)
+                self._log_round()
                 if not self._stop.is_set():
                     self.maybe_save_checkpoint()
             self.last_checkpoint = self.save_checkpoint()
@@ -251,6 +341,7 @@ class Trainer:
             self._report(round_, None, gathered)
             return None
         grad_norm, compressed = self._outer_step(planned, gathered, rule)
+        self._committed = (planned.step, self._round_state())  # logged once its record is written (``run``)
         record = self._record(planned, round_, gathered, grad_norm, compressed, (t0, t_gathered))
         if spot:
             record["spot_check"] = spot
@@ -428,11 +519,18 @@ class Trainer:
         return loss
 
     def save_checkpoint(self) -> Path:
-        return self.checkpoints.save(self.position, self.slots)
+        path = self.checkpoints.save(self.position, self.slots)
+        self._compact(path)
+        return path
 
     def maybe_save_checkpoint(self) -> None:
         """A checkpoint every ``--checkpoint-every`` rounds (``checkpointer.RunCheckpointer.maybe_save``)."""
-        self.checkpoints.maybe_save(self.position, self.slots)
+        self._compact(self.checkpoints.maybe_save(self.position, self.slots))
+
+    def _compact(self, checkpoint: Path | None) -> None:
+        """The update log keeps only the rounds a new checkpoint does not hold."""
+        if checkpoint is not None and self.runlog is not None:
+            self.runlog.compact(self.step)
 
     def shown_model(self) -> torch.nn.Module:
         """The model the run shows (evaluation, ``final/``): the coordinator's, with its pending update."""
@@ -446,3 +544,5 @@ class Trainer:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.outer.close()
+        if self.runlog is not None:
+            self.runlog.close()

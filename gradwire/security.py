@@ -9,7 +9,9 @@ Runs are isolated from each other by *ownership*: the coordinator sends a random
 call (``gradwire-run-key``), and the worker binds a run to the digest of that key and of the caller's TLS
 client certificate, if any (``run_owner``), when the run's first state arrives. A caller that presents
 another digest can neither read nor replace that run, and Describe lists only the caller's own runs. The
-token keeps strangers out; the run key keeps one holder of the token out of another's run.
+token keeps strangers out; the run key keeps one holder of the token out of another's run. ``coordinator
+train`` keeps its run's key in the run's checkpoint directory (``run.key``, readable by its owner alone), so
+that the same command restarted on the run is the same owner to the workers that kept its sessions.
 """
 
 from __future__ import annotations
@@ -159,7 +161,7 @@ class ServerSecurity:
 class ClientSecurity:
     """A coordinator's side: the token, TLS trust (``tls_ca``: the CA that signed the workers'
     certificates; the system's roots if omitted), an optional client certificate for mutual TLS, and this
-    run's key (random per coordinator run, never written anywhere)."""
+    run's key (random per run; ``coordinator train`` keeps it with the run's checkpoints, mode 0600)."""
 
     token: str | None = dataclasses.field(default=None, repr=False)
     tls: bool = False

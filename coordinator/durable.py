@@ -1,0 +1,216 @@
+"""A run made durable round by round: what the trainer appends to the update log, and what a resume replays.
+
+After each round's outer step, before its update goes out with the next orders, the trainer appends the
+round's record (``updatelog``): the update every replica replays, and the coordinator's own state after the
+round as JSON (``RoundState``: where the data stands, the judge's memory, the balancing estimates, the RNG, the
+senders of the update and the run's id). A full checkpoint at step s covers every round before s: the log
+then drops those records (``compact``).
+
+A resume (``plan_replay``, then ``replay``) loads the newest checkpoint, applies the logged updates after it
+but the last to the replica, and keeps the last pending, with its senders: the coordinator stands where it
+stood after its last committed round, as if it had never stopped. Its workers, if they kept their replicas,
+hold the version that update moves from, and are sent it as the next order's replay (their own payload left
+out, as it would have been): a worker's own error feedback and inner state carry on untouched.
+
+Covered: replayed outer steps whose workers replay the senders' payloads. A compressed downlink's error
+feedback and a coordinator-side optimizer (``DeltaOuter``) hold dense state that the updates alone do not
+rebuild; such a run resumes from its last checkpoint (``plan_replay`` says why).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gradwire.coordinator.checkpoint import META, fsync_dir
+from gradwire.coordinator.outer import OuterStrategy, ReplayOuter
+from gradwire.coordinator.updatelog import LOG_FILE, MAX_RECORD_BYTES, LogRecord, UpdateLog, read_log
+
+log = logging.getLogger(__name__)
+
+STATE_FORMAT = 1  # RoundState's JSON layout
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundState:
+    """The coordinator's own state after a round, besides the replica: a record's ``coordinator_state``."""
+
+    run_id: str
+    step: int  # the next round
+    total_tokens: int
+    meta: dict  # what a checkpoint's metadata keeps of the run's position (RunCheckpointer.position_meta)
+    norms: tuple[float, ...]  # the gather stage's memory of typical norms
+    rng: bytes  # torch's CPU generator
+    senders: tuple[int, ...]  # the slots whose payloads the update replays (each keeps its own)
+    sent_in: int  # the round they sent them in
+    versions: dict[str, int]  # by worker key: the version each worker holds once it has its last order's update
+
+    def to_bytes(self) -> bytes:
+        body = dataclasses.asdict(self) | {"format": STATE_FORMAT, "rng": self.rng.hex()}
+        return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> RoundState:
+        try:
+            body = json.loads(data)
+            if body.pop("format") != STATE_FORMAT:
+                raise ValueError("another format")
+            body["rng"] = bytes.fromhex(body["rng"])
+            body["norms"], body["senders"] = tuple(body["norms"]), tuple(body["senders"])
+            return cls(**body)
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"update log: a record's coordinator state does not read: {e}") from None
+
+
+def rng_state() -> bytes:
+    return torch.get_rng_state().numpy().tobytes()
+
+
+def set_rng_state(data: bytes) -> None:
+    torch.set_rng_state(torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy()))
+
+
+RUN_KEY_FILE = "run.key"  # the run's key (security.ClientSecurity.run_key), hex, readable by its owner alone
+
+
+def load_run_key(checkpoint_dir: Path) -> bytes | None:
+    """The run key a run kept in its checkpoint directory (None: it kept none): a coordinator restarted on the
+    run is then the same owner to its workers, which kept its sessions."""
+    path = checkpoint_dir / RUN_KEY_FILE
+    if not path.is_file():
+        return None
+    try:
+        key = bytes.fromhex(path.read_text(encoding="ascii").strip())
+    except ValueError as e:
+        raise ValueError(f"{path} holds no run key: {e}") from None
+    if len(key) < 16:
+        raise ValueError(f"{path} holds a run key of {len(key)} bytes, fewer than 16")
+    return key
+
+
+def save_run_key(checkpoint_dir: Path, key: bytes) -> None:
+    """Keep ``key`` in ``checkpoint_dir`` (mode 0600, written whole or not at all)."""
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    path = checkpoint_dir / RUN_KEY_FILE
+    tmp = path.with_name(f".{RUN_KEY_FILE}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="ascii") as f:
+        f.write(key.hex() + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(checkpoint_dir)
+
+
+def log_path(checkpoint_dir: Path) -> Path:
+    return checkpoint_dir / LOG_FILE
+
+
+def resume_root(resume_from: Path) -> Path:
+    """The checkpoint directory ``--resume-from`` names (itself, or the one holding the step it names)."""
+    return resume_from.parent if (resume_from / META).is_file() else resume_from
+
+
+def plan_replay(
+    records: Sequence[LogRecord], step: int, version: int, pending: bool, outer: OuterStrategy
+) -> tuple[tuple[LogRecord, ...], str]:
+    """The records that continue ``outer``'s checkpoint of ``step`` at replica ``version`` (``pending``: it holds
+    an update in flight, which comes first), and why; none (and why not) where they would not rebuild the
+    coordinator bit for bit."""
+    after = [r for r in records if r.round >= step]
+    if not after:
+        return (), f"no round after the checkpoint's step {step} is logged"
+    if not isinstance(outer, ReplayOuter):
+        return (), "the outer optimizer steps on the coordinator: its moments are not in the updates"
+    if after[0].round != step:
+        return (), f"the log's first round after the checkpoint is {after[0].round}, not {step}: it has a gap"
+    start = version + int(pending)
+    if after[0].from_version != start:
+        return (), f"the log's round {step} moves from version {after[0].from_version}, the checkpoint leads to {start}"
+    for r in after:
+        if r.update is None:
+            return (), f"round {r.round} moved no replica (a gossip run's log)"
+        if not RoundState.from_bytes(r.coordinator_state).senders:
+            return (), f"round {r.round} went down compressed: the downlink's error feedback is not in the updates"
+    return tuple(after), f"rounds {step}..{after[-1].round} replayed from the log"
+
+
+def decide_replay(logged: Mapping[str, int], held: Mapping[str, int | None]) -> tuple[bool, str]:
+    """Whether a resume replays the update log, given the version each worker held after the last logged round
+    (``logged``, by worker key) and the one each worker of the resumed run holds now (``held``; None: none of
+    the run): only if every worker the log names holds its version, or the next one (it had the next order,
+    and its round: ``rounds.Rounds.again`` sends that result again), or is gone from the run. A worker that
+    lost its replica would get the state pushed with the error feedback of the checkpoint, older than the
+    log's rounds: the run would no longer be the run it was, so it goes on from the checkpoint instead."""
+    lost = sorted(key for key, v in logged.items() if key in held and held[key] not in (v, v + 1))
+    if lost:
+        what = ", ".join(f"{k} holds {held[k] if held[k] is not None else 'no replica'}, not {logged[k]}" for k in lost)
+        return False, f"workers named by the last logged round did not keep their replicas ({what})"
+    if not any(key in held for key in logged):
+        return False, "none of the workers named by the last logged round is in this run"
+    return True, "every worker named by the last logged round kept its replica"
+
+
+def replay(outer: ReplayOuter, records: Sequence[LogRecord]) -> RoundState:
+    """Bring ``outer`` to where it stood after the last of ``records`` (``plan_replay``'s): every update applied
+    but the last, which is pending with its senders. Returns that round's state."""
+    outer.apply_pending()
+    for record in records[:-1]:
+        assert record.update is not None
+        outer.replica.apply(record.update)
+    last = records[-1]
+    state = RoundState.from_bytes(last.coordinator_state)
+    if outer.replica.version != last.from_version:
+        raise ValueError(f"update log: the replay ends at version {outer.replica.version}, not {last.from_version}")
+    outer.rebase(last.update, state.senders, state.sent_in)
+    return state
+
+
+class RunLog:
+    """The update log of a run's checkpoint directory, for the trainer: append, compact, read back."""
+
+    def __init__(self, checkpoint_dir: Path, max_record_bytes: int = MAX_RECORD_BYTES) -> None:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        self.path = log_path(checkpoint_dir)
+        self.max_record_bytes = max_record_bytes
+        self.log = UpdateLog(self.path, max_record_bytes=max_record_bytes)
+        self.bytes_written = 0
+
+    def append(self, round_: int, outer: OuterStrategy, state: RoundState) -> int:
+        """The round's record: ``outer``'s pending update, from its base version. Durable when this returns."""
+        pending = outer.pending
+        assert pending is not None
+        record = LogRecord(round_, outer.base_version, outer.base_version + 1, pending, None, state.to_bytes())
+        written = self.log.append(record)
+        self.bytes_written += written
+        return written
+
+    def compact(self, step: int) -> None:
+        """A full checkpoint at ``step`` holds every round before it."""
+        self.log.compact(step - 1)
+
+    def restart(self) -> None:
+        """Forget every record: the run goes on from a checkpoint the log does not continue."""
+        if self.log.last is not None:
+            self.log.compact(self.log.last.round)
+
+    def close(self) -> None:
+        self.log.close()
+
+
+def read_records(path: Path, max_record_bytes: int) -> list[LogRecord]:
+    """The log's valid records (none if there is no log); a torn tail is said and left out."""
+    if not path.is_file():
+        return []
+    reader = read_log(path, max_record_bytes=max_record_bytes)
+    records = list(reader)
+    if reader.torn:
+        log.warning("%s", reader.describe())
+    return records

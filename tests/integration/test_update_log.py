@@ -1,0 +1,190 @@
+"""The update log in a run (``coordinator.durable``): each round appended before its update goes out, compacted
+at checkpoints, and a coordinator restarted after its last logged round resumes where it stood, by replay, its
+workers' sessions and error feedback untouched: the run is the uninterrupted run, bit for bit. Where a worker
+lost its replica the run goes on from the checkpoint instead, as before."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradwire.coordinator.config import TrainConfig
+from gradwire.coordinator.durable import RoundState, decide_replay, log_path, read_records
+from gradwire.coordinator.metrics import read_metrics
+from gradwire.coordinator.trainer import Trainer
+from gradwire.worker.engine import WorkerEngine
+from gradwire.worker.inprocess import InProcessClient
+
+from ..faults import FaultPlan, FaultyEngine
+from .conftest import live_workers
+
+STEPS = 7
+
+
+SETTINGS = {"model": "gpt-tiny", "steps": STEPS, "batch_size": 2, "sequence_length": 16, "balance": "off"}
+
+
+def _config(out: Path, **changes: object) -> TrainConfig:
+    """A checkpoint every 3 rounds: a run killed after 5 has rounds 3 and 4 in its log alone."""
+    return TrainConfig(**SETTINGS, checkpoint_every=3, output_dir=str(out), **changes)
+
+
+def _engines_factory() -> Callable[[], FaultyEngine]:
+    return lambda: FaultyEngine(FaultPlan("drop", rounds=()))  # counts the state pushes it gets, drops nothing
+
+
+def _engines(n: int = 2) -> list[FaultyEngine]:
+    return [_engines_factory()() for _ in range(n)]
+
+
+def _clients(engines: list[WorkerEngine]) -> list[InProcessClient]:
+    return [InProcessClient(e, f"in-process-{i}") for i, e in enumerate(engines)]
+
+
+def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    trainer.flush()
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def _straight(out: Path, **changes: object) -> dict[str, torch.Tensor]:
+    trainer = Trainer(_config(out, **changes), _clients(_engines()), progress=False)
+    try:
+        trainer.run()
+        return _params(trainer)
+    finally:
+        trainer.close()
+
+
+def _killed_after(trainer: Trainer, rounds: int) -> None:
+    """What ``run`` does for ``rounds`` rounds, then nothing: the process dies between two rounds (after the
+    last round's record, before its next orders), with no checkpoint at the end."""
+    trainer.connect()
+    for _ in range(rounds):
+        assert trainer.train_step() is not None
+        trainer._log_round()
+        trainer.maybe_save_checkpoint()
+    trainer.outer.settle()
+
+
+@pytest.mark.parametrize(("inner_steps", "in_flight"), [(1, False), (3, False), (1, True), (3, True)])
+def test_a_restart_replays_the_log_and_is_the_uninterrupted_run(
+    tmp_path: Path, inner_steps: int, in_flight: bool
+) -> None:
+    """Killed between rounds, or (``in_flight``) once round 5's results were in but before its record: its
+    workers then hold the version after round 4's update, and send round 5's results again when asked."""
+    straight = _straight(tmp_path / "straight", inner_steps=inner_steps)
+    out = tmp_path / "killed"
+    engines = _engines()
+    first = Trainer(_config(out, inner_steps=inner_steps), _clients(engines), progress=False)
+    _killed_after(first, 5)  # a checkpoint at step 3, rounds 3 and 4 only in the log
+    if in_flight:
+        assert first.train_step() is not None  # never logged
+        first.outer.settle()
+    records = read_records(log_path(out / "checkpoints"), 1 << 30)
+    assert [r.round for r in records] == [3, 4]
+    assert all(r.to_version == r.from_version + 1 for r in records) and records[1].from_version == records[0].to_version
+    state = RoundState.from_bytes(records[-1].coordinator_state)
+    assert state.step == 5 and state.run_id == first.run_id and len(state.senders) == 2
+    pushes = [e.pushes for e in engines]
+
+    config = _config(out, inner_steps=inner_steps, resume_from=str(out / "checkpoints"))
+    second = Trainer(config, _clients(engines), progress=False)  # the same workers, still holding their replicas
+    try:
+        rows = second.run()
+        resumed = _params(second)
+    finally:
+        second.close()
+        first.close()
+    assert [r["step"] for r in rows] == [6, 7]  # rounds 5 and 6: nothing trained twice, nothing lost
+    assert [e.pushes for e in engines] == pushes  # no state pushed: each worker went on from its own replica
+    assert all(torch.equal(resumed[n], straight[n]) for n in straight)
+    # In flight: each worker's round 5 went again as it was computed, not computed twice.
+    assert [e.rounds.resent for e in engines] == [int(in_flight)] * 2
+    assert read_records(log_path(out / "checkpoints"), 1 << 30) == []  # the final checkpoint holds them all
+
+
+def test_workers_that_lost_their_replicas_resume_from_the_checkpoint(tmp_path: Path) -> None:
+    straight = _straight(tmp_path / "straight")
+    out = tmp_path / "killed"
+    first = Trainer(_config(out), _clients(_engines()), progress=False)
+    _killed_after(first, 5)
+    first.close()
+    fresh = _engines()  # the workers restarted too: they hold nothing of the run
+    second = Trainer(_config(out, resume_from=str(out / "checkpoints")), _clients(fresh), progress=False)
+    try:
+        rows = second.run()
+        resumed = _params(second)
+    finally:
+        second.close()
+    assert [r["step"] for r in rows] == [4, 5, 6, 7]  # from the checkpoint at step 3, as the straight run
+    assert all(e.pushes == 1 for e in fresh)
+    assert all(torch.equal(resumed[n], straight[n]) for n in straight)
+    assert [r["step"] for r in read_metrics(out)] == [4, 5, 6, 7]
+
+
+def test_the_replay_decision_names_the_workers_that_lost_their_replicas() -> None:
+    logged = {"w-a": 5, "w-b": 5}
+    assert decide_replay(logged, {"w-a": 5, "w-b": 5})[0]
+    assert decide_replay(logged, {"w-a": 5})[0]  # w-b left the run: the others carry on
+    ok, why = decide_replay(logged, {"w-a": 5, "w-b": None})
+    assert not ok and "w-b holds no replica" in why
+    assert decide_replay(logged, {"w-a": 6, "w-b": 5})[0]  # w-a had the next order: it sends that round again
+    ok, why = decide_replay(logged, {"w-a": 7, "w-b": 5})
+    assert not ok and "w-a holds 7, not 5" in why
+    assert not decide_replay(logged, {"w-c": 0})[0]
+
+
+COORDINATOR = [sys.executable, "-m", "gradwire.coordinator", "train"]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+ARGS = ["--model", "gpt-tiny", "--steps", "12", "--batch-size", "4", "--sequence-length", "32", "--no-progress"]
+ARGS += ["--checkpoint-every", "5", "--balance", "off"]
+
+
+def _losses(out: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+
+
+@pytest.mark.slow
+def test_a_coordinator_process_killed_mid_run_resumes_by_replay_and_pushes_nothing(tmp_path: Path) -> None:
+    """Real workers (gRPC servers in this process) outlive a coordinator process SIGKILLed mid-run; the same
+    command with --resume-from replays its update log, keeps the run's key and id, pushes no state, and the
+    run is the uninterrupted one: every step once, every loss the same."""
+    with live_workers(2, _engines_factory()) as workers:
+        straight = tmp_path / "straight"
+        done = subprocess.run(
+            [*COORDINATOR, *ARGS, "--workers", ",".join(w.address for w in workers), "--output-dir", str(straight)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=ENV,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+    with live_workers(2, _engines_factory()) as workers:
+        out = tmp_path / "run"
+        argv = [*COORDINATOR, *ARGS, "--workers", ",".join(w.address for w in workers), "--output-dir", str(out)]
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+        deadline = time.monotonic() + 240
+        metrics = out / "metrics.jsonl"
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 7):  # past the checkpoint at 5
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the run never got going"
+            time.sleep(0.05)
+        proc.kill()
+        proc.communicate(timeout=60)
+        pushes = [w.engine.pushes for w in workers]
+        assert pushes == [1, 1]
+        resumed = subprocess.run(
+            [*argv, "--resume-from", str(out / "checkpoints")], capture_output=True, text=True, timeout=300, env=ENV
+        )
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert "by replaying the update log" in resumed.stderr, resumed.stderr[-3000:]
+        assert [w.engine.pushes for w in workers] == pushes  # each went on from the replica it kept
+    assert _losses(out) == _losses(straight)
