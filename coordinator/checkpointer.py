@@ -78,6 +78,7 @@ class RunCheckpointer:
         self.run_id = run_id
         # What ``restore`` loaded, for the owner of a checkpoint's ``Extra``: tensor groups, metadata.
         self.restored_extra: tuple[dict[str, Tensors], dict] = ({}, {})
+        self.restored_run_id: str | None = None  # the run id ``restore`` loaded, if the checkpoint has one
 
     def maybe_save(self, position: RunPosition, slots: Sequence[WorkerSlot], extra: Extra | None = None) -> Path | None:
         """A checkpoint every ``--checkpoint-every`` steps, except at the last (the run's end saves that)."""
@@ -93,8 +94,9 @@ class RunCheckpointer:
             # The next round computes before the update in flight: keep the replica there, and the update.
             groups, version = self.outer.checkpoint_behind(), self.outer.base_version
         else:
+            applied = self.outer.applied_group()  # for a worker that has not taken it yet (a resume)
             self.outer.apply_pending()  # the checkpoint holds the model after the last round's update
-            groups, version = self.outer.checkpoint(), self.outer.replica.version
+            groups, version = {**self.outer.checkpoint(), **applied}, self.outer.replica.version
         tensors = {**groups, "rng": {"torch": torch.get_rng_state()}}
         if self.gather.norms:  # the clip's memory of typical norms: part of the trajectory too
             tensors["robust"] = {"norms": torch.tensor(list(self.gather.norms), dtype=torch.float64)}
@@ -166,6 +168,7 @@ class RunCheckpointer:
         state goes to their workers with the next push); the position to continue from."""
         tensors, meta = load_checkpoint(path)
         self.restored_extra = (tensors, meta.get("extra", {}))
+        self.restored_run_id = meta.get("run_id")
         saved = meta["config"]
         if saved["model"] != self.config.model:
             raise ValueError(f"--resume-from holds a {saved['model']} run, not --model {self.config.model}")

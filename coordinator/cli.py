@@ -409,6 +409,7 @@ def train(
     listen_security: ServerSecurity | None = None,
 ) -> int:
     from gradwire.coordinator.durable import load_run_key, resume_root  # torch loads only when training
+    from gradwire.coordinator.rundir import checkpoint_root, resume_source
     from gradwire.memory import keep_freed_memory
 
     keep_freed_memory()
@@ -417,7 +418,9 @@ def train(
     # kept its sessions (coordinator.durable).
     security = security or ClientSecurity()
     try:
-        if config.resume_from and (kept := load_run_key(resume_root(Path(config.resume_from)))) is not None:
+        root = checkpoint_root(config.output_dir, config.checkpoint_dir)
+        source = resume_source(config.resume_from, root)
+        if config.resume_from and (kept := load_run_key(resume_root(source) if source else root)):
             security = dataclasses.replace(security, run_key=kept)
         lock = RunLock(config.output_dir).acquire()
     except (ValueError, RunLocked) as e:

@@ -607,7 +607,11 @@ class TrainConfig:
     )
     keep_checkpoints: int = setting(3, help="keep only the newest N checkpoints (0: keep all)", section=RUN)
     resume_from: str | None = setting(
-        None, help="checkpoint directory (or checkpoint root) to continue from", section=RUN
+        None,
+        help="checkpoint directory (or checkpoint root) to continue from, then the rounds its update log holds "
+        "after it; auto: the run in --output-dir if there is one (its newest checkpoint and log), else a new "
+        "run, so that a supervisor re-running the same command is the whole recovery",
+        section=RUN,
     )
     seed: int = setting(0, help="seed for model initialization and data order", section=RUN)
     log_every: float = setting(

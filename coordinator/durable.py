@@ -47,7 +47,7 @@ class RoundState:
     total_tokens: int
     meta: dict  # what a checkpoint's metadata keeps of the run's position (RunCheckpointer.position_meta)
     norms: tuple[float, ...]  # the gather stage's memory of typical norms
-    rng: bytes  # torch's CPU generator
+    rng: bytes  # torch's CPU generator, where it moved since the record before (b"": it did not, 10 KB saved)
     senders: tuple[int, ...]  # the slots whose payloads the update replays (each keeps its own)
     sent_in: int  # the round they sent them in
     versions: dict[str, int]  # by worker key: the version each worker holds once it has its last order's update
@@ -170,7 +170,9 @@ def replay(outer: ReplayOuter, records: Sequence[LogRecord]) -> RoundState:
     if outer.replica.version != last.from_version:
         raise ValueError(f"update log: the replay ends at version {outer.replica.version}, not {last.from_version}")
     outer.rebase(last.update, state.senders, state.sent_in)
-    return state
+    states = (RoundState.from_bytes(r.coordinator_state) for r in reversed(records))
+    rng = next((s.rng for s in states if s.rng), b"")  # the newest the log holds; b"": as the checkpoint left it
+    return dataclasses.replace(state, rng=rng)
 
 
 class RunLog:

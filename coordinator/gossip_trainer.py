@@ -62,7 +62,8 @@ class GossipTrainer(Trainer):
         assert cfg.gossip_gamma is not None
         self.gossip = GossipRounds(cfg.topology, cfg.gossip_gamma, self.replica.params, cfg.peer_to_peer)
         self._shown: torch.nn.Module | None = None  # the consensus, loaded into a model of its own
-        if cfg.resume_from:  # the public copies; each worker's own model goes back with its push
+        if self.checkpoints.restored_extra[0]:  # resumed: the public copies; each worker's own model goes back
+            # with its push
             self.gossip.restore(*self.checkpoints.restored_extra)
 
     def train_step(self) -> dict | None:

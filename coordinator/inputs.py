@@ -15,6 +15,7 @@ import torch
 
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.data import TokenSource, batch_dtype, open_data
+from gradwire.coordinator.rundir import checkpoint_root, resume_source
 from gradwire.models import load_tokenizer_arg, resolve_model, tokenizer_vocab_size, vocab_size_of
 
 
@@ -39,7 +40,8 @@ class RunInputs:
 def load_inputs(config: TrainConfig, n_slots: int) -> RunInputs:
     """The model, tokenizer and data of ``config`` for ``n_slots`` workers; ``ValueError`` naming the flag."""
     # A resumed run takes its weights from the checkpoint: no need to load (or have) pretrained ones.
-    from_scratch = config.from_scratch or bool(config.resume_from)
+    resumed = resume_source(config.resume_from, checkpoint_root(config.output_dir, config.checkpoint_dir))
+    from_scratch = config.from_scratch or resumed is not None
     resolved = resolve_model(config.model, from_scratch=from_scratch, seed=config.seed)
     spec = resolved.spec
     tokenizer_name = config.tokenizer or resolved.default_tokenizer

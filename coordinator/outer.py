@@ -43,6 +43,7 @@ from gradwire.models import build_from_spec
 from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import ModelState
 from gradwire.replica import Fingerprint, Replica, StateUpdate
+from gradwire.v1 import worker_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -295,6 +296,25 @@ class OuterStrategy(abc.ABC):
                 if len(senders) != len(pending.payloads):
                     raise ValueError(f"checkpoint: {len(senders)} senders for {len(pending.payloads)} payloads")
         self.rebase(pending, senders, sent_in)
+        if "applied" in tensors:  # a worker still before the update the checkpoint took last catches up by it
+            group = tensors["applied"]
+            update = protocol.update_from_bytes(group["update"].numpy().tobytes())
+            fingerprint = protocol.parse(pb.Fingerprint, group["fingerprint"].numpy().tobytes())
+            self.history.append((version - 1, protocol.fingerprint_from_proto(fingerprint), update))
+
+    def applied_group(self) -> TensorGroups:
+        """Before ``apply_pending`` for a checkpoint: the update it is about to take and the fingerprint of the
+        version it takes it from (group ``applied``), so that a resume can still send it to a worker that
+        did not take it yet (``restore`` puts it in ``history``). Empty when nothing is pending."""
+        if self.pending is None:
+            return {}
+        fingerprint = protocol.fingerprint_to_proto(self.base_fingerprint).SerializeToString()
+        return {
+            "applied": {
+                "update": torch.frombuffer(bytearray(protocol.update_to_bytes(self.pending)), dtype=torch.uint8),
+                "fingerprint": torch.frombuffer(bytearray(fingerprint), dtype=torch.uint8),
+            }
+        }
 
     @abc.abstractmethod
     def _next_update(self, aggregator: Aggregate, replay: StateUpdate, compressed: bool) -> StateUpdate:

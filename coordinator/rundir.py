@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from gradwire.coordinator.checkpoint import LATEST, remove_leftovers
+from gradwire.coordinator.checkpoint import LATEST, latest_checkpoint, remove_leftovers
 from gradwire.coordinator.metrics import METRICS_FILE
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,24 @@ def claim(output_dir: Path, checkpoint_dir: Path, *, resuming: bool, overwrite: 
     if checkpoint_dir.is_dir():
         for path in remove_leftovers(checkpoint_dir):
             log.info("removed %s, left by an interrupted checkpoint", path)
+
+
+RESUME_AUTO = "auto"  # --resume-from auto: the run in --output-dir if there is one, else a new run
+
+
+def checkpoint_root(output_dir: str, checkpoint_dir: str | None) -> Path:
+    """Where a run's checkpoints (and its update log and key) go: --checkpoint-dir, or OUTPUT_DIR/checkpoints."""
+    return Path(checkpoint_dir) if checkpoint_dir else Path(output_dir) / "checkpoints"
+
+
+def resume_source(resume_from: str | None, root: Path) -> Path | None:
+    """The checkpoint ``--resume-from`` continues from: the one it names, or with ``auto`` the run's newest in
+    ``root`` (None when there is none yet: the run starts, or goes on from its update log alone)."""
+    if not resume_from:
+        return None
+    if resume_from != RESUME_AUTO:
+        return Path(resume_from)
+    return root if latest_checkpoint(root) is not None else None
 
 
 def truncate_metrics(output_dir: Path, step: int) -> int:

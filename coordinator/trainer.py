@@ -53,7 +53,7 @@ from gradwire.coordinator.membership import MemberSource, Roster
 from gradwire.coordinator.metrics import RunRecorder, progress, round_record
 from gradwire.coordinator.outer import ReplayOuter, make_outer
 from gradwire.coordinator.round import RoundDispatcher, RoundOutcome, RoundPlan, RoundWork, WorkerSlot
-from gradwire.coordinator.rundir import claim, truncate_metrics
+from gradwire.coordinator.rundir import checkpoint_root, claim, resume_source, truncate_metrics
 from gradwire.coordinator.spotcheck import SpotChecks
 from gradwire.coordinator.status import StatusBoard, worker_events
 from gradwire.coordinator.tracking import make_tracker
@@ -145,7 +145,7 @@ class Trainer:
             agreement_floor=config.agreement_floor if config.agreement_floor >= -1 else None,
         )
         self.output_dir = Path(config.output_dir)
-        self.checkpoint_dir = Path(config.checkpoint_dir) if config.checkpoint_dir else self.output_dir / "checkpoints"
+        self.checkpoint_dir = checkpoint_root(config.output_dir, config.checkpoint_dir)
         self.checkpoints = RunCheckpointer(
             self.checkpoint_dir, config, self.outer, self.data, self.gather, self._pool, self.run_id, self.planner
         )
@@ -160,14 +160,19 @@ class Trainer:
         self._closed_at: float | None = None  # when the last round closed (its last result in)
         self._busy_seen = 0.0  # the advancer's busy seconds at the last record
         self._turnaround_s: float | None = None  # the round in flight's (``_turnaround``)
-        claim(self.output_dir, self.checkpoint_dir, resuming=bool(config.resume_from), overwrite=config.overwrite)
+        self._resuming = bool(config.resume_from)  # a path, or auto: the run here if there is one
+        claim(self.output_dir, self.checkpoint_dir, resuming=self._resuming, overwrite=config.overwrite)
         # Each round's update, durable before it goes out (coordinator.durable); gossip runs keep none yet.
         self.runlog = None if config.gossip else RunLog(self.checkpoint_dir)
         self._logged: tuple[LogRecord, ...] = ()  # rounds after the checkpoint resumed from (``_plan_replay``)
         self._committed: tuple[int, RoundState] | None = None  # the last round stepped, not yet logged
-        if config.resume_from:
-            self.position = self.checkpoints.restore(config.resume_from, self.slots)
-            self._plan_replay(Path(config.resume_from))
+        self._logged_rng = b""  # the RNG state as the last record (or the checkpoint) left it
+        if self._resuming:
+            source = resume_source(config.resume_from, self.checkpoint_dir)
+            if source is not None:
+                self.position = self.checkpoints.restore(source, self.slots)
+                self._logged_rng = rng_state()  # the checkpoint holds it
+            self._plan_replay(source or self.checkpoint_dir)  # no checkpoint yet: the log from the start
         elif self.runlog is not None:
             self.runlog.restart()  # a log no checkpoint of this run precedes belongs to no run
 
@@ -189,9 +194,12 @@ class Trainer:
         after it if every worker that sent the last one still holds its version (``durable.decide_replay``).
         Then the run stands where it stood after its last logged round, its run id and its workers' sessions
         are the same, and each takes the next order by replay, its own error feedback untouched. Otherwise the
-        run goes on from the checkpoint, as the run from there would."""
+        run goes on from the checkpoint, as the run from there would (``_adopt_kept``)."""
         logged, self._logged = self._logged, ()
-        if not logged or self.runlog is None:
+        if not self._resuming or self.runlog is None:
+            return
+        if not logged:
+            self._adopt_kept()
             return
         state = RoundState.from_bytes(logged[-1].coordinator_state)
         held = {worker_key(slot): slot.held.get(state.run_id) for slot in self.slots}
@@ -199,13 +207,16 @@ class Trainer:
         if not use:
             log.warning("resuming from the checkpoint of step %d, not the update log: %s", self.step, why)
             self.runlog.restart()
+            self._adopt_kept()
             return
         replay(self.outer, logged)
         self.position = RunPosition(state.step, state.total_tokens)
         restored = self.checkpoints.restore_position(state.meta, self.slots)
         self.gather.norms.clear()
         self.gather.norms.extend(state.norms)
-        set_rng_state(state.rng)
+        if state.rng:
+            set_rng_state(state.rng)
+        self._logged_rng = rng_state()
         self.run_id = self.rounds.run_id = self.checkpoints.run_id = state.run_id  # the workers' sessions are its
         for slot in self.slots:  # where each worker stands: at the logged version, or one on (it had the next order)
             slot.guess = slot.held.get(state.run_id) if restored[slot.index] in state.versions else None
@@ -215,6 +226,27 @@ class Trainer:
             logged[0].round,
             logged[-1].round,
             why,
+        )
+
+    def _adopt_kept(self) -> None:
+        """A resume from the checkpoint alone: the workers that kept the run's replica at a version the
+        coordinator can bring forward (the checkpoint's, or the one before the update it took last, which
+        they catch up by) go on from it in the run's own sessions; the others get the state pushed."""
+        run_id, outer = self.checkpoints.restored_run_id, self.outer
+        if not run_id or not any(run_id in slot.held for slot in self.slots):
+            return  # nobody kept it (workers started afresh): a new run id, every worker pushed
+        usable = {outer.base_version, outer.target_version, *(v for v, _, _ in outer.history)}
+        self.run_id = self.rounds.run_id = self.checkpoints.run_id = run_id
+        kept = 0
+        for slot in self.slots:
+            version = slot.held.get(run_id)
+            slot.guess = version if version in usable else None
+            kept += slot.guess is not None
+        log.info(
+            "resumed at step %d from the checkpoint: %d of %d workers kept their replicas",
+            self.step,
+            kept,
+            len(self.slots),
         )
 
     def _log_round(self) -> None:
@@ -227,13 +259,15 @@ class Trainer:
     def _round_state(self) -> RoundState:
         """The coordinator's state after the round just stepped: what its log record keeps besides the update."""
         senders, sent_in = self.outer.senders
+        rng = rng_state()
+        rng, self._logged_rng = (b"" if rng == self._logged_rng else rng), rng
         return RoundState(
             self.run_id,
             self.step,
             self.total_tokens,
             self.checkpoints.position_meta(self.position, self.slots),
             tuple(self.gather.norms),
-            rng_state(),
+            rng,
             senders,
             sent_in,
             {worker_key(slot): slot.version for slot in self.slots if slot.version is not None},
@@ -282,7 +316,7 @@ class Trainer:
         """
         cfg = self.config
         self.connect()
-        if cfg.resume_from and (dropped := truncate_metrics(self.output_dir, self.step)):
+        if self._resuming and (dropped := truncate_metrics(self.output_dir, self.step)):
             log.info("resume at step %d: dropped %d metrics record(s) past it", self.step, dropped)
         shown = progress(cfg.steps, self.step, enabled=self.progress, every=cfg.log_every)
         recorder = RunRecorder(self.output_dir, shown, make_tracker(cfg))  # a tracker with --wandb-project

@@ -873,8 +873,6 @@ def order_from_proto(m: pb.WorkOrder) -> WorkOrder:
         )
     if len(m.catch_up) > MAX_CATCH_UP:
         raise ProtocolError(f"work order carries {len(m.catch_up)} catch-up updates, more than {MAX_CATCH_UP}")
-    if m.catch_up and not m.HasField("update"):
-        raise ProtocolError("catch-up updates come before a round's update, and this order has none")
     if m.stream_buckets > MAX_BUCKETS:
         raise ProtocolError(f"stream_buckets is at most {MAX_BUCKETS}, got {m.stream_buckets}")
     if m.stream_buckets and local_steps is not None:

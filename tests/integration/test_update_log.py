@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.durable import RoundState, decide_replay, log_path, read_records
@@ -74,6 +76,24 @@ def _killed_after(trainer: Trainer, rounds: int) -> None:
     trainer.outer.settle()
 
 
+def _in_flight(trainer: Trainer) -> None:
+    """The next round's results come in, and the process dies before its record is written."""
+    assert trainer.train_step() is not None
+    trainer.outer.settle()
+
+
+def _resumed(out: Path, engines: list[FaultyEngine], **changes: object) -> tuple[list[dict], dict, Trainer]:
+    """A coordinator started again on ``out`` (``--resume-from`` its checkpoints unless ``changes`` say
+    otherwise) with ``engines``' workers, run to the end: its records, its final parameters, itself."""
+    config = _config(out, **{"resume_from": str(out / "checkpoints"), **changes})
+    trainer = Trainer(config, _clients(engines), progress=False)
+    try:
+        rows = trainer.run()
+        return rows, _params(trainer), trainer
+    finally:
+        trainer.close()
+
+
 @pytest.mark.parametrize(("inner_steps", "in_flight"), [(1, False), (3, False), (1, True), (3, True)])
 def test_a_restart_replays_the_log_and_is_the_uninterrupted_run(
     tmp_path: Path, inner_steps: int, in_flight: bool
@@ -86,8 +106,7 @@ def test_a_restart_replays_the_log_and_is_the_uninterrupted_run(
     first = Trainer(_config(out, inner_steps=inner_steps), _clients(engines), progress=False)
     _killed_after(first, 5)  # a checkpoint at step 3, rounds 3 and 4 only in the log
     if in_flight:
-        assert first.train_step() is not None  # never logged
-        first.outer.settle()
+        _in_flight(first)
     records = read_records(log_path(out / "checkpoints"), 1 << 30)
     assert [r.round for r in records] == [3, 4]
     assert all(r.to_version == r.from_version + 1 for r in records) and records[1].from_version == records[0].to_version
@@ -95,20 +114,35 @@ def test_a_restart_replays_the_log_and_is_the_uninterrupted_run(
     assert state.step == 5 and state.run_id == first.run_id and len(state.senders) == 2
     pushes = [e.pushes for e in engines]
 
-    config = _config(out, inner_steps=inner_steps, resume_from=str(out / "checkpoints"))
-    second = Trainer(config, _clients(engines), progress=False)  # the same workers, still holding their replicas
-    try:
-        rows = second.run()
-        resumed = _params(second)
-    finally:
-        second.close()
-        first.close()
+    rows, resumed, _ = _resumed(out, engines, inner_steps=inner_steps)  # the same workers, replicas kept
+    first.close()
     assert [r["step"] for r in rows] == [6, 7]  # rounds 5 and 6: nothing trained twice, nothing lost
     assert [e.pushes for e in engines] == pushes  # no state pushed: each worker went on from its own replica
     assert all(torch.equal(resumed[n], straight[n]) for n in straight)
     # In flight: each worker's round 5 went again as it was computed, not computed twice.
     assert [e.rounds.resent for e in engines] == [int(in_flight)] * 2
     assert read_records(log_path(out / "checkpoints"), 1 << 30) == []  # the final checkpoint holds them all
+
+
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_a_restart_just_after_a_checkpoint_keeps_the_workers_replicas(tmp_path: Path, in_flight: bool) -> None:
+    """Killed once the checkpoint at step 6 compacted the log: nothing to replay, yet the workers kept their
+    replicas, before the checkpoint's last update (they catch up by it) or, with round 6 in flight, after it
+    (they send round 6 again). No state is pushed, and the run is the uninterrupted one."""
+    straight = _straight(tmp_path / "straight")
+    out = tmp_path / "killed"
+    engines = _engines()
+    first = Trainer(_config(out), _clients(engines), progress=False)
+    _killed_after(first, 6)
+    assert read_records(log_path(out / "checkpoints"), 1 << 30) == []
+    if in_flight:
+        _in_flight(first)
+    rows, resumed, second = _resumed(out, engines)
+    first.close()
+    assert [r["step"] for r in rows] == [7]
+    assert [e.pushes for e in engines] == [1, 1] and second.run_id == first.run_id
+    assert all(torch.equal(resumed[n], straight[n]) for n in straight)
+    assert [e.rounds.resent for e in engines] == [int(in_flight)] * 2
 
 
 def test_workers_that_lost_their_replicas_resume_from_the_checkpoint(tmp_path: Path) -> None:
@@ -118,12 +152,7 @@ def test_workers_that_lost_their_replicas_resume_from_the_checkpoint(tmp_path: P
     _killed_after(first, 5)
     first.close()
     fresh = _engines()  # the workers restarted too: they hold nothing of the run
-    second = Trainer(_config(out, resume_from=str(out / "checkpoints")), _clients(fresh), progress=False)
-    try:
-        rows = second.run()
-        resumed = _params(second)
-    finally:
-        second.close()
+    rows, resumed, _ = _resumed(out, fresh)
     assert [r["step"] for r in rows] == [4, 5, 6, 7]  # from the checkpoint at step 3, as the straight run
     assert all(e.pushes == 1 for e in fresh)
     assert all(torch.equal(resumed[n], straight[n]) for n in straight)
@@ -188,3 +217,72 @@ def test_a_coordinator_process_killed_mid_run_resumes_by_replay_and_pushes_nothi
         assert "by replaying the update log" in resumed.stderr, resumed.stderr[-3000:]
         assert [w.engine.pushes for w in workers] == pushes  # each went on from the replica it kept
     assert _losses(out) == _losses(straight)
+
+
+def test_resume_auto_starts_a_new_run_or_continues_one_killed_before_its_first_checkpoint(tmp_path: Path) -> None:
+    """``--resume-from auto`` is the command a supervisor re-runs: in an empty directory it starts the run; after
+    a kill before the first checkpoint it replays the log from the start, the workers' replicas kept."""
+    straight = _straight(tmp_path / "straight")
+    out = tmp_path / "run"
+    engines = _engines()
+    first = Trainer(_config(out, resume_from="auto"), _clients(engines), progress=False)
+    assert first.step == 0 and first.checkpoints.restored_run_id is None  # nothing here yet: a new run
+    _killed_after(first, 2)  # rounds 0 and 1, no checkpoint (the first is at step 3)
+    assert not (out / "checkpoints" / "latest").exists()
+    assert [r.round for r in read_records(log_path(out / "checkpoints"), 1 << 30)] == [0, 1]
+    rows, resumed, _ = _resumed(out, engines, resume_from="auto")
+    first.close()
+    assert [r["step"] for r in rows] == [3, 4, 5, 6, 7]
+    assert [e.pushes for e in engines] == [1, 1]
+    assert all(torch.equal(resumed[n], straight[n]) for n in straight)
+
+
+SUPERVISED = ["--model", "gpt-tiny", "--steps", "40", "--batch-size", "3", "--sequence-length", "32", "--no-progress"]
+SUPERVISED += ["--checkpoint-every", "8", "--balance", "off", "--resume-from", "auto"]
+KILLS = 6
+
+
+@pytest.mark.slow
+def test_a_supervised_coordinator_killed_again_and_again_trains_every_round_once_and_pushes_nothing(
+    tmp_path: Path,
+) -> None:
+    """A supervisor loop re-runs the same command (``--resume-from auto``) after each SIGKILL, dealt at random
+    points (inside rounds, log appends, checkpoints): every step is trained once with the uninterrupted run's
+    loss, no worker gets the state after its first push, and the trained model is the same, bit for bit."""
+    rng = random.Random(46)
+    with live_workers(3, _engines_factory()) as workers:
+        straight = tmp_path / "straight"
+        argv = [*COORDINATOR, *SUPERVISED, "--workers", ",".join(w.address for w in workers)]
+        argv += ["--output-dir", str(straight)]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=ENV)
+        assert done.returncode == 0, done.stderr[-3000:]
+    with live_workers(3, _engines_factory()) as workers:
+        out = tmp_path / "run"
+        argv = [*COORDINATOR, *SUPERVISED, "--workers", ",".join(w.address for w in workers), "--output-dir", str(out)]
+        metrics, kills, starts, logs = out / "metrics.jsonl", 0, 0, []
+        while True:
+            starts += 1
+            assert starts <= KILLS + 2, "the supervisor loop did not finish"
+            before = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+            proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+            if kills < KILLS:
+                deadline = time.monotonic() + 120
+                while proc.poll() is None and not (
+                    metrics.is_file() and len(metrics.read_text().splitlines()) > before + rng.randrange(3)
+                ):
+                    assert time.monotonic() < deadline, "the run never got going"
+                    time.sleep(0.02)
+                time.sleep(rng.uniform(0.0, 0.25))  # anywhere in the next round, append or checkpoint
+                if proc.poll() is None:
+                    proc.kill()
+                    logs.append(proc.communicate(timeout=60)[1])
+                    kills += 1
+                    continue
+            _, stderr = proc.communicate(timeout=300)
+            assert proc.returncode == 0, stderr[-3000:]
+            break
+        assert kills == KILLS
+        assert [w.engine.pushes for w in workers] == [1, 1, 1], "\n".join(x[-2000:] for x in logs)
+    assert _losses(out) == _losses(straight)
+    final, reference = (load_file(run / "final" / "model.safetensors") for run in (out, straight))
+    assert final.keys() == reference.keys() and all(torch.equal(final[k], reference[k]) for k in final)
