@@ -94,12 +94,17 @@ def _resumed(out: Path, engines: list[FaultyEngine], **changes: object) -> tuple
         trainer.close()
 
 
-@pytest.mark.parametrize(("inner_steps", "in_flight"), [(1, False), (3, False), (1, True), (3, True)])
+@pytest.mark.parametrize(
+    ("inner_steps", "in_flight", "torn"),
+    [(1, False, False), (3, False, False), (1, True, False), (3, True, False), (3, False, True)],
+)
 def test_a_restart_replays_the_log_and_is_the_uninterrupted_run(
-    tmp_path: Path, inner_steps: int, in_flight: bool
+    tmp_path: Path, inner_steps: int, in_flight: bool, torn: bool
 ) -> None:
     """Killed between rounds, or (``in_flight``) once round 5's results were in but before its record: its
-    workers then hold the version after round 4's update, and send round 5's results again when asked."""
+    workers then hold the version after round 4's update, and send round 5's results again when asked.
+    ``torn``: killed inside round 4's append, so the log ends at round 3; round 5's orders never went out (the
+    append comes first), and round 4's results go again."""
     straight = _straight(tmp_path / "straight", inner_steps=inner_steps)
     out = tmp_path / "killed"
     engines = _engines()
@@ -107,20 +112,24 @@ def test_a_restart_replays_the_log_and_is_the_uninterrupted_run(
     _killed_after(first, 5)  # a checkpoint at step 3, rounds 3 and 4 only in the log
     if in_flight:
         _in_flight(first)
+    if torn:  # the last record cut short: a crash inside its append
+        path = log_path(out / "checkpoints")
+        with path.open("r+b") as f:
+            f.truncate(path.stat().st_size - 100)
     records = read_records(log_path(out / "checkpoints"), 1 << 30)
-    assert [r.round for r in records] == [3, 4]
-    assert all(r.to_version == r.from_version + 1 for r in records) and records[1].from_version == records[0].to_version
+    assert [r.round for r in records] == [3, 4][: 2 - torn]
+    assert all(r.to_version == r.from_version + 1 for r in records)
     state = RoundState.from_bytes(records[-1].coordinator_state)
-    assert state.step == 5 and state.run_id == first.run_id and len(state.senders) == 2
+    assert state.step == 5 - torn and state.run_id == first.run_id and len(state.senders) == 2
     pushes = [e.pushes for e in engines]
 
     rows, resumed, _ = _resumed(out, engines, inner_steps=inner_steps)  # the same workers, replicas kept
     first.close()
-    assert [r["step"] for r in rows] == [6, 7]  # rounds 5 and 6: nothing trained twice, nothing lost
+    assert [r["step"] for r in rows] == list(range(6 - torn, 8))  # nothing trained twice, nothing lost
     assert [e.pushes for e in engines] == pushes  # no state pushed: each worker went on from its own replica
     assert all(torch.equal(resumed[n], straight[n]) for n in straight)
     # In flight: each worker's round 5 went again as it was computed, not computed twice.
-    assert [e.rounds.resent for e in engines] == [int(in_flight)] * 2
+    assert [e.rounds.resent for e in engines] == [int(in_flight) + int(torn)] * 2
     assert read_records(log_path(out / "checkpoints"), 1 << 30) == []  # the final checkpoint holds them all
 
 
