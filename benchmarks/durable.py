@@ -41,7 +41,7 @@ def logged_run(args: argparse.Namespace, inner_steps: int, out: Path) -> dict[st
     config = TrainConfig(
         model=args.model,
         steps=args.rounds,
-        batch_size=args.batch_size * max(1, inner_steps),
+        batch_size=args.batch_size,
         sequence_length=args.seq_len,
         inner_steps=inner_steps,
         checkpoint_every=0,
@@ -121,7 +121,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt-10m")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=2, help="rows per worker step (x H in local SGD)")
+    parser.add_argument("--batch-size", type=int, default=2, help="rows per worker and (inner) step")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=4, help="rounds of each logged run")
     parser.add_argument("--inner-steps", type=int, default=30, help="H of the local-SGD run")

@@ -203,7 +203,7 @@ class Trainer:
             return
         state = RoundState.from_bytes(logged[-1].coordinator_state)
         held = {worker_key(slot): slot.held.get(state.run_id) for slot in self.slots}
-        use, why = decide_replay(state.versions, held)
+        use, why = decide_replay(state.versions, held, delayed=self.config.overlap)
         if not use:
             log.warning("resuming from the checkpoint of step %d, not the update log: %s", self.step, why)
             self.runlog.restart()
@@ -235,7 +235,9 @@ class Trainer:
         run_id, outer = self.checkpoints.restored_run_id, self.outer
         if not run_id or not any(run_id in slot.held for slot in self.slots):
             return  # nobody kept it (workers started afresh): a new run id, every worker pushed
-        usable = {outer.base_version, outer.target_version, *(v for v, _, _ in outer.history)}
+        usable = {outer.base_version, *(v for v, _, _ in outer.history)}
+        if not self.config.overlap:  # one that took the pending update computed the next round after it
+            usable.add(outer.target_version)
         self.run_id = self.rounds.run_id = self.checkpoints.run_id = run_id
         kept = 0
         for slot in self.slots:

@@ -133,6 +133,23 @@ def test_a_restart_replays_the_log_and_is_the_uninterrupted_run(
     assert read_records(log_path(out / "checkpoints"), 1 << 30) == []  # the final checkpoint holds them all
 
 
+@pytest.mark.parametrize(
+    "changes", [{"overlap": True}, {"inner_steps": 3, "overlap": True}, {"inner_steps": 4, "fragments": 2}]
+)
+def test_overlapped_and_fragmented_runs_resume_from_the_log(tmp_path: Path, changes: dict) -> None:
+    """--overlap (each round computes before the update in flight) and streamed fragments (each round's
+    update moves one fragment) resume by replay too, between two rounds: nothing pushed, the same run."""
+    straight = _straight(tmp_path / "straight", **changes)
+    out = tmp_path / "killed"
+    engines = _engines()
+    first = Trainer(_config(out, **changes), _clients(engines), progress=False)
+    _killed_after(first, 5)
+    rows, resumed, _ = _resumed(out, engines, **changes)
+    first.close()
+    assert [r["step"] for r in rows] == [6, 7] and [e.pushes for e in engines] == [1, 1]
+    assert all(torch.equal(resumed[n], straight[n]) for n in straight)
+
+
 @pytest.mark.parametrize("in_flight", [False, True])
 def test_a_restart_just_after_a_checkpoint_keeps_the_workers_replicas(tmp_path: Path, in_flight: bool) -> None:
     """Killed once the checkpoint at step 6 compacted the log: nothing to replay, yet the workers kept their
@@ -178,6 +195,7 @@ def test_the_replay_decision_names_the_workers_that_lost_their_replicas() -> Non
     ok, why = decide_replay(logged, {"w-a": 7, "w-b": 5})
     assert not ok and "w-a holds 7, not 5" in why
     assert not decide_replay(logged, {"w-c": 0})[0]
+    assert not decide_replay(logged, {"w-a": 6, "w-b": 5}, delayed=True)[0]  # --overlap: it computed before it
 
 
 COORDINATOR = [sys.executable, "-m", "gradwire.coordinator", "train"]
