@@ -56,13 +56,20 @@ def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
 
+_STRAIGHT: dict[tuple, dict[str, torch.Tensor]] = {}  # the uninterrupted runs' parameters, by settings
+
+
 def _straight(out: Path, **changes: object) -> dict[str, torch.Tensor]:
-    trainer = Trainer(_config(out, **changes), _clients(_engines()), progress=False)
-    try:
-        trainer.run()
-        return _params(trainer)
-    finally:
-        trainer.close()
+    """The final parameters of the uninterrupted run of these settings (run once per settings and process)."""
+    key = tuple(sorted(changes.items()))
+    if key not in _STRAIGHT:
+        trainer = Trainer(_config(out, **changes), _clients(_engines()), progress=False)
+        try:
+            trainer.run()
+            _STRAIGHT[key] = _params(trainer)
+        finally:
+            trainer.close()
+    return _STRAIGHT[key]
 
 
 def _killed_after(trainer: Trainer, rounds: int) -> None:
@@ -200,68 +207,10 @@ def test_the_replay_decision_names_the_workers_that_lost_their_replicas() -> Non
 
 COORDINATOR = [sys.executable, "-m", "gradwire.coordinator", "train"]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-ARGS = ["--model", "gpt-tiny", "--steps", "12", "--batch-size", "4", "--sequence-length", "32", "--no-progress"]
-ARGS += ["--checkpoint-every", "5", "--balance", "off"]
 
 
 def _losses(out: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
-
-
-@pytest.mark.slow
-def test_a_coordinator_process_killed_mid_run_resumes_by_replay_and_pushes_nothing(tmp_path: Path) -> None:
-    """Real workers (gRPC servers in this process) outlive a coordinator process SIGKILLed mid-run; the same
-    command with --resume-from replays its update log, keeps the run's key and id, pushes no state, and the
-    run is the uninterrupted one: every step once, every loss the same."""
-    with live_workers(2, _engines_factory()) as workers:
-        straight = tmp_path / "straight"
-        done = subprocess.run(
-            [*COORDINATOR, *ARGS, "--workers", ",".join(w.address for w in workers), "--output-dir", str(straight)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=ENV,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-    with live_workers(2, _engines_factory()) as workers:
-        out = tmp_path / "run"
-        argv = [*COORDINATOR, *ARGS, "--workers", ",".join(w.address for w in workers), "--output-dir", str(out)]
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
-        deadline = time.monotonic() + 240
-        metrics = out / "metrics.jsonl"
-        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 7):  # past the checkpoint at 5
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "the run never got going"
-            time.sleep(0.05)
-        proc.kill()
-        proc.communicate(timeout=60)
-        pushes = [w.engine.pushes for w in workers]
-        assert pushes == [1, 1]
-        resumed = subprocess.run(
-            [*argv, "--resume-from", str(out / "checkpoints")], capture_output=True, text=True, timeout=300, env=ENV
-        )
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
-        assert "by replaying the update log" in resumed.stderr, resumed.stderr[-3000:]
-        assert [w.engine.pushes for w in workers] == pushes  # each went on from the replica it kept
-    assert _losses(out) == _losses(straight)
-
-
-def test_resume_auto_starts_a_new_run_or_continues_one_killed_before_its_first_checkpoint(tmp_path: Path) -> None:
-    """``--resume-from auto`` is the command a supervisor re-runs: in an empty directory it starts the run; after
-    a kill before the first checkpoint it replays the log from the start, the workers' replicas kept."""
-    straight = _straight(tmp_path / "straight")
-    out = tmp_path / "run"
-    engines = _engines()
-    first = Trainer(_config(out, resume_from="auto"), _clients(engines), progress=False)
-    assert first.step == 0 and first.checkpoints.restored_run_id is None  # nothing here yet: a new run
-    _killed_after(first, 2)  # rounds 0 and 1, no checkpoint (the first is at step 3)
-    assert not (out / "checkpoints" / "latest").exists()
-    assert [r.round for r in read_records(log_path(out / "checkpoints"), 1 << 30)] == [0, 1]
-    rows, resumed, _ = _resumed(out, engines, resume_from="auto")
-    first.close()
-    assert [r["step"] for r in rows] == [3, 4, 5, 6, 7]
-    assert [e.pushes for e in engines] == [1, 1]
-    assert all(torch.equal(resumed[n], straight[n]) for n in straight)
 
 
 SUPERVISED = ["--model", "gpt-tiny", "--steps", "40", "--batch-size", "3", "--sequence-length", "32", "--no-progress"]
