@@ -12,9 +12,11 @@ stood after its last committed round, as if it had never stopped. Its workers, i
 hold the version that update moves from, and are sent it as the next order's replay (their own payload left
 out, as it would have been): a worker's own error feedback and inner state carry on untouched.
 
-Covered: replayed outer steps whose workers replay the senders' payloads. A compressed downlink's error
-feedback and a coordinator-side optimizer (``DeltaOuter``) hold dense state that the updates alone do not
-rebuild; such a run resumes from its last checkpoint (``plan_replay`` says why).
+A resume re-runs each logged round's outer step on what the round's senders sent (``replay``). Where the
+workers replay those payloads they are the update itself; where the update is made from them (a compressed
+downlink's one re-compressed aggregate, ``DeltaOuter``'s AdamW delta) the record holds them too, and the
+re-run rebuilds what the updates alone do not hold: the downlink's error feedback, the optimizer's moments.
+Each re-run must give the logged update bit for bit. Gossip runs keep no log yet.
 """
 
 from __future__ import annotations
@@ -29,9 +31,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gradwire import protocol
+from gradwire.compression import robust
 from gradwire.coordinator.checkpoint import META, fsync_dir
 from gradwire.coordinator.outer import OuterStrategy, ReplayOuter
 from gradwire.coordinator.updatelog import LOG_FILE, MAX_RECORD_BYTES, LogRecord, UpdateLog, read_log
+from gradwire.replica import StateUpdate
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +132,6 @@ def plan_replay(
     after = [r for r in records if r.round >= step]
     if not after:
         return (), f"no round after the checkpoint's step {step} is logged"
-    if not isinstance(outer, ReplayOuter):
-        return (), "the outer optimizer steps on the coordinator: its moments are not in the updates"
     if after[0].round != step:
         return (), f"the log's first round after the checkpoint is {after[0].round}, not {step}: it has a gap"
     start = version + int(pending)
@@ -137,8 +140,9 @@ def plan_replay(
     for r in after:
         if r.update is None:
             return (), f"round {r.round} moved no replica (a gossip run's log)"
-        if not RoundState.from_bytes(r.coordinator_state).senders:
-            return (), f"round {r.round} went down compressed: the downlink's error feedback is not in the updates"
+        made = not RoundState.from_bytes(r.coordinator_state).senders or r.update.delta is not None
+        if made and r.contributions is None:
+            return (), f"round {r.round}'s update was made from contributions the log does not hold"
     return tuple(after), f"rounds {step}..{after[-1].round} replayed from the log"
 
 
@@ -161,21 +165,39 @@ def decide_replay(logged: Mapping[str, int], held: Mapping[str, int | None], del
     return True, "every worker named by the last logged round kept its replica"
 
 
-def replay(outer: ReplayOuter, records: Sequence[LogRecord]) -> RoundState:
-    """Bring ``outer`` to where it stood after the last of ``records`` (``plan_replay``'s): every update applied
-    but the last, which is pending with its senders. Returns that round's state."""
-    outer.apply_pending()
-    for record in records[:-1]:
+def replay(outer: OuterStrategy, records: Sequence[LogRecord]) -> RoundState:
+    """Bring ``outer`` to where it stood after the last of ``records`` (``plan_replay``'s), by re-running each
+    round's outer step on its contributions, in order, as the live rounds did: the replica takes every update
+    but the last, which is pending with its senders, and what the updates alone do not hold (a compressed
+    downlink's error feedback, a coordinator-side optimizer's moments) is rebuilt too. Each step must give
+    the logged update bit for bit (a ``ValueError`` if not). Returns the last round's state."""
+    for record in records:
         assert record.update is not None
-        outer.replica.apply(record.update)
-    last = records[-1]
-    state = RoundState.from_bytes(last.coordinator_state)
-    if outer.replica.version != last.from_version:
-        raise ValueError(f"update log: the replay ends at version {outer.replica.version}, not {last.from_version}")
-    outer.rebase(last.update, state.senders, state.sent_in)
+        if outer.target_version != record.from_version:
+            where = f"moves from version {record.from_version}, the coordinator stands at {outer.target_version}"
+            raise ValueError(f"update log: round {record.round} {where}")
+        state = RoundState.from_bytes(record.coordinator_state)
+        made = record.contributions
+        c = made if made is not None else record.update
+        aggregator = robust.aggregate(outer.codec_of(c.fragment), c.payloads, c.weights, c.scales, c.rule)
+        outer.step(
+            aggregator,
+            c.payloads,
+            c.weights,
+            c.learning_rate,
+            scales=c.scales,
+            rule=c.rule,
+            senders=state.senders,
+            round=record.round,
+            compressed=made is not None and isinstance(outer, ReplayOuter),
+            fragment=c.fragment,
+        )
+        assert outer.pending is not None
+        if protocol.update_to_bytes(outer.pending) != protocol.update_to_bytes(record.update):
+            raise ValueError(f"update log: round {record.round}'s outer step does not give its logged update")
     states = (RoundState.from_bytes(r.coordinator_state) for r in reversed(records))
     rng = next((s.rng for s in states if s.rng), b"")  # the newest the log holds; b"": as the checkpoint left it
-    return dataclasses.replace(state, rng=rng)
+    return dataclasses.replace(RoundState.from_bytes(records[-1].coordinator_state), rng=rng)
 
 
 class RunLog:
@@ -188,11 +210,16 @@ class RunLog:
         self.log = UpdateLog(self.path, max_record_bytes=max_record_bytes)
         self.bytes_written = 0
 
-    def append(self, round_: int, outer: OuterStrategy, state: RoundState) -> int:
-        """The round's record: ``outer``'s pending update, from its base version. Durable when this returns."""
+    def append(
+        self, round_: int, outer: OuterStrategy, state: RoundState, contributions: StateUpdate | None = None
+    ) -> int:
+        """The round's record: ``outer``'s pending update, from its base version, and the ``contributions`` it was
+        made from where it is not them. Durable when this returns."""
         pending = outer.pending
         assert pending is not None
-        record = LogRecord(round_, outer.base_version, outer.base_version + 1, pending, None, state.to_bytes())
+        record = LogRecord(
+            round_, outer.base_version, outer.base_version + 1, pending, None, state.to_bytes(), contributions
+        )
         written = self.log.append(record)
         self.bytes_written += written
         return written

@@ -165,7 +165,10 @@ class Trainer:
         # Each round's update, durable before it goes out (coordinator.durable); gossip runs keep none yet.
         self.runlog = None if config.gossip else RunLog(self.checkpoint_dir)
         self._logged: tuple[LogRecord, ...] = ()  # rounds after the checkpoint resumed from (``_plan_replay``)
-        self._committed: tuple[int, RoundState] | None = None  # the last round stepped, not yet logged
+        # The last round stepped, not yet logged: its round, state and (where its update was made from them) the
+        # contributions it was made from.
+        self._committed: tuple[int, RoundState, StateUpdate | None] | None = None
+        self._contributions: StateUpdate | None = None
         self._logged_rng = b""  # the RNG state as the last record (or the checkpoint) left it
         if self._resuming:
             source = resume_source(config.resume_from, self.checkpoint_dir)
@@ -209,7 +212,7 @@ class Trainer:
             self.runlog.restart()
             self._adopt_kept()
             return
-        replay(self.outer, logged)
+        state = replay(self.outer, logged)  # with the newest RNG the log holds
         self.position = RunPosition(state.step, state.total_tokens)
         restored = self.checkpoints.restore_position(state.meta, self.slots)
         self.gather.norms.clear()
@@ -256,7 +259,8 @@ class Trainer:
         update: a restart resumes after it, its metrics line written."""
         committed, self._committed = self._committed, None
         if committed is not None and self.runlog is not None:
-            self.runlog.append(committed[0], self.outer, committed[1])
+            round_, state, contributions = committed
+            self.runlog.append(round_, self.outer, state, contributions)
 
     def _round_state(self) -> RoundState:
         """The coordinator's state after the round just stepped: what its log record keeps besides the update."""
@@ -377,7 +381,8 @@ class Trainer:
             self._report(round_, None, gathered)
             return None
         grad_norm, compressed = self._outer_step(planned, gathered, rule)
-        self._committed = (planned.step, self._round_state())  # logged once its record is written (``run``)
+        contributions, self._contributions = self._contributions, None
+        self._committed = (planned.step, self._round_state(), contributions)  # logged after its metrics line
         record = self._record(planned, round_, gathered, grad_norm, compressed, (t0, t_gathered))
         if spot:
             record["spot_check"] = spot
@@ -428,6 +433,10 @@ class Trainer:
             compressed=compressed,
             fragment=planned.fragment,
         )
+        if compressed or (self.pending is not None and self.pending.delta is not None):  # made from them: logged
+            scales = gathered.scales if any(x < 1 for x in gathered.scales) else ()
+            replayed = StateUpdate(planned.lr, payloads, gathered.weights, scales=scales, rule=rule)
+            self._contributions = dataclasses.replace(replayed, fragment=planned.fragment)
         tokens = round(sum(gathered.weights))  # rows given to several workers (a spot check) count once
         self.position = RunPosition(planned.step + 1, self.total_tokens + tokens)
         if compressed and self.pending is not None:  # sent back as a worker's own, it is a copy

@@ -66,6 +66,7 @@ class LogRecord:
     update: StateUpdate | None  # None: the round moved no replica (to_version == from_version)
     fingerprint: Fingerprint | None = None  # the replica's at to_version; None where not known at append time
     coordinator_state: bytes = b""  # the coordinator's own, opaque here
+    contributions: StateUpdate | None = None  # the senders' payloads, where ``update`` is made from them
 
     def __post_init__(self) -> None:
         if self.round < 0 or self.from_version < 0:
@@ -88,6 +89,8 @@ def record_to_bytes(r: LogRecord) -> bytes:
         msg.update.CopyFrom(protocol.update_to_proto(r.update))
     if r.fingerprint is not None:
         msg.fingerprint.CopyFrom(protocol.fingerprint_to_proto(r.fingerprint))
+    if r.contributions is not None:
+        msg.contributions.CopyFrom(protocol.update_to_proto(r.contributions))
     return msg.SerializeToString()
 
 
@@ -101,6 +104,7 @@ def record_from_bytes(data: bytes) -> LogRecord:
         update=protocol.update_from_proto(msg.update) if msg.HasField("update") else None,
         fingerprint=protocol.fingerprint_from_proto(msg.fingerprint) if msg.HasField("fingerprint") else None,
         coordinator_state=msg.coordinator_state,
+        contributions=protocol.update_from_proto(msg.contributions) if msg.HasField("contributions") else None,
     )
 
 

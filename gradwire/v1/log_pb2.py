@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from gradwire.v1 import worker_pb2 as gradwire_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15gradwire/v1/log.proto\x12\x0bgradwire.v1\x1a\x18gradwire/v1/worker.proto\"\xb8\x01\n\tLogRecord\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x14\n\x0c\x66rom_version\x18\x02 \x01(\x04\x12\x12\n\nto_version\x18\x03 \x01(\x04\x12(\n\x06update\x18\x04 \x01(\x0b\x32\x18.gradwire.v1.StateUpdate\x12-\n\x0b\x66ingerprint\x18\x05 \x01(\x0b\x32\x18.gradwire.v1.Fingerprint\x12\x19\n\x11\x63oordinator_state\x18\x06 \x01(\x0c\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15gradwire/v1/log.proto\x12\x0bgradwire.v1\x1a\x18gradwire/v1/worker.proto\"\xe9\x01\n\tLogRecord\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x14\n\x0c\x66rom_version\x18\x02 \x01(\x04\x12\x12\n\nto_version\x18\x03 \x01(\x04\x12(\n\x06update\x18\x04 \x01(\x0b\x32\x18.gradwire.v1.StateUpdate\x12-\n\x0b\x66ingerprint\x18\x05 \x01(\x0b\x32\x18.gradwire.v1.Fingerprint\x12\x19\n\x11\x63oordinator_state\x18\x06 \x01(\x0c\x12/\n\rcontributions\x18\x07 \x01(\x0b\x32\x18.gradwire.v1.StateUpdateb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,5 +33,5 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gradwire.v1.log_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LOGRECORD']._serialized_start=65
-  _globals['_LOGRECORD']._serialized_end=249
+  _globals['_LOGRECORD']._serialized_end=298
 # @@protoc_insertion_point(module_scope)

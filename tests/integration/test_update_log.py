@@ -141,11 +141,20 @@ def test_a_restart_replays_the_log_and_is_the_uninterrupted_run(
 
 
 @pytest.mark.parametrize(
-    "changes", [{"overlap": True}, {"inner_steps": 3, "overlap": True}, {"inner_steps": 4, "fragments": 2}]
+    "changes",
+    [
+        {"overlap": True},
+        {"inner_steps": 3, "overlap": True},
+        {"inner_steps": 4, "fragments": 2},
+        {"downlink": "compressed"},
+        {"outer_optimizer": "adamw"},
+    ],
 )
-def test_overlapped_and_fragmented_runs_resume_from_the_log(tmp_path: Path, changes: dict) -> None:
-    """--overlap (each round computes before the update in flight) and streamed fragments (each round's
-    update moves one fragment) resume by replay too, between two rounds: nothing pushed, the same run."""
+def test_every_kind_of_round_resumes_from_the_log(tmp_path: Path, changes: dict) -> None:
+    """--overlap (each round computes before the update in flight), streamed fragments (each round's update
+    moves one fragment), a compressed downlink (its error feedback on the coordinator) and AdamW on the
+    coordinator (its moments) resume by replay too, between two rounds: nothing pushed, the same run. The
+    last two log the senders' payloads beside the update, and a resume re-runs their outer steps."""
     straight = _straight(tmp_path / "straight", **changes)
     out = tmp_path / "killed"
     engines = _engines()
