@@ -6,17 +6,16 @@ round as JSON (``RoundState``: where the data stands, the judge's memory, the ba
 senders of the update and the run's id). A full checkpoint at step s covers every round before s: the log
 then drops those records (``compact``).
 
-A resume (``plan_replay``, then ``replay``) loads the newest checkpoint, applies the logged updates after it
-but the last to the replica, and keeps the last pending, with its senders: the coordinator stands where it
-stood after its last committed round, as if it had never stopped. Its workers, if they kept their replicas,
-hold the version that update moves from, and are sent it as the next order's replay (their own payload left
-out, as it would have been): a worker's own error feedback and inner state carry on untouched.
-
-A resume re-runs each logged round's outer step on what the round's senders sent (``replay``). Where the
-workers replay those payloads they are the update itself; where the update is made from them (a compressed
-downlink's one re-compressed aggregate, ``DeltaOuter``'s AdamW delta) the record holds them too, and the
-re-run rebuilds what the updates alone do not hold: the downlink's error feedback, the optimizer's moments.
-Each re-run must give the logged update bit for bit. Gossip runs keep no log yet.
+A resume (``plan_replay``, then ``replay``) loads the newest checkpoint and re-runs the outer step of each
+logged round after it on what the round's senders sent: the replica takes every logged update but the last,
+which stays pending with its senders, and the coordinator stands where it stood after its last committed
+round, as if it had never stopped. Where the workers replay the senders' payloads those are the update
+itself; where the update is made from them (a compressed downlink's one re-compressed aggregate,
+``DeltaOuter``'s AdamW delta) the record holds them too, and the re-run rebuilds what the updates alone do
+not hold: the downlink's error feedback, the optimizer's moments. Each re-run must give the logged update
+bit for bit. The workers, if they kept their replicas (``decide_replay``), hold the version the last update
+moves from, or the next, and go on from it: their own error feedback and inner state carry on untouched.
+Gossip runs keep no log yet.
 """
 
 from __future__ import annotations
@@ -105,7 +104,8 @@ def save_run_key(checkpoint_dir: Path, key: bytes) -> None:
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     path = checkpoint_dir / RUN_KEY_FILE
     tmp = path.with_name(f".{RUN_KEY_FILE}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    tmp.unlink(missing_ok=True)  # a leftover keeps its own mode: the key goes only into a file made 0600 now
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w", encoding="ascii") as f:
         f.write(key.hex() + "\n")
         f.flush()
