@@ -532,6 +532,8 @@ def _train_locked(
                 f"step {last['step']}: loss {last['loss']:.4f}, {last['tokens_per_sec']:.0f} tokens/s, "
                 f"compression {last['compression_ratio']:.0f}x; outputs in {config.output_dir}"
             )
+        else:  # resumed a run that had trained every step already (--resume-from auto, restarted once more)
+            print(f"the run in {config.output_dir} has trained its {config.steps} steps; outputs there")
         return 0
 
     if local:
