@@ -151,17 +151,23 @@ def _move_into_place(tmp: Path, final: Path) -> None:
 
 
 def _write_latest(root: Path, name: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=root, prefix=".tmp-latest-")
+    write_durably(root / LATEST, name + "\n")
+
+
+def write_durably(path: Path, text: str) -> None:
+    """``path`` holds ``text`` (UTF-8), whole or not at all, even across a crash: written to a new temporary
+    file beside it (mode 0600, its own), fsynced, renamed over it, the directory fsynced."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.name}-")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(name + "\n")
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, root / LATEST)
+        os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    fsync_dir(root)
+    fsync_dir(path.parent)
 
 
 def latest_checkpoint(root: Path | str) -> Path | None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -32,7 +31,7 @@ import torch
 
 from gradwire import protocol
 from gradwire.compression import robust
-from gradwire.coordinator.checkpoint import META, fsync_dir
+from gradwire.coordinator.checkpoint import META, write_durably
 from gradwire.coordinator.outer import OuterStrategy, ReplayOuter
 from gradwire.coordinator.updatelog import LOG_FILE, MAX_RECORD_BYTES, LogRecord, UpdateLog, read_log
 from gradwire.replica import StateUpdate
@@ -102,16 +101,7 @@ def load_run_key(checkpoint_dir: Path) -> bytes | None:
 def save_run_key(checkpoint_dir: Path, key: bytes) -> None:
     """Keep ``key`` in ``checkpoint_dir`` (mode 0600, written whole or not at all)."""
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    path = checkpoint_dir / RUN_KEY_FILE
-    tmp = path.with_name(f".{RUN_KEY_FILE}.tmp")
-    tmp.unlink(missing_ok=True)  # a leftover keeps its own mode: the key goes only into a file made 0600 now
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w", encoding="ascii") as f:
-        f.write(key.hex() + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(checkpoint_dir)
+    write_durably(checkpoint_dir / RUN_KEY_FILE, key.hex() + "\n")
 
 
 def log_path(checkpoint_dir: Path) -> Path:

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
-from gradwire.coordinator.checkpoint import LATEST, latest_checkpoint, remove_leftovers
+from gradwire.coordinator.checkpoint import LATEST, latest_checkpoint, remove_leftovers, write_durably
 from gradwire.coordinator.metrics import METRICS_FILE
 
 log = logging.getLogger(__name__)
@@ -88,10 +86,5 @@ def truncate_metrics(output_dir: Path, step: int) -> int:
         else:
             dropped += 1
     if dropped:
-        fd, tmp = tempfile.mkstemp(dir=output_dir, prefix=".tmp-metrics-")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write("".join(line + "\n" for line in kept))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_durably(path, "".join(line + "\n" for line in kept))
     return dropped

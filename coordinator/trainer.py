@@ -39,6 +39,7 @@ from gradwire.coordinator.durable import (
     RoundState,
     RunLog,
     decide_replay,
+    log_path,
     plan_replay,
     read_records,
     replay,
@@ -168,7 +169,6 @@ class Trainer:
         # The last round stepped, not yet logged: its round, state and (where its update was made from them) the
         # contributions it was made from.
         self._committed: tuple[int, RoundState, StateUpdate | None] | None = None
-        self._contributions: StateUpdate | None = None
         self._logged_rng = b""  # the RNG state as the last record (or the checkpoint) left it
         if self._resuming:
             source = resume_source(config.resume_from, self.checkpoint_dir)
@@ -185,7 +185,7 @@ class Trainer:
         if self.runlog is None:
             return
         outer = self.outer
-        records = read_records(resume_root(resume_from) / self.runlog.path.name, self.runlog.max_record_bytes)
+        records = read_records(log_path(resume_root(resume_from)), self.runlog.max_record_bytes)
         self._logged, why = plan_replay(records, self.step, outer.base_version, outer.pending is not None, outer)
         if records and not self._logged:
             log.warning("resuming from the checkpoint of step %d alone: %s", self.step, why)
@@ -380,8 +380,7 @@ class Trainer:
         if gathered.aggregator is None:
             self._report(round_, None, gathered)
             return None
-        grad_norm, compressed = self._outer_step(planned, gathered, rule)
-        contributions, self._contributions = self._contributions, None
+        grad_norm, compressed, contributions = self._outer_step(planned, gathered, rule)
         self._committed = (planned.step, self._round_state(), contributions)  # logged after its metrics line
         record = self._record(planned, round_, gathered, grad_norm, compressed, (t0, t_gathered))
         if spot:
@@ -416,32 +415,38 @@ class Trainer:
         self._log_fates(step, gathered)
         return gathered, spot, rule
 
-    def _outer_step(self, planned: PlannedRound, gathered: Gathered, rule: AggregationRule) -> tuple[float, bool]:
+    def _outer_step(
+        self, planned: PlannedRound, gathered: Gathered, rule: AggregationRule
+    ) -> tuple[float, bool, StateUpdate | None]:
         """The outer step: the round's aggregate becomes the next update (the senders' payloads, or one
-        re-compressed aggregate); returns the aggregate's norm and whether the downlink is compressed."""
+        re-compressed aggregate); returns the aggregate's norm, whether the downlink is compressed, and where
+        the update is made from the senders' payloads rather than being them, those payloads as a replay (what
+        the update log keeps beside it)."""
         payloads = tuple(r.gradient for r in gathered.results if r.gradient is not None)
         compressed = self._compressed_downlink(payloads)
+        scales = gathered.scales if any(x < 1 for x in gathered.scales) else ()
         grad_norm = self.outer.step(
             gathered.aggregator,
             payloads,
             gathered.weights,
             planned.lr,
-            scales=gathered.scales if any(x < 1 for x in gathered.scales) else (),
+            scales=scales,
             rule=rule,
             senders=gathered.senders,
             round=planned.step,
             compressed=compressed,
             fragment=planned.fragment,
         )
-        if compressed or (self.pending is not None and self.pending.delta is not None):  # made from them: logged
-            scales = gathered.scales if any(x < 1 for x in gathered.scales) else ()
-            replayed = StateUpdate(planned.lr, payloads, gathered.weights, scales=scales, rule=rule)
-            self._contributions = dataclasses.replace(replayed, fragment=planned.fragment)
+        contributions = None
+        if compressed or (self.pending is not None and self.pending.delta is not None):
+            contributions = StateUpdate(
+                planned.lr, payloads, gathered.weights, scales=scales, rule=rule, fragment=planned.fragment
+            )
         tokens = round(sum(gathered.weights))  # rows given to several workers (a spot check) count once
         self.position = RunPosition(planned.step + 1, self.total_tokens + tokens)
         if compressed and self.pending is not None:  # sent back as a worker's own, it is a copy
             self.gather.remember_sent(self.pending.payloads[0], planned.step)
-        return grad_norm, compressed
+        return grad_norm, compressed, contributions
 
     def _record(
         self,

@@ -46,17 +46,25 @@ class Lookahead:
             return False, f"computed ahead for round {made.round}, the order is round {order.round}"
         if not order.compute_before_update:
             return False, "the order is not a delayed round"
-        if order.local_steps != made.local_steps:
-            return False, "the order's inner steps differ from those announced"
         if order.catch_up or version != made.base_version:
             return False, f"computed ahead at version {made.base_version}, the order computes at {version}"
-        if order.micro_batch_size != made.micro_batch_size:
-            return False, "the order's micro-batching differs"
-        if order.clip_grad_norm != made.clip_grad_norm:
-            return False, "the order's gradient clipping differs"
-        if order.batch.shape != made.batch.shape or not np.array_equal(order.batch, made.batch):
-            return False, "the order's batch differs from the one announced"
+        if (why := other_work(order, made)) is not None:
+            return False, why
         return True, "the order asks for the gradient computed ahead"
+
+
+def other_work(order: WorkOrder, made: WorkOrder) -> str | None:
+    """How ``order``'s contribution would differ from ``made``'s at the same version (None: it would not):
+    its inner steps, micro-batching, clipping or batch."""
+    if order.local_steps != made.local_steps:
+        return "the order's inner steps differ"
+    if order.micro_batch_size != made.micro_batch_size:
+        return "the order's micro-batching differs"
+    if order.clip_grad_norm != made.clip_grad_norm:
+        return "the order's gradient clipping differs"
+    if order.batch.shape != made.batch.shape or not np.array_equal(order.batch, made.batch):
+        return "the order's batch differs"
+    return None
 
 
 def preview(order: WorkOrder, version: int) -> WorkOrder | None:

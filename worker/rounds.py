@@ -338,17 +338,15 @@ class Done:
             return False, f"computed at version {self.version}, the order computes at {version}"
         if order.compute_before_update or order.gossip is not None:
             return False, "the order is a delayed or a gossip round"
-        same = (
-            order.local_steps == made.local_steps
-            and order.micro_batch_size == made.micro_batch_size
-            and order.clip_grad_norm == made.clip_grad_norm
-            and order.codec == made.codec
-            and order.feedback_beta == made.feedback_beta
-            and order.fingerprint_gradient == made.fingerprint_gradient
-            and order.batch.shape == made.batch.shape
-            and np.array_equal(order.batch, made.batch)
-        )
-        return (True, "the same round again") if same else (False, "the order asks for other work")
+        if (why := lookahead.other_work(order, made)) is not None:
+            return False, why
+        if (order.codec, order.feedback_beta, order.fingerprint_gradient) != (
+            made.codec,
+            made.feedback_beta,
+            made.fingerprint_gradient,
+        ):
+            return False, "the order encodes otherwise"
+        return True, "the same round again"
 
 
 @dataclasses.dataclass(frozen=True)

