@@ -21,6 +21,9 @@ Each check runs once on ``--device`` (default cuda:0) against the CPU and report
             the codec and float32 drift checks with local-SGD rounds' default codec (``--rank fit``: every
             matrix as int8 factors, factored by an SVD on the GPU; decoded in float64, so the replays
             should agree bit for bit)
+  fingerprint
+            the model's fingerprint on the GPU planned (a few launches a slab) and a tensor at a time: time and
+            kernels of each, and the planned one against the CPU's
   node      with two GPUs, a 2-rank NCCL node (``worker serve --nproc-per-node 2``) in each mode (ddp,
             fsdp, pipeline) against one GPU on the whole batch (max abs difference of the gradient)
   memory    with two GPUs, what each rank of a ddp, fsdp and pipeline node holds of a local-SGD run's
@@ -49,6 +52,7 @@ import torch
 from gradwire.compression import CodecConfig, ErrorFeedback
 from gradwire.compression.robust import AggregationRule
 from gradwire.coordinator.config import DENSE_CODEC
+from gradwire.fingerprint import FingerprintPlan, fingerprint, sample_positions
 from gradwire.models import build_from_spec, lm_loss, model_names, model_spec
 from gradwire.optim.muon import Muon, orthogonalize
 from gradwire.optim.outer import UpdateRule
@@ -230,6 +234,54 @@ def check_stream(spec: dict, device: str, rounds: int = 12, buckets: int = 4, ro
     return out
 
 
+def check_fingerprint(spec: dict, device: str, repeats: int = 10) -> dict[str, Any]:
+    """The model's fingerprint on ``device`` planned (``FingerprintPlan``: a few launches a slab) and a tensor
+    at a time, each timed (median of ``repeats``) with the work it issues (kernels on a GPU, top-level ops on
+    a CPU); and the planned one against the CPU's (the largest relative difference of a sum or a sum of
+    squares, and whether the samples are the same bits)."""
+    model = build_from_spec(spec, seed=0).to(device)
+    named = list(model.named_parameters())
+    tensors = [p.detach() for _, p in named]
+    positions = sample_positions([(n, p.shape) for n, p in named])
+    plan = FingerprintPlan([t.numel() for t in tensors], positions, torch.device(device))
+    out: dict[str, Any] = {"tensors": len(tensors), "slabs": len(plan.slabs)}
+    ways = {"planned": lambda: plan(tensors), "per_tensor": lambda: fingerprint(tensors, positions)}
+    for name, way in ways.items():
+        way()  # warm: a first call allocates
+        out[f"{name}_ms"] = statistics.median(_timed(way, device) for _ in range(repeats)) * 1e3
+        out[f"{name}_launches"] = _launches(way, device)
+    got, cpu = plan(tensors), fingerprint([t.cpu() for t in tensors], positions)
+    stats = zip(got.sums + got.sumsqs, cpu.sums + cpu.sumsqs)
+    out["max_rel_diff_vs_cpu"] = max((abs(a - b) / max(abs(b), 1e-300) for a, b in stats), default=0.0)
+    out["samples_equal"] = got.samples == cpu.samples
+    return out
+
+
+def _timed(call: Any, device: str) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    call()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _launches(call: Any, device: str) -> int:
+    """The kernels ``call`` launches on a GPU; on a CPU, the top-level operators it dispatches."""
+    on_gpu = torch.device(device).type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_gpu else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        call()
+        _sync(device)
+    if on_gpu:
+        return sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return sum(1 for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::"))
+
+
 # Every check, in the order it runs; --checks picks some.
 CHECKS = (
     "codec",
@@ -240,6 +292,7 @@ CHECKS = (
     "codec_low_rank",
     "drift_low_rank",
     "stream",
+    "fingerprint",
     "node",
     "memory",
 )
@@ -261,6 +314,7 @@ def run(model: str, device: str, updates: int, only: Sequence[str] = CHECKS) -> 
         "codec_low_rank": lambda: check_codec(spec, device, LOW_RANK),
         "drift_low_rank": lambda: check_drift(spec, "cpu", device, updates, exact=False, config=LOW_RANK),
         "stream": lambda: check_stream(spec, device, *((12, 4, 8) if on_gpu else (2, 4, 2))),
+        "fingerprint": lambda: check_fingerprint(spec, device),
     }
     if torch.cuda.device_count() >= 2:
         checks["node"] = lambda: check_node(spec)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import zlib
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -29,9 +28,18 @@ from gradwire.compression import fragment as fragments
 from gradwire.compression.aggregate import Aggregator
 from gradwire.compression.fragment import Fragment
 from gradwire.compression.robust import MEAN, AggregationRule
+from gradwire.fingerprint import (  # noqa: F401 - the replica's fingerprint, imported from here too
+    SAMPLES_PER_TENSOR,
+    Fingerprint,
+    FingerprintPlan,
+    compare_fingerprints,
+    fingerprint,
+    moments,
+    planned,
+    sample_positions,
+)
 from gradwire.optim.outer import UpdateRule, outer_step
 
-SAMPLES_PER_TENSOR = 4
 # No honest update moves a parameter by more than this (learning rate x largest aggregate value); a larger
 # step, or a non-finite one, is refused before anything moves instead of overflowing the replica.
 STEP_LIMIT = 1e20
@@ -75,25 +83,6 @@ class StateUpdate:
         )
 
 
-# ------------------------------------------------------------------------------------------- fingerprint
-
-
-@dataclasses.dataclass(frozen=True)
-class Fingerprint:
-    """Per tensor: sum and sum of squares (float64); values at fixed positions (a few per tensor)."""
-
-    sums: tuple[float, ...]
-    sumsqs: tuple[float, ...]
-    samples: tuple[float, ...]
-
-    @classmethod
-    def from_stats(cls, stats: torch.Tensor, tensors: int) -> Fingerprint:
-        """From one flat float64 tensor: ``tensors`` sums, as many sums of squares, then the samples (what a
-        replica split over ranks sums over them in one collective)."""
-        n = tensors
-        return cls(tuple(stats[:n].tolist()), tuple(stats[n : 2 * n].tolist()), tuple(stats[2 * n :].float().tolist()))
-
-
 def check_state(shapes: Mapping[str, Sequence[int]], parameters: Mapping[str, torch.Tensor]) -> None:
     """``ValueError`` unless ``parameters`` holds exactly the tensors of ``shapes`` (names to shapes), each of
     its shape: what a replica checks before a state overwrites anything."""
@@ -105,79 +94,6 @@ def check_state(shapes: Mapping[str, Sequence[int]], parameters: Mapping[str, to
             raise ValueError(f"state is missing parameter {name!r}")
         if tuple(parameters[name].shape) != tuple(shape):
             raise ValueError(f"parameter {name!r}: shape {tuple(parameters[name].shape)} != {tuple(shape)}")
-
-
-def sample_positions(
-    named_shapes: Sequence[tuple[str, Sequence[int]]], per_tensor: int = SAMPLES_PER_TENSOR
-) -> list[torch.Tensor]:
-    """Fixed flat positions to sample in each tensor; the same in every process (seeded by name)."""
-    out = []
-    for name, shape in named_shapes:
-        numel = math.prod(shape)
-        gen = torch.Generator().manual_seed(zlib.crc32(name.encode()) ^ numel)
-        out.append(torch.randint(0, max(numel, 1), (min(per_tensor, numel),), generator=gen))
-    return out
-
-
-MOMENT_SLICE = 1 << 20  # elements cast to float64 at a time by ``moments``
-
-
-@torch.no_grad()
-def moments(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The float64 sum and sum of squares of a flat tensor, a slice at a time: a float64 sum of a float32
-    tensor casts it first, and cast whole, a model's tensors would ask for twice their bytes again."""
-    total = torch.zeros((), dtype=torch.float64, device=flat.device)
-    squares = torch.zeros((), dtype=torch.float64, device=flat.device)
-    for lo in range(0, flat.numel(), MOMENT_SLICE):
-        x = flat[lo : lo + MOMENT_SLICE].double()
-        total += x.sum()
-        squares += torch.dot(x, x)
-    return total, squares
-
-
-@torch.no_grad()
-def fingerprint(tensors: Sequence[torch.Tensor], positions: Sequence[torch.Tensor]) -> Fingerprint:
-    sums, sumsqs, samples = [], [], []
-    for t, pos in zip(tensors, positions):
-        flat = t.detach().reshape(-1)
-        total, squares = moments(flat)
-        sums.append(total)
-        sumsqs.append(squares)
-        samples.append(flat[pos.to(flat.device)].float())
-    return Fingerprint(
-        tuple(torch.stack(sums).tolist()) if sums else (),
-        tuple(torch.stack(sumsqs).tolist()) if sumsqs else (),
-        tuple(torch.cat(samples).tolist()) if samples else (),
-    )
-
-
-def compare_fingerprints(
-    expected: Fingerprint, actual: Fingerprint, numels: Sequence[int], tolerance: float
-) -> tuple[bool, str]:
-    """Do two replicas agree within ``tolerance`` (relative)? Returns (same, reason).
-
-    Float noise from a different device or kernel moves these by ~1e-7 relative; a replica that missed
-    or misapplied an update moves them by orders more.
-    """
-    if (len(expected.sums), len(expected.sumsqs)) != (len(actual.sums), len(actual.sumsqs)) or len(
-        expected.samples
-    ) != len(actual.samples):
-        return False, "fingerprints describe different tensors"
-    for i, (s_e, s_a, q_e, q_a, n) in enumerate(
-        zip(expected.sums, actual.sums, expected.sumsqs, actual.sumsqs, numels)
-    ):
-        if not all(map(math.isfinite, (s_a, q_a))):
-            return False, f"tensor {i}: non-finite values"
-        if abs(q_e - q_a) > tolerance * max(q_e, q_a) + 1e-30:
-            return False, f"tensor {i}: sum of squares {q_a:.9g} != {q_e:.9g}"
-        # |sum(x) - sum(y)| <= sqrt(n) * ||x - y||, so this bound tolerates the same relative drift.
-        if abs(s_e - s_a) > tolerance * math.sqrt(n * max(q_e, q_a)) + 1e-30:
-            return False, f"tensor {i}: sum {s_a:.9g} != {s_e:.9g}"
-    scale = max((abs(x) for x in expected.samples), default=0.0)
-    for j, (a, b) in enumerate(zip(expected.samples, actual.samples)):
-        if not math.isfinite(b) or abs(a - b) > tolerance * (abs(a) + scale) + 1e-30:
-            return False, f"sample {j}: {b:.9g} != {a:.9g}"
-    return True, "replicas agree"
 
 
 # ------------------------------------------------------------------------------------------- replica
@@ -210,6 +126,7 @@ class Replica:
         named_shapes = list(self.shapes.items())
         self.numels = [p.numel() for p in self.params.values()]
         self._positions = sample_positions(named_shapes)
+        self._plans: dict[torch.device, FingerprintPlan] = {}  # by the device of the tensors fingerprinted
         self._codecs: dict[CodecConfig, GradientCodec] = {}
         self._fragment_codecs: dict[tuple[CodecConfig, Fragment], GradientCodec] = {}
         self._splits: dict[int, tuple[tuple[str, ...], ...]] = {}  # the model's tensors in F fragments, by F
@@ -329,7 +246,16 @@ class Replica:
     def fingerprint_of(self, tensors: Mapping[str, torch.Tensor]) -> Fingerprint:
         """The fingerprint of ``tensors`` shaped like the parameters (a gradient, by parameter name), taken as
         ``fingerprint`` takes the parameters': what a spot check compares (``coordinator.spotcheck``)."""
-        return fingerprint([tensors[n] for n in self.params], self._positions)
+        chosen = [tensors[n] for n in self.params]
+        if not chosen:
+            return Fingerprint((), (), ())
+        device = chosen[0].device
+        if not planned(device):
+            return fingerprint(chosen, self._positions)
+        plan = self._plans.get(device)
+        if plan is None:
+            plan = self._plans[device] = FingerprintPlan(self.numels, self._positions, device)
+        return plan(chosen)
 
     def _writes(self) -> tuple[int, ...]:
         return tuple(p._version for p in self.params.values())

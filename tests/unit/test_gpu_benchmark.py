@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from benchmarks import gpu
-from gradwire.models import model_spec
+from gradwire.models import build_from_spec, model_spec
 
 SPEC = model_spec("gpt-tiny")
 
@@ -101,3 +101,12 @@ def test_checks_runs_the_named_checks_alone() -> None:
     assert gpu.main.__module__ == "benchmarks.gpu" and "llama-1b" in gpu.model_names()  # --model llama-1b parses
     with pytest.raises(SystemExit):
         gpu.main(["--checks", "muon,warp"])
+
+
+def test_the_fingerprint_check_times_both_ways_and_compares_with_the_cpu() -> None:
+    out = gpu.check_fingerprint(SPEC, "cpu", repeats=2)
+    assert out["tensors"] == len(list(build_from_spec(SPEC, 0).parameters())) and out["slabs"] >= 1
+    assert out["samples_equal"] is True and out["max_rel_diff_vs_cpu"] < 1e-12
+    assert out["planned_ms"] > 0 and out["per_tensor_ms"] > 0
+    # The plan's work does not grow with the tensors: a few operators a slab, not a few a tensor.
+    assert out["planned_launches"] < out["per_tensor_launches"]

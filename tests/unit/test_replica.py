@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from gradwire.compression import CodecConfig, GradientCodec, PayloadError
+from gradwire.fingerprint import MOMENT_SLICE, compare_fingerprints, moments
 from gradwire.models import build_model
 from gradwire.optim.outer import UpdateRule
-from gradwire.replica import MOMENT_SLICE, Replica, StateUpdate, compare_fingerprints, moments
+from gradwire.replica import Replica, StateUpdate
 
 CFG = CodecConfig()
 
