@@ -584,8 +584,9 @@ class TrainConfig:
     )
     spot_check_tolerance: float = setting(
         SPOT_TOLERANCE,
-        help="relative difference allowed between a recomputed gradient's fingerprint and the sender's "
-        "(float noise: ~1e-2 for bf16 workers against a float32 coordinator)",
+        help="relative difference allowed between a recomputed gradient's fingerprint and the sender's, each "
+        "tensor weighed against the whole gradient (a bf16 worker is recomputed in bf16; float noise across "
+        "device kinds ~1e-3)",
         section=ROUND_POLICY,
     )
 

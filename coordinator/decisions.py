@@ -135,8 +135,8 @@ def score(previous: Score, agreement: float | None, *, floor: float = AGREEMENT_
     return new, "ok", f"agreement {agreement:+.2f}, score {value:+.2f} over {new.rounds} round(s)"
 
 
-# Relative, as the replica check's (replica.compare_fingerprints): float noise between a bf16 GPU worker and a
-# float32 CPU recompute is ~1e-2; another batch's gradient moves some tensor's sum of squares by tens of percent.
+# Relative, of the whole gradient (fingerprint.compare_gradients): a bf16 worker is recomputed in bf16, and float
+# noise across device kinds is ~1e-3; another batch's gradient moves most sampled values by their whole size.
 SPOT_TOLERANCE = 0.05
 
 

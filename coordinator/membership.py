@@ -124,6 +124,7 @@ class Roster:
             slot.client.wait_ready(self.connect_timeout)
             info = slot.client.describe()
             slot.ranks, slot.device, slot.node_mode = info.ranks, info.device, info.node_mode
+            slot.precision = info.precision
             slot.held = dict(info.replicas)
             node = (
                 f", a node of {info.ranks} ranks ({info.node_mode}: {', '.join(info.rank_devices)})"
@@ -170,7 +171,14 @@ class Roster:
                 link.close()
                 self.source.forget()
                 continue
-            slot = WorkerSlot(self._next_index, link, ranks=info.ranks, device=info.device, node_mode=info.node_mode)
+            slot = WorkerSlot(
+                self._next_index,
+                link,
+                ranks=info.ranks,
+                device=info.device,
+                node_mode=info.node_mode,
+                precision=info.precision,
+            )
             self._next_index += 1
             self.slots.append(slot)
             log.info(

@@ -68,6 +68,7 @@ class WorkerSlot:
     device: str = ""  # as its Describe said
     ranks: int = 1  # a node of several GPUs trains ranks x batch_size rows per step and counts as that many
     node_mode: str = ""  # how a node's ranks split the work, as its Describe said; "" for a single device
+    precision: str = "fp32"  # its forward/backward, as its Describe said: how a spot check recomputes it
     held: Mapping[str, int] = dataclasses.field(default_factory=dict)  # its replicas' versions, by run, as described
     # What to restore on the worker with the next push (a resumed run): error feedback, inner optimizer,
     # and in gossip rounds its own model.

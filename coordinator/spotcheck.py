@@ -27,9 +27,12 @@ checked. A model that draws dropout while training cannot be recomputed (``deter
 then off, and say why. Rounds that compute before the update (``--overlap``) are computed at the version
 before the coordinator's copy: they are not checked.
 
-Float noise: the same kind of device and precision recomputes the same bits (the tests' case); a GPU worker
-in bf16 against a CPU coordinator in float32 differs by about 1e-2 relative; another batch's gradient
-differs by tens of percent in some tensor's sum of squares and most sampled values.
+Float noise: the same kind of device and precision recomputes the same bits (the tests' case). A bf16 worker's
+gradient is recomputed in bf16 (autocast) too, as its Describe says it computes: against a float32 recompute
+it drifts as the model trains (a gradient of gpt-tiny's embedding by 9% in its sum of squares after 12 local
+rounds, a norm's weight by 34% of its own tiny norm), so a float32 recompute would bench honest workers.
+``fingerprint.compare_gradients`` weighs each tensor against the whole gradient; another batch's gradient
+differs in most sampled values by their whole size.
 """
 
 from __future__ import annotations
@@ -51,9 +54,10 @@ from gradwire.coordinator.decisions import (
     spot_check_method,
 )
 from gradwire.coordinator.round import RoundOutcome, RoundWork
+from gradwire.fingerprint import Fingerprint, compare_gradients
 from gradwire.models import lm_loss
 from gradwire.protocol import LocalSteps, RoundResult
-from gradwire.replica import Fingerprint, Replica, compare_fingerprints
+from gradwire.replica import Replica
 
 log = logging.getLogger("gradwire.coordinator")
 
@@ -78,15 +82,20 @@ def first_rows(batch: np.ndarray, local_steps: LocalSteps | None) -> np.ndarray:
     return batch[: batch.shape[0] // local_steps.steps]
 
 
-def batch_gradient(model: torch.nn.Module, tokens: torch.Tensor, micro_batch_size: int) -> dict[str, torch.Tensor]:
+def batch_gradient(
+    model: torch.nn.Module, tokens: torch.Tensor, micro_batch_size: int, precision: str = "fp32"
+) -> dict[str, torch.Tensor]:
     """The mean gradient of the loss over ``tokens`` (rows, T + 1), by micro-batches of ``micro_batch_size``
-    rows (0: all at once) weighted by their share of rows, as a worker computes it; every parameter gets one."""
+    rows (0: all at once) weighted by their share of rows, in ``precision`` (bf16: autocast), as a worker
+    computes it; every parameter gets one."""
     rows = tokens.shape[0]
     step = micro_batch_size or rows
     model.zero_grad(set_to_none=True)
     for start in range(0, rows, step):
         micro = tokens[start : start + step]
-        (lm_loss(model, micro) * (micro.shape[0] / rows)).backward()
+        with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = lm_loss(model, micro)
+        (loss * (micro.shape[0] / rows)).backward()
     return {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
 
 
@@ -96,33 +105,39 @@ class SpotChecker:
     def __init__(self, replica: Replica, tolerance: float = SPOT_TOLERANCE) -> None:
         self.replica, self.tolerance = replica, tolerance
 
-    def expected(self, rows: np.ndarray, micro_batch_size: int) -> Fingerprint:
-        """The fingerprint of the gradient at the replica on ``rows``; the replica's parameters do not move
-        (their ``.grad`` is cleared afterwards)."""
+    def expected(self, rows: np.ndarray, micro_batch_size: int, precision: str = "fp32") -> Fingerprint:
+        """The fingerprint of the gradient at the replica on ``rows``, computed in the sender's ``precision``;
+        the replica's parameters do not move (their ``.grad`` is cleared afterwards)."""
         model = self.replica.model
         device = next(iter(self.replica.params.values())).device
         was_training = model.training
         model.train()
         try:
-            grads = batch_gradient(model, torch.from_numpy(rows.astype("int64")).to(device), micro_batch_size)
+            tokens = torch.from_numpy(rows.astype("int64")).to(device)
+            grads = batch_gradient(model, tokens, micro_batch_size, precision)
             return self.replica.fingerprint_of(grads)
         finally:
             model.zero_grad(set_to_none=True)
             model.train(was_training)
 
     def check(
-        self, result: RoundResult, batch: np.ndarray, local_steps: LocalSteps | None, micro_batch_size: int
+        self,
+        result: RoundResult,
+        batch: np.ndarray,
+        local_steps: LocalSteps | None,
+        micro_batch_size: int,
+        precision: str = "fp32",
     ) -> tuple[bool | None, str]:
-        """Did ``result``'s sender compute its first gradient on ``batch`` (the rows it was sent) at this
-        replica? True, False (caught), or None when this result cannot be checked here (another version);
-        with the reason."""
+        """Did ``result``'s sender (computing in ``precision``) compute its first gradient on ``batch`` (the
+        rows it was sent) at this replica? True, False (caught), or None when this result cannot be checked
+        here (another version); with the reason."""
         if result.version != self.replica.version:
             return None, f"computed at version {result.version}, the coordinator's copy is at {self.replica.version}"
         if result.gradient_fingerprint is None:
             return False, "spot check: no gradient fingerprint returned, though every order asks for one"
         t0 = time.perf_counter()
-        expected = self.expected(first_rows(batch, local_steps), micro_batch_size)
-        same, why = compare_fingerprints(expected, result.gradient_fingerprint, self.replica.numels, self.tolerance)
+        expected = self.expected(first_rows(batch, local_steps), micro_batch_size, precision)
+        same, why = compare_gradients(expected, result.gradient_fingerprint, self.replica.numels, self.tolerance)
         seconds = time.perf_counter() - t0
         if same:
             return True, f"spot check passed: its gradient was recomputed ({seconds:.2f} s)"
@@ -181,7 +196,7 @@ class SpotChecks:
         o = senders[chosen]
         assert o.result is not None
         passed, why = self.checker.check(
-            o.result, work.batches[chosen], work.local_steps_of(chosen), work.micro_batch_size
+            o.result, work.batches[chosen], work.local_steps_of(chosen), work.micro_batch_size, o.slot.precision
         )
         if passed is not None:
             ok, failed = o.slot.checks
@@ -207,15 +222,25 @@ class SpotChecks:
             if fp is None
         }
         fingerprints = {i: fp for i, fp in prints.items() if fp is not None}
-        members = sorted(fingerprints)
         numels = self.checker.replica.numels
-        agree = {
-            (a, b): compare_fingerprints(fingerprints[a], fingerprints[b], numels, self.tolerance)[0]
-            for n, a in enumerate(members)
-            for b in members[n + 1 :]
-        }
-        found, summary = redundancy_verdict(members, agree)
-        caught.update(found)
+        # Only workers computing in the same precision can agree: bf16 and float32 drift apart as a model
+        # trains. Each precision's members are judged among themselves; one alone in its precision is not.
+        classes: dict[str, list[int]] = {}
+        for i in sorted(fingerprints):
+            classes.setdefault(given[i].slot.precision, []).append(i)
+        agree: dict[tuple[int, int], bool] = {}
+        summaries = []
+        for precision, members in classes.items():
+            pairs = {
+                (a, b): compare_gradients(fingerprints[a], fingerprints[b], numels, self.tolerance)[0]
+                for n, a in enumerate(members)
+                for b in members[n + 1 :]
+            }
+            found, said = redundancy_verdict(members, pairs)
+            caught.update(found)
+            agree.update(pairs)
+            summaries.append(said if len(classes) == 1 else f"{precision}: {said}")
+        summary = "; ".join(summaries) or redundancy_verdict([], {})[1]
         vouched = {m for pair, same in agree.items() if same for m in pair}  # agrees with another: passed
         for i, o in given.items():  # a dispute counts for nobody
             ok, failed = o.slot.checks
@@ -224,7 +249,7 @@ class SpotChecks:
             log.warning("step %d: worker %d (%s): %s", step, i, given[i].slot.client.address, why)
         if not caught and "disputed" in summary:
             log.warning("step %d: spot check by redundancy: %s", step, summary)
-        unanimous = len(members) >= 2 and all(agree.values())
+        unanimous = bool(agree) and all(agree.values()) and all(len(m) >= 2 for m in classes.values())
         passed = False if caught else True if unanimous else None
         addresses = [given[i].slot.client.address for i in sorted(given)]
         return caught, {"workers": addresses, "passed": passed, "reason": summary, "by": "redundancy"}

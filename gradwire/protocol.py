@@ -253,6 +253,7 @@ class WorkerInfo:
     ranks: int = 1
     rank_devices: tuple[str, ...] = ()
     node_mode: str = ""
+    precision: str = "fp32"  # its forward/backward: "fp32" or "bf16" (autocast)
 
 
 def info_to_proto(info: WorkerInfo) -> pb.WorkerInfo:
@@ -274,7 +275,17 @@ def info_from_proto(msg: pb.WorkerInfo) -> WorkerInfo:
         max(1, msg.ranks),
         tuple(msg.rank_devices),
         msg.node_mode,
+        _precision(msg.precision),
     )
+
+
+def _precision(text: str) -> str:
+    """A worker's forward/backward precision as its Describe says (empty: an older worker, fp32)."""
+    if text in ("", "fp32"):
+        return "fp32"
+    if text == "bf16":
+        return text
+    raise ProtocolError(f"worker precision must be fp32 or bf16, got {text[:40]!r}")
 
 
 @dataclasses.dataclass

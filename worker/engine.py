@@ -168,6 +168,7 @@ class WorkerEngine:
             ranks,
             devices,
             self._node_mode() if self.node is not None else "",
+            self.placement.precision,
         )
 
     def _node_mode(self) -> str:

@@ -106,7 +106,7 @@ class DescribeRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("protocol_version", "gradwire_version", "torch_version", "device", "device_name", "local_devices", "replicas", "ranks", "rank_devices", "node_mode")
+    __slots__ = ("protocol_version", "gradwire_version", "torch_version", "device", "device_name", "local_devices", "replicas", "ranks", "rank_devices", "node_mode", "precision")
     class ReplicasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,7 @@ class WorkerInfo(_message.Message):
     RANKS_FIELD_NUMBER: _ClassVar[int]
     RANK_DEVICES_FIELD_NUMBER: _ClassVar[int]
     NODE_MODE_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     gradwire_version: str
     torch_version: str
@@ -134,7 +135,8 @@ class WorkerInfo(_message.Message):
     ranks: int
     rank_devices: _containers.RepeatedScalarFieldContainer[str]
     node_mode: str
-    def __init__(self, protocol_version: _Optional[int] = ..., gradwire_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., local_devices: _Optional[int] = ..., replicas: _Optional[_Mapping[str, int]] = ..., ranks: _Optional[int] = ..., rank_devices: _Optional[_Iterable[str]] = ..., node_mode: _Optional[str] = ...) -> None: ...
+    precision: str
+    def __init__(self, protocol_version: _Optional[int] = ..., gradwire_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., local_devices: _Optional[int] = ..., replicas: _Optional[_Mapping[str, int]] = ..., ranks: _Optional[int] = ..., rank_devices: _Optional[_Iterable[str]] = ..., node_mode: _Optional[str] = ..., precision: _Optional[str] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("name", "shape", "dtype", "data")

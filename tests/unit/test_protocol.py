@@ -198,6 +198,18 @@ def test_tensors_reject_a_repeated_name() -> None:
 def test_info_round_trip() -> None:
     info = WorkerInfo(PROTOCOL_VERSION, "0.1.0", "2.5", "cuda:0", "H100", 8, {"a": 3, "b": 0})
     assert protocol.info_from_proto(protocol.info_to_proto(info)) == info
+    bf16 = dataclasses.replace(info, precision="bf16")
+    assert protocol.info_from_proto(protocol.info_to_proto(bf16)).precision == "bf16"
+
+
+def test_a_workers_precision_is_fp32_unless_it_says_bf16() -> None:
+    """An older worker says nothing (fp32); a precision a spot check could not recompute is refused."""
+    msg = protocol.info_to_proto(WorkerInfo(PROTOCOL_VERSION, "0.1.0", "2.5", "cpu"))
+    msg.precision = ""
+    assert protocol.info_from_proto(msg).precision == "fp32"
+    msg.precision = "fp8"
+    with pytest.raises(ProtocolError, match="fp32 or bf16"):
+        protocol.info_from_proto(msg)
 
 
 def test_model_state_round_trip() -> None:

@@ -25,13 +25,16 @@ from gradwire.coordinator.decisions import (
 )
 from gradwire.coordinator.spotcheck import SpotChecker, deterministic, first_rows
 from gradwire.coordinator.trainer import Trainer
+from gradwire.fingerprint import Fingerprint
 from gradwire.models import build_from_spec, model_spec
 from gradwire.optim.inner import InnerOptimizerConfig
 from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import OK, LocalSteps, ModelState, RoundResult, WorkOrder
 from gradwire.replica import Replica
 from gradwire.worker.compute import gradient_step, local_steps
+from gradwire.worker.engine import WorkerEngine
 from gradwire.worker.inprocess import InProcessClient, in_process_clients
+from gradwire.worker.placement import Placement
 from gradwire.worker.session import Session
 
 from ..faults import faulty
@@ -187,6 +190,41 @@ def test_honest_in_process_workers_pass_every_check_and_runs_can_turn_checks_off
         else:
             assert checks == []
         assert all(r["rejected"] == 0 and r["benched"] == 0 for r in records)
+
+
+def test_a_bf16_worker_is_recomputed_in_bf16_and_passes_every_check(tmp_path) -> None:
+    """A worker whose Describe says bf16 is recomputed under bf16 autocast, and passes every check. (A float32
+    recompute drifts from a bf16 gradient as the model trains: by 0.01-0.3% of the sum of squares a round in
+    such a run, and once by 8.7%, past the tolerance: it would bench an honest worker.)"""
+    config = TrainConfig(
+        model="gpt-tiny",
+        steps=8,
+        batch_size=4,
+        sequence_length=64,
+        inner_steps=3,
+        eval_every=0,
+        output_dir=str(tmp_path),
+        spot_check_every=1,
+        spot_check_by="recompute",
+    )
+    factory = lambda device: WorkerEngine(device, placement=Placement(precision="bf16"))  # noqa: E731
+    trainer = Trainer(config, in_process_clients(1, factory=factory), progress=False)
+    recompute, asked = trainer.spot_checks.checker.expected, []
+
+    def noted(rows: np.ndarray, micro_batch_size: int, precision: str = "fp32") -> Fingerprint:
+        got = recompute(rows, micro_batch_size, precision)
+        asked.append((precision, got != recompute(rows, micro_batch_size, "fp32")))
+        return got
+
+    trainer.spot_checks.checker.expected = noted  # type: ignore[method-assign]
+    try:
+        records = trainer.run()
+    finally:
+        trainer.close()
+    assert trainer.slots[0].precision == "bf16"
+    checks = [r["spot_check"] for r in records]
+    assert len(checks) == 8 and all(c["passed"] is True for c in checks), checks
+    assert asked == [("bf16", True)] * 8  # in bf16, which is not the float32 gradient
 
 
 # ------------------------------------------------------------------------------------------- by redundancy
