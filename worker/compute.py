@@ -75,8 +75,10 @@ def accumulate_gradient(
     what: str,
     precision: str = "fp32",
     last_backward: contextlib.AbstractContextManager | None = None,
-) -> float:
-    """Mean loss over ``tokens`` (rows, T + 1) with its gradient in ``.grad``, by micro-batches if asked.
+) -> torch.Tensor | float:
+    """Mean loss over ``tokens`` (rows, T + 1) with its gradient in ``.grad``, by micro-batches if asked: a 0-d
+    tensor on the device, which nothing waits for until a caller reads it (once a round, not once a step:
+    each read makes the host wait for the device, and the device then waits for the host's next launches).
 
     Every parameter ends with a gradient (zeros where the loss does not reach), so the codec sees them all.
     A DDP-wrapped model all-reduces once, on the last micro-batch (``no_sync`` before it). The last
@@ -91,7 +93,7 @@ def accumulate_gradient(
     step = micro_batch_size or rows
     for p in model.parameters():
         p.grad = None
-    total = 0.0
+    total: torch.Tensor | float = 0.0
     device_type = tokens.device.type
     for start in range(0, rows, step):
         if cancelled():
@@ -105,7 +107,7 @@ def accumulate_gradient(
             # Weight each micro-batch by its share of rows: the sum is the full batch's mean loss.
             with last_backward if last and last_backward is not None else contextlib.nullcontext():
                 (loss * (micro.shape[0] / rows)).backward()
-        total += loss.item() * micro.shape[0]
+        total = total + loss.detach() * micro.shape[0]
     for p in model.parameters():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -142,7 +144,7 @@ def gradient_step(
     # The norm before clipping; with max_norm inf it only measures.
     norm = placement.clip_grad_norm(session, session.replica.params, order.clip_grad_norm or math.inf)
     tokens_in = tokens.shape[0] * (tokens.shape[1] - 1)
-    return Contribution(grads, placement.mean(loss), tokens_in, float(norm), fingerprint)
+    return Contribution(grads, placement.mean(float(loss)), tokens_in, float(norm), fingerprint)
 
 
 def local_steps(
@@ -194,18 +196,21 @@ def inner_steps(
     optimizer = session.inner_optimizer(plan.optimizer)
     cancelled = placement.cancellable(cancelled)
     rows = tokens.shape[0] // plan.steps  # the protocol checked that the batch splits evenly
-    loss_sum = norm_sum = 0.0
+    loss_sum: torch.Tensor | float = 0.0  # summed on the device, read once after the last step
+    norm_sum: torch.Tensor | float = 0.0
     drifted = False  # local-sgd ranks step apart until they average; DDP ranks step alike
     fingerprint = None
     for h, lr in enumerate(plan.learning_rates):
         batch = placement.share(tokens[h * rows : (h + 1) * rows])  # (rows / ranks, T + 1): step h, this rank
-        loss_sum += accumulate_gradient(
+        loss_sum = loss_sum + accumulate_gradient(
             model, batch, order.micro_batch_size, cancelled, f"round {order.round}, inner step {h}", placement.precision
         )
         if h == 0 and order.fingerprint_gradient:
             fingerprint = _first_gradient_fingerprint(session, working, placement)
         # The norm before clipping, as gradient rounds report theirs; with max_norm inf it only measures.
-        norm_sum += placement.clip_grad_norm(session, dict(working.named_parameters()), plan.clip_grad_norm or math.inf)
+        norm_sum = norm_sum + placement.clip_grad_norm(
+            session, dict(working.named_parameters()), plan.clip_grad_norm or math.inf
+        )
         placement.step(optimizer, lr)
         optimizer.zero_grad()
         if placement.apart:
@@ -215,10 +220,10 @@ def inner_steps(
                 drifted = False
     if drifted:
         placement.node.average(working.parameters())  # the node returns one model: its ranks' average
-    norm = norm_sum / plan.steps
+    norm = float(norm_sum) / plan.steps
     if placement.apart:  # each rank measured its own gradients: the node's is their mean, as its loss is
         norm = placement.mean(norm)
-    return InnerSteps(placement.mean(loss_sum / plan.steps), norm, fingerprint)
+    return InnerSteps(placement.mean(float(loss_sum) / plan.steps), norm, fingerprint)
 
 
 def eager_start(

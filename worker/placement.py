@@ -168,14 +168,17 @@ class Placement:
             session.wrappers[id(model)] = wrapped
         return wrapped
 
-    def clip_grad_norm(self, session: Session, params: Mapping[str, torch.Tensor], max_norm: float) -> float:
+    def clip_grad_norm(
+        self, session: Session, params: Mapping[str, torch.Tensor], max_norm: float
+    ) -> torch.Tensor | float:
         """Clip the gradients of ``params`` (the model's, or on a pipelined node the stage's) to a global
-        norm of ``max_norm`` (``inf``: only measure); the norm before clipping."""
+        norm of ``max_norm`` (``inf``: only measure); the norm before clipping, as a 0-d tensor on the device
+        that nothing waits for until it is read (a pipelined node's: a number, agreed over its stages)."""
         if self.pipelined:
             from gradwire.worker import pipeline
 
             return pipeline.clip_grad_norm_(params, session.replica.owned, max_norm)
-        return float(torch.nn.utils.clip_grad_norm_(list(params.values()), max_norm))
+        return torch.nn.utils.clip_grad_norm_(list(params.values()), max_norm)
 
     def step(self, optimizer: InnerOptimizer, lr: float) -> None:
         """One inner optimizer step. ZeRO-1: each rank steps its partition and broadcasts it to the others
