@@ -160,15 +160,14 @@ class GradientCodec:
                 raise ValueError(f"chunk group {gi}: expected ({group.num_chunks}, {group.chunk_numel}) coefficients")
             coeffs = feedback.accumulate(f"group{gi}", coeffs) if feedback is not None else coeffs.float()
             out.update(self._select(group, self._layouts[gi], coeffs, feedback is not None))
-        factored = []
+        factored, whole = [], []
         for t in self.plan.dense:
             values = next(dense).reshape(-1).float()
             if feedback is not None:
                 values = feedback.accumulate(t.name, values)
-            if t.encoding == Encoding.LOW_RANK:
-                factored.append((t, values))  # factored by shape once every buffer is in
-            else:
-                out.update(self._encode_dense(t, values, feedback is not None))
+            # factored by shape, and the rest quantized together, once every buffer is in
+            (factored if t.encoding == Encoding.LOW_RANK else whole).append((t, values))
+        out.update(self._encode_dense(whole, feedback is not None))
         out.update(self._encode_factored(factored, feedback))
         return CompressedGradient(self.config, tuple(out[t.name] for t in self.plan.tensors), FORMAT_VERSION)
 
@@ -263,25 +262,40 @@ class GradientCodec:
             "lut": b"" if sign else lut.astype("<f2").tobytes(),  # the sign table is implied, never sent
         }
 
-    def _encode_dense(self, t: TensorPlan, values: torch.Tensor, update_feedback: bool) -> dict[str, CompressedTensor]:
-        if not bool(values.isfinite().all()):
-            raise NonFiniteInput(t.name)
-        if t.value_format != ValueFormat.FLOAT32:
-            seg = torch.zeros(values.numel(), dtype=torch.long, device=values.device)
-            q = self._quantize(values, seg, 1)
+    def _encode_dense(
+        self, items: Sequence[tuple[TensorPlan, torch.Tensor]], update_feedback: bool
+    ) -> dict[str, CompressedTensor]:
+        """The tensors sent whole, each ``(plan, values)``: checked for NaN and infinity, quantized as the
+        segments of one call (per tensor, as alone), and read back to the host a field at a time for all of
+        them: on a GPU each read waits for the device, so a few reads a tensor would cost their round trips."""
+        if not items:
+            return {}
+        finite = torch.stack([values.isfinite().all() for _, values in items]).tolist()
+        for ok, (t, _) in zip(finite, items):
+            if not ok:
+                raise NonFiniteInput(t.name)
+        out = {}
+        exact = [(t, v) for t, v in items if t.value_format == ValueFormat.FLOAT32]
+        if exact:
+            host = torch.cat([v for _, v in exact]).cpu().numpy().astype("<f4")
+            for (t, v), part in zip(exact, np.split(host, np.cumsum([v.numel() for _, v in exact])[:-1])):
+                out[t.name] = CompressedTensor(t.name, t.shape, t.encoding, t.value_format, (), 0, b"", part.tobytes())
+                if update_feedback:
+                    v.zero_()  # sent exactly
+        coded = [(t, v) for t, v in items if t.value_format != ValueFormat.FLOAT32]
+        if coded:
+            sizes = [v.numel() for _, v in coded]
+            values = torch.cat([v for _, v in coded])
+            segment = torch.repeat_interleave(torch.arange(len(coded)), torch.tensor(sizes)).to(values.device)
+            q = self._quantize(values, segment, len(coded))
             if update_feedback:
-                values.sub_(q.dequantized)
-            fields = self._coded_fields(
-                q.codes.cpu().numpy(), q.lut[0].cpu().numpy(), q.shift[0].item(), q.scale[0].item()
-            )
-            ct = CompressedTensor(t.name, t.shape, t.encoding, t.value_format, (), 0, b"", **fields)
-        else:
-            ct = CompressedTensor(
-                t.name, t.shape, t.encoding, t.value_format, (), 0, b"", values.cpu().numpy().astype("<f4").tobytes()
-            )
-            if update_feedback:
-                values.zero_()  # sent exactly
-        return {t.name: ct}
+                for (_, v), sent in zip(coded, q.dequantized.split(sizes)):
+                    v.sub_(sent)
+            codes, lut, shift, scale = (x.cpu().numpy() for x in (q.codes, q.lut, q.shift, q.scale))
+            for i, ((t, _), part) in enumerate(zip(coded, np.split(codes, np.cumsum(sizes)[:-1]))):
+                fields = self._coded_fields(part, lut[i], shift[i], scale[i])
+                out[t.name] = CompressedTensor(t.name, t.shape, t.encoding, t.value_format, (), 0, b"", **fields)
+        return out
 
     def _encode_factored(
         self, factored: Sequence[tuple[TensorPlan, torch.Tensor]], feedback: ErrorFeedback | ScopedFeedback | None
@@ -289,11 +303,14 @@ class GradientCodec:
         """The LOW_RANK tensors, each ``(plan, values)`` (its error-feedback buffer where there is one),
         factored and quantized a stack of one (rows, cols, rank) at a time; with ``feedback``, what the
         receiver decodes is taken off each buffer and (``power``) each matrix's refined subspace kept."""
+        if not factored:
+            return {}
+        # A sum meets any NaN or infinity (and a sum past float32's range, which no gradient reaches), in a
+        # tenth of the time of checking every element on a CPU; read back once for every matrix.
+        finite = torch.isfinite(torch.stack([values.sum() for _, values in factored])).tolist()
         by_shape: dict[tuple[int, int, int], list[tuple[TensorPlan, torch.Tensor]]] = {}
-        for t, values in factored:
-            # A sum meets any NaN or infinity (and a sum past float32's range, which no gradient reaches), in a
-            # tenth of the time of checking every element on a CPU.
-            if not bool(torch.isfinite(values.sum())):
+        for ok, (t, values) in zip(finite, factored):
+            if not ok:
                 raise NonFiniteInput(t.name)
             by_shape.setdefault((*matrix_view(t.shape), t.k), []).append((t, values))
         out = {}
@@ -308,7 +325,7 @@ class GradientCodec:
                     sent = factors.decode(m.device)  # (B, rows, cols)
                     for (_, values), s in zip(batch, sent):
                         values.sub_(s.view(-1))
-                for (t, _), f in zip(batch, factors.unbind()):
+                for (t, _), f in zip(batch, factors.cpu().unbind()):  # one read a field for the batch
                     codes, scales = f.to_bytes()
                     out[t.name] = CompressedTensor(
                         t.name, t.shape, t.encoding, t.value_format, (), t.k, b"", codes, lut=scales

@@ -42,6 +42,10 @@ class Factors:
     b: torch.Tensor  # (k, cols) int8
     b_scale: torch.Tensor  # (k,) float32
 
+    def cpu(self) -> Factors:
+        """The same factors on the host: one copy a field for a whole batch."""
+        return Factors(self.a.cpu(), self.a_scale.cpu(), self.b.cpu(), self.b_scale.cpu())
+
     def unbind(self) -> list[Factors]:
         """A batch's factors, one ``Factors`` per matrix."""
         return [Factors(*fields) for fields in zip(self.a, self.a_scale, self.b, self.b_scale)]
