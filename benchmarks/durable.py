@@ -56,7 +56,7 @@ def logged_run(args: argparse.Namespace, inner_steps: int, out: Path) -> dict[st
             if trainer.train_step() is None:
                 raise RuntimeError("a round had no usable worker")
             t0 = time.perf_counter()
-            trainer._log_round()  # noqa: SLF001 - what ``run`` does after each round's metrics line
+            trainer.durable.log()  # what ``run`` does after each round's metrics line
             appends.append(time.perf_counter() - t0)
     finally:
         trainer.close()

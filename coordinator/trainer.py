@@ -32,33 +32,21 @@ from gradwire.compression import CompressedGradient, GradientCodec
 from gradwire.compression.fragment import Fragment, of_round
 from gradwire.compression.robust import AggregationRule
 from gradwire.compression.stream import StreamPlan
-from gradwire.coordinator.checkpointer import RunCheckpointer, RunPosition, worker_key
+from gradwire.coordinator.checkpointer import RunCheckpointer, RunPosition
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.decisions import FailedRounds, decide_downlink, replay_precision
-from gradwire.coordinator.durable import (
-    RoundState,
-    RunLog,
-    decide_replay,
-    log_path,
-    plan_replay,
-    read_records,
-    replay,
-    resume_root,
-    rng_state,
-    set_rng_state,
-)
 from gradwire.coordinator.export import export_model
 from gradwire.coordinator.gather import Gathered, Gatherer
 from gradwire.coordinator.inputs import load_inputs
 from gradwire.coordinator.membership import MemberSource, Roster
 from gradwire.coordinator.metrics import RunRecorder, progress, round_record
 from gradwire.coordinator.outer import ReplayOuter, make_outer
+from gradwire.coordinator.resume import Resumed, Resumption
 from gradwire.coordinator.round import RoundDispatcher, RoundOutcome, RoundPlan, RoundWork, WorkerSlot
-from gradwire.coordinator.rundir import checkpoint_root, claim, resume_source, truncate_metrics
+from gradwire.coordinator.rundir import checkpoint_root, claim, truncate_metrics
 from gradwire.coordinator.spotcheck import SpotChecks
 from gradwire.coordinator.status import StatusBoard, worker_events
 from gradwire.coordinator.tracking import make_tracker
-from gradwire.coordinator.updatelog import LogRecord
 from gradwire.coordinator.work import WorkPlanner
 from gradwire.hardware import resolve_device
 from gradwire.link import WorkerLink
@@ -161,123 +149,18 @@ class Trainer:
         self._closed_at: float | None = None  # when the last round closed (its last result in)
         self._busy_seen = 0.0  # the advancer's busy seconds at the last record
         self._turnaround_s: float | None = None  # the round in flight's (``_turnaround``)
-        self._resuming = bool(config.resume_from)  # a path, or auto: the run here if there is one
-        claim(self.output_dir, self.checkpoint_dir, resuming=self._resuming, overwrite=config.overwrite)
-        # Each round's update, durable before it goes out (coordinator.durable); gossip runs keep none yet.
-        self.runlog = None if config.gossip else RunLog(self.checkpoint_dir)
-        self._logged: tuple[LogRecord, ...] = ()  # rounds after the checkpoint resumed from (``_plan_replay``)
-        # The last round stepped, not yet logged: its round, state and (where its update was made from them) the
-        # contributions it was made from.
-        self._committed: tuple[int, RoundState, StateUpdate | None] | None = None
-        self._logged_rng = b""  # the RNG state as the last record (or the checkpoint) left it
-        if self._resuming:
-            source = resume_source(config.resume_from, self.checkpoint_dir)
-            if source is not None:
-                self.position = self.checkpoints.restore(source, self.slots)
-                self._logged_rng = rng_state()  # the checkpoint holds it
-            self._plan_replay(source or self.checkpoint_dir)  # no checkpoint yet: the log from the start
-        elif self.runlog is not None:
-            self.runlog.restart()  # a log no checkpoint of this run precedes belongs to no run
+        self.durable = Resumption(config, self.checkpoint_dir, self.outer, self.checkpoints, self.gather)
+        claim(self.output_dir, self.checkpoint_dir, resuming=self.durable.resuming, overwrite=config.overwrite)
+        self.position = self.durable.begin(self.slots)
 
-    def _plan_replay(self, resume_from: Path) -> None:
-        """The rounds the update log holds after the checkpoint just restored, where they would rebuild the
-        coordinator bit for bit (``durable.plan_replay``); ``connect`` replays them if the workers kept up."""
-        if self.runlog is None:
+    def _adopt(self, resumed: Resumed | None) -> None:
+        """Go on as a resume left the run: in the run id whose sessions its workers hold, where its log's
+        replay (if any) left it."""
+        if resumed is None:
             return
-        outer = self.outer
-        records = read_records(log_path(resume_root(resume_from)), self.runlog.max_record_bytes)
-        self._logged, why = plan_replay(records, self.step, outer.base_version, outer.pending is not None, outer)
-        if records and not self._logged:
-            log.warning("resuming from the checkpoint of step %d alone: %s", self.step, why)
-        if not self._logged:
-            self.runlog.restart()  # the rounds from the checkpoint on are trained anew
-
-    def _replay_log(self) -> None:
-        """Once the workers have said which replicas they hold: continue from the checkpoint by the logged rounds
-        after it if every worker that sent the last one still holds its version (``durable.decide_replay``).
-        Then the run stands where it stood after its last logged round, its run id and its workers' sessions
-        are the same, and each takes the next order by replay, its own error feedback untouched. Otherwise the
-        run goes on from the checkpoint, as the run from there would (``_adopt_kept``)."""
-        logged, self._logged = self._logged, ()
-        if not self._resuming or self.runlog is None:
-            return
-        if not logged:
-            self._adopt_kept()
-            return
-        state = RoundState.from_bytes(logged[-1].coordinator_state)
-        held = {worker_key(slot): slot.held.get(state.run_id) for slot in self.slots}
-        use, why = decide_replay(state.versions, held, delayed=self.config.overlap)
-        if not use:
-            log.warning("resuming from the checkpoint of step %d, not the update log: %s", self.step, why)
-            self.runlog.restart()
-            self._adopt_kept()
-            return
-        state = replay(self.outer, logged)  # with the newest RNG the log holds
-        self.position = RunPosition(state.step, state.total_tokens)
-        restored = self.checkpoints.restore_position(state.meta, self.slots)
-        self.gather.norms.clear()
-        self.gather.norms.extend(state.norms)
-        if state.rng:
-            set_rng_state(state.rng)
-        self._logged_rng = rng_state()
-        self.run_id = self.rounds.run_id = self.checkpoints.run_id = state.run_id  # the workers' sessions are its
-        for slot in self.slots:  # where each worker stands: at the logged version, or one on (it had the next order)
-            slot.guess = slot.held.get(state.run_id) if restored[slot.index] in state.versions else None
-        log.info(
-            "resumed at step %d by replaying the update log (rounds %d..%d): %s",
-            self.step,
-            logged[0].round,
-            logged[-1].round,
-            why,
-        )
-
-    def _adopt_kept(self) -> None:
-        """A resume from the checkpoint alone: the workers that kept the run's replica at a version the
-        coordinator can bring forward (the checkpoint's, or the one before the update it took last, which
-        they catch up by) go on from it in the run's own sessions; the others get the state pushed."""
-        run_id, outer = self.checkpoints.restored_run_id, self.outer
-        if not run_id or not any(run_id in slot.held for slot in self.slots):
-            return  # nobody kept it (workers started afresh): a new run id, every worker pushed
-        usable = {outer.base_version, *(v for v, _, _ in outer.history)}
-        if not self.config.overlap:  # one that took the pending update computed the next round after it
-            usable.add(outer.target_version)
-        self.run_id = self.rounds.run_id = self.checkpoints.run_id = run_id
-        kept = 0
-        for slot in self.slots:
-            version = slot.held.get(run_id)
-            slot.guess = version if version in usable else None
-            kept += slot.guess is not None
-        log.info(
-            "resumed at step %d from the checkpoint: %d of %d workers kept their replicas",
-            self.step,
-            kept,
-            len(self.slots),
-        )
-
-    def _log_round(self) -> None:
-        """Make the round just recorded durable (``durable.RunLog``) before the next round's orders carry its
-        update: a restart resumes after it, its metrics line written."""
-        committed, self._committed = self._committed, None
-        if committed is not None and self.runlog is not None:
-            round_, state, contributions = committed
-            self.runlog.append(round_, self.outer, state, contributions)
-
-    def _round_state(self) -> RoundState:
-        """The coordinator's state after the round just stepped: what its log record keeps besides the update."""
-        senders, sent_in = self.outer.senders
-        rng = rng_state()
-        rng, self._logged_rng = (b"" if rng == self._logged_rng else rng), rng
-        return RoundState(
-            self.run_id,
-            self.step,
-            self.total_tokens,
-            self.checkpoints.position_meta(self.position, self.slots),
-            tuple(self.gather.norms),
-            rng,
-            senders,
-            sent_in,
-            {worker_key(slot): slot.version for slot in self.slots if slot.version is not None},
-        )
+        self.run_id = self.rounds.run_id = self.checkpoints.run_id = resumed.run_id
+        if resumed.position is not None:
+            self.position = resumed.position
 
     @property
     def step(self) -> int:
@@ -312,7 +195,7 @@ class Trainer:
         """Describe every worker; a protocol mismatch or an unreachable worker stops here, clearly. A resumed
         run then knows which replicas its workers kept, and whether to replay its update log."""
         self.roster.describe_all()
-        self._replay_log()
+        self._adopt(self.durable.settle(self.slots, self.step))
 
     def run(self) -> list[dict]:
         """Train from ``self.step`` to ``config.steps``; returns the metrics records of this call.
@@ -322,7 +205,7 @@ class Trainer:
         """
         cfg = self.config
         self.connect()
-        if self._resuming and (dropped := truncate_metrics(self.output_dir, self.step)):
+        if self.durable.resuming and (dropped := truncate_metrics(self.output_dir, self.step)):
             log.info("resume at step %d: dropped %d metrics record(s) past it", self.step, dropped)
         shown = progress(cfg.steps, self.step, enabled=self.progress, every=cfg.log_every)
         recorder = RunRecorder(self.output_dir, shown, make_tracker(cfg))  # a tracker with --wandb-project
@@ -343,7 +226,7 @@ class Trainer:
                     record["eval_loss"] = self.evaluate()
                 recorder.append(record)
                 records.append(record)
-                self._log_round()
+                self.durable.log()  # durable before the next round's orders carry its update
                 if not self._stop.is_set():
                     self.maybe_save_checkpoint()
             self.last_checkpoint = self.save_checkpoint()
@@ -381,7 +264,8 @@ class Trainer:
             self._report(round_, None, gathered)
             return None
         grad_norm, compressed, contributions = self._outer_step(planned, gathered, rule)
-        self._committed = (planned.step, self._round_state(), contributions)  # logged after its metrics line
+        state = self.durable.state(self.run_id, self.position, self.slots)
+        self.durable.commit(planned.step, state, contributions)  # logged after its metrics line
         record = self._record(planned, round_, gathered, grad_norm, compressed, (t0, t_gathered))
         if spot:
             record["spot_check"] = spot
@@ -579,8 +463,7 @@ class Trainer:
 
     def _compact(self, checkpoint: Path | None) -> None:
         """The update log keeps only the rounds a new checkpoint does not hold."""
-        if checkpoint is not None and self.runlog is not None:
-            self.runlog.compact(self.step)
+        self.durable.compact(checkpoint, self.step)
 
     def shown_model(self) -> torch.nn.Module:
         """The model the run shows (evaluation, ``final/``): the coordinator's, with its pending update."""
@@ -594,5 +477,4 @@ class Trainer:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.outer.close()
-        if self.runlog is not None:
-            self.runlog.close()
+        self.durable.close()

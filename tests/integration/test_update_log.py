@@ -78,7 +78,7 @@ def _killed_after(trainer: Trainer, rounds: int) -> None:
     trainer.connect()
     for _ in range(rounds):
         assert trainer.train_step() is not None
-        trainer._log_round()
+        trainer.durable.log()
         trainer.maybe_save_checkpoint()
     trainer.outer.settle()
 
