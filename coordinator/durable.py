@@ -136,17 +136,16 @@ def plan_replay(
     return tuple(after), f"rounds {step}..{after[-1].round} replayed from the log"
 
 
-def decide_replay(logged: Mapping[str, int], held: Mapping[str, int | None], delayed: bool = False) -> tuple[bool, str]:
+def decide_replay(logged: Mapping[str, int], held: Mapping[str, int | None]) -> tuple[bool, str]:
     """Whether a resume replays the update log, given the version each worker held after the last logged round
     (``logged``, by worker key) and the one each worker of the resumed run holds now (``held``; None: none of
     the run): only if every worker the log names holds its version, or the next one (it had the next order,
     and its round: ``rounds.Rounds.again`` sends that result again), or is gone from the run. A worker that
     lost its replica would get the state pushed with the error feedback of the checkpoint, older than the
     log's rounds: the run would no longer be the run it was, so it goes on from the checkpoint instead.
-    ``delayed`` (--overlap): a worker one on computed its next round before that update, which no order at
-    its version asks for again; only the logged version will do."""
-    ahead = 0 if delayed else 1
-    lost = sorted(key for key, v in logged.items() if key in held and held[key] not in (v, v + ahead))
+    Under ``--overlap`` alike: a worker one on computed its next round before that update and applied the
+    update after it; it sends that result again when its round is asked for at the version it holds."""
+    lost = sorted(key for key, v in logged.items() if key in held and held[key] not in (v, v + 1))
     if lost:
         what = ", ".join(f"{k} holds {held[k] if held[k] is not None else 'no replica'}, not {logged[k]}" for k in lost)
         return False, f"workers named by the last logged round did not keep their replicas ({what})"

@@ -120,7 +120,7 @@ class Resumption:
             return self._adopt_kept(slots, step)
         state = RoundState.from_bytes(logged[-1].coordinator_state)
         held = {worker_key(slot): slot.held.get(state.run_id) for slot in slots}
-        use, why = decide_replay(state.versions, held, delayed=self.config.overlap)
+        use, why = decide_replay(state.versions, held)
         if not use:
             log.warning("resuming from the checkpoint of step %d, not the update log: %s", step, why)
             self.runlog.restart()
@@ -150,9 +150,9 @@ class Resumption:
         run_id, outer = self.checkpoints.restored_run_id, self.outer
         if not run_id or not any(run_id in slot.held for slot in slots):
             return None  # nobody kept it (workers started afresh): a new run id, every worker pushed
-        usable = {outer.base_version, *(v for v, _, _ in outer.history)}
-        if not self.config.overlap:  # one that took the pending update computed the next round after it
-            usable.add(outer.target_version)
+        # One that took the pending update computed the next round (before it, under --overlap): it sends
+        # that round's result again.
+        usable = {outer.base_version, outer.target_version, *(v for v, _, _ in outer.history)}
         kept = 0
         for slot in slots:
             version = slot.held.get(run_id)

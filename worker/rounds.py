@@ -96,7 +96,7 @@ class Rounds:
             return again
         known = sent_decoded(session)
         advance(session, now, known)
-        t_advanced, t_advanced_version = time.perf_counter(), session.replica.version
+        t_advanced = time.perf_counter()
         ahead = self.take_ahead(session, order)
         counting = _collectives(session)
         session.feedback.beta = order.feedback_beta
@@ -132,14 +132,16 @@ class Rounds:
             contribution.grad_norm,
             contribution.fingerprint,
         )
-        if not order.compute_before_update:  # a delayed round computed before its update: another version
-            session.last_done = Done(order, t_advanced_version, result)
+        # What it holds now: a delayed round computed before its own update, applied since; an order asking for
+        # this round again at this version gets this result again (``again``).
+        session.last_done = Done(order, session.replica.version, result)
         return result
 
     def again(self, session: Session, order: WorkOrder) -> RoundResult | None:
         """The result of a round this worker computed already, if ``order`` asks for that very round again (a
-        coordinator restarted from its update log re-sends the round in flight): sent again, not computed
-        again, since its error feedback and inner state have moved on by it."""
+        coordinator restarted from its update log re-sends the round in flight, at the version the worker
+        holds since: after a delayed round's own update too): sent again, not computed again, since its
+        error feedback and inner state have moved on by it."""
         done = session.last_done
         if done is None:
             return None
@@ -322,7 +324,8 @@ class Rounds:
 
 @dataclasses.dataclass(frozen=True)
 class Done:
-    """The last round a worker computed for a run: its order, the replica version it computed at, its result."""
+    """The last round a worker computed for a run: its order, the replica version it held after it (a delayed
+    round's: after its own update), its result."""
 
     order: WorkOrder
     version: int
@@ -335,9 +338,9 @@ class Done:
         if (order.run_id, order.round) != (made.run_id, made.round):
             return False, f"round {made.round} was computed, the order is round {order.round}"
         if version != self.version:
-            return False, f"computed at version {self.version}, the order computes at {version}"
-        if order.compute_before_update or order.gossip is not None:
-            return False, "the order is a delayed or a gossip round"
+            return False, f"left the replica at version {self.version}, the order finds it at {version}"
+        if order.compute_before_update != made.compute_before_update or order.gossip is not None:
+            return False, "the order is a gossip round, or delays its update where the one computed did not"
         if (why := lookahead.other_work(order, made)) is not None:
             return False, why
         if (order.codec, order.feedback_beta, order.fingerprint_gradient) != (

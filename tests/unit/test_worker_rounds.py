@@ -150,3 +150,29 @@ def test_run_is_its_stages_in_sequence_and_readies_the_next_round(
     assert known is not None and known[0] is result.gradient
     (expected,) = queued
     assert expected.round == 1 and expected.base_version == 5 and np.array_equal(expected.batch, _batch(5))
+
+
+def test_a_round_asked_for_again_at_the_version_it_left_goes_again(
+    stages: tuple[rounds.Rounds, list[WorkOrder]],
+) -> None:
+    """A delayed round (computed before its own update, applied after) asked for again at the version it left
+    the replica at, as a coordinator resumed from its log asks: the same result, not computed again. Another
+    round, batch, version or kind of round is computed anew."""
+    runner, _ = stages
+    session = _session()
+    order = _order(session, update=_update(session, 3), compute_before_update=True)
+    result = runner.run(session, order, lambda: False, None, 0.0)
+    assert result.status == OK and result.version == 5 and session.last_done is not None
+    again = dataclasses.replace(order, base_version=5, update=None)  # round 0 at the version it holds now
+    assert runner.run(session, again, lambda: False, None, 0.0) is result and runner.resent == 1
+    done = session.last_done
+    assert done.serves(again, 5) == (True, "the same round again")
+    same, why = done.serves(again, 4)
+    assert not same and "version 5" in why
+    for other, reason in (
+        (dataclasses.replace(again, round=1), "round 0 was computed"),
+        (dataclasses.replace(again, batch=_batch(9)), "batch differs"),
+        (dataclasses.replace(again, compute_before_update=False), "delays its update"),
+    ):
+        same, why = done.serves(other, 5)
+        assert not same and reason in why, why
