@@ -6,7 +6,8 @@
 Two measurements, one JSON object:
   log     a real run (``--workers`` in-process workers, gradient mode and local-SGD rounds of H ``--inner-steps``)
           with its update log: per round, the record's bytes on disk against the round's update (what its
-          workers replay: every sender's payload), and the seconds its append took, fsync included;
+          workers replay: every sender's payload), and the seconds its append took, fsync included; then one
+          full checkpoint (every worker's state fetched, the model written): its seconds and bytes;
   replay  ``--replay-rounds`` records of such updates in a log, then what a resume does with them: read the
           log back (CRC-checked, every update validated) and apply each update to a fresh replica.
 Rounds lost per kill are the fault test's business (tests/integration/test_update_log.py: 0 completed rounds).
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -58,10 +60,15 @@ def logged_run(args: argparse.Namespace, inner_steps: int, out: Path) -> dict[st
             t0 = time.perf_counter()
             trainer.durable.log()  # what ``run`` does after each round's metrics line
             appends.append(time.perf_counter() - t0)
+        records = read_records(log_path(trainer.checkpoint_dir), 1 << 31)  # before the checkpoint compacts them
+        frames = _frame_sizes(log_path(trainer.checkpoint_dir), len(records))
+        shutil.copyfile(log_path(trainer.checkpoint_dir), kept_log(out))  # what ``replayed`` reads
+        t0 = time.perf_counter()
+        checkpoint = trainer.save_checkpoint()  # every worker's state fetched, the whole model written
+        checkpoint_s = time.perf_counter() - t0
+        checkpoint_bytes = sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file())
     finally:
         trainer.close()
-    records = read_records(log_path(trainer.checkpoint_dir), 1 << 31)
-    frames = _frame_sizes(log_path(trainer.checkpoint_dir), len(records))
     updates = [r.update.nbytes for r in records if r.update is not None]
     states = [len(r.coordinator_state) for r in records]
     return {
@@ -72,8 +79,16 @@ def logged_run(args: argparse.Namespace, inner_steps: int, out: Path) -> dict[st
         "state_bytes": statistics.median(states),
         "record_over_update": statistics.median(f / u for f, u in zip(frames, updates)),
         "append_s": statistics.median(appends),
+        # a full checkpoint after those rounds: its seconds (the workers' states fetched) and bytes on disk
+        "checkpoint_s": checkpoint_s,
+        "checkpoint_bytes": checkpoint_bytes,
         "parameters": sum(p.numel() for p in trainer.model.parameters()),
     }
+
+
+def kept_log(out: Path) -> Path:
+    """Where ``logged_run`` keeps a copy of its log from before its checkpoint compacted it."""
+    return out / "updates.kept.log"
 
 
 def _frame_sizes(path: Path, n: int) -> list[int]:
@@ -133,7 +148,7 @@ def main() -> None:
         root = Path(tmp)
         gradient = logged_run(args, 1, root / "gradient")
         local = logged_run(args, args.inner_steps, root / "local")
-        replay = replayed(args, log_path(root / "gradient" / "checkpoints"), root)
+        replay = replayed(args, kept_log(root / "gradient"), root)
     result = {
         "model": args.model,
         "workers": args.workers,

@@ -20,5 +20,7 @@ def test_the_benchmark_reports_the_logs_bytes_appends_and_replay(monkeypatch, ca
         run = result["log"][mode]
         assert run["rounds"] == 2 and run["append_s"] > 0
         assert run["update_bytes"] < run["record_bytes"] <= 2 * run["update_bytes"]  # the target: at most 2x
+        # a full checkpoint holds the model and every worker's state: more than a round's record
+        assert run["checkpoint_s"] > 0 and run["checkpoint_bytes"] > run["record_bytes"]
     replay = result["replay"]
     assert replay["rounds"] == 6 and replay["resume_s"] == pytest.approx(replay["read_s"] + replay["apply_s"])
