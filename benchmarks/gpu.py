@@ -249,7 +249,7 @@ def check_fingerprint(spec: dict, device: str, repeats: int = 10) -> dict[str, A
     for name, way in ways.items():
         way()  # warm: a first call allocates
         out[f"{name}_ms"] = statistics.median(_timed(way, device) for _ in range(repeats)) * 1e3
-        out[f"{name}_launches"] = _launches(way, device)
+        out[f"{name}_launches"] = launches(way, device)
     got, cpu = plan(tensors), fingerprint([t.cpu() for t in tensors], positions)
     stats = zip(got.sums + got.sumsqs, cpu.sums + cpu.sumsqs)
     out["max_rel_diff_vs_cpu"] = max((abs(a - b) / max(abs(b), 1e-300) for a, b in stats), default=0.0)
@@ -270,7 +270,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def _launches(call: Any, device: str) -> int:
+def launches(call: Any, device: str) -> int:
     """The kernels ``call`` launches on a GPU; on a CPU, the top-level operators it dispatches."""
     on_gpu = torch.device(device).type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_gpu else [])

@@ -40,6 +40,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
+from benchmarks.gpu import launches
 from gradwire.compression.codec import GradientCodec
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.trainer import Trainer
@@ -192,20 +193,8 @@ def alone(stash: Stash, replica: Replica, stages: Stages, repeats: int) -> dict[
             call()
             stages.sync()
             times.append(time.perf_counter() - t0)
-        out[name] = {"median_ms": statistics.median(times) * 1e3, "launches": launches(call, stages)}
+        out[name] = {"median_ms": statistics.median(times) * 1e3, "launches": launches(call, str(stages.device))}
     return out
-
-
-def launches(call: Callable[[], Any], stages: Stages) -> int:
-    """The kernels one ``call`` launches on a GPU; on a CPU, the top-level operators it dispatches."""
-    on_gpu = stages.device.type == "cuda"
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_gpu else [])
-    with torch.profiler.profile(activities=activities) as prof:
-        call()
-        stages.sync()
-    if on_gpu:
-        return sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
-    return sum(1 for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::"))
 
 
 def measure(args: argparse.Namespace, local: bool) -> dict[str, Any]:
