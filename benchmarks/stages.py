@@ -41,8 +41,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from benchmarks.gpu import launches
+from gradwire.compression import robust
 from gradwire.compression.codec import GradientCodec
+from gradwire.coordinator import copies
 from gradwire.coordinator.config import TrainConfig
+from gradwire.coordinator.gather import Gatherer
+from gradwire.coordinator.metrics import RunRecorder, progress
+from gradwire.coordinator.resume import Resumption
+from gradwire.coordinator.round import RoundDispatcher
+from gradwire.coordinator.spotcheck import SpotChecks
 from gradwire.coordinator.trainer import Trainer
 from gradwire.hardware import resolve_precision
 from gradwire.replica import Replica
@@ -70,9 +77,20 @@ STAGES: tuple[tuple[Any, str, str], ...] = (
     (Replica, "apply", "replica apply"),
     (Replica, "fingerprint", "replica fingerprint"),
     (GradientCodec, "decode", "codec decode"),
+    (Trainer, "_plan", "coordinator: plan"),
     (Trainer, "_dispatch", "coordinator: orders out, results in"),
+    (RoundDispatcher, "_order", "coordinator: one work order"),
     (Trainer, "_judge", "coordinator: validate, clip, judge"),
+    (SpotChecks, "__call__", "coordinator: spot check"),
+    (Gatherer, "__call__", "coordinator: gather"),
+    (copies, "digest", "coordinator: copy digest"),
+    (robust, "payload_norm", "coordinator: sender's norm"),
+    (robust, "aggregate", "coordinator: aggregate"),
     (Trainer, "_outer_step", "coordinator: outer step"),
+    (Resumption, "commit", "coordinator: update log record"),
+    (Trainer, "_record", "coordinator: metrics record"),
+    (RunRecorder, "append", "coordinator: metrics written"),
+    (Resumption, "log", "coordinator: update log written (fsync)"),
 )
 THREADS = (
     ("gradwire-compute", "compute"),
@@ -216,17 +234,24 @@ def measure(args: argparse.Namespace, local: bool) -> dict[str, Any]:
         )
         engine = functools.partial(WorkerEngine, placement=Placement(precision=precision))
         trainer = Trainer(config, in_process_clients(1, args.device, engine), progress=False)
-        walls = []
+        walls: list[float] = []
+        turnarounds: list[float | None] = []
         try:
             trainer.connect()
+            recorder = RunRecorder(out, progress(config.steps, 0, enabled=False))
             for r in range(args.warmup + args.rounds):
                 stages.active = r >= args.warmup
                 t0 = time.perf_counter()
-                if trainer.train_step() is None:
+                record = trainer.train_step()  # then what ``Trainer.run`` does after each round
+                if record is None:
                     raise RuntimeError(f"round {r} had no usable contribution")
+                recorder.append(record)
+                trainer.durable.log()
                 if stages.active:
                     walls.append(time.perf_counter() - t0)
+                    turnarounds.append(record.get("turnaround_s"))
             stages.active = False
+            recorder.close(0)
             heavy = alone(stash, trainer.replica, stages, args.repeats)
         finally:
             trainer.close()
@@ -234,9 +259,16 @@ def measure(args: argparse.Namespace, local: bool) -> dict[str, Any]:
         "inner_steps": config.inner_steps,
         "precision": precision,
         "round_ms": statistics.median(walls) * 1e3,
+        # last result in to next orders out, as the records say (the round after the first timed one on)
+        "turnaround_ms": _median_ms(turnarounds),
         "stages": stages.report(args.rounds),
         "alone": heavy,
     }
+
+
+def _median_ms(values: list[float | None]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return statistics.median(kept) * 1e3 if kept else None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -85,9 +85,10 @@ def sum_norm_sq(
     matrices: Sequence[Sequence[tuple[Factors, float]]], known: Sequence[Sequence[torch.Tensor]] | None = None
 ) -> torch.Tensor:
     """``sum_m || sum_s w_s A_ms B_ms ||^2``: per matrix ``m`` its senders' factors and weights, in float64
-    from k x k inner products, matrices of one shape batched together; on the factors' device, no sync.
-    ``known[m][s]``: ``||A_ms B_ms||^2`` where already computed (``Products.norms_sq``): then only the cross
-    terms between senders are, and a matrix with one sender costs nothing."""
+    from the k x k inner products of their codes (``code_gram``), matrices of one shape batched together; on
+    the factors' device, no sync. ``known[m][s]``: ``||A_ms B_ms||^2`` where already computed
+    (``Products.norms_sq``): then only the cross terms between senders are, and a matrix with one sender
+    costs nothing."""
     device = next((terms[0][0].a.device for terms in matrices if terms), torch.device("cpu"))
     total = torch.zeros((), dtype=torch.float64, device=device)
     if known is not None:
@@ -103,14 +104,13 @@ def sum_norm_sq(
     for group in by_shape.values():
         senders = len(group[0])
         stacks = []
-        for s in range(senders):  # sender s's factors of every matrix in the group: (n, rows, k), (n, k, cols)
-            a, b = factor_matrices(_stack([terms[s][0] for terms in group]))
+        for s in range(senders):  # sender s's factors of every matrix in the group, stacked, and its weights
             w = torch.tensor([terms[s][1] for terms in group], dtype=torch.float64, device=device)
-            stacks.append((a * w[:, None, None], b))
-        for s, (a_s, b_s) in enumerate(stacks):
+            stacks.append((_stack([terms[s][0] for terms in group]), w))
+        for s, (f_s, w_s) in enumerate(stacks):
             for t in range(s if known is None else s + 1, senders):
-                a_t, b_t = stacks[t]
-                term = ((a_s.mT @ a_t) * (b_s @ b_t.mT)).sum()
+                f_t, w_t = stacks[t]
+                term = (_inner(f_s, f_t) * (w_s * w_t)).sum()
                 total += term if t == s else 2 * term
     return total
 
@@ -128,9 +128,39 @@ def item_norms_sq(factors: Sequence[Factors]) -> torch.Tensor:
     for i, f in enumerate(factors):
         by_shape.setdefault((*f.a.shape, *f.b.shape), []).append(i)
     for positions in by_shape.values():
-        a, b = factor_matrices(_stack([factors[i] for i in positions]))  # (n, rows, k), (n, k, cols)
-        out[positions] = ((a.mT @ a) * (b @ b.mT)).sum(dim=(1, 2))
+        stacked = _stack([factors[i] for i in positions])
+        out[positions] = _inner(stacked, stacked)
     return out
+
+
+# Codes are at most 127 in magnitude (``lowrank.CODE_LIMIT``): a product of two is at most 127^2 and a sum of
+# 1024 of them stays below 2^24, so float32 holds every partial sum of a Gram matrix of codes over at most
+# this many rows exactly, in any order; float64 holds the sum of such blocks of any matrix exactly.
+EXACT_FLOAT32_ROWS = 1024
+
+
+def code_gram(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x^T y`` of integer codes (n, m, p) and (n, m, q), exactly, as float64 (n, p, q): float32 products
+    of blocks of at most ``EXACT_FLOAT32_ROWS`` of the m rows, summed in float64 (exact: see above; the same
+    bits on any device and BLAS, where a product of scaled factors rounds by its summation order)."""
+    xf = x.float()
+    yf = xf if y is x else y.float()
+    m = x.shape[-2]
+    out = (xf[..., :EXACT_FLOAT32_ROWS, :].mT @ yf[..., :EXACT_FLOAT32_ROWS, :]).double()
+    for i in range(EXACT_FLOAT32_ROWS, m, EXACT_FLOAT32_ROWS):
+        out += (xf[..., i : i + EXACT_FLOAT32_ROWS, :].mT @ yf[..., i : i + EXACT_FLOAT32_ROWS, :]).double()
+    return out
+
+
+def _inner(f: Factors, g: Factors) -> torch.Tensor:
+    """``<A_f B_f, A_g B_g>`` of each matrix of two stacked batches of one shape (n,), float64: from the k x k
+    Gram matrices of their codes, ``(A_f^T A_g) * (B_f B_g^T)`` summed, each scaled by the terms' scales."""
+    a = code_gram(f.a, f.a if g is f else g.a)  # (n, k, k): columns of A's codes
+    b_f = f.b.mT
+    b = code_gram(b_f, b_f if g is f else g.b.mT)  # rows of B's codes
+    s_f = f.a_scale.double() * f.b_scale.double()  # (n, k): term i's scale, A's times B's
+    s_g = g.a_scale.double() * g.b_scale.double()
+    return (a * b * s_f[:, :, None] * s_g[:, None, :]).sum(dim=(1, 2))
 
 
 def _stack(factors: Sequence[Factors]) -> Factors:

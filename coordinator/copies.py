@@ -24,7 +24,6 @@ Pure: ``digest`` and ``find_copies`` compute from the decoded payloads alone, an
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 from collections.abc import Collection, Sequence
 
@@ -35,11 +34,13 @@ from gradwire.compression.codec import DecodedGradient
 from gradwire.compression.lowrank import Factors
 
 ROWS_PER_GROUP = 256  # chunks sampled per chunk group (evenly spaced): enough to tell, cheap to compare
+FACTOR_SAMPLES = 256  # codes sampled from each side of a factored tensor's rank-one term (evenly spaced)
 COPY_SHARE = 0.5  # a payload whose sampled chunks repeat another's index sets this often is a copy
 CHANCE_LOG = math.log(1e6)  # groups where a chunk's set has fewer possibilities than this are left out
 
 # Fixed odd multipliers: a chunk's sorted index set hashes to one 64-bit word (a collision is ~2^-64).
 _MULTIPLIERS = np.random.default_rng(0x6772616477697265).integers(1, 2**63, 4096, dtype=np.uint64) | np.uint64(1)
+_MIX = np.uint64(0x9E3779B97F4A7C15)  # a rank-one term's word: its column's hash times this, plus its row's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,27 +70,38 @@ def digest(decoded: DecodedGradient, chunk_numels: Sequence[int]) -> np.ndarray:
         kept = values[rows]
         hashed[(kept == kept[:, :1]).all(dim=1).cpu().numpy()] = 0
         words.append(hashed)
-    words += [_factor_words(f) for f in decoded.factors.values()]
+    words += _factor_words(list(decoded.factors.values()))
     return np.concatenate(words) if words else np.zeros(0, np.uint64)
 
 
-def _factor_words(factors: Factors) -> np.ndarray:
-    """One 64-bit word per rank-one term of a factored tensor: a hash of its column of A's codes and its row
-    of B's, each up to sign (a sign-flipped copy hashes alike), the tensor's words sorted (so does a copy
-    with its terms reordered); 0 for a term whose codes are all zero. A copy sent with other scales keeps
-    its codes; an honest sender's term repeats another's only if every code of a whole column and row does."""
-    a, b = factors.a.cpu().numpy(), factors.b.cpu().numpy()  # (rows, k), (k, cols)
-    k = a.shape[1]
-    columns, rows = np.ascontiguousarray(a.T), b  # term t: columns[t], rows[t]
-    live = columns.any(axis=1) & rows.any(axis=1)  # (k,)
-    # Each side up to the sign of its first non-zero code (all terms at once; a dead side's sign is unused).
-    signs = [np.sign(x[np.arange(k), (x != 0).argmax(axis=1)]).astype(np.int8) for x in (columns, rows)]
-    columns, rows = columns * signs[0][:, None], rows * signs[1][:, None]
-    out = np.zeros(k, np.uint64)
-    for t in np.flatnonzero(live):
-        h = hashlib.blake2b(columns[t].tobytes() + b"|" + rows[t].tobytes(), digest_size=8).digest()
-        out[t] = np.frombuffer(h, np.uint64)[0] or np.uint64(1)
-    return np.sort(out)
+def _factor_words(factored: Sequence[Factors]) -> list[np.ndarray]:
+    """Per factored tensor, one 64-bit word per rank-one term: a hash of ``FACTOR_SAMPLES`` evenly strided
+    codes of its column of A and as many of its row of B, each up to sign (a sign-flipped copy hashes alike), the
+    tensor's words sorted (so does a copy with its terms reordered); 0 for a term with no non-zero code
+    among either side's samples. A copy sent with other scales keeps its codes; an honest sender's term
+    repeats another's only if every sampled code of a column and a row does. Tensors of one shape at once:
+    the cost is the samples', not the factors'."""
+    out: list[np.ndarray] = [np.zeros(0, np.uint64)] * len(factored)
+    by_shape: dict[tuple, list[int]] = {}
+    for i, f in enumerate(factored):
+        by_shape.setdefault((*f.a.shape, *f.b.shape), []).append(i)
+    for (rows, _, _, cols), positions in by_shape.items():
+        every_row, every_col = max(1, rows // FACTOR_SAMPLES), max(1, cols // FACTOR_SAMPLES)
+        a = torch.stack([factored[i].a[::every_row][:FACTOR_SAMPLES] for i in positions])  # (n, samples, k)
+        b = torch.stack([factored[i].b[:, ::every_col][:, :FACTOR_SAMPLES] for i in positions])  # (n, k, samples)
+        sides = [a.mT.cpu().numpy(), b.cpu().numpy()]  # term t of tensor j: sides[0][j, t], sides[1][j, t]
+        live = sides[0].any(axis=2) & sides[1].any(axis=2)  # (n, k)
+        words = []
+        for x, multipliers in zip(sides, (_MULTIPLIERS[:FACTOR_SAMPLES], _MULTIPLIERS[FACTOR_SAMPLES:])):
+            first = np.take_along_axis(x, (x != 0).argmax(axis=2)[..., None], axis=2)  # each term's first non-zero
+            codes = (x.astype(np.int64) * np.sign(first).astype(np.int64)).astype(np.uint64)  # wraps: a hash
+            words.append((codes * multipliers[: x.shape[2]]).sum(axis=2, dtype=np.uint64))
+        hashed = words[0] * _MIX + words[1]
+        hashed[hashed == 0] = 1
+        hashed[~live] = 0
+        for j, i in enumerate(positions):
+            out[i] = np.sort(hashed[j])
+    return out
 
 
 def _log_sets(n: int, k: int) -> float:

@@ -56,6 +56,26 @@ def test_inner_products_and_norms_come_from_the_factors():
     assert products.is_zero(half)
 
 
+def test_gram_matrices_of_codes_are_exact_at_any_size():
+    """The k x k Gram matrices the norms are made of are the integers' own, whatever their size: the float32
+    blocks never round (the largest codes everywhere, a sum past 2^24) and the float64 sum of blocks neither."""
+    rows = 3 * products.EXACT_FLOAT32_ROWS + 17  # three whole blocks and a part
+    worst = torch.full((2, rows, 3), 127, dtype=torch.int8)
+    worst[1, ::2] = -127
+    exact = worst.long().mT @ worst.long()  # int64: no rounding at all
+    assert int(exact.abs().max()) > 2**24  # float32 over all rows at once could not hold it
+    assert torch.equal(products.code_gram(worst, worst), exact.double())
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randint(-127, 128, (3, rows, 4), generator=gen, dtype=torch.int8)
+    y = torch.randint(-127, 128, (3, rows, 2), generator=gen, dtype=torch.int8)
+    assert torch.equal(products.code_gram(x, y), (x.long().mT @ y.long()).double())
+    # A norm made of them is the dense product's, and the same bits batched or alone.
+    f = _factors(7, rows=rows, cols=24, rank=4)
+    a, b = products.factor_matrices(f)
+    assert torch.allclose(products.norm_sq([f]), (a @ b).square().sum(), rtol=1e-12)
+    assert torch.equal(products.item_norms_sq([f, f])[1], products.item_norms_sq([f])[0])
+
+
 def test_a_payloads_factored_norms_are_computed_once_for_its_clip_and_the_aggregate():
     codec, payloads = _payloads(2)
     decoded = [codec.decode(p) for p in payloads]
