@@ -149,8 +149,9 @@ class Trainer:
         self._closed_at: float | None = None  # when the last round closed (its last result in)
         self._busy_seen = 0.0  # the advancer's busy seconds at the last record
         self._turnaround_s: float | None = None  # the round in flight's (``_turnaround``)
+        # Claimed before the update log opens: --overwrite removes the run there, its log included.
+        claim(self.output_dir, self.checkpoint_dir, resuming=bool(config.resume_from), overwrite=config.overwrite)
         self.durable = Resumption(config, self.checkpoint_dir, self.outer, self.checkpoints, self.gather)
-        claim(self.output_dir, self.checkpoint_dir, resuming=self.durable.resuming, overwrite=config.overwrite)
         self.position = self.durable.begin(self.slots)
 
     def _adopt(self, resumed: Resumed | None) -> None:

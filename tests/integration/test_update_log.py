@@ -291,3 +291,18 @@ def test_a_supervised_coordinator_killed_again_and_again_trains_every_round_once
     assert _losses(out) == _losses(straight)
     final, reference = (load_file(run / "final" / "model.safetensors") for run in (out, straight))
     assert final.keys() == reference.keys() and all(torch.equal(final[k], reference[k]) for k in final)
+
+
+def test_overwrite_replaces_a_run_and_its_log_before_logging_anew(tmp_path):
+    """--overwrite removes the run in the directory before the new run's update log opens there: the new run
+    logs its rounds and compacts its log at its final checkpoint (a log opened first was removed under it)."""
+    first = _straight(tmp_path / "run")  # a finished run holds the directory
+    trainer = Trainer(_config(tmp_path / "run", overwrite=True, seed=1), _clients(_engines()), progress=False)
+    try:
+        trainer.run()
+        again = _params(trainer)
+    finally:
+        trainer.close()
+    assert log_path(tmp_path / "run" / "checkpoints").is_file()
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == list(range(1, STEPS + 1))
+    assert any(not torch.equal(first[n], again[n]) for n in first)  # another run (another seed), not the first
