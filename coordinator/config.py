@@ -45,6 +45,7 @@ from gradwire.optim.outer import OUTER_OPTIMIZERS, UpdateRule
 from gradwire.optim.schedule import SCHEDULES, Schedule, lr_at
 
 OVERLAP_UPDATES = ("auto", "eager", "delayed")
+RELAYS = ("direct", "peers")  # --relay: how workers get a replayed update's payloads (coordinator.relay)
 
 # --no-compression: every tensor dense, raw float32 - the codec's exact path, no special case elsewhere.
 DENSE_CODEC = CodecConfig(min_sparse_numel=2**62, bins=0)
@@ -545,6 +546,17 @@ class TrainConfig:
         "whole chunk): the aggregate of many senders holds more than one sender's top-k",
         section=ROUND_POLICY,
     )
+    relay: str = setting(
+        "direct",
+        help="how the workers get a replayed update's payloads: direct (in each work order, from the "
+        "coordinator: its egress grows with the number of workers) or peers (each order names the payloads, "
+        "their SHA-256 and the workers that hold them, and each worker pulls them from their senders with the "
+        "run's peer key, refusing any other bytes; the coordinator sends one in the order only where a pull "
+        "failed, and names that source again only after a while). A compressed aggregate, an adamw delta and "
+        "a catch-up still come from the coordinator, and so do a --tunnel worker's payloads",
+        section=ROUND_POLICY,
+        choices=RELAYS,
+    )
     clip_factor: float = setting(
         2.0,
         help="clip each worker's contribution to this many times the round's median norm (templar's rule; 0: off)",
@@ -745,6 +757,10 @@ class TrainConfig:
             self._check_gossip()
         elif self.peer_to_peer:
             raise ValueError("--peer-to-peer is for gossip rounds: give --topology ring, exponential or complete")
+        if self.relay not in RELAYS:
+            raise ValueError(f"--relay must be one of {', '.join(RELAYS)}, got {self.relay!r}")
+        if self.relay == "peers" and self.gossip:
+            raise ValueError("--relay peers relays star rounds' updates; gossip rounds pull with --peer-to-peer")
         self.grace()  # validates --straggler-grace
         if not (math.isfinite(self.max_failed_seconds) and self.max_failed_seconds >= 0):
             raise ValueError(f"--max-failed-seconds must be >= 0, got {self.max_failed_seconds}")

@@ -381,6 +381,10 @@ def round_record(
         # the lowest agreement score (coordinator.agreement) of this round's senders; None: none measured yet
         "agreement_min": min(gathered.scores.values(), default=None),
         "catch_ups": sum(o.catch_ups for o in round_.outcomes),
+        # --relay peers: the payload bytes the workers pulled from each other instead of the coordinator's
+        # orders (bytes_down), and the orders sent again with the payloads in them after a pull failed
+        "bytes_pulled": sum(o.bytes_pulled for o in round_.outcomes),
+        "relay_resent": sum(o.resent for o in round_.outcomes),
         "stragglers": sum(o.straggler for o in round_.outcomes),
         # where the senders' time went: their mean utilisation (None: none measured) and the seconds they
         # sat idle, summed over them, before this round's work began

@@ -36,6 +36,7 @@ from gradwire.compression import CodecConfig, CompressedGradient, DecodedGradien
 from gradwire.compression.stream import Pieces, StreamPlan
 from gradwire.coordinator.decisions import Grace, Standing, decide_close, decide_first_push, decide_sync
 from gradwire.coordinator.outer import OuterStrategy
+from gradwire.coordinator.relay import Held, Relay, held_piece
 from gradwire.link import WorkerError, WorkerLink
 from gradwire.protocol import (
     BEHIND,
@@ -96,6 +97,9 @@ class SlotOutcome:
     invalid: str = ""
     pieces: int = 0  # streamed pieces of its gradient received, of its last call (it may have failed after)
     unreachable: tuple[str, ...] = ()  # peer-to-peer gossip: neighbours it could not pull messages from
+    held: Held | None = None  # --relay peers: its payload's digest and size, taken as it came in
+    resent: int = 0  # --relay peers: orders sent again with the payloads in them, after a failed pull
+    bytes_pulled: int = 0  # --relay peers: the payload bytes its order named, which it pulled from its peers
 
 
 @dataclasses.dataclass
@@ -198,9 +202,11 @@ class RoundDispatcher:
         quorum: int = 0,
         grace: Grace | None = None,
         gossip: bool = False,
+        relay: Relay | None = None,
     ) -> None:
         self.outer = outer
         self.gossip = gossip  # gossip rounds: every push says so (ModelState.gossip)
+        self.relay = relay or Relay(enabled=False)  # --relay peers: orders name payloads workers pull
         self.run_id, self.spec = run_id, spec
         self.pool = pool
         self.timeout = timeout
@@ -359,8 +365,9 @@ class RoundDispatcher:
             return outcome
         target = outer.target_version
         version = slot.version if slot.version is not None else slot.guess
+        relayed = self.relay.enabled  # until a pull fails: then the payloads come in the order
         try:
-            for _attempt in range(4):  # an order, a catch-up order, a push, an order
+            for _attempt in range(4):  # an order, a catch-up order, a push, an order; or an order sent again
                 if cut_off.is_set():
                     raise WorkerError(slot.client.address, grpc.StatusCode.CANCELLED, "the round closed without it")
                 action, why = decide_sync(version, outer.base_version, target, self._catch_up_bytes(version))
@@ -375,7 +382,7 @@ class RoundDispatcher:
                     outcome.bytes_down += retry.bytes_down
                     version = slot.version
                     continue
-                order = self._order(slot, work, action, version)
+                order = self._order(slot, work, action, version, relayed)
                 outcome.catch_ups += action == "catch-up"
                 receiver = _Receiver(stream, outcome)
                 if self.first_order_at is None:
@@ -389,7 +396,17 @@ class RoundDispatcher:
                             f"result for round {result.round} at version {result.version}, expected {step} at {target}"
                         )
                     outcome.result = receiver.finish(result)
+                    if self.relay.enabled and outcome.result.gradient is not None:
+                        outcome.held = held_piece(outcome.result.gradient, slot.client.address)
+                    outcome.bytes_pulled = sum(r.size for u in (order.update, *order.catch_up) if u for r in u.relayed)
                     return outcome
+                if result.status == UNREACHABLE and relayed and _relays(order):  # took nothing: send them itself
+                    log.info("step %d: worker %d could not pull relayed payloads: %s", step, slot.index, result.reason)
+                    self.relay.unreachable(result.unreachable_peers, step)
+                    outcome.unreachable += tuple(result.unreachable_peers)
+                    outcome.resent += 1
+                    relayed = False
+                    continue
                 if result.status == UNREACHABLE:  # a gossip round it took nothing of
                     outcome.error = f"worker {slot.client.address}: could not pull from its neighbours: {result.reason}"
                     outcome.unreachable = result.unreachable_peers
@@ -420,17 +437,25 @@ class RoundDispatcher:
         total = sum(u.nbytes for u in missed[1]) + (self.outer.pending.nbytes if self.outer.pending is not None else 0)
         return total if not self.state_bytes or total < self.state_bytes else None
 
-    def _order(self, slot: WorkerSlot, work: RoundWork, action: str, version: int | None) -> WorkOrder:
+    def _order(
+        self, slot: WorkerSlot, work: RoundWork, action: str, version: int | None, relayed: bool = False
+    ) -> WorkOrder:
+        """Worker ``slot``'s order for ``action``; ``relayed``: it names the update's payloads its peers hold
+        rather than carrying them (``--relay peers``)."""
         outer = self.outer
         if action == "replay":
             update = outer.update_for(slot.index)
-            return work.order(self.run_id, slot.index, outer.base_version, update, outer.base_fingerprint)
-        if action == "catch-up":
+            if relayed:
+                update = self.relay.update_for(update, work.round)
+            order = work.order(self.run_id, slot.index, outer.base_version, update, outer.base_fingerprint)
+        elif action == "catch-up":
             assert version is not None
             fingerprint, missed = outer.catch_up(version)  # type: ignore[misc]
-            return work.order(self.run_id, slot.index, version, outer.update_for(slot.index), fingerprint, missed)
-        outer.wait_applied()  # at the round's version (pushed after the pending update was applied, or current)
-        return work.order(self.run_id, slot.index, outer.target_version, None, outer.target_fingerprint)
+            order = work.order(self.run_id, slot.index, version, outer.update_for(slot.index), fingerprint, missed)
+        else:
+            outer.wait_applied()  # at the round's version (pushed after the pending update was applied, or current)
+            order = work.order(self.run_id, slot.index, outer.target_version, None, outer.target_fingerprint)
+        return dataclasses.replace(order, peer_key=self.relay.peer_key) if self.relay.enabled else order
 
     def _push(self, slot: WorkerSlot, state: ModelState | None = None) -> _Push:
         """Send ``state`` (default: the replica's full state at its current version) to a worker. Never raises."""
@@ -482,6 +507,10 @@ class _Receiver:
             self.outcome.invalid = f"sent a bad payload: {e}"
             return result
         return dataclasses.replace(result, gradient=payload)
+
+
+def _relays(order: WorkOrder) -> bool:
+    return any(u is not None and u.relayed for u in (order.update, *order.catch_up))
 
 
 def _note_version(outcome: SlotOutcome, target: int) -> None:

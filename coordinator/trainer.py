@@ -41,6 +41,7 @@ from gradwire.coordinator.inputs import load_inputs
 from gradwire.coordinator.membership import MemberSource, Roster
 from gradwire.coordinator.metrics import RunRecorder, progress, round_record
 from gradwire.coordinator.outer import ReplayOuter, make_outer
+from gradwire.coordinator.relay import Relay
 from gradwire.coordinator.resume import Resumed, Resumption
 from gradwire.coordinator.round import RoundDispatcher, RoundOutcome, RoundPlan, RoundWork, WorkerSlot
 from gradwire.coordinator.rundir import checkpoint_root, claim, truncate_metrics
@@ -125,6 +126,7 @@ class Trainer:
             quorum=config.min_workers,
             grace=config.grace(),
             gossip=config.gossip,
+            relay=Relay(config.relay == "peers"),
         )
         self.gather = Gatherer(
             self.outer.codec,
@@ -322,6 +324,8 @@ class Trainer:
             compressed=compressed,
             fragment=planned.fragment,
         )
+        replays_payloads = not compressed and self.pending is not None and self.pending.delta is None
+        self.rounds.relay.hold([o.held for o in gathered.outcomes] if replays_payloads else ())
         contributions = None
         if compressed or (self.pending is not None and self.pending.delta is not None):
             contributions = StateUpdate(

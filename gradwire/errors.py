@@ -29,8 +29,9 @@ class NotHeld(LookupError):
 
 
 class PeersUnreachable(NotHeld):
-    """Peer-to-peer gossip: the messages of these neighbours could not be pulled from them (``members``). The
-    round answers it as a status (``RoundResult.unreachable_peers``), so that the coordinator relays them."""
+    """Peer-to-peer gossip: the messages of these neighbours could not be pulled from them (``members``); or,
+    in a relayed star round, a payload came from none of these sources. The round answers it as a status
+    (``RoundResult.unreachable_peers``), so that the coordinator relays them."""
 
     def __init__(self, message: str, members: tuple[str, ...]) -> None:
         super().__init__(message)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -24,7 +24,9 @@ from gradwire.compression.fragment import Fragment
 from gradwire.compression.robust import MEAN, AggregationRule
 from gradwire.compression.stream import MAX_BUCKETS
 from gradwire.optim.inner import InnerOptimizerConfig
+from gradwire.relay import PieceRef
 from gradwire.replica import Fingerprint, StateUpdate
+from gradwire.v1 import codec_pb2 as codec_pb
 from gradwire.v1 import worker_pb2 as pb
 
 # Bump when a message's meaning changes; both sides refuse to talk across versions.
@@ -33,10 +35,12 @@ from gradwire.v1 import worker_pb2 as pb
 # and replays may be of one fragment of the model (--fragments); 7: gossip rounds (WorkOrder.gossip), whose
 # results report the worker's gossip residual; 8: peer-to-peer gossip (GossipLinks.pulls, Worker.PullGossip,
 # RoundResult.gossip_digest and sketches); 9: the relay fallback (GossipLinks.upload, STATUS_UNREACHABLE);
-# 10: codec settings name their index coding (CodecSettings.indices: 12-bit or Elias-Fano)
-PROTOCOL_VERSION = 10
+# 10: codec settings name their index coding (CodecSettings.indices: 12-bit or Elias-Fano); 11: relayed star
+# rounds (Replay.relayed, WorkOrder.peer_key, Worker.PullPiece)
+PROTOCOL_VERSION = 11
 MAX_INNER_STEPS = 100_000  # H beyond this is a mistake, not a schedule (the field syncs every 30-500 steps)
 MAX_LEARNING_RATE = 1e6  # learning rates crossing the wire are finite, non-negative and below this
+MAX_PIECE_BYTES = 1 << 34  # a relayed payload's declared size: no payload of a model a worker takes is larger
 MAX_CATCH_UP = 1024  # missed updates one order may carry (--replay-window is far smaller)
 MAX_NEIGHBOURS = 4096  # a gossip worker's neighbours (a complete graph of this many workers is already slow)
 MAX_WEIGHT = 1e12  # a sender's weight is its token count (or a clip-scaled share of it)
@@ -380,6 +384,9 @@ def update_to_proto(u: StateUpdate) -> pb.StateUpdate:
         own_round=u.own[1] if u.own is not None else 0,
         fragment=u.fragment.index if u.fragment is not None else 0,
         fragments=u.fragment.count if u.fragment is not None else 0,
+        relayed=[
+            pb.PieceRef(position=r.position, digest=r.digest, size=r.size, sources=list(r.sources)) for r in u.relayed
+        ],
     )
     return pb.StateUpdate(replay=replay, learning_rate=u.learning_rate)
 
@@ -391,7 +398,7 @@ def update_from_proto(m: pb.StateUpdate) -> StateUpdate:
         return StateUpdate(m.learning_rate, delta=codec_serde.gradient_from_proto(m.delta))
     if kind == "replay":
         own = m.replay.own_position > 0  # the receiver's own payload is left out: one sender more than payloads
-        senders = len(m.replay.payloads) + own
+        senders = len(m.replay.payloads) + own + len(m.replay.relayed)
         if len(m.replay.weights) != senders or not senders:
             kept = " and leaves out the receiver's own" if own else ""
             raise ProtocolError(
@@ -399,6 +406,7 @@ def update_from_proto(m: pb.StateUpdate) -> StateUpdate:
             )
         if own and m.replay.own_position > senders:
             raise ProtocolError(f"replay own_position {m.replay.own_position} is beyond its {senders} senders")
+        relayed = _relayed_from_proto(m.replay.relayed, senders, m.replay.own_position - 1 if own else None)
         for w in m.replay.weights:
             _finite(w, "replay weights", 0.0, MAX_WEIGHT)
         if not sum(m.replay.weights) > 0:
@@ -426,8 +434,56 @@ def update_from_proto(m: pb.StateUpdate) -> StateUpdate:
             rule=rule,
             own=own_payload,
             fragment=fragment,
+            relayed=relayed,
         )
     raise ProtocolError("state update carries neither a replay nor a delta")
+
+
+def _relayed_from_proto(refs: Sequence[pb.PieceRef], senders: int, own: int | None) -> tuple[PieceRef, ...]:
+    """A replay's relayed payloads (``gradwire.relay``): each at a distinct position among the senders, not
+    the receiver's own, with a digest, a size within a message's and at most ``relay.MAX_SOURCES`` sources."""
+    out = []
+    for r in refs:
+        if r.position >= senders or r.position == own:
+            raise ProtocolError(f"replay: relayed position {r.position} is not another sender's of {senders}")
+        if r.size > MAX_PIECE_BYTES:
+            raise ProtocolError(f"replay: a relayed payload of {r.size} bytes is over {MAX_PIECE_BYTES}")
+        try:
+            out.append(PieceRef(r.position, r.digest, r.size, tuple(r.sources)))
+        except ValueError as e:
+            raise ProtocolError(f"replay: {e}") from None
+    if len({r.position for r in out}) != len(out):
+        raise ProtocolError("replay: two relayed payloads at one position")
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class PieceRequest:
+    """A ``PullPiece`` call: the payload of ``run_id`` with SHA-256 ``digest``, asked with the run's peer key."""
+
+    run_id: str
+    peer_key: bytes
+    digest: bytes
+
+
+def relayed_payload(data: bytes) -> CompressedGradient:
+    """A pulled payload's bytes (``relay.payload_bytes``) as the payload; ``ProtocolError`` if they are none."""
+    try:
+        return codec_serde.gradient_from_proto(parse(codec_pb.CompressedGradient, data))
+    except PayloadError as e:
+        raise ProtocolError(f"relayed payload: {e.reason}") from None
+
+
+def piece_pull_to_proto(r: PieceRequest) -> pb.PullPieceRequest:
+    return pb.PullPieceRequest(run_id=r.run_id, peer_key=r.peer_key, digest=r.digest)
+
+
+def piece_pull_from_proto(m: pb.PullPieceRequest) -> PieceRequest:
+    if not PEER_KEY_BYTES[0] <= len(m.peer_key) <= PEER_KEY_BYTES[1]:
+        raise ProtocolError("PullPiece: the request carries no peer key of the right size")
+    if len(m.digest) != DIGEST_BYTES:
+        raise ProtocolError(f"PullPiece: a digest is {DIGEST_BYTES} bytes, got {len(m.digest)}")
+    return PieceRequest(check_run_id(m.run_id, "PullPiece"), m.peer_key, m.digest)
 
 
 def update_to_bytes(u: StateUpdate) -> bytes:
@@ -786,6 +842,7 @@ class WorkOrder:
     next_local_steps: LocalSteps | None = None  # --overlap, local-SGD rounds: the next round's inner steps
     stream_buckets: int = 0  # gradient mode: stream the gradient in this many pieces (compression.stream)
     gossip: GossipLinks | None = None  # a gossip round (--topology): the worker's links this round
+    peer_key: bytes = b""  # --relay peers: what pulls of relayed payloads present, and what pullers must
 
     @property
     def inner_steps(self) -> int:
@@ -836,6 +893,7 @@ def order_to_proto(o: WorkOrder) -> pb.WorkOrder:
         next_local_steps=local_steps_to_proto(o.next_local_steps) if o.next_local_steps is not None else None,
         stream_buckets=o.stream_buckets,
         gossip=gossip_to_proto(o.gossip) if o.gossip is not None else None,
+        peer_key=o.peer_key,
     )
 
 
@@ -888,6 +946,10 @@ def order_from_proto(m: pb.WorkOrder) -> WorkOrder:
         raise ProtocolError(f"stream_buckets is at most {MAX_BUCKETS}, got {m.stream_buckets}")
     if m.stream_buckets and local_steps is not None:
         raise ProtocolError("a local-SGD order sends one pseudo-gradient at the end: stream_buckets must be 0")
+    if m.peer_key and not PEER_KEY_BYTES[0] <= len(m.peer_key) <= PEER_KEY_BYTES[1]:
+        raise ProtocolError(f"work order peer_key is {PEER_KEY_BYTES[0]}-{PEER_KEY_BYTES[1]} bytes")
+    if not m.peer_key and any(u.HasField("replay") and u.replay.relayed for u in (m.update, *m.catch_up)):
+        raise ProtocolError("work order relays payloads but carries no peer key to pull them with")
     gossip = gossip_from_proto(m.gossip) if m.HasField("gossip") else None
     if gossip is not None and (
         local_steps is None or m.HasField("update") or m.catch_up or m.compute_before_update or m.stream_buckets
@@ -916,6 +978,7 @@ def order_from_proto(m: pb.WorkOrder) -> WorkOrder:
         next_local_steps,
         m.stream_buckets,
         gossip,
+        m.peer_key,
     )
 
 

@@ -39,6 +39,7 @@ from gradwire.fingerprint import (  # noqa: F401 - the replica's fingerprint, im
     sample_positions,
 )
 from gradwire.optim.outer import UpdateRule, outer_step
+from gradwire.relay import PieceRef
 
 # No honest update moves a parameter by more than this (learning rate x largest aggregate value); a larger
 # step, or a non-finite one, is refused before anything moves instead of overflowing the replica.
@@ -60,10 +61,42 @@ class StateUpdate:
     own: tuple[int, int] | None = None
     # --fragments: the payloads are of this fragment's tensors, and the step moves those alone. None: all.
     fragment: Fragment | None = None
+    # --relay peers: payloads left out of ``payloads`` that the receiver pulls from its peers, each at its
+    # position among the senders (``gradwire.relay``); ``weights``/``scales`` count them. Empty: none.
+    relayed: tuple[PieceRef, ...] = ()
 
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.payloads) + (self.delta.nbytes if self.delta is not None else 0)
+
+    @property
+    def senders(self) -> int:
+        """How many payloads the replay combines: those it carries, the receiver's own, the relayed."""
+        return len(self.payloads) + (self.own is not None) + len(self.relayed)
+
+    def relaying(self, refs: Sequence[PieceRef]) -> StateUpdate:
+        """This replay with the payloads at ``refs``' positions (among the senders, never the receiver's own)
+        left out, to be pulled from the peers ``refs`` name."""
+        positions = [r.position for r in refs]
+        own = self.own[0] if self.own is not None else None
+        if self.delta is not None or self.relayed or len(set(positions)) != len(positions):
+            raise ValueError("cannot relay the payloads of this update")
+        if any(not 0 <= p < self.senders or p == own for p in positions):
+            raise ValueError(f"relayed positions {positions} are not senders of this update (own: {own})")
+        carried = [i for i in range(self.senders) if i != own]  # the sender of each payload carried, in order
+        kept = tuple(p for i, p in zip(carried, self.payloads) if i not in positions)
+        return dataclasses.replace(self, payloads=kept, relayed=tuple(sorted(refs, key=lambda r: r.position)))
+
+    def with_pulled(self, pulled: Mapping[int, CompressedGradient]) -> StateUpdate:
+        """The replay with the relayed payloads back in their places (``pulled``: by position, every one)."""
+        if not self.relayed:
+            return self
+        if set(pulled) != {r.position for r in self.relayed}:
+            raise ValueError(f"pulled payloads at {sorted(pulled)}, relayed at {[r.position for r in self.relayed]}")
+        own = self.own[0] if self.own is not None else None
+        carried = iter(self.payloads)
+        payloads = tuple(pulled[i] if i in pulled else next(carried) for i in range(self.senders) if i != own)
+        return dataclasses.replace(self, payloads=payloads, relayed=())
 
     def without(self, position: int, round: int) -> StateUpdate:
         """This replay for the sender at ``position``, whose payload (sent in ``round``) it leaves out."""
@@ -77,6 +110,8 @@ class StateUpdate:
         """The whole replay, with the receiver's own ``payload`` back in its place."""
         if self.own is None:
             return self
+        if self.relayed:
+            raise ValueError("put the relayed payloads back first (StateUpdate.with_pulled)")
         position = self.own[0]
         return dataclasses.replace(
             self, payloads=self.payloads[:position] + (payload,) + self.payloads[position:], own=None
@@ -187,6 +222,8 @@ class Replica:
             raise ValueError(
                 "this replay leaves out the receiver's own payload: put it back first (StateUpdate.with_own)"
             )
+        if update.relayed:
+            raise ValueError("this replay's relayed payloads are not pulled yet (StateUpdate.with_pulled)")
         if not update.payloads:
             raise ValueError("a replay update needs at least one payload")
         if not self.rule.replayable:

@@ -42,22 +42,24 @@ from google.protobuf.message import Message
 
 import gradwire
 from gradwire import protocol, statestream
-from gradwire.errors import AccessDenied, TooLarge
+from gradwire.errors import AccessDenied, NotHeld, PeersUnreachable, TooLarge
 from gradwire.memory import give_back_freed_memory
 from gradwire.models import spec_elements
 from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import (
     NEEDS_STATE,
     PROTOCOL_VERSION,
+    UNREACHABLE,
     GossipPieceRequest,
     ModelState,
+    PieceRequest,
     ProtocolError,
     RoundResult,
     WorkerInfo,
     WorkerState,
     WorkOrder,
 )
-from gradwire.replica import Fingerprint
+from gradwire.replica import Fingerprint, StateUpdate
 from gradwire.security import same_owner
 from gradwire.v1 import worker_pb2 as pb
 from gradwire.worker import gossip_round, lazy, lookahead, rounds
@@ -420,6 +422,12 @@ class WorkerEngine:
         """Put this worker's own payload back into the order's replay (left out on the wire), then run it;
         on a node, the other ranks get the whole order."""
         session = self.sessions.get(order.run_id)
+        if session is not None and order.peer_key and any(u.relayed for u in (order.update, *order.catch_up) if u):
+            try:
+                order = self._pulled(session, order, cancelled)
+            except PeersUnreachable as e:
+                v = session.replica.version
+                return RoundResult(UNREACHABLE, order.round, str(e), version=v, unreachable_peers=e.members)
         updates = (*order.catch_up, *([order.update] if order.update is not None else []))
         own = [u.own for u in updates if u.own is not None]
         if own:
@@ -439,6 +447,24 @@ class WorkerEngine:
             )
         return self._lead(
             Command.RUN_ROUND, lambda: protocol.order_to_proto(order), self._locked_round, order, cancelled, emit
+        )
+
+    def _pulled(self, session: Session, order: WorkOrder, cancelled: Callable[[], bool]) -> WorkOrder:
+        """``order`` with its relayed payloads pulled from the peers it names (``Peers.pull_pieces``), each
+        kept here for the other workers to pull in turn; ``PeersUnreachable`` if one came from none of them."""
+        session.peer_key = order.peer_key
+        refs = [r for u in (*order.catch_up, order.update) if u is not None for r in u.relayed]
+        pulled = self.peers.pull_pieces(order.run_id, order.peer_key, refs, cancelled)
+        for data in pulled.values():
+            session.held.keep(order.round, data[1])
+
+        def filled(u: StateUpdate) -> StateUpdate:
+            return u.with_pulled({r.position: pulled[r.digest][0] for r in u.relayed})
+
+        return dataclasses.replace(
+            order,
+            update=filled(order.update) if order.update is not None else None,
+            catch_up=tuple(filled(u) for u in order.catch_up),
         )
 
     def _locked_round(self, order: WorkOrder, cancelled: Callable[[], bool], emit: Emit | None = None) -> RoundResult:
@@ -521,6 +547,18 @@ class WorkerEngine:
         self, session: Session, order: WorkOrder, cancelled: Callable[[], bool], t0: float
     ) -> RoundResult:
         return gossip_round.run(self.rounds, self.peers, session, order, cancelled, t0)
+
+    def pull_piece(self, request: PieceRequest) -> bytes:
+        """What ``Worker.PullPiece`` answers: a payload this worker holds for its peers (``gradwire.relay``), by
+        digest. Authorised by the run's peer key, not by ownership: the run's other workers ask. Never waits
+        for a round: the held pieces have a lock of their own."""
+        session = self.sessions.get(request.run_id)
+        if session is None or not session.peer_key or not same_owner(session.peer_key, request.peer_key):
+            raise AccessDenied(f"PullPiece: no relayed round of run {request.run_id!r} here with that peer key")
+        data = session.held.get(request.digest)
+        if data is None:
+            raise NotHeld(f"PullPiece: no payload with digest {request.digest.hex()[:16]}... here")
+        return data
 
     def pull_gossip(self, request: GossipPieceRequest) -> bytes:
         """What ``Worker.PullGossip`` answers (``gossip_round.piece``). Never waits for a round: the gossip

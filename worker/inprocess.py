@@ -24,6 +24,7 @@ from gradwire.link import OnPiece, Traffic, WorkerError
 from gradwire.protocol import (
     GossipPieceRequest,
     ModelState,
+    PieceRequest,
     ProtocolError,
     RoundResult,
     WorkerInfo,
@@ -128,6 +129,18 @@ class InProcessPeers(Peers):
             return engine.pull_gossip(request)
         except (NotHeld, AccessDenied, ValueError) as e:
             raise NotHeld(f"{who}: its message of round {request.round} did not come ({e})") from None
+
+    def _fetch_piece(self, address: str, request: PieceRequest, size: int, who: str) -> bytes:
+        engine = self.engines.get(address)
+        if engine is None:
+            raise NotHeld(f"{who}: no worker at that address in this process")
+        try:
+            data = engine.pull_piece(request)
+        except (NotHeld, AccessDenied, ValueError) as e:
+            raise NotHeld(f"{who}: the payload did not come ({e})") from None
+        if len(data) > size:
+            raise NotHeld(f"{who}: its answer is over the {size} bytes asked for")
+        return data
 
 
 def in_process_clients(

@@ -1,4 +1,6 @@
-"""A gossiping worker's calls to its neighbours (``coordinator train --topology ... --peer-to-peer``).
+"""A worker's calls to its peers: a gossiping worker's to its neighbours (``coordinator train --topology ...
+--peer-to-peer``), and a relayed star round's for the payloads its order names (``--relay peers``,
+``pull_pieces``: from the first source that answers the digest's bytes).
 
 In a peer-to-peer gossip round the coordinator relays no message: it tells each worker, with its order,
 which accepted message of the last round to take from which neighbour, at which address, with which
@@ -17,15 +19,17 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 
 from gradwire import protocol
 from gradwire.compression import CompressedGradient
 from gradwire.errors import Cancelled, NotHeld, PeersUnreachable
-from gradwire.protocol import GossipPieceRequest, GossipPull
+from gradwire.protocol import GossipPieceRequest, GossipPull, PieceRequest, ProtocolError
+from gradwire.relay import PieceRef, digest_of
 from gradwire.security import ClientSecurity
 from gradwire.transport import DEFAULT_MESSAGE_MB, grpc_options
 from gradwire.v1 import worker_pb2_grpc
@@ -77,20 +81,72 @@ class Peers:
         except ValueError as e:
             raise NotHeld(f"{who}: {e}") from None
 
+    def pull_pieces(
+        self, run_id: str, key: bytes, refs: Sequence[PieceRef], cancelled: Callable[[], bool] = lambda: False
+    ) -> dict[bytes, tuple[CompressedGradient, bytes]]:
+        """Each relayed payload ``refs`` name (``gradwire.relay``), by digest, with its bytes: from the first of
+        its sources that answers exactly its bytes, each source asked with a deadline. ``PeersUnreachable``
+        naming every source that failed, when some payload came from none; ``Cancelled`` if the round was
+        cancelled meanwhile."""
+        unique = list({r.digest: r for r in refs}.values())
+        if not unique:
+            return {}
+        with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL, len(unique)), thread_name_prefix="gradwire-peer") as ex:
+            futures = [ex.submit(self._piece, run_id, key, r) for r in unique]
+            results = [f.result() for f in futures]
+        if cancelled():
+            raise Cancelled("the round was cancelled while it pulled its relayed payloads")
+        out, failed, why = {}, [], []
+        for ref, (got, errors) in zip(unique, results):
+            failed += [a for a in errors if a not in failed]
+            if got is None:
+                why.append(f"payload at position {ref.position}: " + "; ".join(errors.values()))
+            else:
+                out[ref.digest] = got
+        if len(out) < len(unique):
+            raise PeersUnreachable("; ".join(why), tuple(failed))
+        return out
+
+    def _piece(
+        self, run_id: str, key: bytes, ref: PieceRef
+    ) -> tuple[tuple[CompressedGradient, bytes] | None, dict[str, str]]:
+        """``ref``'s payload and bytes from the first source that has them (None if none did), and why each
+        source asked before failed."""
+        errors: dict[str, str] = {}
+        for address in ref.sources:
+            who = f"peer {address}"
+            try:
+                data = self._fetch_piece(address, PieceRequest(run_id, key, ref.digest), ref.size, who)
+                if len(data) != ref.size or digest_of(data) != ref.digest:
+                    raise NotHeld(f"{who}: answered {len(data)} bytes that are not the payload asked for")
+                return (protocol.relayed_payload(data), data), errors
+            except (NotHeld, ProtocolError) as e:
+                errors[address] = str(e)
+        return None, errors
+
+    def _fetch_piece(self, address: str, request: PieceRequest, size: int, who: str) -> bytes:
+        """The bytes ``address`` answers to ``request`` (at most ``size``); ``NotHeld`` saying why they did not come."""
+        stub = worker_pb2_grpc.WorkerStub(self._channel(address))
+        call = stub.PullPiece(protocol.piece_pull_to_proto(request), timeout=self.timeout, metadata=self._metadata)
+        return self._joined(call, min(size, self.max_bytes), f"{who}: the payload")
+
     def _fetch(self, address: str, request: GossipPieceRequest, who: str) -> bytes:
         """The serialized piece ``request`` asks ``address`` for; ``NotHeld`` saying why it did not come."""
         stub = worker_pb2_grpc.WorkerStub(self._channel(address))
-        proto = protocol.piece_request_to_proto(request)
+        call = stub.PullGossip(protocol.piece_request_to_proto(request), timeout=self.timeout, metadata=self._metadata)
+        return self._joined(call, self.max_bytes, f"{who}: its message of round {request.round}")
+
+    @staticmethod
+    def _joined(call: Iterator[Any], max_bytes: int, what: str) -> bytes:
+        """The framed bytes a streaming pull answers; ``NotHeld`` saying why ``what`` did not come."""
         try:
-            return protocol.join_parts(
-                stub.PullGossip(proto, timeout=self.timeout, metadata=self._metadata), self.max_bytes
-            )
+            return protocol.join_parts(call, max_bytes)
         except grpc.RpcError as e:
             code = e.code().name if callable(getattr(e, "code", None)) else "UNKNOWN"
             details = e.details() if callable(getattr(e, "details", None)) else str(e)
-            raise NotHeld(f"{who}: its message of round {request.round} did not come ({code}: {details})") from None
+            raise NotHeld(f"{what} did not come ({code}: {details})") from None
         except ValueError as e:
-            raise NotHeld(f"{who}: its answer is malformed ({e})") from None
+            raise NotHeld(f"{what}: the answer is malformed ({e})") from None
 
     def _channel(self, address: str) -> grpc.Channel:
         with self._lock:

@@ -39,6 +39,7 @@ from gradwire.compression import (
 )
 from gradwire.compression.fragment import Fragment, scoped
 from gradwire.protocol import BEHIND, NEEDS_STATE, OK, RoundResult, StateUpdate, WorkOrder
+from gradwire.relay import payload_bytes
 from gradwire.worker import lazy, lookahead
 from gradwire.worker.check import ReplicaView, Verdict, check_order
 from gradwire.worker.compute import Contribution, gradient_step, strategy_for
@@ -116,6 +117,9 @@ class Rounds:
             v = session.replica.version
             return RoundResult(OK, order.round, "", None, contribution.loss, contribution.tokens, v)
         session.last_sent = (order.round, payload)  # the coordinator leaves it out of the replay it sends back
+        if order.peer_key:  # --relay peers: the other workers pull it from here
+            session.peer_key = order.peer_key
+            session.held.keep(order.round, payload_bytes(payload))
         t_done = time.perf_counter()
         self.prepare_next(session, order, payload)
         marks = Marks(t0, t_advanced, t_computed, t_encode, t_done)

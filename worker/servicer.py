@@ -113,11 +113,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self._fail(context, "CloseRun", e)
 
     def PullGossip(self, request: pb.PullGossipRequest, context: grpc.ServicerContext) -> Iterator[pb.Part]:
+        yield from self._pulled(
+            context, "PullGossip", lambda: self.engine.pull_gossip(protocol.piece_request_from_proto(request))
+        )
+
+    def PullPiece(self, request: pb.PullPieceRequest, context: grpc.ServicerContext) -> Iterator[pb.Part]:
+        yield from self._pulled(
+            context, "PullPiece", lambda: self.engine.pull_piece(protocol.piece_pull_from_proto(request))
+        )
+
+    def _pulled(self, context: grpc.ServicerContext, method: str, held: Callable[[], bytes]) -> list[pb.Part]:
+        """What a peer's pull answers: the bytes ``held`` returns, framed; or the call fails as ``_fail`` says."""
         try:
-            parts = list(protocol.frame([self.engine.pull_gossip(protocol.piece_request_from_proto(request))]))
+            return list(protocol.frame([held()]))
         except Exception as e:
-            self._fail(context, "PullGossip", e)
-        yield from parts
+            self._fail(context, method, e)
 
     def _join(self, parts: Iterator[pb.Part], owner: bytes, kind: str) -> bytes:
         return protocol.join_parts(parts, *self._limit(owner, kind))

@@ -39,6 +39,7 @@ from gradwire.models import build_from_spec, spec_elements
 from gradwire.optim.inner import InnerOptimizer, InnerOptimizerConfig
 from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import ModelState, ProtocolError
+from gradwire.relay import Held
 from gradwire.replica import Fingerprint, Replica, StateUpdate
 from gradwire.statestream import TENSOR_FIELDS, StateHeader
 from gradwire.worker.lazy import is_dtensor, is_instance
@@ -133,6 +134,9 @@ class Session:
         self.feedback = ErrorFeedback()
         # (round, payload) of the last result; a push may bring it (a resumed --overlap run: ModelState.own)
         self.last_sent: tuple[int, CompressedGradient] | None = header.own
+        # --relay peers: the run's peer key (the last order's) and the payloads held for the peers (gradwire.relay)
+        self.peer_key = b""
+        self.held = Held()
         self.fingerprint_ahead: Future[Fingerprint] | None = None  # the replica's, being taken after a round
         self.sent_decoded: Future[DecodedGradient] | None = None  # last_sent's payload, decoded after the round
         self.last_replay: tuple[int, AggregationRule] | None = None  # senders and rule of the last replay applied

@@ -27,6 +27,28 @@ DTYPE_UINT16: DType
 DTYPE_INT64: DType
 DTYPE_UINT8: DType
 
+class PullPieceRequest(_message.Message):
+    __slots__ = ("run_id", "peer_key", "digest")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_KEY_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    peer_key: bytes
+    digest: bytes
+    def __init__(self, run_id: _Optional[str] = ..., peer_key: _Optional[bytes] = ..., digest: _Optional[bytes] = ...) -> None: ...
+
+class PieceRef(_message.Message):
+    __slots__ = ("position", "digest", "size", "sources")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    digest: bytes
+    size: int
+    sources: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, position: _Optional[int] = ..., digest: _Optional[bytes] = ..., size: _Optional[int] = ..., sources: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class PullGossipRequest(_message.Message):
     __slots__ = ("run_id", "peer_key", "round", "copy", "with_last", "last")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -209,7 +231,7 @@ class StateUpdate(_message.Message):
     def __init__(self, replay: _Optional[_Union[Replay, _Mapping]] = ..., delta: _Optional[_Union[_codec_pb2.CompressedGradient, _Mapping]] = ..., learning_rate: _Optional[float] = ...) -> None: ...
 
 class Replay(_message.Message):
-    __slots__ = ("payloads", "weights", "scales", "aggregation", "trim", "exact", "own_position", "own_round", "fragment", "fragments")
+    __slots__ = ("payloads", "weights", "scales", "aggregation", "trim", "exact", "own_position", "own_round", "fragment", "fragments", "relayed")
     PAYLOADS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     SCALES_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +242,7 @@ class Replay(_message.Message):
     OWN_ROUND_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_FIELD_NUMBER: _ClassVar[int]
     payloads: _containers.RepeatedCompositeFieldContainer[_codec_pb2.CompressedGradient]
     weights: _containers.RepeatedScalarFieldContainer[float]
     scales: _containers.RepeatedScalarFieldContainer[float]
@@ -230,7 +253,8 @@ class Replay(_message.Message):
     own_round: int
     fragment: int
     fragments: int
-    def __init__(self, payloads: _Optional[_Iterable[_Union[_codec_pb2.CompressedGradient, _Mapping]]] = ..., weights: _Optional[_Iterable[float]] = ..., scales: _Optional[_Iterable[float]] = ..., aggregation: _Optional[str] = ..., trim: _Optional[float] = ..., exact: _Optional[bool] = ..., own_position: _Optional[int] = ..., own_round: _Optional[int] = ..., fragment: _Optional[int] = ..., fragments: _Optional[int] = ...) -> None: ...
+    relayed: _containers.RepeatedCompositeFieldContainer[PieceRef]
+    def __init__(self, payloads: _Optional[_Iterable[_Union[_codec_pb2.CompressedGradient, _Mapping]]] = ..., weights: _Optional[_Iterable[float]] = ..., scales: _Optional[_Iterable[float]] = ..., aggregation: _Optional[str] = ..., trim: _Optional[float] = ..., exact: _Optional[bool] = ..., own_position: _Optional[int] = ..., own_round: _Optional[int] = ..., fragment: _Optional[int] = ..., fragments: _Optional[int] = ..., relayed: _Optional[_Iterable[_Union[PieceRef, _Mapping]]] = ...) -> None: ...
 
 class TokenBatch(_message.Message):
     __slots__ = ("rows", "columns", "dtype", "data")
@@ -245,7 +269,7 @@ class TokenBatch(_message.Message):
     def __init__(self, rows: _Optional[int] = ..., columns: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class WorkOrder(_message.Message):
-    __slots__ = ("protocol_version", "run_id", "round", "base_version", "update", "fingerprint", "batch", "codec", "feedback_beta", "micro_batch_size", "sync_tolerance", "local_steps", "catch_up", "compute_before_update", "next_batch", "clip_grad_norm", "fingerprint_gradient", "next_local_steps", "stream_buckets", "gossip")
+    __slots__ = ("protocol_version", "run_id", "round", "base_version", "update", "fingerprint", "batch", "codec", "feedback_beta", "micro_batch_size", "sync_tolerance", "local_steps", "catch_up", "compute_before_update", "next_batch", "clip_grad_norm", "fingerprint_gradient", "next_local_steps", "stream_buckets", "gossip", "peer_key")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +290,7 @@ class WorkOrder(_message.Message):
     NEXT_LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     STREAM_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     GOSSIP_FIELD_NUMBER: _ClassVar[int]
+    PEER_KEY_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     run_id: str
     round: int
@@ -286,7 +311,8 @@ class WorkOrder(_message.Message):
     next_local_steps: LocalSteps
     stream_buckets: int
     gossip: GossipLinks
-    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., base_version: _Optional[int] = ..., update: _Optional[_Union[StateUpdate, _Mapping]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., batch: _Optional[_Union[TokenBatch, _Mapping]] = ..., codec: _Optional[_Union[_codec_pb2.CodecSettings, _Mapping]] = ..., feedback_beta: _Optional[float] = ..., micro_batch_size: _Optional[int] = ..., sync_tolerance: _Optional[float] = ..., local_steps: _Optional[_Union[LocalSteps, _Mapping]] = ..., catch_up: _Optional[_Iterable[_Union[StateUpdate, _Mapping]]] = ..., compute_before_update: _Optional[bool] = ..., next_batch: _Optional[_Union[TokenBatch, _Mapping]] = ..., clip_grad_norm: _Optional[float] = ..., fingerprint_gradient: _Optional[bool] = ..., next_local_steps: _Optional[_Union[LocalSteps, _Mapping]] = ..., stream_buckets: _Optional[int] = ..., gossip: _Optional[_Union[GossipLinks, _Mapping]] = ...) -> None: ...
+    peer_key: bytes
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., base_version: _Optional[int] = ..., update: _Optional[_Union[StateUpdate, _Mapping]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., batch: _Optional[_Union[TokenBatch, _Mapping]] = ..., codec: _Optional[_Union[_codec_pb2.CodecSettings, _Mapping]] = ..., feedback_beta: _Optional[float] = ..., micro_batch_size: _Optional[int] = ..., sync_tolerance: _Optional[float] = ..., local_steps: _Optional[_Union[LocalSteps, _Mapping]] = ..., catch_up: _Optional[_Iterable[_Union[StateUpdate, _Mapping]]] = ..., compute_before_update: _Optional[bool] = ..., next_batch: _Optional[_Union[TokenBatch, _Mapping]] = ..., clip_grad_norm: _Optional[float] = ..., fingerprint_gradient: _Optional[bool] = ..., next_local_steps: _Optional[_Union[LocalSteps, _Mapping]] = ..., stream_buckets: _Optional[int] = ..., gossip: _Optional[_Union[GossipLinks, _Mapping]] = ..., peer_key: _Optional[bytes] = ...) -> None: ...
 
 class GossipLinks(_message.Message):
     __slots__ = ("member", "neighbours", "gamma", "own_accepted", "relays", "fresh", "drop", "peer_key", "pulls", "own_round", "upload")

@@ -64,6 +64,11 @@ class WorkerStub:
                 request_serializer=gradwire_dot_v1_dot_worker__pb2.PullGossipRequest.SerializeToString,
                 response_deserializer=gradwire_dot_v1_dot_worker__pb2.Part.FromString,
                 _registered_method=True)
+        self.PullPiece = channel.unary_stream(
+                '/gradwire.v1.Worker/PullPiece',
+                request_serializer=gradwire_dot_v1_dot_worker__pb2.PullPieceRequest.SerializeToString,
+                response_deserializer=gradwire_dot_v1_dot_worker__pb2.Part.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -116,6 +121,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullPiece(self, request, context):
+        """Relayed star rounds (`coordinator train --relay peers`): a payload this worker holds - one it sent, or one
+        it pulled - by its digest, as Parts of its serialized CompressedGradient (the bytes whose SHA-256 the digest
+        is). Asked by the run's other workers; the caller presents the run's peer key (WorkOrder.peer_key).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -147,6 +161,11 @@ def add_WorkerServicer_to_server(servicer, server):
             'PullGossip': grpc.unary_stream_rpc_method_handler(
                     servicer.PullGossip,
                     request_deserializer=gradwire_dot_v1_dot_worker__pb2.PullGossipRequest.FromString,
+                    response_serializer=gradwire_dot_v1_dot_worker__pb2.Part.SerializeToString,
+            ),
+            'PullPiece': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullPiece,
+                    request_deserializer=gradwire_dot_v1_dot_worker__pb2.PullPieceRequest.FromString,
                     response_serializer=gradwire_dot_v1_dot_worker__pb2.Part.SerializeToString,
             ),
     }
@@ -311,6 +330,33 @@ class Worker:
             target,
             '/gradwire.v1.Worker/PullGossip',
             gradwire_dot_v1_dot_worker__pb2.PullGossipRequest.SerializeToString,
+            gradwire_dot_v1_dot_worker__pb2.Part.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullPiece(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/gradwire.v1.Worker/PullPiece',
+            gradwire_dot_v1_dot_worker__pb2.PullPieceRequest.SerializeToString,
             gradwire_dot_v1_dot_worker__pb2.Part.FromString,
             options,
             channel_credentials,

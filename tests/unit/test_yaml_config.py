@@ -220,6 +220,7 @@ def test_the_choices_are_those_of_the_settings() -> None:
         "replay_precision",
         "balance",
         "downlink",
+        "relay",
         "spot_check_by",
         "overlap_update",
         "msgn",

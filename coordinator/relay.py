@@ -1,0 +1,100 @@
+"""Relayed star rounds, the coordinator's side (``coordinator train --relay peers``; ``gradwire.relay``).
+
+A replayed update is its senders' payloads, and each sender holds its own. Relayed, the coordinator does not
+send them: each work order names the payloads it replays (``PieceRef``: the SHA-256 and size of the bytes
+the coordinator aggregated, and their sender's address), and the worker pulls them from their senders.
+
+``Relay`` keeps what the pending update's payloads are (``hold``, after each outer step) and which sources
+failed a pull lately; ``sources`` is the pure decision of whom an order names for a payload and why not. A
+payload is sent in the order instead when its sender cannot be named: a ``--tunnel`` worker (nobody dials
+it), a source that failed a pull in the last ``QUIET_ROUNDS`` rounds, or for the worker that reported the
+failure, for the rest of the round (``RoundDispatcher`` sends it the order again, the payloads in it). The
+receiver's own payload is never named: it holds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+
+from gradwire.compression import CompressedGradient
+from gradwire.relay import PieceRef, digest_of, payload_bytes
+from gradwire.replica import StateUpdate
+from gradwire.tunnel import TUNNEL_PREFIX
+
+QUIET_ROUNDS = 10  # rounds a source that failed a pull is not named for any payload
+PEER_KEY_BYTES = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """A payload of the pending update: its digest and size (``relay.payload_bytes``), and who sent it."""
+
+    digest: bytes
+    size: int
+    sender: str  # the sender's address, as the coordinator reaches it
+
+
+def held_piece(payload: CompressedGradient, sender: str) -> Held:
+    """What a worker needs to pull ``payload`` from ``sender`` and check it (a serialization and a hash: on
+    the dispatch thread, as each result comes in)."""
+    data = payload_bytes(payload)
+    return Held(digest_of(data), len(data), sender)
+
+
+def sources(held: Held, failed: Mapping[str, int], round_: int) -> tuple[tuple[str, ...], str]:
+    """Whom an order names for ``held`` (none: send it in the order), and why not. Pure."""
+    if held.sender.startswith(TUNNEL_PREFIX):
+        return (), f"{held.sender} is a tunnelled worker: nobody dials it"
+    last = failed.get(held.sender)
+    if last is not None and round_ - last < QUIET_ROUNDS:
+        return (), f"a pull from {held.sender} failed in round {last}"
+    return (held.sender,), ""
+
+
+class Relay:
+    """The relay of one run: its peer key, the pending update's payloads, the sources that failed lately."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.peer_key = secrets.token_bytes(PEER_KEY_BYTES) if enabled else b""
+        self._held: tuple[Held | None, ...] = ()  # by sender position; None: sent in the order
+        self._failed: dict[str, int] = {}  # a source's address: the round its last failed pull was reported in
+        self._lock = threading.Lock()
+        self.named = 0  # payloads named in orders, and sent in orders because a pull failed (for metrics)
+        self.resent = 0
+
+    def hold(self, payloads: Sequence[Held | None]) -> None:
+        """The pending update's payloads, by sender position (None: not relayed); ``()`` when the pending
+        update is no replay of the senders' payloads (a compressed aggregate, a delta)."""
+        with self._lock:
+            self._held = tuple(payloads)
+
+    def update_for(self, update: StateUpdate | None, round_: int) -> StateUpdate | None:
+        """``update`` as an order names its payloads instead of carrying them, where their senders can serve."""
+        if not self.enabled or update is None or update.delta is not None:
+            return update
+        with self._lock:
+            held, failed = self._held, dict(self._failed)
+        if len(held) != update.senders:
+            return update
+        own = update.own[0] if update.own is not None else None
+        refs = []
+        for position, piece in enumerate(held):
+            if piece is None or position == own:
+                continue
+            named, _ = sources(piece, failed, round_)
+            if named:
+                refs.append(PieceRef(position, piece.digest, piece.size, named))
+        with self._lock:
+            self.named += len(refs)
+        return update.relaying(refs) if refs else update
+
+    def unreachable(self, addresses: Iterable[str], round_: int) -> None:
+        """A worker could not pull from these sources this round: name them for nothing for a while."""
+        with self._lock:
+            for address in addresses:
+                self._failed[address] = round_
+            self.resent += 1

@@ -1,0 +1,97 @@
+"""Relayed star rounds (``coordinator train --relay peers``): the round's update travels peer to peer.
+
+In a star round every worker replays the same update: the senders' payloads (the replay downlink). Sent by
+the coordinator, that costs its uplink N x (N - 1) payloads a round. Relayed, a work order names each
+payload instead of carrying it (``PieceRef``: its SHA-256, its size, and the workers that hold it, its
+sender first), and the worker pulls it from them (``Worker.PullPiece``). The coordinator names only bytes it
+holds and has checked: the digest is of the payload it aggregated, in its one serialization
+(``payload_bytes``), so a source that answers any other bytes is refused, and the worker tries the next.
+
+``Held`` is what a worker keeps for its peers: the payloads it sent and those it pulled, of its last few
+rounds, by digest. A piece is asked for by digest, with the run's peer key; it never names a file, a round
+or a tensor, so a caller gets only bytes it already knows the hash of.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import threading
+
+from gradwire.compression import CompressedGradient
+from gradwire.compression import serde as codec_serde
+
+DIGEST_BYTES = 32  # SHA-256
+MAX_SOURCES = 16  # workers a PieceRef names: its sender and a few that pulled it, never the whole swarm
+HELD_ROUNDS = 4  # rounds of payloads a worker keeps for its peers (a late puller, a catch-up)
+
+
+def payload_bytes(payload: CompressedGradient) -> bytes:
+    """The payload's serialized ``CompressedGradient``: what a piece's digest and size are of, and what a
+    worker serves for it (deterministic: the same payload gives the same bytes)."""
+    return codec_serde.gradient_to_proto(payload).SerializeToString(deterministic=True)
+
+
+def digest_of(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+@dataclasses.dataclass(frozen=True)
+class PieceRef:
+    """A payload of a replay that a worker pulls from its peers: at ``position`` among the update's senders,
+    ``size`` bytes whose SHA-256 is ``digest``, held by ``sources`` (host:port, in the order to ask them)."""
+
+    position: int
+    digest: bytes
+    size: int
+    sources: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if self.position < 0:
+            raise ValueError(f"a relayed payload's position is >= 0, got {self.position}")
+        if len(self.digest) != DIGEST_BYTES:
+            raise ValueError(f"a relayed payload's digest is {DIGEST_BYTES} bytes, got {len(self.digest)}")
+        if self.size <= 0:
+            raise ValueError(f"a relayed payload has a size > 0, got {self.size}")
+        if not 1 <= len(self.sources) <= MAX_SOURCES:
+            raise ValueError(f"a relayed payload names 1-{MAX_SOURCES} sources, got {len(self.sources)}")
+        for address in self.sources:
+            if not address or len(address) > 256 or not address.isprintable():
+                raise ValueError("a relayed payload's source is 1-256 printable characters")
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    round: int
+    data: bytes
+
+
+class Held:
+    """The pieces a worker holds for its peers, by digest: those of its last ``HELD_ROUNDS`` rounds. Thread-
+    safe: the round's thread adds, the server's threads read."""
+
+    def __init__(self, rounds: int = HELD_ROUNDS) -> None:
+        self.rounds = rounds
+        self._pieces: collections.OrderedDict[bytes, Piece] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def keep(self, round_: int, data: bytes) -> bytes:
+        """Hold ``data`` (a serialized payload of ``round_``); returns its digest."""
+        digest = digest_of(data)
+        with self._lock:
+            self._pieces[digest] = Piece(round_, data)
+            self._pieces.move_to_end(digest)
+            newest = max(p.round for p in self._pieces.values())
+            for d in [d for d, p in self._pieces.items() if p.round <= newest - self.rounds]:
+                del self._pieces[d]
+        return digest
+
+    def get(self, digest: bytes) -> bytes | None:
+        with self._lock:
+            piece = self._pieces.get(digest)
+        return piece.data if piece is not None else None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._pieces)

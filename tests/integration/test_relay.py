@@ -1,0 +1,113 @@
+"""Relayed star rounds (``coordinator train --relay peers``): the workers pull the update's payloads from
+each other, and the run is the direct run bit for bit; a peer that serves wrong bytes, stalls or is gone
+costs the puller a retry with the payloads in its order, and the coordinator names that peer for nothing a
+while."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from gradwire.coordinator.config import TrainConfig
+from gradwire.coordinator.metrics import read_metrics
+from gradwire.coordinator.relay import QUIET_ROUNDS
+from gradwire.errors import NotHeld
+from gradwire.protocol import PieceRequest
+from gradwire.worker.engine import WorkerEngine
+from gradwire.worker.inprocess import in_process_clients
+
+from .conftest import live_workers, run_trainer, train
+
+SETTINGS = {"model": "gpt-tiny", "batch_size": 2, "sequence_length": 16, "downlink": "replay", "balance": "off"}
+
+
+def _same(a, b) -> None:
+    for (name, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_a_relayed_gradient_round_is_the_direct_one_and_the_coordinator_sends_no_payload(tmp_path):
+    """Four served workers over gRPC (Worker.PullPiece on loopback), gradient mode with streamed buckets."""
+    settings = dict(SETTINGS, steps=4, stream_buckets=2)
+    with live_workers(4) as workers:
+        direct = train(TrainConfig(**settings, output_dir=str(tmp_path / "direct")), workers)
+    with live_workers(4) as workers:
+        relayed = train(TrainConfig(**settings, relay="peers", output_dir=str(tmp_path / "relayed")), workers)
+    _same(direct, relayed)
+    a, b = read_metrics(tmp_path / "direct"), read_metrics(tmp_path / "relayed")
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert [r["bytes_up"] for r in a] == [r["bytes_up"] for r in b]
+    for before, after in zip(a[1:], b[1:]):  # after the state push: each order carried 3 other payloads
+        pulled = after["bytes_pulled"]
+        assert pulled > 0 and after["relay_resent"] == 0
+        # what the orders no longer carry is what the workers pulled (each payload's serialization)
+        assert before["bytes_down"] - after["bytes_down"] == pytest.approx(pulled, rel=0.01)
+        assert after["bytes_down"] < pulled / 20  # orders: batches, fingerprints, weights, references
+
+
+def test_relayed_local_sgd_rounds_with_overlap_and_fragments_are_the_direct_ones(tmp_path):
+    settings = dict(SETTINGS, steps=6, inner_steps=4, fragments=2, overlap=True)
+    direct = run_trainer(TrainConfig(**settings, output_dir=str(tmp_path / "d")), in_process_clients(3))
+    relayed = run_trainer(TrainConfig(**settings, relay="peers", output_dir=str(tmp_path / "r")), in_process_clients(3))
+    _same(direct, relayed)
+    records = read_metrics(tmp_path / "r")
+    assert sum(r["bytes_pulled"] for r in records) > 0 and not any(r["relay_resent"] for r in records)
+
+
+class _Flipping(WorkerEngine):
+    """Serves every relayed payload with one byte flipped."""
+
+    def pull_piece(self, request: PieceRequest) -> bytes:
+        data = bytearray(super().pull_piece(request))
+        data[len(data) // 2] ^= 0x40
+        return bytes(data)
+
+
+class _Gone(WorkerEngine):
+    """Answers every pull as a worker that holds nothing (a restarted one), or one that is gone."""
+
+    def pull_piece(self, request: PieceRequest) -> bytes:
+        raise NotHeld("PullPiece: no payload here")
+
+
+class _Stalling(WorkerEngine):
+    """Holds every pull until the test ends (past the puller's deadline)."""
+
+    release = threading.Event()
+
+    def pull_piece(self, request: PieceRequest) -> bytes:
+        self.release.wait(30)
+        return super().pull_piece(request)
+
+
+@pytest.mark.parametrize("bad", [_Flipping, _Gone])
+def test_a_peer_that_serves_wrong_bytes_or_nothing_costs_a_retry_and_is_named_for_nothing_a_while(tmp_path, bad):
+    steps = 4
+    settings = dict(SETTINGS, steps=steps)
+    direct = run_trainer(TrainConfig(**settings, output_dir=str(tmp_path / "d")), in_process_clients(3))
+    factories = iter([bad, WorkerEngine, WorkerEngine])  # worker 0 is the bad peer
+    clients = in_process_clients(3, factory=lambda d: next(factories)(d))
+    relayed = run_trainer(TrainConfig(**settings, relay="peers", output_dir=str(tmp_path / "r")), clients)
+    _same(direct, relayed)  # every round completed, the same
+    records = read_metrics(tmp_path / "r")
+    # Round 2 (the first with an update): the two others failed to pull worker 0's payload and got it in
+    # their orders; from then on worker 0 is named for nothing (QUIET_ROUNDS), so nobody fails again.
+    assert [r["relay_resent"] for r in records] == [0, 2] + [0] * (steps - 2)
+    assert steps - 2 < QUIET_ROUNDS
+    assert all(r["bytes_pulled"] > 0 for r in records[2:])  # the two good workers' payloads still travel peer to peer
+
+
+def test_a_peer_that_stalls_past_the_deadline_costs_a_retry(tmp_path):
+    settings = dict(SETTINGS, steps=3)
+    factories = [_Stalling, WorkerEngine, WorkerEngine]
+    try:
+        with live_workers(3, factories) as workers:
+            for w in workers:
+                w.engine.peers.timeout = 1.0  # the pull's deadline
+            train(TrainConfig(**settings, relay="peers", output_dir=str(tmp_path / "r")), workers)
+    finally:
+        _Stalling.release.set()
+    records = read_metrics(tmp_path / "r")
+    assert len(records) == 3 and records[1]["relay_resent"] == 2 and records[1]["successful_workers"] == 3

@@ -1,0 +1,144 @@
+"""Relayed star rounds' pure parts: an update that names payloads instead of carrying them round-trips and
+is put back whole; the wire form is validated before anything is pulled; a worker serves what it holds only
+with the run's peer key; the coordinator's choice of sources says why it names none."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from gradwire import protocol
+from gradwire.compression import CodecConfig, CompressedGradient, GradientCodec
+from gradwire.coordinator.relay import QUIET_ROUNDS, Held, Relay, held_piece, sources
+from gradwire.errors import AccessDenied, NotHeld
+from gradwire.protocol import PieceRequest, ProtocolError, WorkOrder
+from gradwire.relay import Held as HeldPieces
+from gradwire.relay import PieceRef, digest_of, payload_bytes
+from gradwire.replica import Fingerprint, StateUpdate
+from gradwire.tunnel import TUNNEL_PREFIX
+from gradwire.v1 import worker_pb2 as pb
+
+SHAPES = {"w": (32, 32), "b": (8,)}
+
+
+def _payloads(n: int) -> list[CompressedGradient]:
+    codec = GradientCodec(SHAPES, CodecConfig(chunk=16, topk=4))
+    gen = torch.Generator().manual_seed(0)
+    return [codec.compress({k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}) for _ in range(n)]
+
+
+def _ref(position: int, payload: CompressedGradient, *sources: str) -> PieceRef:
+    data = payload_bytes(payload)
+    return PieceRef(position, digest_of(data), len(data), sources or ("10.0.0.1:50051",))
+
+
+def test_an_update_names_payloads_and_is_put_back_whole_around_the_receivers_own():
+    payloads = _payloads(4)
+    whole = StateUpdate(0.5, tuple(payloads), (1.0, 2.0, 3.0, 4.0), scales=(1.0, 0.5, 1.0, 1.0))
+    mine = whole.without(1, round=7)  # the receiver sent payload 1
+    relayed = mine.relaying([_ref(3, payloads[3]), _ref(0, payloads[0])])
+    assert relayed.payloads == (payloads[2],) and [r.position for r in relayed.relayed] == [0, 3]
+    assert relayed.senders == 4 and relayed.nbytes == payloads[2].nbytes
+    back = relayed.with_pulled({0: payloads[0], 3: payloads[3]}).with_own(payloads[1])
+    assert back == whole
+    # Over the wire and back: the same update, names and all.
+    assert protocol.update_from_proto(protocol.update_to_proto(relayed)) == relayed
+    with pytest.raises(ValueError, match="not senders"):
+        mine.relaying([_ref(1, payloads[1])])  # the receiver's own is never relayed
+    with pytest.raises(ValueError, match="pulled payloads"):
+        relayed.with_pulled({0: payloads[0]})  # every relayed payload, or none
+    with pytest.raises(ValueError, match="relayed payloads back first"):
+        relayed.with_own(payloads[1])
+
+
+def _wire(update: StateUpdate, **ref_changes: object) -> pb.StateUpdate:
+    m = protocol.update_to_proto(update)
+    for key, value in ref_changes.items():
+        if key == "extra":
+            m.replay.relayed.add().CopyFrom(m.replay.relayed[0])
+        elif key == "sources":
+            del m.replay.relayed[0].sources[:]
+            m.replay.relayed[0].sources.extend(value)  # type: ignore[arg-type]
+        else:
+            setattr(m.replay.relayed[0], key, value)
+    return m
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"position": 5}, "not another sender"),
+        ({"position": 1}, "not another sender"),  # the receiver's own
+        ({"digest": b"short"}, "digest is 32 bytes"),
+        ({"size": 0}, "size > 0"),
+        ({"size": protocol.MAX_PIECE_BYTES + 1}, "over"),
+        ({"sources": []}, "1-16 sources"),
+        ({"sources": ["a:1"] * 17}, "1-16 sources"),
+        ({"sources": ["bad\naddress"]}, "printable"),
+        ({"extra": True}, "weights"),  # one sender more than it has weights for
+    ],
+)
+def test_a_relayed_update_off_the_wire_is_refused_before_anything_is_pulled(changes, message):
+    payloads = _payloads(3)
+    update = StateUpdate(0.5, tuple(payloads), (1.0, 1.0, 1.0)).without(1, round=2).relaying([_ref(0, payloads[0])])
+    with pytest.raises(ProtocolError, match=message):
+        protocol.update_from_proto(_wire(update, **changes))
+
+
+def test_an_order_that_relays_payloads_carries_a_peer_key():
+    payloads = _payloads(2)
+    update = StateUpdate(0.5, tuple(payloads), (1.0, 1.0)).without(1, round=2).relaying([_ref(0, payloads[0])])
+    order = WorkOrder("run", 3, 2, np.zeros((1, 9), np.uint16), CodecConfig(), Fingerprint((), (), ()), update)
+    with pytest.raises(ProtocolError, match="no peer key"):
+        protocol.order_from_proto(protocol.order_to_proto(order))
+    keyed = dataclasses.replace(order, peer_key=b"k" * 32)
+    assert protocol.order_from_proto(protocol.order_to_proto(keyed)).update == update
+    with pytest.raises(ProtocolError, match="peer_key"):
+        protocol.order_from_proto(protocol.order_to_proto(dataclasses.replace(order, peer_key=b"short")))
+
+
+def test_a_worker_holds_its_last_rounds_pieces_and_serves_them_only_with_the_peer_key():
+    held = HeldPieces(rounds=2)
+    digests = [held.keep(r, f"payload of round {r}".encode()) for r in range(4)]
+    assert [held.get(d) is not None for d in digests] == [False, False, True, True]
+    assert held.get(digests[3]) == b"payload of round 3"
+
+    from gradwire.worker.engine import WorkerEngine  # a worker with one session that relays
+
+    engine = WorkerEngine("cpu")
+    session = type("S", (), {"peer_key": b"k" * 32, "held": held})()
+    engine.sessions["run"] = session  # type: ignore[assignment]
+    assert engine.pull_piece(PieceRequest("run", b"k" * 32, digests[3])) == b"payload of round 3"
+    with pytest.raises(AccessDenied):
+        engine.pull_piece(PieceRequest("run", b"x" * 32, digests[3]))
+    with pytest.raises(AccessDenied):
+        engine.pull_piece(PieceRequest("other", b"k" * 32, digests[3]))
+    with pytest.raises(NotHeld):
+        engine.pull_piece(PieceRequest("run", b"k" * 32, digests[0]))  # evicted
+    with pytest.raises(ProtocolError, match="digest"):
+        protocol.piece_pull_from_proto(pb.PullPieceRequest(run_id="run", peer_key=b"k" * 32, digest=b"x"))
+
+
+def test_the_coordinator_names_a_sender_unless_it_is_tunnelled_or_failed_lately():
+    piece = Held(b"d" * 32, 100, "10.0.0.1:50051")
+    assert sources(piece, {}, 5) == (("10.0.0.1:50051",), "")
+    named, why = sources(Held(b"d" * 32, 100, TUNNEL_PREFIX + "w1"), {}, 5)
+    assert named == () and "tunnelled" in why
+    named, why = sources(piece, {"10.0.0.1:50051": 5}, 5 + QUIET_ROUNDS - 1)
+    assert named == () and "failed in round 5" in why
+    assert sources(piece, {"10.0.0.1:50051": 5}, 5 + QUIET_ROUNDS)[0] == ("10.0.0.1:50051",)
+
+    payloads = _payloads(3)
+    relay = Relay(enabled=True)
+    relay.hold([held_piece(p, f"10.0.0.{i}:1") for i, p in enumerate(payloads)])
+    whole = StateUpdate(0.5, tuple(payloads), (1.0, 1.0, 1.0))
+    for_1 = relay.update_for(whole.without(1, round=4), 5)
+    assert [r.position for r in for_1.relayed] == [0, 2] and for_1.payloads == ()
+    assert for_1.relayed[0].digest == digest_of(payload_bytes(payloads[0]))
+    relay.unreachable(["10.0.0.2:1"], 5)
+    assert [r.position for r in relay.update_for(whole.without(1, round=4), 5).relayed] == [0]
+    relay.hold(())  # the next update is no replay of these payloads: nothing is named
+    assert relay.update_for(whole, 6) == whole
