@@ -52,7 +52,9 @@ from gradwire.compression.select import topk_indices
 if TYPE_CHECKING:
     from gradwire.compression.aggregate import Aggregator
 
-# Shift, scale and raw values beyond this magnitude are rejected as malformed: no real gradient gets there.
+# Shift, scale and raw values beyond this magnitude are rejected as malformed: no real gradient gets there. A
+# sender refuses to compress such a value as it refuses NaN (``NonFiniteInput``): near float32's largest, the
+# quantizer's range overflows, and the error feedback would take in NaN.
 VALUE_LIMIT = 1e30
 
 Normalize = Literal["mean", "per_coordinate"]
@@ -198,8 +200,8 @@ class GradientCodec:
             idx = idx.sort(dim=1).values
         vals = coeffs.gather(1, idx)  # (B, k)
         # top-k ranks NaN and infinity first, and the DCT spreads one over its chunk: checking the kept
-        # values finds any in the group.
-        finite = vals.isfinite().all(dim=1)
+        # values finds any in the group (and any value past ``VALUE_LIMIT``, the largest of each chunk).
+        finite = (vals.abs() < VALUE_LIMIT).all(dim=1)
         if not bool(finite.all()):
             row = int((~finite).nonzero()[0, 0])
             raise NonFiniteInput(group.members[int(layout.row_member[row])].name)
@@ -270,7 +272,7 @@ class GradientCodec:
         them: on a GPU each read waits for the device, so a few reads a tensor would cost their round trips."""
         if not items:
             return {}
-        finite = torch.stack([values.isfinite().all() for _, values in items]).tolist()
+        finite = torch.stack([(values.abs() < VALUE_LIMIT).all() for _, values in items]).tolist()
         for ok, (t, _) in zip(finite, items):
             if not ok:
                 raise NonFiniteInput(t.name)

@@ -26,6 +26,11 @@ IndexCoding = Literal["packed12", "elias-fano"]
 INDEX_CODINGS: tuple[IndexCoding, ...] = ("packed12", "elias-fano")
 
 
+# The quantizer's range in standard deviations is at most this: wider, nearly every value falls in one bin, and
+# near float32's largest the bin width overflows (an order with such a codec fed NaN into error feedback).
+MAX_RANGE_SIGMAS = 1000.0
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CodecConfig:
     """How a gradient is compressed.
@@ -76,8 +81,8 @@ class CodecConfig:
             raise ValueError(f"values must be one of {', '.join(map(repr, VALUE_CODINGS))}, got {self.values!r}")
         if self.bins != 0 and not 2 <= self.bins <= 256:
             raise ValueError(f"bins must be 0 (no quantization) or in [2, 256], got {self.bins}")
-        if not (math.isfinite(self.range_sigmas) and self.range_sigmas > 0):
-            raise ValueError(f"range_sigmas must be a positive finite number, got {self.range_sigmas}")
+        if not (math.isfinite(self.range_sigmas) and 0 < self.range_sigmas <= MAX_RANGE_SIGMAS):
+            raise ValueError(f"range_sigmas must be in (0, {MAX_RANGE_SIGMAS:g}], got {self.range_sigmas}")
         if self.indices not in INDEX_CODINGS:
             raise ValueError(f"indices must be one of {', '.join(map(repr, INDEX_CODINGS))}, got {self.indices!r}")
         if not 0 <= self.rank <= MAX_RANK:

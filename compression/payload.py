@@ -62,12 +62,13 @@ class PayloadError(ValueError):
 
 
 class NonFiniteInput(ArithmeticError):
-    """``compress`` was given a NaN or an infinity: the sender's training diverged. Names the tensor."""
+    """``compress`` was given a NaN, an infinity or a value past ``codec.VALUE_LIMIT``: the sender's training
+    diverged. Names the tensor."""
 
     def __init__(self, tensor: str) -> None:
         super().__init__(
-            f"the gradient of {tensor!r} is not finite: training diverged (try a lower learning rate, or "
-            "--clip-grad-norm)"
+            f"the gradient of {tensor!r} is not finite (or past 1e30): training diverged (try a lower learning "
+            "rate, or --clip-grad-norm)"
         )
         self.tensor = tensor
 

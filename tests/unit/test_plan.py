@@ -121,6 +121,7 @@ BAD_SETTINGS = [
     {"bins": 257},
     {"range_sigmas": 0.0},
     {"range_sigmas": float("nan")},
+    {"range_sigmas": 1e308},
     {"min_sparse_numel": -1},
     {"values": "int8"},
     {"values": "LUT"},
