@@ -2,6 +2,7 @@
 
     python -m benchmarks.scale --json                        # 8, 64, 256 workers; gpt-10m; replay up to 64
     python -m benchmarks.scale --workers 8,32 --rounds 2 --json
+    python -m benchmarks.scale --workers 64,256,1024 --downlinks compressed --relays direct,peers --json
 
 Each (downlink, workers) case runs in its own process (so its peak memory is its own): the coordinator's real
 ``Trainer`` (dispatch, gather, outer step, metrics) with ``--workers`` simulated workers. A simulated worker
@@ -18,7 +19,10 @@ Reports per case, over ``--rounds`` rounds after the first (which pushes the sta
 * ``peak_rss_mb``: the process's peak resident memory over the rounds (the prepared payloads included:
   ``payloads_mb``);
 * ``bytes_down_per_worker``: one worker's order (the update, its batch, the settings);
-* ``egress_bytes``: everything the coordinator sent in the round.
+* ``egress_bytes``: everything the coordinator sent in the round (``egress_payloads``: in payloads of one
+  worker's size), and ``bytes_pulled``: what the workers pulled from each other instead (``--relays peers``:
+  a simulated worker pulls nothing, but its order names what a real one would; the coordinator still
+  serializes and hashes every payload it names).
 The replay downlink at 256 workers would serialize ~38 GB of orders per round (each worker gets the other
 255 payloads): it runs only up to ``--replay-max`` workers (64) and is reported as not run beyond.
 
@@ -169,8 +173,8 @@ def peak_rss() -> Iterator[list[int]]:
         thread.join()
 
 
-def run_case(model: str, downlink: str, workers: int, rounds: int, seed: int) -> dict:
-    """One (downlink, workers) case in this process."""
+def run_case(model: str, downlink: str, workers: int, rounds: int, seed: int, relay: str = "direct") -> dict:
+    """One (downlink, relay, workers) case in this process."""
     keep_freed_memory()  # as the coordinator process does
     with tempfile.TemporaryDirectory() as out:
         config = TrainConfig(
@@ -179,6 +183,7 @@ def run_case(model: str, downlink: str, workers: int, rounds: int, seed: int) ->
             batch_size=1,
             sequence_length=128,
             downlink=downlink,
+            relay=relay,
             balance="off",  # simulated workers answer at once: the order they are served in is no speed
             spot_check_every=0,  # simulated workers compute no gradient to check
             eval_every=0,
@@ -211,6 +216,7 @@ def run_case(model: str, downlink: str, workers: int, rounds: int, seed: int) ->
             trainer.close()
     return {
         "downlink": downlink,
+        "relay": relay,
         "workers": workers,
         "rounds": rounds,
         "round_s": statistics.median(t for t, _ in times),
@@ -219,6 +225,9 @@ def run_case(model: str, downlink: str, workers: int, rounds: int, seed: int) ->
         "payload_bytes": template.nbytes,
         "bytes_down_per_worker": statistics.median(r["bytes_down_per_worker"] for r in records),
         "egress_bytes": statistics.median(r["bytes_down"] for r in records),
+        # the coordinator's egress in payloads (one worker's), and what the workers pulled from each other
+        "egress_payloads": statistics.median(r["bytes_down"] for r in records) / template.nbytes,
+        "bytes_pulled": statistics.median(r["bytes_pulled"] for r in records),
         "aggregate_s": statistics.median(r["aggregate_time"] for r in records),
         "compressed": [r["downlink_compressed"] for r in records],
     }
@@ -229,28 +238,34 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", default="gpt-10m")
     parser.add_argument("--workers", default="8,64,256", help="comma-separated worker counts")
     parser.add_argument("--downlinks", default="replay,compressed")
+    parser.add_argument("--relays", default="direct", help="direct and/or peers (--relay): comma-separated")
     parser.add_argument("--replay-max", type=int, default=64, help="run the replay downlink up to this many workers")
     parser.add_argument("--rounds", type=int, default=3, help="rounds measured per case, after the first")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--case", help=argparse.SUPPRESS)  # DOWNLINK:WORKERS, run in this process
+    parser.add_argument("--case", help=argparse.SUPPRESS)  # DOWNLINK[+peers]:WORKERS, run in this process
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     if args.case:
-        downlink, workers = args.case.split(":")
-        result = run_case(args.model, downlink, int(workers), args.rounds, args.seed)
+        how, workers = args.case.split(":")
+        downlink, _, relay = how.partition("+")
+        result = run_case(args.model, downlink, int(workers), args.rounds, args.seed, relay or "direct")
         print(json.dumps(result))
         return result
     counts = [int(n) for n in args.workers.split(",") if n]
     downlinks = [d for d in args.downlinks.split(",") if d]
+    relays = [r for r in args.relays.split(",") if r]
     if not counts or min(counts) < 1 or args.rounds < 1 or not set(downlinks) <= {"replay", "compressed"}:
         parser.error("--workers needs counts >= 1, --rounds >= 1, --downlinks replay and/or compressed")
+    if not relays or not set(relays) <= {"direct", "peers"}:
+        parser.error("--relays is direct and/or peers")
     cases: dict[str, dict] = {}
-    for downlink in downlinks:
+    for downlink, relay in ((d, r) for d in downlinks for r in relays):
         for n in counts:
-            key = f"{downlink}:{n}"
+            key = f"{downlink}:{n}" if relay == "direct" else f"{downlink}+{relay}:{n}"
             if downlink == "replay" and n > args.replay_max:
                 cases[key] = {
                     "downlink": downlink,
+                    "relay": relay,
                     "workers": n,
                     "run": False,
                     "why": f"over --replay-max {args.replay_max}",
@@ -264,7 +279,11 @@ def main(argv: list[str] | None = None) -> dict:
             cases[key] = json.loads(done.stdout.strip().splitlines()[-1])
             print(f"{key}: {cases[key]['round_s']:.2f} s per round", file=sys.stderr, flush=True)
     ratios = {}
-    compressed = {c["workers"]: c for c in cases.values() if c["downlink"] == "compressed" and c.get("run", True)}
+    compressed = {
+        c["workers"]: c
+        for c in cases.values()
+        if c["downlink"] == "compressed" and c.get("relay", "direct") == "direct" and c.get("run", True)
+    }
     if 8 in compressed and 256 in compressed:
         ratios["bytes_down_256_over_8"] = (
             compressed[256]["bytes_down_per_worker"] / compressed[8]["bytes_down_per_worker"]

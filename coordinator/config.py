@@ -45,7 +45,8 @@ from gradwire.optim.outer import OUTER_OPTIMIZERS, UpdateRule
 from gradwire.optim.schedule import SCHEDULES, Schedule, lr_at
 
 OVERLAP_UPDATES = ("auto", "eager", "delayed")
-RELAYS = ("direct", "peers")  # --relay: how workers get a replayed update's payloads (coordinator.relay)
+RELAYS = ("direct", "peers")
+MAX_RELAY_FANOUT = 64  # --relay: how workers get a replayed update's payloads (coordinator.relay)
 
 # --no-compression: every tensor dense, raw float32 - the codec's exact path, no special case elsewhere.
 DENSE_CODEC = CodecConfig(min_sparse_numel=2**62, bins=0)
@@ -551,11 +552,18 @@ class TrainConfig:
         help="how the workers get a replayed update's payloads: direct (in each work order, from the "
         "coordinator: its egress grows with the number of workers) or peers (each order names the payloads, "
         "their SHA-256 and the workers that hold them, and each worker pulls them from their senders with the "
-        "run's peer key, refusing any other bytes; the coordinator sends one in the order only where a pull "
-        "failed, and names that source again only after a while). A compressed aggregate, an adamw delta and "
-        "a catch-up still come from the coordinator, and so do a --tunnel worker's payloads",
+        "run's peer key, refusing any other bytes; a compressed aggregate goes to --relay-fanout workers and "
+        "the others pull it from those that have it; the coordinator sends a payload in the order only where "
+        "a pull failed, and names that source again only after a while). An adamw delta and a catch-up still "
+        "come from the coordinator, and so do a --tunnel worker's payloads",
         section=ROUND_POLICY,
         choices=RELAYS,
+    )
+    relay_fanout: int = setting(
+        2,
+        help="--relay peers with a compressed aggregate: the workers the coordinator sends it to; every other "
+        "worker pulls it from one that has it, and each serves it to at most this many (a tree)",
+        section=ROUND_POLICY,
     )
     clip_factor: float = setting(
         2.0,
@@ -759,6 +767,8 @@ class TrainConfig:
             raise ValueError("--peer-to-peer is for gossip rounds: give --topology ring, exponential or complete")
         if self.relay not in RELAYS:
             raise ValueError(f"--relay must be one of {', '.join(RELAYS)}, got {self.relay!r}")
+        if not 1 <= self.relay_fanout <= MAX_RELAY_FANOUT:
+            raise ValueError(f"--relay-fanout must be in [1, {MAX_RELAY_FANOUT}], got {self.relay_fanout}")
         if self.relay == "peers" and self.gossip:
             raise ValueError("--relay peers relays star rounds' updates; gossip rounds pull with --peer-to-peer")
         self.grace()  # validates --straggler-grace

@@ -382,9 +382,11 @@ def round_record(
         "agreement_min": min(gathered.scores.values(), default=None),
         "catch_ups": sum(o.catch_ups for o in round_.outcomes),
         # --relay peers: the payload bytes the workers pulled from each other instead of the coordinator's
-        # orders (bytes_down), and the orders sent again with the payloads in them after a pull failed
+        # orders (bytes_down), the orders sent again with the payloads in them after a pull failed, and the
+        # sources the workers named as failed (served by another, or not at all)
         "bytes_pulled": sum(o.bytes_pulled for o in round_.outcomes),
         "relay_resent": sum(o.resent for o in round_.outcomes),
+        "relay_failed": sum(len(o.unreachable) for o in round_.outcomes),  # (puller, source) pairs that failed
         "stragglers": sum(o.straggler for o in round_.outcomes),
         # where the senders' time went: their mean utilisation (None: none measured) and the seconds they
         # sat idle, summed over them, before this round's work began

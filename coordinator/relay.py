@@ -54,30 +54,69 @@ def sources(held: Held, failed: Mapping[str, int], round_: int) -> tuple[tuple[s
     return (held.sender,), ""
 
 
+def fanout_tree(receivers: Sequence[str], fanout: int, serves: Mapping[str, bool]) -> dict[str, tuple[str, ...]]:
+    """Who pulls a payload only the coordinator holds (a compressed aggregate) from whom: each receiver's
+    sources, in round order; ``()`` for one the coordinator sends it to (a seed, or one that cannot serve:
+    ``serves`` False). Among those that serve, the first ``fanout`` are seeds, and the k-th after them pulls
+    from the ((k - fanout) // fanout)-th, then from a seed: each serves at most ``fanout`` pulls, and the
+    coordinator sends ``fanout`` payloads however many workers there are. Pure."""
+    servers = [r for r in receivers if serves.get(r, False)]
+    seeds = servers[:fanout]
+    out = {r: () for r in receivers if not serves.get(r, False)}
+    out.update({s: () for s in seeds})
+    for k, r in enumerate(servers[fanout:]):
+        parent, seed = servers[k // fanout], seeds[k % len(seeds)]
+        out[r] = (parent,) if parent == seed else (parent, seed)
+    return out
+
+
 class Relay:
     """The relay of one run: its peer key, the pending update's payloads, the sources that failed lately."""
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, fanout: int = 2) -> None:
         self.enabled = enabled
+        self.fanout = fanout
         self.peer_key = secrets.token_bytes(PEER_KEY_BYTES) if enabled else b""
         self._held: tuple[Held | None, ...] = ()  # by sender position; None: sent in the order
+        self._aggregate: Held | None = None  # a compressed aggregate: the coordinator's, spread from seeds
+        self._tree: dict[str, tuple[str, ...]] = {}  # the round's sources of the aggregate, by receiver
         self._failed: dict[str, int] = {}  # a source's address: the round its last failed pull was reported in
         self._lock = threading.Lock()
-        self.named = 0  # payloads named in orders, and sent in orders because a pull failed (for metrics)
-        self.resent = 0
 
     def hold(self, payloads: Sequence[Held | None]) -> None:
         """The pending update's payloads, by sender position (None: not relayed); ``()`` when the pending
-        update is no replay of the senders' payloads (a compressed aggregate, a delta)."""
+        update is no replay of the senders' payloads (a compressed aggregate: ``hold_aggregate``; a delta)."""
         with self._lock:
-            self._held = tuple(payloads)
+            self._held, self._aggregate = tuple(payloads), None
 
-    def update_for(self, update: StateUpdate | None, round_: int) -> StateUpdate | None:
-        """``update`` as an order names its payloads instead of carrying them, where their senders can serve."""
+    def hold_aggregate(self, aggregate: Held) -> None:
+        """The pending update is one compressed aggregate, which only the coordinator holds."""
+        with self._lock:
+            self._held, self._aggregate = (), aggregate
+
+    def plan_round(self, receivers: Sequence[str], round_: int) -> None:
+        """Who pulls the aggregate from whom this round (``fanout_tree``), the receivers in dispatch order."""
+        with self._lock:
+            serves = {r: not sources(Held(b"", 0, r), self._failed, round_)[1] for r in receivers}
+            self._tree = fanout_tree(receivers, self.fanout, serves) if self._aggregate is not None else {}
+
+    def seeds(self, receiver: str) -> bool:
+        """Whether ``receiver`` keeps the payloads its order carries for its peers (it is in the round's tree)."""
+        with self._lock:
+            return receiver in self._tree and self._aggregate is not None
+
+    def update_for(self, update: StateUpdate | None, round_: int, receiver: str = "") -> StateUpdate | None:
+        """``update`` as ``receiver``'s order names its payloads instead of carrying them, where peers hold
+        them: the senders' own payloads, or the aggregate up the round's tree."""
         if not self.enabled or update is None or update.delta is not None:
             return update
         with self._lock:
-            held, failed = self._held, dict(self._failed)
+            held, failed, aggregate = self._held, dict(self._failed), self._aggregate
+            tree_sources = self._tree.get(receiver, ())
+        if aggregate is not None:
+            if not tree_sources or update.senders != 1 or update.own is not None:
+                return update
+            return update.relaying([PieceRef(0, aggregate.digest, aggregate.size, tree_sources)])
         if len(held) != update.senders:
             return update
         own = update.own[0] if update.own is not None else None
@@ -88,8 +127,6 @@ class Relay:
             named, _ = sources(piece, failed, round_)
             if named:
                 refs.append(PieceRef(position, piece.digest, piece.size, named))
-        with self._lock:
-            self.named += len(refs)
         return update.relaying(refs) if refs else update
 
     def unreachable(self, addresses: Iterable[str], round_: int) -> None:
@@ -97,4 +134,3 @@ class Relay:
         with self._lock:
             for address in addresses:
                 self._failed[address] = round_
-            self.resent += 1

@@ -258,6 +258,7 @@ class RoundDispatcher:
         if to_push:
             outer.settle()
         pushed = dict(zip((s.index for s in to_push), self.pool.map(self._push, to_push)))
+        self.relay.plan_round([s.client.address for s in slots], step)
         outer.advance()
         cut_off = {slot.index: threading.Event() for slot in slots}  # set for a straggler: make no further call
         start = time.monotonic()
@@ -399,6 +400,9 @@ class RoundDispatcher:
                     if self.relay.enabled and outcome.result.gradient is not None:
                         outcome.held = held_piece(outcome.result.gradient, slot.client.address)
                     outcome.bytes_pulled = sum(r.size for u in (order.update, *order.catch_up) if u for r in u.relayed)
+                    if result.unreachable_peers and _relays(order):  # pulled, but some sources failed first
+                        self.relay.unreachable(result.unreachable_peers, step)
+                        outcome.unreachable = tuple(result.unreachable_peers)
                     return outcome
                 if result.status == UNREACHABLE and relayed and _relays(order):  # took nothing: send them itself
                     log.info("step %d: worker %d could not pull relayed payloads: %s", step, slot.index, result.reason)
@@ -446,7 +450,7 @@ class RoundDispatcher:
         if action == "replay":
             update = outer.update_for(slot.index)
             if relayed:
-                update = self.relay.update_for(update, work.round)
+                update = self.relay.update_for(update, work.round, slot.client.address)
             order = work.order(self.run_id, slot.index, outer.base_version, update, outer.base_fingerprint)
         elif action == "catch-up":
             assert version is not None
@@ -455,7 +459,11 @@ class RoundDispatcher:
         else:
             outer.wait_applied()  # at the round's version (pushed after the pending update was applied, or current)
             order = work.order(self.run_id, slot.index, outer.target_version, None, outer.target_fingerprint)
-        return dataclasses.replace(order, peer_key=self.relay.peer_key) if self.relay.enabled else order
+        if not self.relay.enabled:
+            return order
+        # A worker of the round's tree that gets the aggregate in its order keeps it for the peers below it.
+        seed = order.update is not None and not order.update.relayed and self.relay.seeds(slot.client.address)
+        return dataclasses.replace(order, peer_key=self.relay.peer_key, seed=seed)
 
     def _push(self, slot: WorkerSlot, state: ModelState | None = None) -> _Push:
         """Send ``state`` (default: the replica's full state at its current version) to a worker. Never raises."""

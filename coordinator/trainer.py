@@ -41,7 +41,7 @@ from gradwire.coordinator.inputs import load_inputs
 from gradwire.coordinator.membership import MemberSource, Roster
 from gradwire.coordinator.metrics import RunRecorder, progress, round_record
 from gradwire.coordinator.outer import ReplayOuter, make_outer
-from gradwire.coordinator.relay import Relay
+from gradwire.coordinator.relay import Relay, held_piece
 from gradwire.coordinator.resume import Resumed, Resumption
 from gradwire.coordinator.round import RoundDispatcher, RoundOutcome, RoundPlan, RoundWork, WorkerSlot
 from gradwire.coordinator.rundir import checkpoint_root, claim, truncate_metrics
@@ -126,7 +126,7 @@ class Trainer:
             quorum=config.min_workers,
             grace=config.grace(),
             gossip=config.gossip,
-            relay=Relay(config.relay == "peers"),
+            relay=Relay(config.relay == "peers", config.relay_fanout),
         )
         self.gather = Gatherer(
             self.outer.codec,
@@ -324,8 +324,7 @@ class Trainer:
             compressed=compressed,
             fragment=planned.fragment,
         )
-        replays_payloads = not compressed and self.pending is not None and self.pending.delta is None
-        self.rounds.relay.hold([o.held for o in gathered.outcomes] if replays_payloads else ())
+        self._hold_for_relay(gathered, compressed)
         contributions = None
         if compressed or (self.pending is not None and self.pending.delta is not None):
             contributions = StateUpdate(
@@ -336,6 +335,17 @@ class Trainer:
         if compressed and self.pending is not None:  # sent back as a worker's own, it is a copy
             self.gather.remember_sent(self.pending.payloads[0], planned.step)
         return grad_norm, compressed, contributions
+
+    def _hold_for_relay(self, gathered: Gathered, compressed: bool) -> None:
+        """--relay peers: what the pending update's orders may name instead of carrying (``coordinator.relay``):
+        the senders' payloads, which they hold; or the compressed aggregate, which workers pass on."""
+        relay, pending = self.rounds.relay, self.pending
+        if not relay.enabled or pending is None or pending.delta is not None:
+            relay.hold(())
+        elif compressed:
+            relay.hold_aggregate(held_piece(pending.payloads[0], ""))
+        else:
+            relay.hold([o.held for o in gathered.outcomes])
 
     def _record(
         self,

@@ -843,6 +843,7 @@ class WorkOrder:
     stream_buckets: int = 0  # gradient mode: stream the gradient in this many pieces (compression.stream)
     gossip: GossipLinks | None = None  # a gossip round (--topology): the worker's links this round
     peer_key: bytes = b""  # --relay peers: what pulls of relayed payloads present, and what pullers must
+    seed: bool = False  # --relay peers: keep the update's payloads carried here for the peers to pull
 
     @property
     def inner_steps(self) -> int:
@@ -894,6 +895,7 @@ def order_to_proto(o: WorkOrder) -> pb.WorkOrder:
         stream_buckets=o.stream_buckets,
         gossip=gossip_to_proto(o.gossip) if o.gossip is not None else None,
         peer_key=o.peer_key,
+        seed=o.seed,
     )
 
 
@@ -948,8 +950,8 @@ def order_from_proto(m: pb.WorkOrder) -> WorkOrder:
         raise ProtocolError("a local-SGD order sends one pseudo-gradient at the end: stream_buckets must be 0")
     if m.peer_key and not PEER_KEY_BYTES[0] <= len(m.peer_key) <= PEER_KEY_BYTES[1]:
         raise ProtocolError(f"work order peer_key is {PEER_KEY_BYTES[0]}-{PEER_KEY_BYTES[1]} bytes")
-    if not m.peer_key and any(u.HasField("replay") and u.replay.relayed for u in (m.update, *m.catch_up)):
-        raise ProtocolError("work order relays payloads but carries no peer key to pull them with")
+    if not m.peer_key and (m.seed or any(u.HasField("replay") and u.replay.relayed for u in (m.update, *m.catch_up))):
+        raise ProtocolError("work order relays payloads but carries no peer key to pull or serve them with")
     gossip = gossip_from_proto(m.gossip) if m.HasField("gossip") else None
     if gossip is not None and (
         local_steps is None or m.HasField("update") or m.catch_up or m.compute_before_update or m.stream_buckets
@@ -979,6 +981,7 @@ def order_from_proto(m: pb.WorkOrder) -> WorkOrder:
         m.stream_buckets,
         gossip,
         m.peer_key,
+        m.seed,
     )
 
 
@@ -1009,7 +1012,8 @@ class RoundResult:
     gradient_fingerprint: Fingerprint | None = None  # what WorkOrder.fingerprint_gradient asked for
     gossip_residual: float = 0.0  # a gossip round: |x - x^_own|^2 after the worker's message
     gossip_sent: GossipSent | None = None  # a peer-to-peer gossip round: the message kept for the neighbours
-    unreachable_peers: tuple[str, ...] = ()  # UNREACHABLE: the neighbours whose messages did not come
+    # UNREACHABLE: the neighbours whose messages did not come; OK, relayed: sources that failed before another served
+    unreachable_peers: tuple[str, ...] = ()
 
 
 def result_to_proto(r: RoundResult) -> pb.RoundResult:
@@ -1060,10 +1064,13 @@ def result_from_proto(m: pb.RoundResult) -> RoundResult:
     )
     if status == OK and not m.HasField("gradient") and sent is None:
         raise ProtocolError("an OK round result must carry a gradient (or, peer-to-peer, its message's digest)")
-    if (status == UNREACHABLE) != bool(m.unreachable_peers) or len(m.unreachable_peers) > MAX_NEIGHBOURS:
-        raise ProtocolError(
-            f"an unreachable result names 1 to {MAX_NEIGHBOURS} neighbours whose messages did not come, no other does"
-        )
+    # UNREACHABLE names the neighbours (or relay sources) that failed; an OK result of a relayed star round may
+    # name the sources that failed before another served; no other result names any.
+    relayed_ok = status == OK and sent is None
+    if (status == UNREACHABLE) != bool(m.unreachable_peers) and not (relayed_ok and m.unreachable_peers):
+        raise ProtocolError("an unreachable result names the peers that failed; only a relayed round's OK may too")
+    if len(m.unreachable_peers) > MAX_NEIGHBOURS:
+        raise ProtocolError(f"a result names at most {MAX_NEIGHBOURS} peers that failed")
     unreachable = tuple(_member(j) for j in m.unreachable_peers)
     timings = {f.name.removesuffix("_seconds"): v for f, v in m.timings.ListFields()}
     if not (math.isfinite(m.grad_norm) and m.grad_norm >= 0):

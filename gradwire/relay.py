@@ -25,6 +25,7 @@ from gradwire.compression import serde as codec_serde
 DIGEST_BYTES = 32  # SHA-256
 MAX_SOURCES = 16  # workers a PieceRef names: its sender and a few that pulled it, never the whole swarm
 HELD_ROUNDS = 4  # rounds of payloads a worker keeps for its peers (a late puller, a catch-up)
+ARRIVAL_WAIT = 10.0  # seconds a pull waits for a payload the worker asked is about to get (it is a seed, or pulls)
 
 
 def payload_bytes(payload: CompressedGradient) -> bytes:
@@ -75,6 +76,7 @@ class Held:
         self.rounds = rounds
         self._pieces: collections.OrderedDict[bytes, Piece] = collections.OrderedDict()
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)
 
     def keep(self, round_: int, data: bytes) -> bytes:
         """Hold ``data`` (a serialized payload of ``round_``); returns its digest."""
@@ -85,10 +87,14 @@ class Held:
             newest = max(p.round for p in self._pieces.values())
             for d in [d for d, p in self._pieces.items() if p.round <= newest - self.rounds]:
                 del self._pieces[d]
+            self._arrived.notify_all()
         return digest
 
-    def get(self, digest: bytes) -> bytes | None:
-        with self._lock:
+    def get(self, digest: bytes, wait: float = 0.0) -> bytes | None:
+        """The piece with ``digest``; if not held yet, waiting up to ``wait`` seconds for it to arrive (a
+        peer that asks for an update's payload before this worker's own order brought or pulled it)."""
+        with self._arrived:
+            self._arrived.wait_for(lambda: digest in self._pieces, timeout=wait)
             piece = self._pieces.get(digest)
         return piece.data if piece is not None else None
 

@@ -48,6 +48,7 @@ from gradwire.models import spec_elements
 from gradwire.optim.outer import UpdateRule
 from gradwire.protocol import (
     NEEDS_STATE,
+    OK,
     PROTOCOL_VERSION,
     UNREACHABLE,
     GossipPieceRequest,
@@ -59,6 +60,7 @@ from gradwire.protocol import (
     WorkerState,
     WorkOrder,
 )
+from gradwire.relay import ARRIVAL_WAIT, payload_bytes
 from gradwire.replica import Fingerprint, StateUpdate
 from gradwire.security import same_owner
 from gradwire.v1 import worker_pb2 as pb
@@ -137,6 +139,7 @@ class WorkerEngine:
         self.on_node_failure: Callable[[], None] = lambda: None
         # Peer-to-peer gossip: how this worker pulls its neighbours' messages (the server sets its token and TLS).
         self.peers = Peers()
+        self.pull_wait = ARRIVAL_WAIT  # seconds a peer's PullPiece waits for a payload this worker is about to hold
         self._last_command = time.monotonic()
         self._push_ids = itertools.count()  # a node's ranks tell overlapping pushes apart by these
         if self.node is not None:
@@ -422,9 +425,14 @@ class WorkerEngine:
         """Put this worker's own payload back into the order's replay (left out on the wire), then run it;
         on a node, the other ranks get the whole order."""
         session = self.sessions.get(order.run_id)
+        if session is not None and order.seed and order.update is not None:  # the peers pull them from here
+            session.peer_key = order.peer_key
+            for payload in (*order.update.payloads, *([order.update.delta] if order.update.delta else [])):
+                session.held.keep(order.round, payload_bytes(payload))
+        failed: tuple[str, ...] = ()  # relay sources that failed before another served: named in the result
         if session is not None and order.peer_key and any(u.relayed for u in (order.update, *order.catch_up) if u):
             try:
-                order = self._pulled(session, order, cancelled)
+                order, failed = self._pulled(session, order, cancelled)
             except PeersUnreachable as e:
                 v = session.replica.version
                 return RoundResult(UNREACHABLE, order.round, str(e), version=v, unreachable_peers=e.members)
@@ -445,27 +453,32 @@ class WorkerEngine:
                 update=order.update.with_own(sent[1]) if order.update is not None else None,
                 catch_up=tuple(u.with_own(sent[1]) for u in order.catch_up),
             )
-        return self._lead(
+        result = self._lead(
             Command.RUN_ROUND, lambda: protocol.order_to_proto(order), self._locked_round, order, cancelled, emit
         )
+        return dataclasses.replace(result, unreachable_peers=failed) if failed and result.status == OK else result
 
-    def _pulled(self, session: Session, order: WorkOrder, cancelled: Callable[[], bool]) -> WorkOrder:
+    def _pulled(
+        self, session: Session, order: WorkOrder, cancelled: Callable[[], bool]
+    ) -> tuple[WorkOrder, tuple[str, ...]]:
         """``order`` with its relayed payloads pulled from the peers it names (``Peers.pull_pieces``), each
-        kept here for the other workers to pull in turn; ``PeersUnreachable`` if one came from none of them."""
+        kept here for the other workers to pull in turn, and the sources that failed before another served;
+        ``PeersUnreachable`` if one came from none of them."""
         session.peer_key = order.peer_key
         refs = [r for u in (*order.catch_up, order.update) if u is not None for r in u.relayed]
-        pulled = self.peers.pull_pieces(order.run_id, order.peer_key, refs, cancelled)
+        pulled, failed = self.peers.pull_pieces(order.run_id, order.peer_key, refs, cancelled)
         for data in pulled.values():
             session.held.keep(order.round, data[1])
 
         def filled(u: StateUpdate) -> StateUpdate:
             return u.with_pulled({r.position: pulled[r.digest][0] for r in u.relayed})
 
-        return dataclasses.replace(
+        whole = dataclasses.replace(
             order,
             update=filled(order.update) if order.update is not None else None,
             catch_up=tuple(filled(u) for u in order.catch_up),
         )
+        return whole, failed
 
     def _locked_round(self, order: WorkOrder, cancelled: Callable[[], bool], emit: Emit | None = None) -> RoundResult:
         with self._lock, NodeErrors(active=self.node is not None):
@@ -555,7 +568,7 @@ class WorkerEngine:
         session = self.sessions.get(request.run_id)
         if session is None or not session.peer_key or not same_owner(session.peer_key, request.peer_key):
             raise AccessDenied(f"PullPiece: no relayed round of run {request.run_id!r} here with that peer key")
-        data = session.held.get(request.digest)
+        data = session.held.get(request.digest, wait=self.pull_wait)  # a seed's order or a pull may be on its way
         if data is None:
             raise NotHeld(f"PullPiece: no payload with digest {request.digest.hex()[:16]}... here")
         return data

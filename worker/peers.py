@@ -83,14 +83,14 @@ class Peers:
 
     def pull_pieces(
         self, run_id: str, key: bytes, refs: Sequence[PieceRef], cancelled: Callable[[], bool] = lambda: False
-    ) -> dict[bytes, tuple[CompressedGradient, bytes]]:
+    ) -> tuple[dict[bytes, tuple[CompressedGradient, bytes]], tuple[str, ...]]:
         """Each relayed payload ``refs`` name (``gradwire.relay``), by digest, with its bytes: from the first of
-        its sources that answers exactly its bytes, each source asked with a deadline. ``PeersUnreachable``
-        naming every source that failed, when some payload came from none; ``Cancelled`` if the round was
-        cancelled meanwhile."""
+        its sources that answers exactly its bytes, each source asked with a deadline; and the sources that
+        failed before another served. ``PeersUnreachable`` naming every source that failed, when some payload
+        came from none; ``Cancelled`` if the round was cancelled meanwhile."""
         unique = list({r.digest: r for r in refs}.values())
         if not unique:
-            return {}
+            return {}, ()
         with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL, len(unique)), thread_name_prefix="gradwire-peer") as ex:
             futures = [ex.submit(self._piece, run_id, key, r) for r in unique]
             results = [f.result() for f in futures]
@@ -105,7 +105,7 @@ class Peers:
                 out[ref.digest] = got
         if len(out) < len(unique):
             raise PeersUnreachable("; ".join(why), tuple(failed))
-        return out
+        return out, tuple(failed)
 
     def _piece(
         self, run_id: str, key: bytes, ref: PieceRef

@@ -56,6 +56,20 @@ def test_relayed_local_sgd_rounds_with_overlap_and_fragments_are_the_direct_ones
     assert sum(r["bytes_pulled"] for r in records) > 0 and not any(r["relay_resent"] for r in records)
 
 
+def test_a_compressed_aggregate_goes_to_fanout_workers_and_the_rest_pull_it_down_a_tree(tmp_path):
+    """Six workers, the compressed downlink: the coordinator sends the aggregate to --relay-fanout 2 of them,
+    the other four pull it from those (or from one that pulled it), and the run is the direct one."""
+    settings = dict(SETTINGS, steps=4, downlink="compressed")
+    direct = run_trainer(TrainConfig(**settings, output_dir=str(tmp_path / "d")), in_process_clients(6))
+    relayed = run_trainer(TrainConfig(**settings, relay="peers", output_dir=str(tmp_path / "r")), in_process_clients(6))
+    _same(direct, relayed)
+    a, b = read_metrics(tmp_path / "d"), read_metrics(tmp_path / "r")
+    for before, after in zip(a[1:], b[1:]):
+        aggregate = (before["bytes_down"] - after["bytes_down"]) / 4  # four orders carry it no more
+        assert after["bytes_pulled"] == pytest.approx(4 * aggregate, rel=0.01) and after["relay_resent"] == 0
+        assert after["bytes_down"] < 2 * aggregate + 6 * 10_000  # two aggregates and six small orders
+
+
 class _Flipping(WorkerEngine):
     """Serves every relayed payload with one byte flipped."""
 
@@ -97,6 +111,22 @@ def test_a_peer_that_serves_wrong_bytes_or_nothing_costs_a_retry_and_is_named_fo
     assert [r["relay_resent"] for r in records] == [0, 2] + [0] * (steps - 2)
     assert steps - 2 < QUIET_ROUNDS
     assert all(r["bytes_pulled"] > 0 for r in records[2:])  # the two good workers' payloads still travel peer to peer
+
+
+def test_a_bad_link_of_the_aggregates_tree_is_passed_over_and_named(tmp_path):
+    """--relay-fanout 1, four workers: 0 gets the aggregate, 1 pulls it from 0, 2 from 1 (else 0), 3 from 2
+    (else 0). Worker 1 serves wrong bytes: 2 takes it from 0 and names 1, and the next rounds' tree leaves 1
+    out (it gets the aggregate in its order). No order is sent twice, and the run is the direct one."""
+    settings = dict(SETTINGS, steps=4, downlink="compressed", relay_fanout=1)
+    direct = run_trainer(TrainConfig(**settings, output_dir=str(tmp_path / "d")), in_process_clients(4))
+    factories = iter([WorkerEngine, _Flipping, WorkerEngine, WorkerEngine])
+    clients = in_process_clients(4, factory=lambda d: next(factories)(d))
+    relayed = run_trainer(TrainConfig(**settings, relay="peers", output_dir=str(tmp_path / "r")), clients)
+    _same(direct, relayed)
+    records = read_metrics(tmp_path / "r")
+    assert [r["relay_failed"] for r in records] == [0, 1, 0, 0]
+    assert not any(r["relay_resent"] for r in records)
+    assert all(r["bytes_pulled"] > 0 for r in records[1:])
 
 
 def test_a_peer_that_stalls_past_the_deadline_costs_a_retry(tmp_path):

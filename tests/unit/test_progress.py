@@ -133,6 +133,7 @@ def test_round_record_arithmetic(tmp_path: Path) -> None:
         "catch_ups": 1,
         "bytes_pulled": 0,  # --relay peers only
         "relay_resent": 0,
+        "relay_failed": 0,
         "stragglers": 1,
         "agreement_min": 0.05,  # the senders' lowest agreement score
         "utilisation": 1.0 / 1.6,  # the senders' mean compute / wall (or total); r2 has no span: not measured

@@ -5,6 +5,7 @@ with the run's peer key; the coordinator's choice of sources says why it names n
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 from gradwire import protocol
 from gradwire.compression import CodecConfig, CompressedGradient, GradientCodec
-from gradwire.coordinator.relay import QUIET_ROUNDS, Held, Relay, held_piece, sources
+from gradwire.coordinator.relay import QUIET_ROUNDS, Held, Relay, fanout_tree, held_piece, sources
 from gradwire.errors import AccessDenied, NotHeld
 from gradwire.protocol import PieceRequest, ProtocolError, WorkOrder
 from gradwire.relay import Held as HeldPieces
@@ -109,6 +110,7 @@ def test_a_worker_holds_its_last_rounds_pieces_and_serves_them_only_with_the_pee
     from gradwire.worker.engine import WorkerEngine  # a worker with one session that relays
 
     engine = WorkerEngine("cpu")
+    engine.pull_wait = 0.0  # a piece not held is not waited for (a seed's order on its way would be)
     session = type("S", (), {"peer_key": b"k" * 32, "held": held})()
     engine.sessions["run"] = session  # type: ignore[assignment]
     assert engine.pull_piece(PieceRequest("run", b"k" * 32, digests[3])) == b"payload of round 3"
@@ -142,3 +144,40 @@ def test_the_coordinator_names_a_sender_unless_it_is_tunnelled_or_failed_lately(
     assert [r.position for r in relay.update_for(whole.without(1, round=4), 5).relayed] == [0]
     relay.hold(())  # the next update is no replay of these payloads: nothing is named
     assert relay.update_for(whole, 6) == whole
+
+
+@pytest.mark.parametrize("n, fanout", [(1, 2), (2, 2), (8, 2), (100, 3), (1024, 2)])
+def test_an_aggregate_spreads_down_a_tree_where_each_worker_serves_at_most_the_fanout(n, fanout):
+    receivers = [f"10.0.{i // 256}.{i % 256}:1" for i in range(n)]
+    serves = {r: i % 7 != 3 for i, r in enumerate(receivers)}  # some cannot serve (tunnelled, failed lately)
+    tree = fanout_tree(receivers, fanout, serves)
+    assert set(tree) == set(receivers)
+    inline = [r for r in receivers if not tree[r]]
+    seeds = [r for r in receivers if serves[r]][:fanout]
+    assert sorted(inline) == sorted([r for r in receivers if not serves[r]] + seeds)  # what the coordinator sends
+    parents = [tree[r][0] for r in receivers if tree[r]]
+    assert all(serves[p] for p in parents) and max((parents.count(p) for p in parents), default=0) <= fanout
+    # Every puller reaches a seed: no cycle, and the depth grows with the log of the workers.
+    depth = {r: 0 for r in inline}
+    for r in receivers:  # parents come before their children in round order
+        if tree[r]:
+            assert tree[r][0] in depth
+            depth[r] = depth[tree[r][0]] + 1
+            assert len(tree[r]) == 1 or not tree[tree[r][1]]  # the fallback is a seed
+    assert max(depth.values()) <= max(1, math.ceil(math.log(max(n, 2), fanout)))
+
+
+def test_a_result_names_failed_sources_when_unreachable_or_when_another_served():
+    from gradwire.protocol import BEHIND, OK, UNREACHABLE, RoundResult, result_from_proto, result_to_proto
+
+    payload = _payloads(1)[0]
+    ok = RoundResult(OK, 3, gradient=payload, tokens=8, version=2, unreachable_peers=("10.0.0.1:1",))
+    assert result_from_proto(result_to_proto(ok)).unreachable_peers == ("10.0.0.1:1",)
+    gone = RoundResult(UNREACHABLE, 3, "none served", version=2, unreachable_peers=("10.0.0.1:1",))
+    assert result_from_proto(result_to_proto(gone)).unreachable_peers == ("10.0.0.1:1",)
+    for bad in (
+        dataclasses.replace(gone, unreachable_peers=()),
+        RoundResult(BEHIND, 3, "", version=1, unreachable_peers=("a",)),
+    ):
+        with pytest.raises(ProtocolError, match="unreachable"):
+            result_from_proto(result_to_proto(bad))

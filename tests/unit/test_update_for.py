@@ -206,7 +206,8 @@ def test_a_gradient_mode_order_carries_the_rounds_values() -> None:
         "next_local_steps": None,  # gradient mode
         "stream_buckets": 4,
         "gossip": None,  # a centralized round
-        "peer_key": b"",  # --relay peers: the dispatcher adds the run's (RoundDispatcher._order)
+        "peer_key": b"",  # --relay peers: the dispatcher adds the run's (RoundDispatcher._order), and seed
+        "seed": False,
     }
     order = work.order("run-a", 3, 4, update, fingerprint, missed)
     check_fields(
@@ -262,6 +263,7 @@ def test_a_local_sgd_order_carries_its_inner_steps() -> None:
             "stream_buckets": 0,
             "gossip": None,
             "peer_key": b"",
+            "seed": False,
         },
     )
     assert order.inner_steps == 2
