@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +61,15 @@ class Lab:
     with ``latency`` (seconds, one way), on a user-space wire that delays every packet by that much."""
 
     def __init__(
-        self, hosts: int, *, bandwidth: str | None = None, latency: float | None = None, tag: str | None = None
+        self,
+        hosts: int,
+        *,
+        bandwidth: str | None = None,
+        latency: float | None = None,
+        tag: str | None = None,
+        shaped: Collection[int] | None = None,
     ) -> None:
+        """``shaped``: the hosts whose links ``bandwidth`` shapes (None: every host's); the others' are fast."""
         if not 1 <= hosts <= 200:
             raise ValueError(f"hosts must be in [1, 200], got {hosts}")
         if latency is not None and not 0 <= latency <= 10:
@@ -70,6 +77,7 @@ class Lab:
         self.tag = tag or f"gw{os.getpid() % 100000}"  # names stay under the kernel's 15 characters
         self.bandwidth = bandwidth
         self.latency = latency
+        self.shaped = set(range(hosts)) if shaped is None else set(shaped)
         octet = 100 + os.getpid() % 100  # a /24 of 10.213.0.0/16 that exists inside this machine only
         self.bridge = f"{self.tag}br"
         wired = latency is not None
@@ -104,7 +112,7 @@ class Lab:
                 _ip("addr", "add", f"{h.address}/24", "dev", h.peer, netns=h.netns)
                 _ip("link", "set", h.peer, "up", netns=h.netns)
                 _ip("link", "set", "lo", "up", netns=h.netns)
-                if self.bandwidth:
+                if self.bandwidth and self.hosts.index(h) in self.shaped:
                     self._shape(h)
         except BaseException:
             self.__exit__()
@@ -114,7 +122,7 @@ class Lab:
     def _enter_wired(self) -> Lab:
         try:
             rate = parse_rate(self.bandwidth)
-            for h in self.hosts:
+            for i, h in enumerate(self.hosts):
                 _ip("netns", "add", h.netns)
                 self._made.append(("netns", h.netns))
                 # Made here, moved into the host: the descriptor keeps working across namespaces.
@@ -123,9 +131,10 @@ class Lab:
                 _ip("addr", "add", f"{h.address}/24", "dev", h.peer, netns=h.netns)
                 _ip("link", "set", h.peer, "mtu", str(MTU), "up", netns=h.netns)
                 _ip("link", "set", "lo", "up", netns=h.netns)
-                if self.bandwidth:
+                if self.bandwidth and i in self.shaped:
                     _tc(["ip", "netns", "exec", h.netns, "tc", "qdisc", "add", "dev", h.peer, *self._tbf()])
-            self.wire = Wire(self._tuns, [h.address for h in self.hosts], self.latency or 0.0, rate).start()
+            rates = [rate if i in self.shaped else None for i in range(len(self.hosts))]
+            self.wire = Wire(self._tuns, [h.address for h in self.hosts], self.latency or 0.0, rates).start()
         except BaseException:
             self.__exit__()
             raise

@@ -5,6 +5,8 @@
     sudo python -m benchmarks.wan --methods ddp-powersgd,gradwire,gradwire-stream --json   # streamed gradients
     sudo python -m benchmarks.wan --methods gradwire-local,gradwire-local-overlap --steps 120 --inner-steps 30 --json
     sudo python -m benchmarks.wan --latency 0 --json                    # no added latency (a plain bridge)
+    # the coordinator behind the slow link, 8 workers on a fast one, its orders carrying the update or not:
+    sudo python -m benchmarks.wan --topology coordinator-link --workers 8 --methods gradwire,gradwire-relayed --json
     sudo python -m benchmarks.wan --model gpt-tiny --steps 6 --json     # a quick look
     sudo python -m benchmarks.wan --methods gradwire --target-chunk 32 --topk 8 --json   # another codec setting
     # local SGD at H 120 against DDP timed over 20 steps:
@@ -25,7 +27,12 @@ kernel has no ``netem``), and on the same hosts, with the same model, batch and 
 * ``gradwire-local-overlap``: those rounds with ``--overlap``: each worker takes the next round's inner steps
   as soon as its result is out, and the sync (the link, the aggregation, the outer step) runs meanwhile;
 * ``gradwire-fragments``: local-SGD rounds as streamed fragments (``--fragments``, default 2): rounds of
-  H / F inner steps, each syncing 1/F of the model.
+  H / F inner steps, each syncing 1/F of the model;
+* ``gradwire-relayed``: gradient mode with ``--relay peers``: the workers pull the update's payloads from
+  each other instead of the coordinator's orders carrying them.
+
+``--topology coordinator-link`` shapes the coordinator's link alone (the workers share a fast network):
+the user's machine behind an ordinary uplink, where what the coordinator sends each round is the cost.
 
 ``--baseline-steps`` times the DDP rows over fewer steps than gradwire's (their per-step cost is steady
 after a few): their loss is then not after equal tokens, and is not compared.
@@ -64,6 +71,7 @@ METHODS = (
     "gradwire-local",
     "gradwire-local-overlap",
     "gradwire-fragments",
+    "gradwire-relayed",
 )
 DEFAULT_METHODS = ("ddp", "ddp-powersgd", "gradwire", "gradwire-local")
 MASTER_PORT = 29517
@@ -134,6 +142,7 @@ def run_gradwire(
     overlap: bool = False,
     fragments: int = 1,
     stream_buckets: int = 0,
+    relay: str = "direct",
 ) -> dict:
     workers = len(lab.hosts) - 1
     env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // workers)), "HF_HUB_OFFLINE": "1"}
@@ -186,8 +195,10 @@ def run_gradwire(
                 *(["--overlap"] if overlap else []),
                 *(["--fragments", str(fragments)] if fragments > 1 else []),
                 *(["--stream-buckets", str(stream_buckets)] if stream_buckets > 1 else []),
+                "--relay",
+                relay,
             ]
-            before = total_bytes(lab)
+            before, sent_before = total_bytes(lab), lab.counters(0)["tx"]
             coordinator = lab.popen(
                 0,
                 argv,
@@ -199,6 +210,7 @@ def run_gradwire(
             )
             line = coordinator.stdout.readline()  # the run is over, nothing else sent yet
             wire = total_bytes(lab) - before
+            coordinator_sent = lab.counters(0)["tx"] - sent_before  # its uplink: the orders, and any state push
             _, err = coordinator.communicate("", timeout=args.timeout)
             if coordinator.returncode != 0 or not line:
                 raise RuntimeError(f"coordinator failed: {err[-2000:]}")
@@ -243,6 +255,8 @@ def run_gradwire(
         "aggregate_time": aggregate,
         "link_time": step - compute - replay - encode - aggregate,
         "bytes_per_step": (wire - push) / steps,
+        # what the coordinator's host sent, per step, the state push left out (what its uplink carries)
+        "coordinator_bytes_per_step": (coordinator_sent - push) / steps,
         "state_push_bytes": push,
         "bytes_per_step_with_push": wire / steps,
         # Round by round (per step), the first round's state push left out: later rounds no longer pay first-use
@@ -300,6 +314,13 @@ def main(argv: list[str] | None = None) -> int:
         help="one-way delay between hosts (default 25ms; 0: none, a plain bridge)",
     )
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--topology",
+        choices=("every-link", "coordinator-link"),
+        default="every-link",
+        help="which links --bandwidth shapes: every host's (default), or the coordinator's alone (its host's: "
+        "the workers share a fast network, the coordinator sits behind a slow uplink)",
+    )
     parser.add_argument("--model", default="gpt-10m")
     parser.add_argument(
         "--steps", type=int, default=20, help="training steps per method (local SGD: in rounds of --inner-steps)"
@@ -362,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     results: dict[str, dict] = {}
     t0 = time.monotonic()
-    with Lab(args.workers + 1, bandwidth=args.bandwidth, latency=args.latency or None) as lab:
+    shaped = {0} if args.topology == "coordinator-link" else None  # host 0 runs the coordinator
+    with Lab(args.workers + 1, bandwidth=args.bandwidth, latency=args.latency or None, shaped=shaped) as lab:
         for method in args.methods.split(","):
             if method == "ddp":
                 results[method] = run_ddp(lab, args, "none")
@@ -380,9 +402,12 @@ def main(argv: list[str] | None = None) -> int:
                 results[method] = run_gradwire(lab, args, args.inner_steps, overlap=True)
             elif method == "gradwire-fragments":
                 results[method] = run_gradwire(lab, args, args.inner_steps, fragments=args.fragments)
+            elif method == "gradwire-relayed":
+                results[method] = run_gradwire(lab, args, 1, relay="peers")
     compare_with_ddp(results)
     out = {
         "bandwidth": args.bandwidth,
+        "topology": args.topology,
         "latency_ms": args.latency * 1e3,
         "target_chunk": args.target_chunk,
         "topk": args.topk,

@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overlap", action="store_true", help="one-step-delayed rounds (coordinator train --overlap)")
     parser.add_argument("--fragments", type=int, default=1, help="streamed fragments (coordinator train --fragments)")
     parser.add_argument("--stream-buckets", type=int, default=0, help="coordinator train --stream-buckets")
+    parser.add_argument("--relay", default="direct", help="coordinator train --relay")
     args = parser.parse_args(argv)
     keep_freed_memory()  # as `coordinator train` does
     config = TrainConfig(
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         overlap=args.overlap,
         fragments=args.fragments,
         stream_buckets=args.stream_buckets,
+        relay=args.relay,
     )
     clients = [WorkerClient(a, timeout=config.round_timeout) for a in args.workers.split(",")]
     trainer = Trainer(config, clients, progress=False)

@@ -22,6 +22,7 @@ import selectors
 import struct
 import threading
 import time
+from collections.abc import Sequence
 
 TUNSETIFF = 0x400454CA
 IFF_TUN = 0x0001
@@ -70,14 +71,17 @@ def parse_rate(rate: str | None) -> float | None:
 
 class Wire:
     """Moves packets between TUN descriptors ``fds`` (host i's is ``fds[i]``, its IPv4 address ``addresses[i]``)
-    after ``delay`` seconds, each destination's download paced to ``rate`` bits per second (None: unpaced)."""
+    after ``delay`` seconds, each destination's download paced to ``rate`` bits per second (None: unpaced; a
+    list: each host's own)."""
 
-    def __init__(self, fds: list[int], addresses: list[str], delay: float, rate: float | None = None) -> None:
+    def __init__(
+        self, fds: list[int], addresses: list[str], delay: float, rate: float | None | Sequence[float | None] = None
+    ) -> None:
         if delay < 0:
             raise ValueError(f"delay must be >= 0, got {delay}")
         self.fds = fds
         self.delay = delay
-        self.rate = rate
+        self.rates = list(rate) if isinstance(rate, Sequence) else [rate] * len(fds)
         self.host_of = {bytes(int(o) for o in a.split(".")): i for i, a in enumerate(addresses)}
         self.delivered = [0] * len(fds)  # packets handed to each host
         self.dropped = 0  # not IPv4, or for no host here
@@ -107,9 +111,10 @@ class Wire:
         if dest is None:
             return None
         arrive = now + self.delay
-        if self.rate is not None:
+        rate = self.rates[dest]
+        if rate is not None:
             # The download link serialises: this packet starts once it is here and the link is free.
-            arrive = max(arrive, self._free_at[dest]) + len(packet) * 8 / self.rate
+            arrive = max(arrive, self._free_at[dest]) + len(packet) * 8 / rate
             self._free_at[dest] = arrive
         return dest, arrive
 

@@ -82,6 +82,9 @@ class Relay:
         self._tree: dict[str, tuple[str, ...]] = {}  # the round's sources of the aggregate, by receiver
         self._failed: dict[str, int] = {}  # a source's address: the round its last failed pull was reported in
         self._lock = threading.Lock()
+        # Whether the round's payloads are worth their digests as they come in (``held_piece``): the round's
+        # update will likely replay them (the trainer's guess from its downlink decision).
+        self.digest_payloads = enabled
 
     def hold(self, payloads: Sequence[Held | None]) -> None:
         """The pending update's payloads, by sender position (None: not relayed); ``()`` when the pending

@@ -397,7 +397,7 @@ class RoundDispatcher:
                             f"result for round {result.round} at version {result.version}, expected {step} at {target}"
                         )
                     outcome.result = receiver.finish(result)
-                    if self.relay.enabled and outcome.result.gradient is not None:
+                    if self.relay.digest_payloads and outcome.result.gradient is not None:
                         outcome.held = held_piece(outcome.result.gradient, slot.client.address)
                     outcome.bytes_pulled = sum(r.size for u in (order.update, *order.catch_up) if u for r in u.relayed)
                     if result.unreachable_peers and _relays(order):  # pulled, but some sources failed first

@@ -287,6 +287,8 @@ class Trainer:
     def _dispatch(self, planned: PlannedRound) -> RoundOutcome:
         """Orders out, results in (``round.RoundDispatcher``); the workers' measured throughput feeds the
         next rounds' shares (--balance)."""
+        if self.rounds.relay.enabled:  # a payload's digest is worth taking as it comes only for a replay
+            self.rounds.relay.digest_payloads = not self._compressed_downlink_of(len(planned.plan.slots))
         round_ = self.rounds.run(planned.plan, planned.work, self._stream_plan(planned.codec))
         self._turnaround_s = self._turnaround(round_)
         self.planner.observe(planned.work, round_)
@@ -420,14 +422,21 @@ class Trainer:
         this says."""
         if not isinstance(self.outer, ReplayOuter):
             return False
-        payload_bytes = self.outer.codec.plan.payload_bytes()
-        aggregate_bytes = self.outer.downlink_codec.plan.payload_bytes()
-        cfg = self.config
-        compressed, why = decide_downlink(cfg.downlink, len(payloads), payload_bytes, aggregate_bytes, cfg.fragments)
+        compressed, why = self._downlink_decision(len(payloads))
         if compressed != self._compressed:
             log.info("downlink: %s", why)
             self._compressed = compressed
         return compressed
+
+    def _downlink_decision(self, senders: int) -> tuple[bool, str]:
+        payload_bytes = self.outer.codec.plan.payload_bytes()
+        aggregate_bytes = self.outer.downlink_codec.plan.payload_bytes()
+        cfg = self.config
+        return decide_downlink(cfg.downlink, senders, payload_bytes, aggregate_bytes, cfg.fragments)
+
+    def _compressed_downlink_of(self, senders: int) -> bool:
+        """Whether a round of ``senders`` would send one compressed update (a delta, or the aggregate)."""
+        return not isinstance(self.outer, ReplayOuter) or self._downlink_decision(senders)[0]
 
     def _log_fates(self, step: int, gathered: Gathered) -> None:
         for fate in gathered.fates:

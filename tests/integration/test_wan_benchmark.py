@@ -14,6 +14,7 @@ from benchmarks.netns import root_available
 from benchmarks.wire import tun_available
 
 OK, WHY = root_available()
+EVERY_LINK = [m for m in wan.METHODS if m != "gradwire-relayed"]  # that one: the coordinator's link test below
 
 
 @pytest.mark.slow
@@ -38,7 +39,7 @@ def test_every_method_runs_over_the_shaped_links(capsys: pytest.CaptureFixture) 
                 "--latency",
                 latency,
                 "--methods",
-                ",".join(wan.METHODS),
+                ",".join(EVERY_LINK),
                 "--json",
             ]
         )
@@ -46,7 +47,7 @@ def test_every_method_runs_over_the_shaped_links(capsys: pytest.CaptureFixture) 
     )
     result = json.loads(capsys.readouterr().out)
     methods = result["methods"]
-    assert set(methods) == set(wan.METHODS)
+    assert set(methods) == set(EVERY_LINK)
     for name, r in methods.items():
         assert r["bytes_per_step"] > 0 and math.isfinite(r["eval_loss"]) and r["step_time"] > 0, name
     assert (
@@ -93,6 +94,22 @@ def test_every_method_runs_over_the_shaped_links(capsys: pytest.CaptureFixture) 
         r = methods[name]
         assert 0 < r["utilisation"] <= 1 and len(r["worker_utilisation"]) == 2, name
         assert 0 <= r["wait_fraction"] < 1 and len(r["rounds_wait_fraction"]) == len(r["rounds_replay_time"]), name
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not OK, reason=WHY)
+def test_behind_a_slow_link_the_relayed_coordinator_sends_no_payload(capsys: pytest.CaptureFixture) -> None:
+    """Three workers on a fast network, the coordinator's link alone shaped: relayed, its host sends the
+    orders without the payloads (each order carried the two other workers' before), and training is the same."""
+    latency = "25ms" if tun_available()[0] else "0"
+    argv = ["--model", "gpt-tiny", "--steps", "4", "--batch-size", "2", "--seq-len", "32", "--workers", "3"]
+    argv += ["--bandwidth", "50mbit", "--latency", latency, "--topology", "coordinator-link"]
+    assert wan.main([*argv, "--methods", "gradwire,gradwire-relayed", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    direct, relayed = result["methods"]["gradwire"], result["methods"]["gradwire-relayed"]
+    assert result["topology"] == "coordinator-link"
+    assert direct["eval_loss"] == relayed["eval_loss"] and direct["tokens"] == relayed["tokens"]
+    assert relayed["coordinator_bytes_per_step"] < direct["coordinator_bytes_per_step"] / 3
 
 
 def test_without_namespaces_it_says_why_and_exits_0(
