@@ -554,8 +554,9 @@ class TrainConfig:
         "their SHA-256 and the workers that hold them, and each worker pulls them from their senders with the "
         "run's peer key, refusing any other bytes; a compressed aggregate goes to --relay-fanout workers and "
         "the others pull it from those that have it; the coordinator sends a payload in the order only where "
-        "a pull failed, and names that source again only after a while). An adamw delta and a catch-up still "
-        "come from the coordinator, and so do a --tunnel worker's payloads",
+        "a pull failed, and names that source again only after a while; a catch-up's missed payloads come from "
+        "their senders too, while they keep them). An adamw delta still comes from the coordinator, and so do "
+        "a --tunnel worker's payloads",
         section=ROUND_POLICY,
         choices=RELAYS,
     )

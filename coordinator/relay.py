@@ -20,7 +20,7 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 
 from gradwire.compression import CompressedGradient
-from gradwire.relay import PieceRef, digest_of, payload_bytes
+from gradwire.relay import HELD_ROUNDS, PieceRef, digest_of, payload_bytes
 from gradwire.replica import StateUpdate
 from gradwire.tunnel import TUNNEL_PREFIX
 
@@ -79,6 +79,9 @@ class Relay:
         self.peer_key = secrets.token_bytes(PEER_KEY_BYTES) if enabled else b""
         self._held: tuple[Held | None, ...] = ()  # by sender position; None: sent in the order
         self._aggregate: Held | None = None  # a compressed aggregate: the coordinator's, spread from seeds
+        # The senders' payloads of the last updates, by the version each starts from: a catch-up names them too
+        # (their senders keep them ``relay.HELD_ROUNDS`` rounds; one gone since costs a resend).
+        self._earlier: dict[int, tuple[Held | None, ...]] = {}
         self._tree: dict[str, tuple[str, ...]] = {}  # the round's sources of the aggregate, by receiver
         self._failed: dict[str, int] = {}  # a source's address: the round its last failed pull was reported in
         self._lock = threading.Lock()
@@ -86,16 +89,25 @@ class Relay:
         # update will likely replay them (the trainer's guess from its downlink decision).
         self.digest_payloads = enabled
 
-    def hold(self, payloads: Sequence[Held | None]) -> None:
-        """The pending update's payloads, by sender position (None: not relayed); ``()`` when the pending
-        update is no replay of the senders' payloads (a compressed aggregate: ``hold_aggregate``; a delta)."""
+    def hold(self, payloads: Sequence[Held | None], version: int = -1) -> None:
+        """The pending update's payloads, by sender position (None: not relayed), the update moving the replica
+        from ``version``; ``()`` when the pending update is no replay of the senders' payloads (a compressed
+        aggregate: ``hold_aggregate``; a delta)."""
         with self._lock:
             self._held, self._aggregate = tuple(payloads), None
+            self._remember(version, self._held)
 
-    def hold_aggregate(self, aggregate: Held) -> None:
-        """The pending update is one compressed aggregate, which only the coordinator holds."""
+    def hold_aggregate(self, aggregate: Held, version: int = -1) -> None:
+        """The pending update is one compressed aggregate, which only the coordinator holds (a catch-up sends
+        it: no tree spreads it then)."""
         with self._lock:
             self._held, self._aggregate = (), aggregate
+            self._remember(version, ())
+
+    def _remember(self, version: int, held: tuple[Held | None, ...]) -> None:
+        self._earlier[version] = held
+        for old in [v for v in self._earlier if v <= version - HELD_ROUNDS]:
+            del self._earlier[old]
 
     def plan_round(self, receivers: Sequence[str], round_: int) -> None:
         """Who pulls the aggregate from whom this round (``fanout_tree``), the receivers in dispatch order."""
@@ -108,14 +120,21 @@ class Relay:
         with self._lock:
             return receiver in self._tree and self._aggregate is not None
 
-    def update_for(self, update: StateUpdate | None, round_: int, receiver: str = "") -> StateUpdate | None:
+    def update_for(
+        self, update: StateUpdate | None, round_: int, receiver: str = "", version: int | None = None
+    ) -> StateUpdate | None:
         """``update`` as ``receiver``'s order names its payloads instead of carrying them, where peers hold
-        them: the senders' own payloads, or the aggregate up the round's tree."""
+        them: the senders' own payloads, or the aggregate up the round's tree. ``version``: a catch-up's
+        update from that version, whose senders' payloads are named if it was a replay and they are still held
+        (the receiver's own left in the order)."""
         if not self.enabled or update is None or update.delta is not None:
             return update
         with self._lock:
             held, failed, aggregate = self._held, dict(self._failed), self._aggregate
             tree_sources = self._tree.get(receiver, ())
+            if version is not None:
+                held, aggregate = self._earlier.get(version, ()), None
+                failed.update({receiver: round_})  # its own payloads stay in its order
         if aggregate is not None:
             if not tree_sources or update.senders != 1 or update.own is not None:
                 return update

@@ -455,7 +455,12 @@ class RoundDispatcher:
         elif action == "catch-up":
             assert version is not None
             fingerprint, missed = outer.catch_up(version)  # type: ignore[misc]
-            order = work.order(self.run_id, slot.index, version, outer.update_for(slot.index), fingerprint, missed)
+            update = outer.update_for(slot.index)
+            if relayed:  # each missed update's payloads from their senders too, while they hold them
+                address = slot.client.address
+                missed = tuple(self.relay.update_for(u, work.round, address, v) for v, u in enumerate(missed, version))
+                update = self.relay.update_for(update, work.round, address)
+            order = work.order(self.run_id, slot.index, version, update, fingerprint, missed)
         else:
             outer.wait_applied()  # at the round's version (pushed after the pending update was applied, or current)
             order = work.order(self.run_id, slot.index, outer.target_version, None, outer.target_fingerprint)

@@ -341,13 +341,13 @@ class Trainer:
     def _hold_for_relay(self, gathered: Gathered, compressed: bool) -> None:
         """--relay peers: what the pending update's orders may name instead of carrying (``coordinator.relay``):
         the senders' payloads, which they hold; or the compressed aggregate, which workers pass on."""
-        relay, pending = self.rounds.relay, self.pending
+        relay, pending, version = self.rounds.relay, self.pending, self.outer.base_version
         if not relay.enabled or pending is None or pending.delta is not None:
-            relay.hold(())
+            relay.hold((), version)
         elif compressed:
-            relay.hold_aggregate(held_piece(pending.payloads[0], ""))
+            relay.hold_aggregate(held_piece(pending.payloads[0], ""), version)
         else:
-            relay.hold([o.held for o in gathered.outcomes])
+            relay.hold([o.held for o in gathered.outcomes], version)
 
     def _record(
         self,

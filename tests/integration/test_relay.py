@@ -18,6 +18,7 @@ from gradwire.protocol import PieceRequest
 from gradwire.worker.engine import WorkerEngine
 from gradwire.worker.inprocess import in_process_clients
 
+from ..faults import faulty
 from .conftest import live_workers, run_trainer, train
 
 SETTINGS = {"model": "gpt-tiny", "batch_size": 2, "sequence_length": 16, "downlink": "replay", "balance": "off"}
@@ -68,6 +69,29 @@ def test_a_compressed_aggregate_goes_to_fanout_workers_and_the_rest_pull_it_down
         aggregate = (before["bytes_down"] - after["bytes_down"]) / 4  # four orders carry it no more
         assert after["bytes_pulled"] == pytest.approx(4 * aggregate, rel=0.01) and after["relay_resent"] == 0
         assert after["bytes_down"] < 2 * aggregate + 6 * 10_000  # two aggregates and six small orders
+
+
+def test_a_worker_that_missed_rounds_catches_up_pulling_what_it_missed(tmp_path):
+    """Worker 2's calls of rounds 3 and 4 are dropped; in round 5 it catches up by replay, and the missed
+    updates' payloads come from their senders (who keep them a few rounds) as the round's do."""
+    settings = dict(SETTINGS, steps=7)
+    runs = {}
+    for relay in ("direct", "peers"):
+        factories = [lambda: WorkerEngine("cpu"), lambda: WorkerEngine("cpu"), faulty("drop", rounds={3, 4})]
+        with live_workers(3, factories) as workers:
+            runs[relay] = train(TrainConfig(**settings, relay=relay, output_dir=str(tmp_path / relay)), workers)
+    _same(runs["direct"], runs["peers"])
+    direct, relayed = ({r["step"]: r for r in read_metrics(tmp_path / k)} for k in ("direct", "peers"))
+    back = 6  # the record of round 5
+    assert direct[back]["catch_ups"] == relayed[back]["catch_ups"] == 1 and relayed[back]["pushes"] == 0
+    assert relayed[back]["relay_resent"] == 0
+    # The catch-up's missed payloads were pulled too: the coordinator sent less than the direct run by them.
+    saved = direct[back]["bytes_down"] - relayed[back]["bytes_down"]
+    assert relayed[back]["bytes_pulled"] == pytest.approx(saved, rel=0.01)
+    # A direct round sends each of the 3 workers the 2 other payloads. The catch-up round relayed sends one:
+    # worker 2's own of the last round it sent in, which a catch-up's whole update names no source for.
+    payload = direct[back + 1]["bytes_down"] / 6
+    assert relayed[back]["bytes_down"] < 2 * payload
 
 
 class _Flipping(WorkerEngine):
