@@ -66,6 +66,7 @@ class WorkerRow:
     # the seconds it sat idle before that round's work began
     utilisation: float | None = None
     last_wait_seconds: float = 0.0
+    bytes_pulled: int = 0  # --relay peers: the payload bytes it pulled from its peers instead of its orders
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +87,7 @@ class WorkerEvent:
     checks: tuple[int, int] = (0, 0)
     utilisation: float | None = None
     wait: float | None = None  # None: no result this round
+    bytes_pulled: int = 0
 
 
 def worker_events(
@@ -136,6 +138,7 @@ def worker_events(
                 slot.checks,
                 utilisation(timings) if timings is not None else None,
                 waited(timings) if timings is not None else None,
+                o.bytes_pulled if o else 0,
             )
         )
     return events
@@ -172,7 +175,10 @@ class StatusBoard:
             )
         }
         self._bytes = Counter(
-            "gradwire_bytes", "bytes over the network, by direction", ["direction"], registry=self.registry
+            "gradwire_bytes",
+            "bytes over the network, by direction: up and down the coordinator's; pulled, worker to worker",
+            ["direction"],
+            registry=self.registry,
         )
         self._tokens = Counter("gradwire_tokens", "tokens trained on", registry=self.registry)
         self._total_tokens = 0
@@ -226,6 +232,7 @@ class StatusBoard:
                 row.last_round_seconds = e.seconds or row.last_round_seconds
                 row.bytes_up += e.bytes_up
                 row.bytes_down += e.bytes_down
+                row.bytes_pulled += e.bytes_pulled
                 row.rounds_done += e.state in ("training", "resyncing")
                 row.rounds_failed += e.state in ("failed", "straggling")
                 row.last_error = e.error[:300] or row.last_error
@@ -305,6 +312,7 @@ class StatusBoard:
         self._gauges["aggregate_seconds"].set(aggregate)
         self._bytes.labels("up").inc(max(0, record.get("bytes_up", 0)))
         self._bytes.labels("down").inc(max(0, record.get("bytes_down", 0)))
+        self._bytes.labels("pulled").inc(max(0, record.get("bytes_pulled", 0)))  # --relay peers: worker to worker
         total = int(record.get("total_tokens", 0))
         self._tokens.inc(max(0, total - self._total_tokens))
         self._total_tokens = max(total, self._total_tokens)

@@ -13,6 +13,8 @@ import torch
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.metrics import read_metrics
 from gradwire.coordinator.relay import QUIET_ROUNDS
+from gradwire.coordinator.status import StatusBoard
+from gradwire.coordinator.trainer import Trainer
 from gradwire.errors import NotHeld
 from gradwire.protocol import PieceRequest
 from gradwire.worker.engine import WorkerEngine
@@ -92,6 +94,21 @@ def test_a_worker_that_missed_rounds_catches_up_pulling_what_it_missed(tmp_path)
     # worker 2's own of the last round it sent in, which a catch-up's whole update names no source for.
     payload = direct[back + 1]["bytes_down"] / 6
     assert relayed[back]["bytes_down"] < 2 * payload
+
+
+def test_the_status_page_counts_what_each_worker_pulled(tmp_path):
+    trainer = Trainer(
+        TrainConfig(**SETTINGS, steps=3, relay="peers", output_dir=str(tmp_path)), in_process_clients(3), progress=False
+    )
+    trainer.status = StatusBoard(run={"run_id": trainer.run_id})
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    records, rows = read_metrics(tmp_path), trainer.status.snapshot()["workers"]
+    pulled = sum(r["bytes_pulled"] for r in records)
+    assert pulled > 0 and sum(r["bytes_pulled"] for r in rows) == pulled
+    assert all(r["bytes_pulled"] > 0 for r in rows)  # each pulled the two others' payloads
 
 
 class _Flipping(WorkerEngine):
