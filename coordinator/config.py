@@ -552,11 +552,11 @@ class TrainConfig:
         help="how the workers get a replayed update's payloads: direct (in each work order, from the "
         "coordinator: its egress grows with the number of workers) or peers (each order names the payloads, "
         "their SHA-256 and the workers that hold them, and each worker pulls them from their senders with the "
-        "run's peer key, refusing any other bytes; a compressed aggregate goes to --relay-fanout workers and "
-        "the others pull it from those that have it; the coordinator sends a payload in the order only where "
-        "a pull failed, and names that source again only after a while; a catch-up's missed payloads come from "
-        "their senders too, while they keep them). An adamw delta still comes from the coordinator, and so do "
-        "a --tunnel worker's payloads",
+        "run's peer key, refusing any other bytes; a compressed aggregate or an adamw delta goes to "
+        "--relay-fanout workers and the others pull it from those that have it; the coordinator sends a "
+        "payload in the order only where a pull failed, and names that source again only after a while; a "
+        "catch-up's missed payloads come from their senders too, while they keep them). A --tunnel worker's "
+        "payloads still go through the coordinator",
         section=ROUND_POLICY,
         choices=RELAYS,
     )

@@ -98,8 +98,8 @@ class Relay:
             self._remember(version, self._held)
 
     def hold_aggregate(self, aggregate: Held, version: int = -1) -> None:
-        """The pending update is one compressed aggregate, which only the coordinator holds (a catch-up sends
-        it: no tree spreads it then)."""
+        """The pending update is one compressed aggregate, or an adamw delta, which only the coordinator holds
+        (a catch-up sends it: no tree spreads it then)."""
         with self._lock:
             self._held, self._aggregate = (), aggregate
             self._remember(version, ())
@@ -127,7 +127,7 @@ class Relay:
         them: the senders' own payloads, or the aggregate up the round's tree. ``version``: a catch-up's
         update from that version, whose senders' payloads are named if it was a replay and they are still held
         (the receiver's own left in the order)."""
-        if not self.enabled or update is None or update.delta is not None:
+        if not self.enabled or update is None:
             return update
         with self._lock:
             held, failed, aggregate = self._held, dict(self._failed), self._aggregate
@@ -135,10 +135,15 @@ class Relay:
             if version is not None:
                 held, aggregate = self._earlier.get(version, ()), None
                 failed.update({receiver: round_})  # its own payloads stay in its order
-        if aggregate is not None:
-            if not tree_sources or update.senders != 1 or update.own is not None:
+        if aggregate is not None:  # one payload only the coordinator made: an aggregate or an adamw delta
+            if not tree_sources or update.own is not None:
                 return update
-            return update.relaying([PieceRef(0, aggregate.digest, aggregate.size, tree_sources)])
+            ref = PieceRef(0, aggregate.digest, aggregate.size, tree_sources)
+            if update.delta is not None:
+                return update.relaying_delta(ref)
+            return update.relaying([ref]) if update.senders == 1 else update
+        if update.delta is not None:
+            return update
         if len(held) != update.senders:
             return update
         own = update.own[0] if update.own is not None else None

@@ -342,8 +342,10 @@ class Trainer:
         """--relay peers: what the pending update's orders may name instead of carrying (``coordinator.relay``):
         the senders' payloads, which they hold; or the compressed aggregate, which workers pass on."""
         relay, pending, version = self.rounds.relay, self.pending, self.outer.base_version
-        if not relay.enabled or pending is None or pending.delta is not None:
+        if not relay.enabled or pending is None:
             relay.hold((), version)
+        elif pending.delta is not None:  # adamw: one compressed delta, spread as an aggregate is
+            relay.hold_aggregate(held_piece(pending.delta, ""), version)
         elif compressed:
             relay.hold_aggregate(held_piece(pending.payloads[0], ""), version)
         else:

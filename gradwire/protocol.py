@@ -369,6 +369,10 @@ def fingerprint_from_proto(m: pb.Fingerprint) -> Fingerprint:
 
 
 def update_to_proto(u: StateUpdate) -> pb.StateUpdate:
+    if u.relayed_delta:
+        (r,) = u.relayed
+        piece = pb.PieceRef(position=r.position, digest=r.digest, size=r.size, sources=list(r.sources))
+        return pb.StateUpdate(delta_piece=piece, learning_rate=u.learning_rate)
     if u.delta is not None:
         return pb.StateUpdate(delta=codec_serde.gradient_to_proto(u.delta), learning_rate=u.learning_rate)
     # No weights means equal weights (as in Replica.apply); the wire always carries one per sender.
@@ -396,6 +400,9 @@ def update_from_proto(m: pb.StateUpdate) -> StateUpdate:
     _finite(m.learning_rate, "update learning_rate", 0.0, MAX_LEARNING_RATE)
     if kind == "delta":
         return StateUpdate(m.learning_rate, delta=codec_serde.gradient_from_proto(m.delta))
+    if kind == "delta_piece":
+        relayed = _relayed_from_proto([m.delta_piece], 1, None)
+        return StateUpdate(m.learning_rate, relayed=relayed, relayed_delta=True)
     if kind == "replay":
         own = m.replay.own_position > 0  # the receiver's own payload is left out: one sender more than payloads
         senders = len(m.replay.payloads) + own + len(m.replay.relayed)
@@ -950,7 +957,10 @@ def order_from_proto(m: pb.WorkOrder) -> WorkOrder:
         raise ProtocolError("a local-SGD order sends one pseudo-gradient at the end: stream_buckets must be 0")
     if m.peer_key and not PEER_KEY_BYTES[0] <= len(m.peer_key) <= PEER_KEY_BYTES[1]:
         raise ProtocolError(f"work order peer_key is {PEER_KEY_BYTES[0]}-{PEER_KEY_BYTES[1]} bytes")
-    if not m.peer_key and (m.seed or any(u.HasField("replay") and u.replay.relayed for u in (m.update, *m.catch_up))):
+    relays = any(
+        (u.HasField("replay") and u.replay.relayed) or u.HasField("delta_piece") for u in (m.update, *m.catch_up)
+    )
+    if not m.peer_key and (m.seed or relays):
         raise ProtocolError("work order relays payloads but carries no peer key to pull or serve them with")
     gossip = gossip_from_proto(m.gossip) if m.HasField("gossip") else None
     if gossip is not None and (

@@ -64,6 +64,7 @@ class StateUpdate:
     # --relay peers: payloads left out of ``payloads`` that the receiver pulls from its peers, each at its
     # position among the senders (``gradwire.relay``); ``weights``/``scales`` count them. Empty: none.
     relayed: tuple[PieceRef, ...] = ()
+    relayed_delta: bool = False  # the one relayed piece is the delta (``with_pulled`` puts it there)
 
     @property
     def nbytes(self) -> int:
@@ -87,12 +88,21 @@ class StateUpdate:
         kept = tuple(p for i, p in zip(carried, self.payloads) if i not in positions)
         return dataclasses.replace(self, payloads=kept, relayed=tuple(sorted(refs, key=lambda r: r.position)))
 
+    def relaying_delta(self, ref: PieceRef) -> StateUpdate:
+        """This delta update with its delta left out, to be pulled from the peers ``ref`` names (position 0)."""
+        if self.delta is None or ref.position != 0:
+            raise ValueError("only a delta update's delta, at position 0, is relayed as the delta")
+        return dataclasses.replace(self, delta=None, relayed=(ref,), relayed_delta=True)
+
     def with_pulled(self, pulled: Mapping[int, CompressedGradient]) -> StateUpdate:
-        """The replay with the relayed payloads back in their places (``pulled``: by position, every one)."""
+        """The replay with the relayed payloads back in their places (``pulled``: by position, every one); a
+        relayed delta back as the delta."""
         if not self.relayed:
             return self
         if set(pulled) != {r.position for r in self.relayed}:
             raise ValueError(f"pulled payloads at {sorted(pulled)}, relayed at {[r.position for r in self.relayed]}")
+        if self.relayed_delta:
+            return dataclasses.replace(self, delta=pulled[0], relayed=(), relayed_delta=False)
         own = self.own[0] if self.own is not None else None
         carried = iter(self.payloads)
         payloads = tuple(pulled[i] if i in pulled else next(carried) for i in range(self.senders) if i != own)

@@ -221,14 +221,16 @@ class Fingerprint(_message.Message):
     def __init__(self, sums: _Optional[_Iterable[float]] = ..., sumsqs: _Optional[_Iterable[float]] = ..., samples: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StateUpdate(_message.Message):
-    __slots__ = ("replay", "delta", "learning_rate")
+    __slots__ = ("replay", "delta", "delta_piece", "learning_rate")
     REPLAY_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
+    DELTA_PIECE_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     replay: Replay
     delta: _codec_pb2.CompressedGradient
+    delta_piece: PieceRef
     learning_rate: float
-    def __init__(self, replay: _Optional[_Union[Replay, _Mapping]] = ..., delta: _Optional[_Union[_codec_pb2.CompressedGradient, _Mapping]] = ..., learning_rate: _Optional[float] = ...) -> None: ...
+    def __init__(self, replay: _Optional[_Union[Replay, _Mapping]] = ..., delta: _Optional[_Union[_codec_pb2.CompressedGradient, _Mapping]] = ..., delta_piece: _Optional[_Union[PieceRef, _Mapping]] = ..., learning_rate: _Optional[float] = ...) -> None: ...
 
 class Replay(_message.Message):
     __slots__ = ("payloads", "weights", "scales", "aggregation", "trim", "exact", "own_position", "own_round", "fragment", "fragments", "relayed")

@@ -59,10 +59,12 @@ def test_relayed_local_sgd_rounds_with_overlap_and_fragments_are_the_direct_ones
     assert sum(r["bytes_pulled"] for r in records) > 0 and not any(r["relay_resent"] for r in records)
 
 
-def test_a_compressed_aggregate_goes_to_fanout_workers_and_the_rest_pull_it_down_a_tree(tmp_path):
-    """Six workers, the compressed downlink: the coordinator sends the aggregate to --relay-fanout 2 of them,
-    the other four pull it from those (or from one that pulled it), and the run is the direct one."""
-    settings = dict(SETTINGS, steps=4, downlink="compressed")
+@pytest.mark.parametrize("changes", [{"downlink": "compressed"}, {"outer_optimizer": "adamw", "downlink": "auto"}])
+def test_a_compressed_aggregate_goes_to_fanout_workers_and_the_rest_pull_it_down_a_tree(tmp_path, changes):
+    """Six workers, the compressed downlink (or adamw's compressed delta): the coordinator sends it to
+    --relay-fanout 2 of them, the other four pull it from those (or from one that pulled it), and the run is
+    the direct one."""
+    settings = dict(SETTINGS, steps=4, **changes)
     direct = run_trainer(TrainConfig(**settings, output_dir=str(tmp_path / "d")), in_process_clients(6))
     relayed = run_trainer(TrainConfig(**settings, relay="peers", output_dir=str(tmp_path / "r")), in_process_clients(6))
     _same(direct, relayed)

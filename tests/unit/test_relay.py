@@ -181,3 +181,19 @@ def test_a_result_names_failed_sources_when_unreachable_or_when_another_served()
     ):
         with pytest.raises(ProtocolError, match="unreachable"):
             result_from_proto(result_to_proto(bad))
+
+
+def test_an_adamw_delta_is_relayed_as_the_delta():
+    delta = _payloads(1)[0]
+    update = StateUpdate(0.25, delta=delta)
+    relayed = update.relaying_delta(_ref(0, delta))
+    assert relayed.delta is None and relayed.relayed_delta and relayed.nbytes == 0
+    wire = protocol.update_from_proto(protocol.update_to_proto(relayed))
+    assert wire == relayed
+    assert wire.with_pulled({0: delta}) == update
+    with pytest.raises(ValueError, match="position 0"):
+        update.relaying_delta(_ref(1, delta))
+    m = protocol.update_to_proto(relayed)
+    m.delta_piece.position = 1
+    with pytest.raises(ProtocolError, match="not another sender"):
+        protocol.update_from_proto(m)
