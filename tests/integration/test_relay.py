@@ -149,9 +149,11 @@ def test_a_peer_that_serves_wrong_bytes_or_nothing_costs_a_retry_and_is_named_fo
     relayed = run_trainer(TrainConfig(**settings, relay="peers", output_dir=str(tmp_path / "r")), clients)
     _same(direct, relayed)  # every round completed, the same
     records = read_metrics(tmp_path / "r")
-    # Round 2 (the first with an update): the two others failed to pull worker 0's payload and got it in
-    # their orders; from then on worker 0 is named for nothing (QUIET_ROUNDS), so nobody fails again.
-    assert [r["relay_resent"] for r in records] == [0, 2] + [0] * (steps - 2)
+    # Round 2 (the first with an update): the others failed to pull worker 0's payload and got it in their
+    # orders again (both, or one: an order built after the first failure came in names worker 0 no more);
+    # from then on worker 0 is named for nothing (QUIET_ROUNDS), so nobody fails again.
+    resent = [r["relay_resent"] for r in records]
+    assert resent[0] == 0 and resent[1] in (1, 2) and resent[2:] == [0] * (steps - 2)
     assert steps - 2 < QUIET_ROUNDS
     assert all(r["bytes_pulled"] > 0 for r in records[2:])  # the two good workers' payloads still travel peer to peer
 
@@ -183,4 +185,4 @@ def test_a_peer_that_stalls_past_the_deadline_costs_a_retry(tmp_path):
     finally:
         _Stalling.release.set()
     records = read_metrics(tmp_path / "r")
-    assert len(records) == 3 and records[1]["relay_resent"] == 2 and records[1]["successful_workers"] == 3
+    assert len(records) == 3 and records[1]["relay_resent"] in (1, 2) and records[1]["successful_workers"] == 3
