@@ -44,14 +44,20 @@ def held_piece(payload: CompressedGradient, sender: str) -> Held:
     return Held(digest_of(data), len(data), sender)
 
 
+def unservable(address: str, failed: Mapping[str, int], round_: int) -> str:
+    """Why the worker at ``address`` cannot be named as a source this round ("" if it can). Pure."""
+    if address.startswith(TUNNEL_PREFIX):
+        return f"{address} is a tunnelled worker: nobody dials it"
+    last = failed.get(address)
+    if last is not None and round_ - last < QUIET_ROUNDS:
+        return f"a pull from {address} failed in round {last}"
+    return ""
+
+
 def sources(held: Held, failed: Mapping[str, int], round_: int) -> tuple[tuple[str, ...], str]:
     """Whom an order names for ``held`` (none: send it in the order), and why not. Pure."""
-    if held.sender.startswith(TUNNEL_PREFIX):
-        return (), f"{held.sender} is a tunnelled worker: nobody dials it"
-    last = failed.get(held.sender)
-    if last is not None and round_ - last < QUIET_ROUNDS:
-        return (), f"a pull from {held.sender} failed in round {last}"
-    return (held.sender,), ""
+    why = unservable(held.sender, failed, round_)
+    return ((), why) if why else ((held.sender,), "")
 
 
 def fanout_tree(receivers: Sequence[str], fanout: int, serves: Mapping[str, bool]) -> dict[str, tuple[str, ...]]:
@@ -112,7 +118,7 @@ class Relay:
     def plan_round(self, receivers: Sequence[str], round_: int) -> None:
         """Who pulls the aggregate from whom this round (``fanout_tree``), the receivers in dispatch order."""
         with self._lock:
-            serves = {r: not sources(Held(b"", 0, r), self._failed, round_)[1] for r in receivers}
+            serves = {r: not unservable(r, self._failed, round_) for r in receivers}
             self._tree = fanout_tree(receivers, self.fanout, serves) if self._aggregate is not None else {}
 
     def seeds(self, receiver: str) -> bool:
@@ -134,7 +140,6 @@ class Relay:
             tree_sources = self._tree.get(receiver, ())
             if version is not None:
                 held, aggregate = self._earlier.get(version, ()), None
-                failed.update({receiver: round_})  # its own payloads stay in its order
         if aggregate is not None:  # one payload only the coordinator made: an aggregate or an adamw delta
             if not tree_sources or update.own is not None:
                 return update
@@ -149,7 +154,7 @@ class Relay:
         own = update.own[0] if update.own is not None else None
         refs = []
         for position, piece in enumerate(held):
-            if piece is None or position == own:
+            if piece is None or position == own or piece.sender == receiver:  # a catch-up's own stay in its order
                 continue
             named, _ = sources(piece, failed, round_)
             if named:

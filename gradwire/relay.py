@@ -14,7 +14,6 @@ or a tensor, so a caller gets only bytes it already knows the hash of.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import hashlib
 import threading
@@ -62,42 +61,57 @@ class PieceRef:
                 raise ValueError("a relayed payload's source is 1-256 printable characters")
 
 
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    round: int
-    data: bytes
-
-
 class Held:
-    """The pieces a worker holds for its peers, by digest: those of its last ``HELD_ROUNDS`` rounds. Thread-
-    safe: the round's thread adds, the server's threads read."""
+    """The pieces a worker holds for its peers, by digest: those of its last ``HELD_ROUNDS`` rounds. A payload
+    it sent or was sent (``keep_payload``) is serialized and hashed only when a peer first asks for some
+    piece, off the round's path: with the compressed downlink nobody ever does. Thread-safe: the round's
+    thread adds, the server's threads read."""
 
     def __init__(self, rounds: int = HELD_ROUNDS) -> None:
         self.rounds = rounds
-        self._pieces: collections.OrderedDict[bytes, Piece] = collections.OrderedDict()
+        self._pieces: dict[bytes, tuple[int, bytes]] = {}  # digest: (round, bytes)
+        self._unhashed: list[tuple[int, CompressedGradient]] = []
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
 
-    def keep(self, round_: int, data: bytes) -> bytes:
-        """Hold ``data`` (a serialized payload of ``round_``); returns its digest."""
-        digest = digest_of(data)
+    def keep(self, round_: int, data: bytes, digest: bytes | None = None) -> bytes:
+        """Hold ``data`` (a serialized payload of ``round_``, whose digest is ``digest`` if known); returns the
+        digest."""
+        digest = digest or digest_of(data)
         with self._lock:
-            self._pieces[digest] = Piece(round_, data)
-            self._pieces.move_to_end(digest)
-            newest = max(p.round for p in self._pieces.values())
-            for d in [d for d, p in self._pieces.items() if p.round <= newest - self.rounds]:
-                del self._pieces[d]
-            self._arrived.notify_all()
+            self._pieces[digest] = (round_, data)
+            self._arrived_at(round_)
         return digest
+
+    def keep_payload(self, round_: int, payload: CompressedGradient) -> None:
+        """Hold ``payload`` of ``round_``, serialized and hashed when a peer first asks."""
+        with self._lock:
+            self._unhashed.append((round_, payload))
+            self._arrived_at(round_)
 
     def get(self, digest: bytes, wait: float = 0.0) -> bytes | None:
         """The piece with ``digest``; if not held yet, waiting up to ``wait`` seconds for it to arrive (a
         peer that asks for an update's payload before this worker's own order brought or pulled it)."""
         with self._arrived:
-            self._arrived.wait_for(lambda: digest in self._pieces, timeout=wait)
+            self._arrived.wait_for(lambda: self._hash() or digest in self._pieces, timeout=wait)
             piece = self._pieces.get(digest)
-        return piece.data if piece is not None else None
+        return piece[1] if piece is not None else None
+
+    def _hash(self) -> bool:
+        """Serialize and hash the payloads held unhashed (under the lock); False: it is what the caller waits on."""
+        for round_, payload in self._unhashed:
+            data = payload_bytes(payload)
+            self._pieces[digest_of(data)] = (round_, data)
+        self._unhashed.clear()
+        return False
+
+    def _arrived_at(self, round_: int) -> None:
+        """Under the lock: drop what is older than the last ``rounds`` rounds, and wake the waiting pulls."""
+        newest = max([round_, *(r for r, _ in self._pieces.values()), *(r for r, _ in self._unhashed)])
+        self._pieces = {d: p for d, p in self._pieces.items() if p[0] > newest - self.rounds}
+        self._unhashed = [(r, p) for r, p in self._unhashed if r > newest - self.rounds]
+        self._arrived.notify_all()
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._pieces)
+            return len(self._pieces) + len(self._unhashed)

@@ -60,7 +60,7 @@ from gradwire.protocol import (
     WorkerState,
     WorkOrder,
 )
-from gradwire.relay import ARRIVAL_WAIT, payload_bytes
+from gradwire.relay import ARRIVAL_WAIT
 from gradwire.replica import Fingerprint, StateUpdate
 from gradwire.security import same_owner
 from gradwire.v1 import worker_pb2 as pb
@@ -428,7 +428,7 @@ class WorkerEngine:
         if session is not None and order.seed and order.update is not None:  # the peers pull them from here
             session.peer_key = order.peer_key
             for payload in (*order.update.payloads, *([order.update.delta] if order.update.delta else [])):
-                session.held.keep(order.round, payload_bytes(payload))
+                session.held.keep_payload(order.round, payload)
         failed: tuple[str, ...] = ()  # relay sources that failed before another served: named in the result
         if session is not None and order.peer_key and any(u.relayed for u in (order.update, *order.catch_up) if u):
             try:
@@ -467,8 +467,8 @@ class WorkerEngine:
         session.peer_key = order.peer_key
         refs = [r for u in (*order.catch_up, order.update) if u is not None for r in u.relayed]
         pulled, failed = self.peers.pull_pieces(order.run_id, order.peer_key, refs, cancelled)
-        for data in pulled.values():
-            session.held.keep(order.round, data[1])
+        for digest, (_, data) in pulled.items():  # checked against its digest as it came
+            session.held.keep(order.round, data, digest)
 
         def filled(u: StateUpdate) -> StateUpdate:
             return u.with_pulled({r.position: pulled[r.digest][0] for r in u.relayed})

@@ -39,7 +39,6 @@ from gradwire.compression import (
 )
 from gradwire.compression.fragment import Fragment, scoped
 from gradwire.protocol import BEHIND, NEEDS_STATE, OK, RoundResult, StateUpdate, WorkOrder
-from gradwire.relay import payload_bytes
 from gradwire.worker import lazy, lookahead
 from gradwire.worker.check import ReplicaView, Verdict, check_order
 from gradwire.worker.compute import Contribution, gradient_step, strategy_for
@@ -119,7 +118,7 @@ class Rounds:
         session.last_sent = (order.round, payload)  # the coordinator leaves it out of the replay it sends back
         if order.peer_key:  # --relay peers: the other workers pull it from here
             session.peer_key = order.peer_key
-            session.held.keep(order.round, payload_bytes(payload))
+            session.held.keep_payload(order.round, payload)
         t_done = time.perf_counter()
         self.prepare_next(session, order, payload)
         marks = Marks(t0, t_advanced, t_computed, t_encode, t_done)

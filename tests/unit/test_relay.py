@@ -106,6 +106,14 @@ def test_a_worker_holds_its_last_rounds_pieces_and_serves_them_only_with_the_pee
     digests = [held.keep(r, f"payload of round {r}".encode()) for r in range(4)]
     assert [held.get(d) is not None for d in digests] == [False, False, True, True]
     assert held.get(digests[3]) == b"payload of round 3"
+    # A payload it sent is held as it is and serialized when a peer first asks; older rounds drop out alike.
+    sent, lazy = _payloads(1)[0], HeldPieces(rounds=2)
+    lazy.keep(3, b"payload of round 3")
+    lazy.keep_payload(4, sent)
+    assert lazy.get(digest_of(payload_bytes(sent))) == payload_bytes(sent)
+    assert lazy.get(digests[3]) == b"payload of round 3"
+    lazy.keep_payload(6, sent)  # round 6: round 4's copy and round 3's piece are past the last 2 rounds
+    assert len(lazy) == 1 and lazy.get(digests[3]) is None
 
     from gradwire.worker.engine import WorkerEngine  # a worker with one session that relays
 
