@@ -127,7 +127,7 @@ def service_run(
         stream_buckets=mode.stream_buckets,
         output_dir=output_dir,
         overwrite=True,
-        **({"device": args.device} if coordinator_places_its_replica() else {}),
+        **({"device": coordinator_device(args)} if coordinator_places_its_replica() else {}),
     )
     clients = [WorkerClient(a, timeout=config.round_timeout) for a in addresses]
     trainer = Trainer(config, clients, progress=False)
@@ -154,6 +154,12 @@ def coordinator_places_its_replica() -> bool:
     """Whether ``TrainConfig`` has a ``device`` (``coordinator train --device``): the coordinator's replica then
     lives on ``--device`` too; before it, on the CPU."""
     return "device" in {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def coordinator_device(args: argparse.Namespace) -> str:
+    """Where the coordinator's replica lives: ``--coordinator-device``, else the workers' device (the worst case
+    on one GPU: its background work then shares the workers' device)."""
+    return args.coordinator_device or args.device
 
 
 def summarize(
@@ -225,7 +231,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "parameters": spec_elements(spec),
         "device": args.device,
         "device_name": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu",
-        "coordinator_device": args.device if coordinator_places_its_replica() else "cpu",
+        "coordinator_device": coordinator_device(args) if coordinator_places_its_replica() else "cpu",
         "precision": precision,
         "precision_reason": why,
         "batch_size": args.batch_size,
@@ -294,10 +300,11 @@ def _free(device: str) -> None:
 
 @contextlib.contextmanager
 def _workers(n: int, device: str, precision: str) -> Iterator[list[str]]:
-    """``n`` local workers on ``device``, and this process's coordinator on one thread while they run (as
-    ``coordinator train --local`` does: the workers get the cores)."""
+    """``n`` local workers on ``device``, and this process's coordinator on one thread while they run on the CPU
+    (as ``coordinator train --local`` does: the workers get the cores); beside GPU workers it keeps them."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    if torch.device(device).type == "cpu":
+        torch.set_num_threads(1)
     try:
         kind = "cuda" if torch.device(device).type == "cuda" else "cpu"
         with local_workers(n, device=kind, precision=precision) as addresses:
@@ -345,6 +352,11 @@ def _runs(text: str) -> tuple[str, ...]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.utilisation", description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:INDEX: the bare loop's and the workers'")
+    parser.add_argument(
+        "--coordinator-device",
+        help="the coordinator's (coordinator train --device): cpu on a GPU machine is a coordinator on a user's "
+        "own machine (default: --device)",
+    )
     parser.add_argument("--model", choices=model_names(), help="default: gpt-80m (--quick: gpt-tiny)")
     parser.add_argument("--batch-size", type=int, help="rows per step and worker (default: 1 on a CPU, 8 on a GPU)")
     parser.add_argument("--seq-len", type=int, help="tokens per row (default: 64 on a CPU, 512 on a GPU)")

@@ -1,13 +1,17 @@
 """A replica's (or a gradient's) fingerprint: per tensor its sum and sum of squares in float64, and its values at
-a few fixed positions. Every round takes one on the coordinator and on every worker, so on a GPU it costs a few
-passes over memory and a fixed number of kernel launches, not a few per tensor: there the launches are the cost.
+a few fixed positions. Every round takes one on the coordinator and on every worker, so on a GPU it costs a
+few passes over memory and a fixed number of kernel launches, not a few per tensor: there the launches are the
+cost.
 
 On a GPU ``FingerprintPlan`` reads the tensors as if laid end to end, in slabs of at most ``SLAB`` elements:
-each slab is gathered into one buffer, cast to float64 and reduced per tensor with one segmented sum (then its
-squares with another); the sampled positions in the slab are gathered with one index. The statistics land in
-one float64 vector (``Fingerprint.from_stats``'s layout), read back once. On a CPU, where a launch costs
-nothing and a fresh slab-sized buffer costs more than the reads, ``fingerprint`` goes a tensor at a time. The
-two agree to float64 rounding. ``compare_fingerprints`` is the pure decision, with its reason.
+each slab is gathered into one buffer in which every tensor's piece starts a row of ``ROW`` elements (zeros
+pad the rest of its last row), cast to float64 and summed a row at a time (a dense reduction that fills the
+device), then the rows' sums per tensor with one short segmented sum (and its squares likewise); the sampled
+positions in the slab are gathered with one index. A segmented sum straight over the slab would run one thread
+block per tensor: a dozen blocks on a GPU of a hundred multiprocessors, at a tenth of its bandwidth. The
+statistics land in one float64 vector (``Fingerprint.from_stats``'s layout), read back once. On a CPU, where a
+launch costs nothing and a fresh slab-sized buffer costs more than the reads, ``fingerprint`` goes a tensor at
+a time. The two agree to float64 rounding. ``compare_fingerprints`` is the pure decision, with its reason.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 
 SAMPLES_PER_TENSOR = 4
 SLAB = 1 << 24  # elements gathered and cast to float64 at a time (128 MiB of float64)
+ROW = 1 << 12  # elements summed together first; each tensor's piece of a slab starts a row
 MOMENT_SLICE = 1 << 20  # elements cast to float64 at a time by ``moments``
 
 
@@ -70,11 +75,13 @@ def moments(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclasses.dataclass(frozen=True)
 class _Slab:
-    """A run of the tensors laid end to end: its pieces (tensor, first, end), and on the device each piece's
-    length and tensor, and the samples it holds (where in the slab, where in the statistics)."""
+    """A run of the tensors laid end to end: its pieces (tensor, first, end) and the zeros after each that fill
+    its last row, and on the device each piece's rows and tensor, and the samples it holds (where in the
+    padded slab, where in the statistics)."""
 
     pieces: tuple[tuple[int, int, int], ...]
-    lengths: torch.Tensor
+    pads: tuple[int, ...]
+    rows: torch.Tensor
     sums_at: torch.Tensor
     sumsqs_at: torch.Tensor
     samples_from: torch.Tensor
@@ -107,11 +114,18 @@ class FingerprintPlan:
                 for i in range(n)
                 if offsets[i] < end and offsets[i + 1] > start
             )
-            taken = [(k, w - start) for k, w in enumerate(where) if start <= w < end]
+            rows = [-(-(hi - lo) // ROW) for _, lo, hi in pieces]
+            # Each sample's place in the padded slab: its piece's start there, plus its place in the piece.
+            taken, at = [], 0
+            for (i, lo, hi), r in zip(pieces, rows):
+                taken += [(k, at + w - offsets[i] - lo) for k, w in enumerate(where) if lo <= w - offsets[i] < hi]
+                at += r * ROW
+            taken.sort()
             slabs.append(
                 _Slab(
                     pieces,
-                    self._index([hi - lo for _, lo, hi in pieces]),
+                    tuple(r * ROW - (hi - lo) for (_, lo, hi), r in zip(pieces, rows)),
+                    self._index(rows),
                     self._index([i for i, _, _ in pieces]),
                     self._index([n + i for i, _, _ in pieces]),
                     self._index([at for _, at in taken]),
@@ -119,6 +133,7 @@ class FingerprintPlan:
                 )
             )
         self.slabs = tuple(slabs)
+        self._pads: dict[torch.dtype, torch.Tensor] = {}
 
     def _index(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(self.device)
@@ -131,14 +146,24 @@ class FingerprintPlan:
         out = torch.zeros(self.size, dtype=torch.float64, device=self.device)
         flats = [t.detach().reshape(-1) for t in tensors]
         for slab in self.slabs:
-            parts = [flats[i][lo:hi] for i, lo, hi in slab.pieces]
+            parts = []
+            for (i, lo, hi), pad in zip(slab.pieces, slab.pads):
+                parts.append(flats[i][lo:hi])
+                if pad:
+                    parts.append(self._zeros(flats[i].dtype)[:pad])
             x = parts[0] if len(parts) == 1 else torch.cat(parts)
             if slab.samples_to.numel():  # float32 values, as a float32 tensor holds them
                 out.index_copy_(0, slab.samples_to, x.index_select(0, slab.samples_from).float().double())
-            wide = x.to(torch.float64, copy=True)
-            out.index_add_(0, slab.sums_at, torch.segment_reduce(wide, "sum", lengths=slab.lengths))
-            out.index_add_(0, slab.sumsqs_at, torch.segment_reduce(wide.square_(), "sum", lengths=slab.lengths))
+            wide = x.to(torch.float64, copy=True).view(-1, ROW)
+            out.index_add_(0, slab.sums_at, torch.segment_reduce(wide.sum(1), "sum", lengths=slab.rows))
+            out.index_add_(0, slab.sumsqs_at, torch.segment_reduce(wide.square_().sum(1), "sum", lengths=slab.rows))
         return out
+
+    def _zeros(self, dtype: torch.dtype) -> torch.Tensor:
+        """ROW - 1 zeros of ``dtype`` on the device (the most a piece's last row lacks), made once."""
+        if dtype not in self._pads:
+            self._pads[dtype] = torch.zeros(ROW - 1, dtype=dtype, device=self.device)
+        return self._pads[dtype]
 
     def __call__(self, tensors: Sequence[torch.Tensor]) -> Fingerprint:
         return Fingerprint.from_stats(self.stats(tensors), len(self.numels))

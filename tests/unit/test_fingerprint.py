@@ -38,6 +38,18 @@ def test_a_planned_fingerprint_is_the_tensor_at_a_time_one(slab: int) -> None:
     assert compare_fingerprints(expected, got, [t.numel() for t in ts], 1e-9) == (True, "replicas agree")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_a_plan_pads_rows_in_the_tensors_own_dtype(dtype: torch.dtype) -> None:
+    """Each piece starts a row and zeros of its dtype fill the row's rest: the statistics of tensors of any
+    float dtype are those taken a tensor at a time, and no pad is sampled."""
+    ts, positions = [t.to(dtype) for t in tensors(1)], sample_positions(SHAPES)
+    expected = fingerprint(ts, positions)
+    got = FingerprintPlan([t.numel() for t in ts], positions, torch.device("cpu"), slab=5000)(ts)
+    assert got.samples == expected.samples
+    for a, b in zip(got.sums + got.sumsqs, expected.sums + expected.sumsqs):
+        assert a == pytest.approx(b, rel=1e-12, abs=1e-12)
+
+
 def test_a_plan_sees_one_changed_value_and_refuses_other_tensors() -> None:
     ts, positions = tensors(), sample_positions(SHAPES)
     plan = FingerprintPlan([t.numel() for t in ts], positions, torch.device("cpu"), slab=64)
