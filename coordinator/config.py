@@ -45,7 +45,7 @@ from gradwire.optim.outer import OUTER_OPTIMIZERS, UpdateRule
 from gradwire.optim.schedule import SCHEDULES, Schedule, lr_at
 
 OVERLAP_UPDATES = ("auto", "eager", "delayed")
-RELAYS = ("direct", "peers")
+RELAYS = ("direct", "peers", "auto")
 MAX_RELAY_FANOUT = 64  # --relay: how workers get a replayed update's payloads (coordinator.relay)
 
 # --no-compression: every tensor dense, raw float32 - the codec's exact path, no special case elsewhere.
@@ -555,8 +555,12 @@ class TrainConfig:
         "run's peer key, refusing any other bytes; a compressed aggregate or an adamw delta goes to "
         "--relay-fanout workers and the others pull it from those that have it; the coordinator sends a "
         "payload in the order only where a pull failed, and names that source again only after a while; a "
-        "catch-up's missed payloads come from their senders too, while they keep them). A --tunnel worker's "
-        "payloads still go through the coordinator",
+        "catch-up's missed payloads come from their senders too, while they keep them), or auto (peers, with "
+        "each pair of workers judged apart: a source known by a loopback address serves only workers on its "
+        "machine, a pull that failed keeps that pair apart for 10 rounds and twice as long after each further "
+        "failure, a worker two others failed to reach serves nobody, and one that reached none of two gets its "
+        "payloads in its orders, until a pull works again). A --tunnel worker's payloads still go through the "
+        "coordinator",
         section=ROUND_POLICY,
         choices=RELAYS,
     )
@@ -770,8 +774,8 @@ class TrainConfig:
             raise ValueError(f"--relay must be one of {', '.join(RELAYS)}, got {self.relay!r}")
         if not 1 <= self.relay_fanout <= MAX_RELAY_FANOUT:
             raise ValueError(f"--relay-fanout must be in [1, {MAX_RELAY_FANOUT}], got {self.relay_fanout}")
-        if self.relay == "peers" and self.gossip:
-            raise ValueError("--relay peers relays star rounds' updates; gossip rounds pull with --peer-to-peer")
+        if self.relay != "direct" and self.gossip:
+            raise ValueError(f"--relay {self.relay} relays star rounds; gossip rounds pull with --peer-to-peer")
         self.grace()  # validates --straggler-grace
         if not (math.isfinite(self.max_failed_seconds) and self.max_failed_seconds >= 0):
             raise ValueError(f"--max-failed-seconds must be >= 0, got {self.max_failed_seconds}")

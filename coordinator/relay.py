@@ -10,6 +10,10 @@ payload is sent in the order instead when its sender cannot be named: a ``--tunn
 it), a source that failed a pull in the last ``QUIET_ROUNDS`` rounds, or for the worker that reported the
 failure, for the rest of the round (``RoundDispatcher`` sends it the order again, the payloads in it). The
 receiver's own payload is never named: it holds it.
+
+``--relay auto`` judges sources per receiver instead (``coordinator.reach``): by the address (a loopback name
+is no use to a worker elsewhere) and by what the pulls showed, each pair of workers apart, so that one worker
+behind a NAT turns the relay off for itself alone, and a source nobody reaches for nobody but itself.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 
 from gradwire.compression import CompressedGradient
+from gradwire.coordinator.reach import Reach, Standing, dialable
 from gradwire.relay import HELD_ROUNDS, PieceRef, digest_of, payload_bytes
 from gradwire.replica import StateUpdate
 from gradwire.tunnel import TUNNEL_PREFIX
@@ -79,9 +84,12 @@ def fanout_tree(receivers: Sequence[str], fanout: int, serves: Mapping[str, bool
 class Relay:
     """The relay of one run: its peer key, the pending update's payloads, the sources that failed lately."""
 
-    def __init__(self, enabled: bool, fanout: int = 2) -> None:
+    def __init__(self, enabled: bool, fanout: int = 2, learn: bool = False) -> None:
+        """``learn``: ``--relay auto``, sources judged per receiver by what pulls showed (``coordinator.reach``)."""
         self.enabled = enabled
         self.fanout = fanout
+        self.reach = Reach() if enabled and learn else None
+        self._standing = Standing()  # the round's, under auto
         self.peer_key = secrets.token_bytes(PEER_KEY_BYTES) if enabled else b""
         self._held: tuple[Held | None, ...] = ()  # by sender position; None: sent in the order
         self._aggregate: Held | None = None  # a compressed aggregate: the coordinator's, spread from seeds
@@ -118,7 +126,16 @@ class Relay:
     def plan_round(self, receivers: Sequence[str], round_: int) -> None:
         """Who pulls the aggregate from whom this round (``fanout_tree``), the receivers in dispatch order."""
         with self._lock:
-            serves = {r: not unservable(r, self._failed, round_) for r in receivers}
+            if self.reach is None:
+                serves = {r: not unservable(r, self._failed, round_) for r in receivers}
+            else:  # a source every other receiver can dial, not down, not cut off itself
+                self._standing = standing = self.reach.standing(round_)
+                serves = {
+                    r: r not in standing.down
+                    and r not in standing.cut_off
+                    and not any(dialable(x, r) for x in receivers if x != r)
+                    for r in receivers
+                }
             self._tree = fanout_tree(receivers, self.fanout, serves) if self._aggregate is not None else {}
 
     def seeds(self, receiver: str) -> bool:
@@ -140,6 +157,10 @@ class Relay:
             tree_sources = self._tree.get(receiver, ())
             if version is not None:
                 held, aggregate = self._earlier.get(version, ()), None
+            if self.reach is not None:
+                if receiver in self._standing.cut_off:
+                    return update
+                tree_sources = tuple(s for s in tree_sources if self._usable(receiver, s, round_))
         if aggregate is not None:  # one payload only the coordinator made: an aggregate or an adamw delta
             if not tree_sources or update.own is not None:
                 return update
@@ -156,13 +177,40 @@ class Relay:
         for position, piece in enumerate(held):
             if piece is None or position == own or piece.sender == receiver:  # a catch-up's own stay in its order
                 continue
-            named, _ = sources(piece, failed, round_)
+            if self.reach is not None:
+                named = (piece.sender,) if self._usable(receiver, piece.sender, round_) else ()
+            else:
+                named, _ = sources(piece, failed, round_)
             if named:
                 refs.append(PieceRef(position, piece.digest, piece.size, named))
         return update.relaying(refs) if refs else update
+
+    def _usable(self, receiver: str, source: str, round_: int) -> bool:
+        assert self.reach is not None
+        return self.reach.usable(receiver, source, round_, self._standing)[0]
 
     def unreachable(self, addresses: Iterable[str], round_: int) -> None:
         """A worker could not pull from these sources this round: name them for nothing for a while."""
         with self._lock:
             for address in addresses:
                 self._failed[address] = round_
+
+    def report(
+        self, receiver: str, updates: Sequence[StateUpdate | None], unreachable: Sequence[str], round_: int, took: bool
+    ) -> None:
+        """What ``receiver``'s pulls of the pieces ``updates`` named showed: the ``unreachable`` sources failed;
+        where it ``took`` them all, each piece came from the first of its sources that did not fail. Under
+        ``auto`` this is what ``coordinator.reach`` judges by; else the failed sources are named for nobody a
+        while (``unreachable``)."""
+        if self.reach is None:
+            self.unreachable(unreachable, round_)
+            return
+        failed = set(unreachable)
+        served = set()
+        if took:
+            for update in updates:
+                for ref in update.relayed if update is not None else ():
+                    served.update([s for s in ref.sources if s not in failed][:1])
+        with self._lock:
+            self.reach.failed(receiver, sorted(failed), round_)
+            self.reach.pulled(receiver, sorted(served), round_)

@@ -400,13 +400,15 @@ class RoundDispatcher:
                     if self.relay.digest_payloads and outcome.result.gradient is not None:
                         outcome.held = held_piece(outcome.result.gradient, slot.client.address)
                     outcome.bytes_pulled = sum(r.size for u in (order.update, *order.catch_up) if u for r in u.relayed)
-                    if result.unreachable_peers and _relays(order):  # pulled, but some sources failed first
-                        self.relay.unreachable(result.unreachable_peers, step)
+                    if _relays(order):  # pulled, some sources perhaps failing first
+                        updates = (order.update, *order.catch_up)
+                        self.relay.report(slot.client.address, updates, result.unreachable_peers, step, took=True)
                         outcome.unreachable = tuple(result.unreachable_peers)
                     return outcome
                 if result.status == UNREACHABLE and relayed and _relays(order):  # took nothing: send them itself
                     log.info("step %d: worker %d could not pull relayed payloads: %s", step, slot.index, result.reason)
-                    self.relay.unreachable(result.unreachable_peers, step)
+                    updates = (order.update, *order.catch_up)
+                    self.relay.report(slot.client.address, updates, result.unreachable_peers, step, took=False)
                     outcome.unreachable += tuple(result.unreachable_peers)
                     outcome.resent += 1
                     relayed = False

@@ -126,7 +126,7 @@ class Trainer:
             quorum=config.min_workers,
             grace=config.grace(),
             gossip=config.gossip,
-            relay=Relay(config.relay == "peers", config.relay_fanout),
+            relay=Relay(config.relay != "direct", config.relay_fanout, learn=config.relay == "auto"),
         )
         self.gather = Gatherer(
             self.outer.codec,

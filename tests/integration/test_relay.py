@@ -18,7 +18,7 @@ from gradwire.coordinator.trainer import Trainer
 from gradwire.errors import NotHeld
 from gradwire.protocol import PieceRequest
 from gradwire.worker.engine import WorkerEngine
-from gradwire.worker.inprocess import in_process_clients
+from gradwire.worker.inprocess import InProcessPeers, in_process_clients
 
 from ..faults import faulty
 from .conftest import live_workers, run_trainer, train
@@ -31,13 +31,15 @@ def _same(a, b) -> None:
         assert torch.equal(p, q), name
 
 
-def test_a_relayed_gradient_round_is_the_direct_one_and_the_coordinator_sends_no_payload(tmp_path):
-    """Four served workers over gRPC (Worker.PullPiece on loopback), gradient mode with streamed buckets."""
+@pytest.mark.parametrize("relay", ["peers", "auto"])
+def test_a_relayed_gradient_round_is_the_direct_one_and_the_coordinator_sends_no_payload(tmp_path, relay):
+    """Four served workers over gRPC (Worker.PullPiece on loopback, which auto finds they all can dial),
+    gradient mode with streamed buckets."""
     settings = dict(SETTINGS, steps=4, stream_buckets=2)
     with live_workers(4) as workers:
         direct = train(TrainConfig(**settings, output_dir=str(tmp_path / "direct")), workers)
     with live_workers(4) as workers:
-        relayed = train(TrainConfig(**settings, relay="peers", output_dir=str(tmp_path / "relayed")), workers)
+        relayed = train(TrainConfig(**settings, relay=relay, output_dir=str(tmp_path / "relayed")), workers)
     _same(direct, relayed)
     a, b = read_metrics(tmp_path / "direct"), read_metrics(tmp_path / "relayed")
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
@@ -186,3 +188,20 @@ def test_a_peer_that_stalls_past_the_deadline_costs_a_retry(tmp_path):
         _Stalling.release.set()
     records = read_metrics(tmp_path / "r")
     assert len(records) == 3 and records[1]["relay_resent"] in (1, 2) and records[1]["successful_workers"] == 3
+
+
+def test_under_auto_a_worker_that_reaches_no_peer_gets_its_orders_whole_and_the_others_still_pull(tmp_path):
+    """Four workers; worker 0 dials nobody (its pulls all fail) but serves. Under --relay peers its failures
+    name every source for nobody a while; under auto it alone is cut off: its orders carry the payloads, and
+    the three others pull each other's and worker 0's. Both are the direct run."""
+    settings = dict(SETTINGS, steps=5)
+    direct = run_trainer(TrainConfig(**settings, output_dir=str(tmp_path / "d")), in_process_clients(4))
+    for relay in ("peers", "auto"):
+        clients = in_process_clients(4)
+        clients[0].engine.peers = InProcessPeers({})
+        _same(direct, run_trainer(TrainConfig(**settings, relay=relay, output_dir=str(tmp_path / relay)), clients))
+    auto, peers = read_metrics(tmp_path / "auto"), read_metrics(tmp_path / "peers")
+    # Round 2, the first with an update: worker 0 pulled nothing and got its order again, payloads in it.
+    assert [r["relay_resent"] for r in auto] == [0, 1, 0, 0, 0]
+    for a, p in zip(auto[2:], peers[2:]):  # 3 receivers x 3 payloads, against 3 x worker 0's alone
+        assert a["bytes_pulled"] > 2 * p["bytes_pulled"] > 0
