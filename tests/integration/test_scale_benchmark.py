@@ -7,7 +7,7 @@ import pytest
 
 from benchmarks.scale import run_case
 
-WORKERS = 6
+WORKERS = 8
 
 
 @pytest.mark.parametrize("downlink", ["replay", "compressed"])
@@ -15,7 +15,7 @@ def test_relayed_rounds_cut_the_coordinators_egress_to_the_fanout(downlink):
     direct = run_case("gpt-tiny", downlink, WORKERS, rounds=1, seed=0)
     relayed = run_case("gpt-tiny", downlink, WORKERS, rounds=1, seed=0, relay="peers")
     assert direct["bytes_pulled"] == 0 and relayed["bytes_pulled"] > 0
-    if downlink == "replay":  # every order carried the 5 other payloads; relayed, none
+    if downlink == "replay":  # every order carried the 7 other payloads; relayed, none
         assert direct["egress_payloads"] > WORKERS * (WORKERS - 1)
         assert relayed["egress_payloads"] < 1
         assert relayed["bytes_pulled"] == pytest.approx(WORKERS * (WORKERS - 1) * relayed["payload_bytes"], rel=0.05)
