@@ -14,8 +14,11 @@ Runs one after another, every one on ``--device``, with the same model and batch
   local-N          local-SGD rounds of ``--inner-steps`` (30) inner steps, defaults
   local-overlap-N  the same with ``--overlap``
 
-for N in 1 and 2 (``--runs`` picks some). On a CPU the batch is small enough (1 x 64) that compute per
-parameter is as small as on a GPU, so the service's own costs show where no GPU is at hand.
+for N in 1 and 2 (``--runs`` picks some), then the bare loop again: where the host's speed drifts between
+runs (a shared machine; on a GPU at this size a step is bound by the host), each run's ratio is given against
+both (``of_bare``, ``of_bare_after``) and the bare loop's ``drift``. On a CPU the batch is small enough
+(1 x 64) that compute per parameter is as small as on a GPU, so the service's own costs show where no GPU is
+at hand.
 
 For each service run, over the rounds after the ``--warmup`` ones (the first pushes the state): tokens/s (by
 the wall clock) and its ratio to the bare loop's on as many devices as the workers hold (``baseline``: two
@@ -25,8 +28,8 @@ wait for its next order, and of the coordinator's round, aggregation, turnaround
 orders out) and background work. Compute, replay and encode are the slowest sender's (as the records hold
 them), wait and span each worker's mean; figures a run's records do not hold are null. Forward and
 backward run in ``--precision`` (auto: bf16 autocast on a GPU that supports it, else fp32) in the bare loop
-and the workers alike. The coordinator runs in this process on one thread, as ``coordinator train --local``
-does. One JSON object on stdout, a line per run on stderr.
+and the workers alike. The coordinator runs in this process (``--coordinator-device``: its replica's), on one
+thread beside CPU workers, as ``coordinator train --local`` does. One JSON object on stdout, a line per run on stderr.
 """
 
 from __future__ import annotations
@@ -263,6 +266,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 name = f"{mode}-{workers}"
                 runs[name] = _attempt(measure, addresses, MODES[mode], args, bare, baseline)
                 _report(name, runs[name])
+    if bare is not None and len(runs) > 1:
+        # The bare loop again once the service has run: where the host's speed drifts (a shared machine),
+        # each run is read against both ends.
+        again = _attempt(bare_loop, spec, args.device, precision, *size)
+        if "error" not in again:
+            bare["after"] = {k: again[k] for k in ("step_s", "tokens_per_sec")}
+            bare["drift"] = again["tokens_per_sec"] / bare["tokens_per_sec"]
+            for figures in runs.values():
+                if figures.get("of_bare") is not None:
+                    figures["of_bare_after"] = figures["of_bare"] / bare["drift"]
+            _report("bare, again", again)
     out["wall_s"] = time.perf_counter() - started
     return out
 
@@ -324,7 +338,7 @@ def _attempt(measure: Callable[..., dict[str, Any]], *args: Any) -> dict[str, An
 def _report(name: str, figures: dict[str, Any]) -> None:
     if "error" in figures:
         line = figures["error"]
-    elif name == "bare":
+    elif name.startswith("bare"):
         line = f"{figures['tokens_per_sec']:,.0f} tokens/s, {figures['step_s'] * 1e3:.1f} ms a step"
     else:
         of_bare = f"{figures['of_bare']:.3f}" if figures["of_bare"] is not None else "?"

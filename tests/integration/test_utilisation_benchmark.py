@@ -57,6 +57,9 @@ def test_every_mode_runs_and_reports_every_figure(capsys: pytest.CaptureFixture)
     assert set(runs) == set(RUNS)
     bare = runs["bare"]
     assert bare["step_s"] > 0 and bare["tokens_per_sec"] > 0
+    # measured again after the service: each run's ratio against both ends
+    assert bare["after"]["tokens_per_sec"] > 0
+    assert bare["drift"] == pytest.approx(bare["after"]["tokens_per_sec"] / bare["tokens_per_sec"])
     for name in RUNS[1:]:
         run = runs[name]
         assert "error" not in run, (name, run)
@@ -64,6 +67,7 @@ def test_every_mode_runs_and_reports_every_figure(capsys: pytest.CaptureFixture)
         assert run["workers"] == int(name[-1]) and run["per"] == ("round" if local else "step"), name
         assert run["inner_steps"] == (2 if local else 1) and run["rounds_timed"] == (1 if local else 2), name
         assert run["tokens_per_sec"] > 0 and run["of_bare"] > 0, name
+        assert run["of_bare_after"] == pytest.approx(run["of_bare"] / bare["drift"]), name
         assert run["baseline"] == "1 x bare" and "share this machine's CPU" in run["baseline_reason"], name
         assert all(run[k] is not None and run[k] >= 0 for k in SECONDS), (name, run)
         assert run["worker_compute_s"] > 0 and run["coordinator_step_s"] > 0, name
