@@ -56,6 +56,10 @@ log = logging.getLogger("gradwire.coordinator")
 
 # The most calls one slot makes in a round, each with its own deadline: a push, the round, and one retry of each.
 CALLS_PER_SLOT = 4
+# Seconds a cut-off slot's cancelled call has to end (cancelled again meanwhile, in case it started just as the
+# cancel came); then the round gives up on it as failed, never waiting on a call its deadline did not end.
+CANCEL_WAIT = 10.0
+CANCEL_RETRY = 0.5
 
 
 @dataclasses.dataclass
@@ -270,7 +274,7 @@ class RoundDispatcher:
         cut = self._close(futures, slots, step, start, cut_off)
         closed_at = time.monotonic()
         closed = closed_at - start
-        outcomes = [f.result() for f in futures]  # the cut-off ones return at once, cancelled
+        outcomes = self._outcomes(futures, slots, cut, step)
         pushed.update(plan.landed)
         for o in outcomes:
             o.first_push_bytes = pushed[o.slot.index].bytes_down if o.slot.index in pushed else 0
@@ -330,6 +334,31 @@ class RoundDispatcher:
         if waiting:
             log.info("step %d: %s", step, why)
         return {by_future[f].index for f in waiting}
+
+    def _outcomes(
+        self, futures: list[Future[SlotOutcome]], slots: Sequence[WorkerSlot], cut: set[int], step: int
+    ) -> list[SlotOutcome]:
+        """Every slot's outcome once the round closed. A cut-off slot's call was cancelled and returns at once;
+        one that started just as the cancel came is cancelled again until it ends; one still running
+        ``CANCEL_WAIT`` seconds on (a call that neither its deadline nor its cancel ended: a link gRPC lost
+        track of) is given up on as failed, its thread left to it."""
+        pending = {f: slot for f, slot in zip(futures, slots) if slot.index in cut and not f.done()}
+        deadline = time.monotonic() + CANCEL_WAIT
+        while pending and (left := deadline - time.monotonic()) > 0:
+            done, _ = wait_for(pending, timeout=min(CANCEL_RETRY, left))
+            for f in done:
+                del pending[f]
+            for slot in pending.values():
+                slot.client.cancel()
+        out = []
+        for f, slot in zip(futures, slots):
+            if f in pending:
+                why = f"its call did not end {CANCEL_WAIT:g} s after it was cancelled"
+                log.warning("step %d: worker %d: %s", step, slot.index, why)
+                out.append(SlotOutcome(slot, None, error=why))
+            else:
+                out.append(f.result())
+        return out
 
     def _timed(
         self,

@@ -5,17 +5,23 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
+import time
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
+from gradwire.coordinator import round as round_module
 from gradwire.coordinator.client import WorkerClient
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.metrics import read_metrics
 from gradwire.coordinator.trainer import Trainer
+from gradwire.link import WorkerError
 from gradwire.transport import free_port
 from gradwire.worker.engine import WorkerEngine
+from gradwire.worker.inprocess import InProcessClient, in_process_clients
 
 from ..faults import faulty
 from .conftest import live_workers, train, worker_process
@@ -158,3 +164,41 @@ def test_a_state_push_in_flight_can_be_cancelled() -> None:
         # let it, before another test shares this process (building a model draws from torch's global
         # generator, which the next run's seed would meet).
         pushed.wait(30)
+
+
+class _LostCall(InProcessClient):
+    """A link whose round-2 call neither its deadline nor its cancel ends (gRPC lost track of it), until the
+    test releases it."""
+
+    release = threading.Event()
+
+    def run_round(self, order, timeout=None, on_piece=None):  # noqa: ANN001, ANN201 - the link's
+        if order.round == 2:
+            self.release.wait(60)
+            raise WorkerError(self.address, grpc.StatusCode.UNAVAILABLE, "the lost call ended at last")
+        return super().run_round(order, timeout, on_piece)
+
+
+def test_a_call_that_no_cancel_ends_is_given_up_on_and_the_run_goes_on(tmp_path: Path, monkeypatch) -> None:
+    """Worker 1's round-2 call never returns: the round closes after the grace, cancels it, waits
+    CANCEL_WAIT for it and gives up on it; the next rounds go on, worker 1 in them again."""
+    monkeypatch.setattr(round_module, "CANCEL_WAIT", 0.5)
+    config = TrainConfig(
+        model="gpt-tiny", steps=4, batch_size=2, sequence_length=32, output_dir=str(tmp_path), min_workers=1,
+        straggler_grace="0.3",
+    )  # fmt: skip
+    clients = in_process_clients(2)
+    clients[1] = _LostCall(clients[1].engine, clients[1].address)
+    try:
+        started = time.monotonic()
+        train_in_process = Trainer(config, clients, progress=False)
+        try:
+            train_in_process.run()
+        finally:
+            train_in_process.close()
+        assert time.monotonic() - started < 30
+    finally:
+        _LostCall.release.set()
+    records = {r["step"]: r for r in read_metrics(tmp_path)}
+    assert records[3]["successful_workers"] == 1 and records[3]["stragglers"] == 1
+    assert records[4]["successful_workers"] == 2  # back, by catch-up or a push
