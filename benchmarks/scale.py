@@ -54,7 +54,7 @@ from gradwire import protocol
 from gradwire.compression import CompressedGradient, Encoding, GradientCodec, ValueFormat
 from gradwire.compression.packing import pack12, pack_bits
 from gradwire.compression.plan import value_bits
-from gradwire.coordinator.config import TrainConfig
+from gradwire.coordinator.config import RELAYS, TrainConfig
 from gradwire.coordinator.trainer import Trainer
 from gradwire.link import Traffic
 from gradwire.memory import keep_freed_memory
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", default="gpt-10m")
     parser.add_argument("--workers", default="8,64,256", help="comma-separated worker counts")
     parser.add_argument("--downlinks", default="replay,compressed")
-    parser.add_argument("--relays", default="direct", help="direct and/or peers (--relay): comma-separated")
+    parser.add_argument("--relays", default="direct", help=f"{', '.join(RELAYS)} (--relay): comma-separated")
     parser.add_argument("--replay-max", type=int, default=64, help="run the replay downlink up to this many workers")
     parser.add_argument("--rounds", type=int, default=3, help="rounds measured per case, after the first")
     parser.add_argument("--seed", type=int, default=0)
@@ -256,8 +256,8 @@ def main(argv: list[str] | None = None) -> dict:
     relays = [r for r in args.relays.split(",") if r]
     if not counts or min(counts) < 1 or args.rounds < 1 or not set(downlinks) <= {"replay", "compressed"}:
         parser.error("--workers needs counts >= 1, --rounds >= 1, --downlinks replay and/or compressed")
-    if not relays or not set(relays) <= {"direct", "peers"}:
-        parser.error("--relays is direct and/or peers")
+    if not relays or not set(relays) <= set(RELAYS):
+        parser.error(f"--relays is a comma-separated subset of {','.join(RELAYS)}")
     cases: dict[str, dict] = {}
     for downlink, relay in ((d, r) for d in downlinks for r in relays):
         for n in counts:

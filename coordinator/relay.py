@@ -24,7 +24,7 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 
 from gradwire.compression import CompressedGradient
-from gradwire.coordinator.reach import Reach, Standing, dialable
+from gradwire.coordinator.reach import Reach, Standing, loopback
 from gradwire.relay import HELD_ROUNDS, PieceRef, digest_of, payload_bytes
 from gradwire.replica import StateUpdate
 from gradwire.tunnel import TUNNEL_PREFIX
@@ -130,10 +130,12 @@ class Relay:
                 serves = {r: not unservable(r, self._failed, round_) for r in receivers}
             else:  # a source every other receiver can dial, not down, not cut off itself
                 self._standing = standing = self.reach.standing(round_)
+                elsewhere = any(not loopback(r) for r in receivers)  # a loopback name is no use to those
                 serves = {
                     r: r not in standing.down
                     and r not in standing.cut_off
-                    and not any(dialable(x, r) for x in receivers if x != r)
+                    and not r.startswith(TUNNEL_PREFIX)
+                    and not (elsewhere and loopback(r))
                     for r in receivers
                 }
             self._tree = fanout_tree(receivers, self.fanout, serves) if self._aggregate is not None else {}

@@ -98,3 +98,14 @@ def test_under_auto_a_cut_off_receiver_gets_it_all_in_its_order_and_the_others_s
     peers.hold([Held(bytes([i]) * 32, 100, s) for i, s in enumerate([A, B, C])], version=0)
     peers.report(A, [peers.update_for(update, 2, A)], [B, C], 2, took=False)
     assert {ref.position for ref in peers.update_for(update, 3, B).relayed} == {0}
+
+
+def test_under_auto_the_aggregate_s_tree_leaves_out_a_loopback_name_where_others_are_elsewhere():
+    relay = Relay(enabled=True, fanout=1, learn=True)
+    relay.hold_aggregate(Held(b"a" * 32, 100, ""), version=0)
+    local = "127.0.0.1:1"
+    relay.plan_round([local, B, C], 1)
+    aggregate = _update(1)  # one payload: the compressed aggregate
+    assert relay.update_for(aggregate, 1, local) is aggregate  # sent by the coordinator, serves nobody
+    assert relay.update_for(aggregate, 1, B) is aggregate  # the seed
+    assert [ref.sources for ref in relay.update_for(aggregate, 1, C).relayed] == [(B,)]
