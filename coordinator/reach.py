@@ -59,12 +59,13 @@ def loopback(address: str) -> bool:
         return False
 
 
-def dialable(receiver: str, source: str) -> str:
-    """Why ``receiver`` cannot dial ``source`` by the address the coordinator knows it by ("" if it can). Pure."""
+def dialable(source: str, from_elsewhere: bool) -> str:
+    """Why a receiver cannot dial ``source`` by the address the coordinator knows it by ("" if it can);
+    ``from_elsewhere``: the receiver is known by an address that is not a loopback one. Pure."""
     if source.startswith(TUNNEL_PREFIX):
         return f"{source} is a tunnelled worker: nobody dials it"
-    if loopback(source) and not loopback(receiver):
-        return f"{source} is a loopback address, and {receiver} is on another machine"
+    if loopback(source) and from_elsewhere:
+        return f"{source} is a loopback address, of no use to a worker on another machine"
     return ""
 
 
@@ -119,7 +120,7 @@ class Reach:
     def usable(self, receiver: str, source: str, round_: int, standing: Standing) -> tuple[bool, str]:
         """Whether ``receiver`` may pull from ``source`` in ``round_`` (``standing``: that round's), and why
         not. Pure."""
-        if why := dialable(receiver, source):
+        if why := dialable(source, not loopback(receiver)):
             return False, why
         if why := standing.down.get(source, ""):
             return False, why

@@ -24,10 +24,9 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 
 from gradwire.compression import CompressedGradient
-from gradwire.coordinator.reach import Reach, Standing, loopback
+from gradwire.coordinator.reach import Reach, Standing, dialable, loopback
 from gradwire.relay import HELD_ROUNDS, PieceRef, digest_of, payload_bytes
 from gradwire.replica import StateUpdate
-from gradwire.tunnel import TUNNEL_PREFIX
 
 QUIET_ROUNDS = 10  # rounds a source that failed a pull is not named for any payload
 PEER_KEY_BYTES = 32
@@ -51,8 +50,8 @@ def held_piece(payload: CompressedGradient, sender: str) -> Held:
 
 def unservable(address: str, failed: Mapping[str, int], round_: int) -> str:
     """Why the worker at ``address`` cannot be named as a source this round ("" if it can). Pure."""
-    if address.startswith(TUNNEL_PREFIX):
-        return f"{address} is a tunnelled worker: nobody dials it"
+    if why := dialable(address, from_elsewhere=False):  # a tunnelled worker
+        return why
     last = failed.get(address)
     if last is not None and round_ - last < QUIET_ROUNDS:
         return f"a pull from {address} failed in round {last}"
@@ -128,14 +127,11 @@ class Relay:
         with self._lock:
             if self.reach is None:
                 serves = {r: not unservable(r, self._failed, round_) for r in receivers}
-            else:  # a source every other receiver can dial, not down, not cut off itself
+            else:  # a source every receiver can dial, not down, not cut off itself
                 self._standing = standing = self.reach.standing(round_)
-                elsewhere = any(not loopback(r) for r in receivers)  # a loopback name is no use to those
+                elsewhere = any(not loopback(r) for r in receivers)
                 serves = {
-                    r: r not in standing.down
-                    and r not in standing.cut_off
-                    and not r.startswith(TUNNEL_PREFIX)
-                    and not (elsewhere and loopback(r))
+                    r: r not in standing.down and r not in standing.cut_off and not dialable(r, elsewhere)
                     for r in receivers
                 }
             self._tree = fanout_tree(receivers, self.fanout, serves) if self._aggregate is not None else {}

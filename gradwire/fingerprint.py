@@ -104,8 +104,11 @@ class FingerprintPlan:
         for numel in self.numels:
             offsets.append(offsets[-1] + numel)
         # Each sample's place in the whole (tensors end to end) and in the statistics vector.
-        where = [offsets[i] + int(p) for i, pos in enumerate(positions) for p in pos.tolist()]
-        self.size = 2 * n + len(where)
+        # Each sample's place in the statistics vector (after the sums and sums of squares), by tensor.
+        samples: dict[int, list[tuple[int, int]]] = {}  # tensor: (place, position in the tensor)
+        for k, (i, p) in enumerate((i, int(p)) for i, pos in enumerate(positions) for p in pos.tolist()):
+            samples.setdefault(i, []).append((k, p))
+        self.size = 2 * n + sum(len(v) for v in samples.values())
         slabs = []
         for start in range(0, offsets[-1], slab):
             end = min(start + slab, offsets[-1])
@@ -118,7 +121,7 @@ class FingerprintPlan:
             # Each sample's place in the padded slab: its piece's start there, plus its place in the piece.
             taken, at = [], 0
             for (i, lo, hi), r in zip(pieces, rows):
-                taken += [(k, at + w - offsets[i] - lo) for k, w in enumerate(where) if lo <= w - offsets[i] < hi]
+                taken += [(k, at + p - lo) for k, p in samples.get(i, ()) if lo <= p < hi]
                 at += r * ROW
             taken.sort()
             slabs.append(

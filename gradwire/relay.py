@@ -92,18 +92,22 @@ class Held:
     def get(self, digest: bytes, wait: float = 0.0) -> bytes | None:
         """The piece with ``digest``; if not held yet, waiting up to ``wait`` seconds for it to arrive (a
         peer that asks for an update's payload before this worker's own order brought or pulled it)."""
+
+        def held() -> bool:
+            self._hash()
+            return digest in self._pieces
+
         with self._arrived:
-            self._arrived.wait_for(lambda: self._hash() or digest in self._pieces, timeout=wait)
+            self._arrived.wait_for(held, timeout=wait)
             piece = self._pieces.get(digest)
         return piece[1] if piece is not None else None
 
-    def _hash(self) -> bool:
-        """Serialize and hash the payloads held unhashed (under the lock); False: it is what the caller waits on."""
+    def _hash(self) -> None:
+        """Serialize and hash the payloads held unhashed (under the lock)."""
         for round_, payload in self._unhashed:
             data = payload_bytes(payload)
             self._pieces[digest_of(data)] = (round_, data)
         self._unhashed.clear()
-        return False
 
     def _arrived_at(self, round_: int) -> None:
         """Under the lock: drop what is older than the last ``rounds`` rounds, and wake the waiting pulls."""
