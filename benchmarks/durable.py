@@ -4,10 +4,11 @@
     python -m benchmarks.durable --model gpt-tiny --rounds 4 --replay-rounds 20 --json    # a smoke test
 
 Two measurements, one JSON object:
-  log     a real run (``--workers`` in-process workers, gradient mode and local-SGD rounds of H ``--inner-steps``)
-          with its update log: per round, the record's bytes on disk against the round's update (what its
-          workers replay: every sender's payload), and the seconds its append took, fsync included; then one
-          full checkpoint (every worker's state fetched, the model written): its seconds and bytes;
+  log     a real run (``--workers`` in-process workers, gradient mode and local-SGD rounds of H ``--inner-steps``;
+          and gossip rounds of H on a ring of ``--gossip-workers``) with its update log: per round, the
+          record's bytes on disk against the round's update (what its workers replay: every sender's payload;
+          a gossip round's: the messages it accepted), and the seconds its append took, fsync included; then
+          one full checkpoint (every worker's state fetched, the model written): its seconds and bytes;
   replay  ``--replay-rounds`` records of such updates in a log, then what a resume does with them: read the
           log back (CRC-checked, every update validated) and apply each update to a fresh replica.
 Rounds lost per kill are the fault test's business (tests/integration/test_update_log.py: 0 completed rounds).
@@ -38,8 +39,10 @@ from gradwire.replica import Replica
 from gradwire.worker.inprocess import in_process_clients
 
 
-def logged_run(args: argparse.Namespace, inner_steps: int, out: Path) -> dict[str, Any]:
-    """A short run with its log: each round's record against its update's bytes, and the append's time."""
+def logged_run(args: argparse.Namespace, inner_steps: int, out: Path, topology: str = "star") -> dict[str, Any]:
+    """A short run with its log: each round's record against its update's bytes (a gossip round's: the
+    messages it accepted, which its record must hold), and the append's time."""
+    gossip = topology != "star"
     config = TrainConfig(
         model=args.model,
         steps=args.rounds,
@@ -49,8 +52,9 @@ def logged_run(args: argparse.Namespace, inner_steps: int, out: Path) -> dict[st
         checkpoint_every=0,
         balance="off",
         output_dir=str(out),
+        topology=topology,
     )
-    trainer = Trainer(config, in_process_clients(args.workers), progress=False)
+    trainer = Trainer(config, in_process_clients(args.gossip_workers if gossip else args.workers), progress=False)
     appends: list[float] = []
     try:
         trainer.connect()
@@ -69,9 +73,13 @@ def logged_run(args: argparse.Namespace, inner_steps: int, out: Path) -> dict[st
         checkpoint_bytes = sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file())
     finally:
         trainer.close()
-    updates = [r.update.nbytes for r in records if r.update is not None]
+    if gossip:
+        updates = [sum(q.nbytes for q in r.gossip.accepted.values()) for r in records if r.gossip is not None]
+    else:
+        updates = [r.update.nbytes for r in records if r.update is not None]
     states = [len(r.coordinator_state) for r in records]
     return {
+        "topology": topology,
         "inner_steps": inner_steps,
         "rounds": len(records),
         "record_bytes": statistics.median(frames),
@@ -140,6 +148,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=4, help="rounds of each logged run")
     parser.add_argument("--inner-steps", type=int, default=30, help="H of the local-SGD run")
+    parser.add_argument("--gossip-workers", type=int, default=4, help="workers of the gossip run (a ring)")
     parser.add_argument("--replay-rounds", type=int, default=1000)
     parser.add_argument("--json", action="store_true", help="print one JSON object (the default prints it too)")
     args = parser.parse_args()
@@ -148,12 +157,13 @@ def main() -> None:
         root = Path(tmp)
         gradient = logged_run(args, 1, root / "gradient")
         local = logged_run(args, args.inner_steps, root / "local")
+        gossip = logged_run(args, args.inner_steps, root / "gossip", topology="ring")
         replay = replayed(args, kept_log(root / "gradient"), root)
     result = {
         "model": args.model,
         "workers": args.workers,
         "torch_threads": torch.get_num_threads(),
-        "log": {"gradient": gradient, "local_sgd": local},
+        "log": {"gradient": gradient, "local_sgd": local, "gossip_ring": gossip},
         "replay": replay,
     }
     print(json.dumps(result, indent=None if args.json else 2))

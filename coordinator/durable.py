@@ -15,7 +15,8 @@ itself; where the update is made from them (a compressed downlink's one re-compr
 not hold: the downlink's error feedback, the optimizer's moments. Each re-run must give the logged update
 bit for bit. The workers, if they kept their replicas (``decide_replay``), hold the version the last update
 moves from, or the next, and go on from it: their own error feedback and inner state carry on untouched.
-Gossip runs keep no log yet.
+A gossip run's records move no replica: they hold its messages and bookkeeping (``gossip_log``), and its
+resume takes the checkpoint's public copies on by them (``plan_gossip_replay``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ import torch
 
 from gradwire import protocol
 from gradwire.compression import robust
+from gradwire.coordinator import gossip_log
 from gradwire.coordinator.checkpoint import META, write_durably
+from gradwire.coordinator.gossip_log import GossipRecord
 from gradwire.coordinator.outer import OuterStrategy, ReplayOuter
 from gradwire.coordinator.updatelog import LOG_FILE, MAX_RECORD_BYTES, LogRecord, UpdateLog, read_log
 from gradwire.replica import StateUpdate
@@ -136,6 +139,22 @@ def plan_replay(
     return tuple(after), f"rounds {step}..{after[-1].round} replayed from the log"
 
 
+def plan_gossip_replay(records: Sequence[LogRecord], step: int) -> tuple[tuple[LogRecord, ...], str]:
+    """A gossip run's records that continue its checkpoint of ``step`` (none at step 0: the log from the
+    start): the round before it, which the checkpoint holds already but whose bookkeeping it continues
+    (``gossip_log.ANCHOR``), and every round after it, in order; none (and why not) where they would not."""
+    first = max(0, step - gossip_log.ANCHOR)
+    after = [r for r in records if r.round >= first]
+    if not after or after[0].round != first:
+        return (), f"the log does not hold round {first}, which the checkpoint of step {step} goes on from"
+    for r, previous in zip(after[1:], after, strict=False):
+        if r.round != previous.round + 1:
+            return (), f"the log has a gap between rounds {previous.round} and {r.round}"
+    if missing := [r.round for r in after if r.gossip is None]:
+        return (), f"rounds {missing} are not gossip rounds"
+    return tuple(after), f"gossip rounds {after[0].round}..{after[-1].round} replayed from the log"
+
+
 def decide_replay(logged: Mapping[str, int], held: Mapping[str, int | None]) -> tuple[bool, str]:
     """Whether a resume replays the update log, given the version each worker held after the last logged round
     (``logged``, by worker key) and the one each worker of the resumed run holds now (``held``; None: none of
@@ -184,8 +203,14 @@ def replay(outer: OuterStrategy, records: Sequence[LogRecord]) -> RoundState:
         assert outer.pending is not None
         if protocol.update_to_bytes(outer.pending) != protocol.update_to_bytes(record.update):
             raise ValueError(f"update log: round {record.round}'s outer step does not give its logged update")
+    return last_state(records)
+
+
+def last_state(records: Sequence[LogRecord]) -> RoundState:
+    """The coordinator's state after the last of ``records``, with the newest RNG state they hold (b"": the
+    checkpoint's)."""
     states = (RoundState.from_bytes(r.coordinator_state) for r in reversed(records))
-    rng = next((s.rng for s in states if s.rng), b"")  # the newest the log holds; b"": as the checkpoint left it
+    rng = next((s.rng for s in states if s.rng), b"")
     return dataclasses.replace(RoundState.from_bytes(records[-1].coordinator_state), rng=rng)
 
 
@@ -213,9 +238,17 @@ class RunLog:
         self.bytes_written += written
         return written
 
-    def compact(self, step: int) -> None:
-        """A full checkpoint at ``step`` holds every round before it."""
-        self.log.compact(step - 1)
+    def append_gossip(self, round_: int, version: int, state: RoundState, gossip: GossipRecord) -> int:
+        """A gossip round's record: it moves no replica (it stays at ``version``). Durable when this returns."""
+        record = LogRecord(round_, version, version, None, None, state.to_bytes(), gossip=gossip)
+        written = self.log.append(record)
+        self.bytes_written += written
+        return written
+
+    def compact(self, step: int, keep: int = 0) -> None:
+        """A full checkpoint at ``step`` holds every round before it; ``keep`` of those stay (a gossip run's
+        ``gossip_log.ANCHOR``)."""
+        self.log.compact(step - 1 - keep)
 
     def restart(self) -> None:
         """Forget every record: the run goes on from a checkpoint the log does not continue."""

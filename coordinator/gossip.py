@@ -239,13 +239,7 @@ class GossipRounds:
             tunnelled = frozenset(m for m in members if addresses[m].startswith(TUNNEL_PREFIX))
             self.routes = route(linked, tunnelled, self.failed_pulls, round_)
             self._pull_needed(linked, pull)
-        for m in members:
-            if m not in self.copies:
-                if all(j in self.at_start for j in self.copies.members):
-                    self.copies.add(m, self.start)
-                    self.at_start.add(m)
-                else:
-                    self.copies.add(m, self.copies.consensus())
+        self.admit(members)
         self.graph = linked
         plans = plan_links(self.graph, self._holding())
         relayed = self.routes.relayed
@@ -279,6 +273,17 @@ class GossipRounds:
                 upload=m in self.routes.upload,
             )
         return out
+
+    def admit(self, members: Sequence[str]) -> None:
+        """Give each of ``members`` new to the graph its public copy, in order: the run's start while every
+        copy is, else the consensus."""
+        for m in members:
+            if m not in self.copies:
+                if all(j in self.at_start for j in self.copies.members):
+                    self.copies.add(m, self.start)
+                    self.at_start.add(m)
+                else:
+                    self.copies.add(m, self.copies.consensus())
 
     def _holding(self) -> dict[str, frozenset[str]]:
         """The neighbours' copies each member holds in step, as ``plan_links`` takes them. Peer-to-peer, a copy
@@ -354,7 +359,7 @@ class GossipRounds:
                 refused[m] = "no answer this round: every copy goes to it whole next round"
                 continue
             held[m] = frozenset(self.graph.neighbours_of(m)) | {m}  # it took this round's links
-            q, why = _message(result.gradient, codec, self.start)
+            q, why = decode_message(result.gradient, codec, self.start)
             if q is None:
                 refused[m] = why
                 continue
@@ -494,10 +499,10 @@ def _uploaded(member: str, result: RoundResult, sent: GossipSent, codec: Gradien
     piece = message_piece_to_bytes(member, result.round, result.gradient)
     if len(piece) != sent.nbytes or hashlib.sha256(piece).digest() != sent.digest:
         return "the message it uploaded is not the one whose digest it reported"
-    return _message(result.gradient, codec, start)[1]
+    return decode_message(result.gradient, codec, start)[1]
 
 
-def _message(
+def decode_message(
     payload: CompressedGradient, codec: GradientCodec, start: Mapping[str, torch.Tensor]
 ) -> tuple[dict[str, torch.Tensor] | None, str]:
     """A gossip message decoded as every holder decodes it (and ""), or ``None`` and why it cannot be used."""

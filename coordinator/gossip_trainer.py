@@ -14,7 +14,9 @@ round (``train_step``):
 The model the run shows (evaluation, the status page, ``final/``) is the consensus: the mean of the public
 copies. There is no outer step, so the outer optimizer's settings are unused. A checkpoint keeps the public
 copies and each worker's own model and inner optimizer state; a resumed run sends every worker its copies
-whole and its own model with its push, and goes on as the straight run would.
+whole and its own model with its push, and goes on as the straight run would. Each round is logged too
+(``gossip_log``): a coordinator restarted after it takes the checkpoint's copies on by the logged rounds, and
+workers that kept their sessions go on without a push.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from gradwire.coordinator.gossip import (
     check_copy,
     route_changes,
 )
+from gradwire.coordinator.gossip_log import GossipLog
 from gradwire.coordinator.metrics import round_record
 from gradwire.coordinator.round import RoundPlan, SlotOutcome, WorkerSlot
 from gradwire.coordinator.trainer import Trainer
@@ -63,8 +66,9 @@ class GossipTrainer(Trainer):
         self.gossip = GossipRounds(cfg.topology, cfg.gossip_gamma, self.replica.params, cfg.peer_to_peer)
         self._shown: torch.nn.Module | None = None  # the consensus, loaded into a model of its own
         if self.checkpoints.restored_extra[0]:  # resumed: the public copies; each worker's own model goes back
-            # with its push
+            # with its push, unless the update log's rounds after the checkpoint bring the run on (``connect``)
             self.gossip.restore(*self.checkpoints.restored_extra)
+        self.durable.gossip = GossipLog(self.gossip)
 
     def train_step(self) -> dict | None:
         step, t0, lr = self.step, time.perf_counter(), self.config.inner_lrs(self.step)[0]
@@ -109,6 +113,8 @@ class GossipTrainer(Trainer):
             return None
         tokens = sum(o.result.tokens for o in kept if o.result is not None)
         self.position = RunPosition(step + 1, self.total_tokens + tokens)
+        state = self.durable.state(self.run_id, self.position, self.slots)
+        self.durable.commit(step, state, self.durable.gossip.record())  # logged after its metrics line
         record = round_record(
             self.step,
             round_,
@@ -229,10 +235,12 @@ class GossipTrainer(Trainer):
     def save_checkpoint(self) -> Path:
         """The centralized checkpoint (the start as the replica, the workers' inner optimizer state and own
         models) with the public copies."""
-        return self.checkpoints.save(self.position, self.slots, self._kept)
+        path = self.checkpoints.save(self.position, self.slots, self._kept)
+        self._compact(path)
+        return path
 
     def maybe_save_checkpoint(self) -> None:
-        self.checkpoints.maybe_save(self.position, self.slots, self._kept)
+        self._compact(self.checkpoints.maybe_save(self.position, self.slots, self._kept))
 
     def _kept(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
         self._refresh()

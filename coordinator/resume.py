@@ -14,7 +14,8 @@
 
 The trainer hands it the collaborators it reads and writes (the outer strategy, the checkpointer, the
 gatherer's norms); what a resume changes of the trainer itself (its position and run id) comes back as a
-``Resumed``. Gossip runs keep no log yet.
+``Resumed``. A gossip run's rounds are logged and replayed by its ``GossipLog``, which its trainer hands over
+(``gossip``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from gradwire.coordinator.durable import (
     RoundState,
     RunLog,
     decide_replay,
+    last_state,
     log_path,
+    plan_gossip_replay,
     plan_replay,
     read_records,
     replay,
@@ -39,6 +42,7 @@ from gradwire.coordinator.durable import (
     set_rng_state,
 )
 from gradwire.coordinator.gather import Gatherer
+from gradwire.coordinator.gossip_log import ANCHOR, GossipLog, GossipRecord
 from gradwire.coordinator.outer import OuterStrategy
 from gradwire.coordinator.round import WorkerSlot
 from gradwire.coordinator.rundir import resume_source
@@ -71,12 +75,13 @@ class Resumption:
         self.config, self.checkpoint_dir = config, checkpoint_dir
         self.outer, self.checkpoints, self.gather = outer, checkpoints, gather
         self.resuming = bool(config.resume_from)  # a path, or auto: the run here if there is one
-        # Each round's update, durable before it goes out (coordinator.durable); gossip runs keep none yet.
-        self.runlog = None if config.gossip else RunLog(checkpoint_dir)
+        # Each round's update, durable before it goes out (coordinator.durable).
+        self.runlog: RunLog | None = RunLog(checkpoint_dir)
+        self.gossip: GossipLog | None = None  # a gossip run's rounds (set by its trainer before ``settle``)
         self._logged: tuple[LogRecord, ...] = ()  # rounds after the checkpoint resumed from (``begin``)
         # The last round stepped, not yet logged: its round, state and (where its update was made from them) the
         # contributions it was made from.
-        self._committed: tuple[int, RoundState, StateUpdate | None] | None = None
+        self._committed: tuple[int, RoundState, StateUpdate | GossipRecord | None] | None = None
         self._logged_rng = b""  # the RNG state as the last record (or the checkpoint) left it
 
     def begin(self, slots: Sequence[WorkerSlot]) -> RunPosition:
@@ -101,7 +106,10 @@ class Resumption:
             return
         outer = self.outer
         records = read_records(log_path(resume_root(resume_from)), self.runlog.max_record_bytes)
-        self._logged, why = plan_replay(records, step, outer.base_version, outer.pending is not None, outer)
+        if self.config.gossip:
+            self._logged, why = plan_gossip_replay(records, step)
+        else:
+            self._logged, why = plan_replay(records, step, outer.base_version, outer.pending is not None, outer)
         if records and not self._logged:
             log.warning("resuming from the checkpoint of step %d alone: %s", step, why)
         if not self._logged:
@@ -125,7 +133,13 @@ class Resumption:
             log.warning("resuming from the checkpoint of step %d, not the update log: %s", step, why)
             self.runlog.restart()
             return self._adopt_kept(slots, step)
-        state = replay(self.outer, logged)  # with the newest RNG the log holds
+        if self.config.gossip:
+            assert self.gossip is not None, "a gossip run's trainer hands its GossipLog over before settle"
+            gossip = [r.gossip for r in logged if r.gossip is not None]
+            self.gossip.replay(gossip, self.outer.codec, anchored=logged[0].round < step)
+            state = last_state(logged)
+        else:
+            state = replay(self.outer, logged)  # with the newest RNG the log holds
         restored = self.checkpoints.restore_position(state.meta, slots)
         self.gather.norms.clear()
         self.gather.norms.extend(state.norms)
@@ -178,8 +192,9 @@ class Resumption:
             {worker_key(slot): slot.version for slot in slots if slot.version is not None},
         )
 
-    def commit(self, round_: int, state: RoundState, contributions: StateUpdate | None) -> None:
-        """The round just stepped, to be logged once its metrics line is written (``log``)."""
+    def commit(self, round_: int, state: RoundState, contributions: StateUpdate | GossipRecord | None) -> None:
+        """The round just stepped, to be logged once its metrics line is written (``log``): with the
+        contributions its update was made from, or a gossip round's record."""
         self._committed = (round_, state, contributions)
 
     def log(self) -> None:
@@ -188,12 +203,15 @@ class Resumption:
         committed, self._committed = self._committed, None
         if committed is not None and self.runlog is not None:
             round_, state, contributions = committed
-            self.runlog.append(round_, self.outer, state, contributions)
+            if isinstance(contributions, GossipRecord):
+                self.runlog.append_gossip(round_, self.outer.base_version, state, contributions)
+            else:
+                self.runlog.append(round_, self.outer, state, contributions)
 
     def compact(self, checkpoint: Path | None, step: int) -> None:
         """After a full checkpoint at ``step``: the log keeps only the rounds it does not hold."""
         if checkpoint is not None and self.runlog is not None:
-            self.runlog.compact(step)
+            self.runlog.compact(step, keep=ANCHOR if self.config.gossip else 0)
 
     def close(self) -> None:
         if self.runlog is not None:

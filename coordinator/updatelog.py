@@ -3,7 +3,9 @@
 Every replica advances only by replaying the rounds' updates, bit for bit, so the updates after a full
 checkpoint are the run since it. The coordinator appends a round's record (proto ``gradwire.v1.LogRecord``:
 round, versions, the update, the resulting fingerprint, its own state as opaque bytes) before the update goes
-out to any worker; a restart loads the newest checkpoint and replays the records after it.
+out to any worker; a restart loads the newest checkpoint and replays the records after it. A gossip round's
+record moves no replica: it holds the round's messages and the coordinator's gossip bookkeeping instead
+(``gossip_log``).
 
 On disk, one file::
 
@@ -34,7 +36,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 from gradwire import protocol
+from gradwire.coordinator import gossip_log
 from gradwire.coordinator.checkpoint import fsync_dir
+from gradwire.coordinator.gossip_log import GossipRecord
 from gradwire.replica import Fingerprint, StateUpdate
 from gradwire.v1 import log_pb2
 
@@ -67,6 +71,7 @@ class LogRecord:
     fingerprint: Fingerprint | None = None  # the replica's at to_version; None where not known at append time
     coordinator_state: bytes = b""  # the coordinator's own, opaque here
     contributions: StateUpdate | None = None  # the senders' payloads, where ``update`` is made from them
+    gossip: GossipRecord | None = None  # a gossip round's messages and bookkeeping (``gossip_log``)
 
     def __post_init__(self) -> None:
         if self.round < 0 or self.from_version < 0:
@@ -91,6 +96,8 @@ def record_to_bytes(r: LogRecord) -> bytes:
         msg.fingerprint.CopyFrom(protocol.fingerprint_to_proto(r.fingerprint))
     if r.contributions is not None:
         msg.contributions.CopyFrom(protocol.update_to_proto(r.contributions))
+    if r.gossip is not None:
+        msg.gossip.CopyFrom(gossip_log.record_to_proto(r.gossip))
     return msg.SerializeToString()
 
 
@@ -105,6 +112,7 @@ def record_from_bytes(data: bytes) -> LogRecord:
         fingerprint=protocol.fingerprint_from_proto(msg.fingerprint) if msg.HasField("fingerprint") else None,
         coordinator_state=msg.coordinator_state,
         contributions=protocol.update_from_proto(msg.contributions) if msg.HasField("contributions") else None,
+        gossip=gossip_log.record_from_proto(msg.gossip) if msg.HasField("gossip") else None,
     )
 
 
@@ -234,7 +242,7 @@ class UpdateLog:
         self.path = Path(path)
         self.max_record_bytes = max_record_bytes
         if not self.path.exists():
-            self.path.touch()
+            self.path.touch(mode=0o600)  # a gossip run's records hold its peer key
             fsync_dir(self.path.parent)
         reader = read_log(self.path, max_record_bytes=max_record_bytes)
         for _ in reader:

@@ -35,14 +35,20 @@ answers are tampered with after it computed them honestly, the way a compromised
                     and it reports their digests honestly (and uploads them when told to).
 
 Use it through ``faulty(action, ...)``, an engine factory for ``tests.integration.conftest.live_workers``.
+
+``supervise`` is the coordinator's fault: a supervisor loop that SIGKILLs a coordinator process at random
+points and starts the same command again, as systemd or a Deployment would.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import random
+import subprocess
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -90,6 +96,7 @@ class FaultyEngine(WorkerEngine):
         self.plan = plan
         self.injected: list[int] = []
         self.pushes = 0  # state pushes received so far
+        self.last_order: WorkOrder | None = None
 
     def push_parts(
         self, parts: Iterator[pb.Part], max_bytes: int, limit_reason: str = "", owner: bytes = b""
@@ -107,6 +114,7 @@ class FaultyEngine(WorkerEngine):
         owner: bytes = b"",
         emit: Emit | None = None,
     ) -> RoundResult:
+        self.last_order = order  # as it came, for a test to send again
         if self.plan.action == "drop" and self.plan.applies(order.round):
             self.injected.append(order.round)
             raise Cancelled(f"round {order.round} dropped (fault injection)")
@@ -220,3 +228,33 @@ def faulty(action: str, *, factor: float = 1000.0, rounds: Collection[int] | Non
     """An engine factory: a CPU worker that misbehaves as told."""
     plan = FaultPlan(action, factor, rounds)
     return lambda: FaultyEngine(plan)
+
+
+def supervise(
+    command: Sequence[str], out: Path, kills: int, rng: random.Random, rounds_apart: int, env: Mapping[str, str]
+) -> list[str]:
+    """A supervisor loop around a coordinator: run ``command`` (which trains into ``out``) again each time it
+    is SIGKILLed, ``kills`` times, each kill at a random point (after up to ``rounds_apart`` new metrics lines,
+    then up to 0.25 s more: inside a round, an append or a checkpoint); then let it finish, which it must with
+    exit code 0. Returns what each killed process wrote to stderr."""
+    metrics, logs, starts = out / "metrics.jsonl", [], 0
+    while True:
+        starts += 1
+        assert starts <= kills + 2, "the supervisor loop did not finish"
+        before = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        if len(logs) < kills:
+            deadline = time.monotonic() + 120
+            while proc.poll() is None and not (
+                metrics.is_file() and len(metrics.read_text().splitlines()) > before + rng.randrange(rounds_apart)
+            ):
+                assert time.monotonic() < deadline, "the run never got going"
+                time.sleep(0.02)
+            time.sleep(rng.uniform(0.0, 0.25))
+            if proc.poll() is None:
+                proc.kill()
+                logs.append(proc.communicate(timeout=60)[1])
+                continue
+        _, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-3000:]
+        return logs

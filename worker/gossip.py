@@ -53,6 +53,7 @@ class GossipState:
     node: GossipNode
     pending: dict[str, torch.Tensor] | None = None  # the decoded message sent last, not yet in ``node.own``
     links_round: int = -1  # the round whose links it took last
+    links_digest: bytes = b""  # and those links (``worker.rounds.links_digest``)
     sent_round: int = -1  # the round ``pending`` was sent in
     peer_key: bytes = b""  # peer-to-peer: what whoever pulls from it must present (the last order's)
     outbox: dict[int, bytes] = dataclasses.field(default_factory=dict)  # peer-to-peer: its last messages, as pulled

@@ -6,7 +6,9 @@ beyond the neighbours' pulls (``worker.peers``), which rank 0 makes and hands to
   compute   the order's inner steps on the worker's own model
   send      the message C(x - x^); peer-to-peer, kept for the neighbours to pull
 
-The replica does not move: it stays the run's starting state.
+The replica does not move: it stays the run's starting state. Once its links are taken a round runs to its
+end, even if its call is cancelled, and its result is kept (``Done``): a coordinator restarted from its
+update log asks for the round in flight again and gets that result, not a second round on moved state.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from gradwire.worker import gossip
 from gradwire.worker.compute import inner_steps
 from gradwire.worker.node import NodeGroup
 from gradwire.worker.peers import Peers
-from gradwire.worker.rounds import Marks, NodeErrors, Rounds, timings
+from gradwire.worker.rounds import Done, Marks, NodeErrors, Rounds, links_digest, timings
 from gradwire.worker.session import Session
 
 _PULLED, _UNREACHABLE = b"L", b"U"  # what rank 0 of a node hands its ranks after a peer-to-peer pull
@@ -45,6 +47,15 @@ def run(
         )
     links, replica, node = order.gossip, session.replica, rounds.node
     assert links is not None
+    if (again := rounds.again(session, order)) is not None:  # a restarted coordinator asks for it again
+        return again
+    digest = links_digest(order)
+    taken = session.gossip
+    if taken is not None and (taken.links_round, taken.links_digest) == (order.round, digest):
+        raise ProtocolError(
+            f"gossip: round {order.round}'s links were taken here already and the round did not finish: "
+            "taking them twice would add its messages twice"
+        )
     codec = replica.codec(order.codec)
     working = session.own_model()
     model = dict(zip(replica.params, working.parameters()))
@@ -62,20 +73,26 @@ def run(
         if e.member not in order.gossip.pulls:
             raise
         return RoundResult(UNREACHABLE, order.round, str(e), version=replica.version, unreachable_peers=(e.member,))
+    session.gossip.links_digest = digest
+    # From here the round runs to its end, cancelled or not: the copies and the worker's own model have moved,
+    # and only the whole round leaves them where a coordinator can name them (by the round, whose result a
+    # restarted coordinator gets again).
     gossip.mix(session.gossip, links, model)
     t_compute = time.perf_counter()
     tokens = rounds.tokens(order.batch)
-    trained = inner_steps(session, working, order, tokens, cancelled, session.placement)
+    trained = inner_steps(session, working, order, tokens, _never, session.placement)
     t_encode = time.perf_counter()
     payload, residual = gossip.send(session.gossip, model, codec)
     if node is not None and not node.info.leader:  # rank 0 answers for the node
-        return RoundResult(OK, order.round, "", None, trained.loss, 0, replica.version)
+        result = RoundResult(OK, order.round, "", None, trained.loss, 0, replica.version)
+        session.last_done = Done(dataclasses.replace(order, gossip=None), replica.version, result, digest)
+        return result
     sent = None
     if links.peer_key:  # kept for the neighbours to pull; the coordinator gets its digest and sketches
         sent = gossip.keep_for_peers(session.gossip, order.round, payload, replica.params)
         payload = payload if links.upload else None  # uploaded for neighbours that cannot pull from it
     marks = Marks(t0, t_compute, t_encode, t_encode, time.perf_counter())
-    return RoundResult(
+    result = RoundResult(
         OK,
         order.round,
         "",
@@ -89,6 +106,12 @@ def run(
         gossip_residual=residual,
         gossip_sent=sent,
     )
+    session.last_done = Done(dataclasses.replace(order, gossip=None), replica.version, result, digest)
+    return result
+
+
+def _never() -> bool:
+    return False
 
 
 def pull_neighbours(

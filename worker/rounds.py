@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import time
 from collections import Counter
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from gradwire import protocol
 from gradwire.compression import (
     CompressedGradient,
     DecodedGradient,
@@ -325,14 +327,24 @@ class Rounds:
         return tokens
 
 
+def links_digest(order: WorkOrder) -> bytes:
+    """A gossip order's links, as a digest (b"": not a gossip order): two orders with the same links ask the
+    same of the worker's public copies."""
+    if order.gossip is None:
+        return b""
+    return hashlib.sha256(protocol.gossip_to_proto(order.gossip).SerializeToString(deterministic=True)).digest()
+
+
 @dataclasses.dataclass(frozen=True)
 class Done:
     """The last round a worker computed for a run: its order, the replica version it held after it (a delayed
-    round's: after its own update), its result."""
+    round's: after its own update), its result, and a gossip round's links (``links_digest``; the order is kept
+    without them, which may carry whole public copies)."""
 
     order: WorkOrder
     version: int
     result: RoundResult
+    links: bytes = b""
 
     def serves(self, order: WorkOrder, version: int) -> tuple[bool, str]:
         """Whether ``order``, with the replica at ``version``, asks for this very computation again; and why
@@ -342,8 +354,10 @@ class Done:
             return False, f"round {made.round} was computed, the order is round {order.round}"
         if version != self.version:
             return False, f"left the replica at version {self.version}, the order finds it at {version}"
-        if order.compute_before_update != made.compute_before_update or order.gossip is not None:
-            return False, "the order is a gossip round, or delays its update where the one computed did not"
+        if order.compute_before_update != made.compute_before_update:
+            return False, "the order delays its update where the one computed did not, or the other way round"
+        if links_digest(order) != self.links:
+            return False, "the order's gossip links are not those the round took"
         if (why := lookahead.other_work(order, made)) is not None:
             return False, why
         if (order.codec, order.feedback_beta, order.fingerprint_gradient) != (

@@ -16,7 +16,7 @@ def test_the_benchmark_reports_the_logs_bytes_appends_and_replay(monkeypatch, ca
     monkeypatch.setattr(sys, "argv", argv)
     durable.main()
     result = json.loads(capsys.readouterr().out)
-    for mode in ("gradient", "local_sgd"):
+    for mode in ("gradient", "local_sgd", "gossip_ring"):
         run = result["log"][mode]
         assert run["rounds"] == 2 and run["append_s"] > 0
         assert run["update_bytes"] < run["record_bytes"] <= 2 * run["update_bytes"]  # the target: at most 2x

@@ -10,7 +10,6 @@ import os
 import random
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from gradwire.coordinator.trainer import Trainer
 from gradwire.worker.engine import WorkerEngine
 from gradwire.worker.inprocess import InProcessClient
 
-from ..faults import FaultPlan, FaultyEngine
+from ..faults import FaultPlan, FaultyEngine, supervise
 from .conftest import live_workers
 
 STEPS = 7
@@ -264,29 +263,8 @@ def test_a_supervised_coordinator_killed_again_and_again_trains_every_round_once
     with live_workers(3, _engines_factory()) as workers:
         out = tmp_path / "run"
         argv = [*COORDINATOR, *SUPERVISED, "--workers", ",".join(w.address for w in workers), "--output-dir", str(out)]
-        metrics, kills, starts, logs = out / "metrics.jsonl", 0, 0, []
-        while True:
-            starts += 1
-            assert starts <= KILLS + 2, "the supervisor loop did not finish"
-            before = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
-            proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
-            if kills < KILLS:
-                deadline = time.monotonic() + 120
-                while proc.poll() is None and not (
-                    metrics.is_file() and len(metrics.read_text().splitlines()) > before + rng.randrange(24)
-                ):
-                    assert time.monotonic() < deadline, "the run never got going"
-                    time.sleep(0.02)
-                time.sleep(rng.uniform(0.0, 0.25))  # anywhere in the next round, append or checkpoint
-                if proc.poll() is None:
-                    proc.kill()
-                    logs.append(proc.communicate(timeout=60)[1])
-                    kills += 1
-                    continue
-            _, stderr = proc.communicate(timeout=300)
-            assert proc.returncode == 0, stderr[-3000:]
-            break
-        assert kills == KILLS
+        logs = supervise(argv, out, KILLS, rng, rounds_apart=24, env=ENV)
+        assert len(logs) == KILLS
         assert [w.engine.pushes for w in workers] == [1, 1, 1], "\n".join(x[-2000:] for x in logs)
     assert _losses(out) == _losses(straight)
     final, reference = (load_file(run / "final" / "model.safetensors") for run in (out, straight))
