@@ -36,6 +36,7 @@ from gradwire.compression.payload import (
     ValueFormat,
 )
 from gradwire.compression.plan import (
+    FACTOR_FORMATS,
     ChunkGroup,
     ModelPlan,
     TensorPlan,
@@ -322,13 +323,14 @@ class GradientCodec:
                 batch = members[first : first + step]
                 views = [values.view(rows, cols) for _, values in batch]
                 m = torch.stack(views) if len(views) > 1 else views[0][None]  # (B, rows, cols) float32
-                factors = lowrank.quantize(*self._factor(m, [t.name for t, _ in batch], rank, feedback))
+                a, b = self._factor(m, [t.name for t, _ in batch], rank, feedback)
+                factors = lowrank.quantize(a, b, self.config.factor_bits)
                 if feedback is not None:  # what stays behind: all the receiver will not decode
                     sent = factors.decode(m.device)  # (B, rows, cols)
                     for (_, values), s in zip(batch, sent):
                         values.sub_(s.view(-1))
                 for (t, _), f in zip(batch, factors.cpu().unbind()):  # one read a field for the batch
-                    codes, scales = f.to_bytes()
+                    codes, scales = f.to_bytes(self.config.factor_bits)
                     out[t.name] = CompressedTensor(
                         t.name, t.shape, t.encoding, t.value_format, (), t.k, b"", codes, lut=scales
                     )
@@ -440,11 +442,18 @@ class GradientCodec:
         want_lut = lut_nbytes(fmt, self.config, t.k)
         if len(ct.lut) != want_lut:
             fail("lut", f"expected {want_lut} bytes, got {len(ct.lut)}")
-        if fmt == ValueFormat.INT8:
+        if fmt in FACTOR_FORMATS:
             if ct.shift != 0 or ct.scale != 0:
                 fail("shift" if ct.shift != 0 else "scale", "must be 0 for factors (their scales are in lut)")
-            if (np.frombuffer(ct.values, np.int8) == -lowrank.CODE_LIMIT - 1).any():
-                fail("values", f"factor codes must be in [-{lowrank.CODE_LIMIT}, {lowrank.CODE_LIMIT}], got -128")
+            limit = lowrank.code_limit(self.config.factor_bits)
+            if fmt == ValueFormat.INT8:
+                low = (np.frombuffer(ct.values, np.int8) == -limit - 1).any()
+            else:
+                if pad_bits(ct.values, 4, n):
+                    fail("values", f"the unused high bits of the last byte ({n} codes of 4 bits) must be zero")
+                low = (lowrank.unpack_int4(ct.values, n) == -limit - 1).any()
+            if low:
+                fail("values", f"factor codes must be in [-{limit}, {limit}], got {-limit - 1}")
             scales = np.frombuffer(ct.lut, "<f4")
             if not _finite_within(scales, VALUE_LIMIT) or (scales < 0).any():
                 fail("lut", f"factor scales must be finite and in [0, {VALUE_LIMIT:g}]")
@@ -531,7 +540,8 @@ class GradientCodec:
     def _factors(t: TensorPlan, ct: CompressedTensor) -> lowrank.Factors:
         """A factored tensor's codes and scales (checked by ``_check_tensor``)."""
         rows, cols = matrix_view(t.shape)
-        return lowrank.Factors.from_bytes(ct.values, ct.lut, rows, cols, t.k)
+        bits = 8 if t.value_format == ValueFormat.INT8 else 4
+        return lowrank.Factors.from_bytes(ct.values, ct.lut, rows, cols, t.k, bits)
 
     def _decode_values(self, t: TensorPlan, ct: CompressedTensor) -> torch.Tensor:
         """A tensor sent whole, its values flat."""

@@ -59,6 +59,8 @@ class CodecConfig:
             (``plan.fitted_rank``; at most ``rank`` if that is > 0), vectors dense as with a rank; a matrix
             whose top-k bytes buy no rank-one term, or all of its rank, keeps the top-k. The same bytes as
             the top-k at any model width, where a fixed rank's grow with the matrices' sides instead.
+        factor_bits: bits of a factor's codes, 8 (int8) or 4 (int4, two a byte): a rank fitted to a top-k's
+            bytes is about twice as large in int4.
     """
 
     chunk: int = 64
@@ -71,6 +73,7 @@ class CodecConfig:
     indices: IndexCoding = "packed12"
     rank: int = 0
     rank_fits_topk: bool = False
+    factor_bits: int = 8
 
     def __post_init__(self) -> None:
         if not 1 <= self.chunk or self.chunk * self.chunk > MAX_CHUNK_NUMEL:
@@ -87,6 +90,8 @@ class CodecConfig:
             raise ValueError(f"indices must be one of {', '.join(map(repr, INDEX_CODINGS))}, got {self.indices!r}")
         if not 0 <= self.rank <= MAX_RANK:
             raise ValueError(f"rank must be in [0, {MAX_RANK}] (0: no low-rank factors), got {self.rank}")
+        if self.factor_bits not in (8, 4):
+            raise ValueError(f"factor_bits must be 8 or 4, got {self.factor_bits}")
         if self.min_sparse_numel < 0:
             raise ValueError(f"min_sparse_numel must be >= 0, got {self.min_sparse_numel}")
 

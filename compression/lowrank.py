@@ -1,10 +1,11 @@
-"""Low-rank factors of a matrix: the rank-k approximation ``A @ B`` in int8 codes with float32 scales.
+"""Low-rank factors of a matrix: the rank-k approximation ``A @ B`` in int8 or int4 codes with float32 scales.
 
 A pseudo-gradient after tens of inner steps is close to low-rank: each matrix's best rank 4 holds about 90%
 of its energy where DCT top-k of the same bytes holds 61-78% (gpt-5m after 30 AdamW steps). So a matrix
 can travel as its truncated SVD, ``A = U_k sqrt(S_k)`` and ``B = sqrt(S_k) V_k^T``, each factor rounded to
-int8 with one float32 scale per rank-one term (A's columns, B's rows). Large matrices take a randomized
-SVD instead (``factorize``): the receiver cannot tell, it decodes whatever factors arrive.
+int8 (or int4: codes in [-7, 7], two a byte) with one float32 scale per rank-one term (A's columns, B's
+rows). Large matrices take a randomized SVD instead (``factorize``): the receiver cannot tell, it decodes
+whatever factors arrive.
 
 A sender with error feedback need not factor from scratch every round: its buffer's top subspace moves
 little between rounds. ``refine`` carries each matrix's right subspace (``carried_width`` directions) from
@@ -29,6 +30,30 @@ import numpy as np
 import torch
 
 CODE_LIMIT = 127  # codes are symmetric: -128 is never sent
+INT4_LIMIT = 7  # int4 codes: [-7, 7], each stored as code + 8 in a nibble (0, which would be -8, is never sent)
+
+
+def code_limit(bits: int) -> int:
+    """The largest code magnitude of ``bits``-bit factor codes (8 or 4)."""
+    if bits not in (8, 4):
+        raise ValueError(f"factor codes are 8 or 4 bits, got {bits}")
+    return CODE_LIMIT if bits == 8 else INT4_LIMIT
+
+
+def pack_int4(codes: np.ndarray) -> bytes:
+    """Codes in [-7, 7] two a byte, the first in the low nibble; an odd count leaves the last high nibble 0."""
+    nibbles = (codes.astype(np.int16) + 8).astype(np.uint8)
+    if len(nibbles) % 2:
+        nibbles = np.append(nibbles, np.uint8(0))
+    return (nibbles[0::2] | (nibbles[1::2] << 4)).astype(np.uint8).tobytes()
+
+
+def unpack_int4(data: bytes, n: int) -> np.ndarray:
+    """The inverse of ``pack_int4``: ``n`` codes, int8 (a nibble of 0 gives -8, which the codec refuses)."""
+    raw = np.frombuffer(data, np.uint8)
+    out = np.empty(2 * len(raw), np.int8)
+    out[0::2], out[1::2] = (raw & 0x0F).astype(np.int8), (raw >> 4).astype(np.int8)
+    return out[:n] - 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,17 +75,20 @@ class Factors:
         """A batch's factors, one ``Factors`` per matrix."""
         return [Factors(*fields) for fields in zip(self.a, self.a_scale, self.b, self.b_scale)]
 
-    def to_bytes(self) -> tuple[bytes, bytes]:
-        """(values, lut): the codes, A's then B's, row-major; the scales, A's then B's, float32."""
+    def to_bytes(self, bits: int = 8) -> tuple[bytes, bytes]:
+        """(values, lut): the codes, A's then B's, row-major, a byte each (``bits`` 8) or two a byte (4,
+        ``pack_int4``); the scales, A's then B's, float32."""
         codes = np.concatenate([self.a.cpu().numpy().reshape(-1), self.b.cpu().numpy().reshape(-1)])
         scales = np.concatenate([self.a_scale.cpu().numpy(), self.b_scale.cpu().numpy()]).astype("<f4")
-        return codes.astype(np.int8).tobytes(), scales.tobytes()
+        values = codes.astype(np.int8).tobytes() if bits == 8 else pack_int4(codes)
+        return values, scales.tobytes()
 
     @classmethod
-    def from_bytes(cls, values: bytes, lut: bytes, rows: int, cols: int, rank: int) -> Factors:
+    def from_bytes(cls, values: bytes, lut: bytes, rows: int, cols: int, rank: int, bits: int = 8) -> Factors:
         """The inverse of ``to_bytes``, for fields the codec has checked (``GradientCodec.decode``: lengths,
-        codes in [-127, 127], scales finite and >= 0)."""
-        codes = np.frombuffer(values, np.int8)
+        codes within ``code_limit(bits)``, scales finite and >= 0)."""
+        n = (rows + cols) * rank
+        codes = np.frombuffer(values, np.int8) if bits == 8 else unpack_int4(values, n)
         a = torch.from_numpy(codes[: rows * rank].reshape(rows, rank).copy())
         b = torch.from_numpy(codes[rows * rank :].reshape(rank, cols).copy())
         scales = torch.from_numpy(np.frombuffer(lut, "<f4").astype(np.float32))
@@ -170,15 +198,16 @@ def refine(m: torch.Tensor, q: torch.Tensor, rank: int) -> tuple[torch.Tensor, t
     return a, b, vh.mT.contiguous()
 
 
-def quantize(a: torch.Tensor, b: torch.Tensor) -> Factors:
-    """``a`` (rows, k) and ``b`` (k, cols) rounded to int8 codes, one scale per rank-one term: the largest
-    magnitude of A's column (B's row) maps to 127. A term that is all zeros gets scale 0 and codes 0. A batch
-    (B, rows, k) and (B, k, cols) gives a batch of factors."""
-    a_scale = a.abs().amax(dim=-2) / CODE_LIMIT
-    b_scale = b.abs().amax(dim=-1) / CODE_LIMIT
+def quantize(a: torch.Tensor, b: torch.Tensor, bits: int = 8) -> Factors:
+    """``a`` (rows, k) and ``b`` (k, cols) rounded to ``bits``-bit codes (int8 tensors either way), one scale
+    per rank-one term: the largest magnitude of A's column (B's row) maps to 127 (int4: 7). A term that is all
+    zeros gets scale 0 and codes 0. A batch (B, rows, k) and (B, k, cols) gives a batch of factors."""
+    limit = code_limit(bits)
+    a_scale = a.abs().amax(dim=-2) / limit
+    b_scale = b.abs().amax(dim=-1) / limit
     tiny = torch.finfo(torch.float32).tiny
-    a_codes = (a / a_scale.clamp_min(tiny)[..., None, :]).round().clamp(-CODE_LIMIT, CODE_LIMIT)
-    b_codes = (b / b_scale.clamp_min(tiny)[..., :, None]).round().clamp(-CODE_LIMIT, CODE_LIMIT)
+    a_codes = (a / a_scale.clamp_min(tiny)[..., None, :]).round().clamp(-limit, limit)
+    b_codes = (b / b_scale.clamp_min(tiny)[..., :, None]).round().clamp(-limit, limit)
     return Factors(a_codes.to(torch.int8), a_scale.float(), b_codes.to(torch.int8), b_scale.float())
 
 

@@ -45,6 +45,7 @@ class ValueFormat(enum.IntEnum):
     LUT = 2  # ceil(log2(bins))-bit bin ids, decoded through a per-tensor table
     SIGN = 3  # one sign bit per value, +-scale
     INT8 = 4  # LOW_RANK factors: one signed byte per entry, a float32 scale per factor in ``lut``
+    INT4 = 5  # LOW_RANK factors: two codes in [-7, 7] a byte (``lowrank.pack_int4``), scales as INT8's
 
 
 # The tensor name a PayloadError carries when the problem is about the payload as a whole.

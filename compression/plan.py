@@ -20,6 +20,7 @@ LUT_ENTRY_BYTES = 2  # float16
 QUANT_HEADER_BYTES = 8  # float32 shift + float32 scale
 SIGN_HEADER_BYTES = 4  # float32 scale
 FACTOR_SCALE_BYTES = 4  # float32, one per column of A and row of B
+FACTOR_FORMATS = (ValueFormat.INT8, ValueFormat.INT4)  # how a LOW_RANK tensor's codes travel
 _HEADER_BYTES = {ValueFormat.LUT: QUANT_HEADER_BYTES, ValueFormat.SIGN: SIGN_HEADER_BYTES}
 
 
@@ -49,7 +50,7 @@ def value_bits(value_format: ValueFormat, config: CodecConfig) -> int:
     """Bits per value on the wire: the packed code width, 1 for signs, 8 for factor codes, 32 raw."""
     if value_format == ValueFormat.LUT:
         return code_bits(config.bins)
-    return {ValueFormat.SIGN: 1, ValueFormat.INT8: 8}.get(value_format, 32)
+    return {ValueFormat.SIGN: 1, ValueFormat.INT8: 8, ValueFormat.INT4: 4}.get(value_format, 32)
 
 
 def values_nbytes(value_format: ValueFormat, num_values: int, config: CodecConfig) -> int:
@@ -59,8 +60,8 @@ def values_nbytes(value_format: ValueFormat, num_values: int, config: CodecConfi
 
 def lut_nbytes(value_format: ValueFormat, config: CodecConfig, rank: int = 0) -> int:
     """Exact length of a tensor's ``lut`` field: ``bins`` float16 entries for LUT, a float32 scale per factor
-    (two per rank-one term) for INT8, else nothing."""
-    if value_format == ValueFormat.INT8:
+    (two per rank-one term) for INT8 and INT4, else nothing."""
+    if value_format in FACTOR_FORMATS:
         return 2 * FACTOR_SCALE_BYTES * rank
     return config.bins * LUT_ENTRY_BYTES if value_format == ValueFormat.LUT else 0
 
@@ -139,16 +140,31 @@ def plan_tensor(name: str, shape: Sequence[int], config: CodecConfig) -> TensorP
     top_k = _top_k_plan(name, shape, config)
     rank = fitted_rank(top_k, config) if config.rank_fits_topk else config.rank
     if 0 < rank < min(rows, cols):
-        return TensorPlan(name, shape, Encoding.LOW_RANK, ValueFormat.INT8, (), rank)
+        return TensorPlan(name, shape, Encoding.LOW_RANK, factor_format(config), (), rank)
     return top_k
 
 
+def factor_format(config: CodecConfig) -> ValueFormat:
+    """How a factored matrix's codes travel under ``config``."""
+    return ValueFormat.INT8 if config.factor_bits == 8 else ValueFormat.INT4
+
+
+def factors_nbytes(side: int, rank: int, config: CodecConfig) -> int:
+    """Bytes of rank-``rank`` factors of a matrix whose rows and columns add up to ``side``: codes and scales."""
+    fmt = factor_format(config)
+    return values_nbytes(fmt, side * rank, config) + lut_nbytes(fmt, config, rank)
+
+
 def fitted_rank(t: TensorPlan, config: CodecConfig) -> int:
-    """The largest rank whose factors (int8 codes and two float32 scales a term) cost at most the bytes of
-    ``t``, a matrix's top-k plan; at most ``config.rank`` if that is > 0; 0 if not even one term fits."""
+    """The largest rank whose factors (``config.factor_bits`` codes and two float32 scales a term) cost at
+    most the bytes of ``t``, a matrix's top-k plan; at most ``config.rank`` if that is > 0; 0 if not even one
+    term fits."""
     budget = indices_nbytes(t, config) + values_nbytes(t.value_format, t.num_values, config)
     budget += lut_nbytes(t.value_format, config) + _HEADER_BYTES.get(t.value_format, 0)
-    rank = budget // (sum(matrix_view(t.shape)) + 2 * FACTOR_SCALE_BYTES)
+    side = sum(matrix_view(t.shape))
+    rank = budget * 8 // (side * config.factor_bits + 16 * FACTOR_SCALE_BYTES)  # then down past any rounding
+    while rank > 0 and factors_nbytes(side, rank, config) > budget:
+        rank -= 1
     return min(rank, config.rank) if config.rank > 0 else rank
 
 

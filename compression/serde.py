@@ -70,6 +70,7 @@ def settings_to_proto(config: CodecConfig) -> codec_pb2.CodecSettings:
         indices=int(IndexCoding[config.indices.upper().replace("-", "_")]),
         rank=config.rank,
         rank_fits_topk=config.rank_fits_topk,
+        factor_bits=config.factor_bits,
     )
 
 
@@ -88,6 +89,7 @@ def settings_from_proto(msg: codec_pb2.CodecSettings) -> CodecConfig:
             indices=indices.name.lower().replace("_", "-"),  # type: ignore[arg-type]  # one of INDEX_CODINGS
             rank=msg.rank,
             rank_fits_topk=msg.rank_fits_topk,
+            factor_bits=msg.factor_bits or 8,  # 0: a sender from before int4 factors
         )
     except ValueError as e:  # CodecConfig.__post_init__ names the offending setting
         raise PayloadError(GRADIENT, "settings", str(e)) from None

@@ -53,6 +53,8 @@ DENSE_CODEC = CodecConfig(min_sparse_numel=2**62, bins=0)
 
 # --rank's word for "each matrix at the rank that fits its top-k's bytes" (CodecConfig.rank_fits_topk).
 FIT = "fit"
+# The top-k whose bytes fitted factors fill, as a fraction of the mode's top-k (mode_defaults).
+FIT_DENSITY = 0.62
 
 # The settings ``mode_defaults`` fills when their flag is not given.
 AUTO_FIELDS = (
@@ -66,6 +68,7 @@ AUTO_FIELDS = (
     "inner_momentum",
     "index_coding",
     "rank",
+    "factor_bits",
 )
 
 # Settings whose flag also takes ``auto`` but that are filled later, by the check of the mode they belong to.
@@ -130,6 +133,7 @@ def mode_defaults(
     gossip: bool = False,
     index_coding: str | None = None,
     top_k_given: bool = False,
+    rank: str | int | None = None,
 ) -> dict[str, object]:
     """The defaults of the mode-dependent settings, with the outer optimizer already chosen or not.
 
@@ -163,6 +167,11 @@ def mode_defaults(
     (docs/benchmarks.md); a fixed rank 8 did as well at 300 steps and worse at 600. Unless a top-k
     setting is given (``top_k_given``: ``--topk``, ``--target-chunk``, ``--no-dct``, ``--index-coding``),
     which asks for the DCT top-k. Gossip rounds (model differences) and gradient mode keep the top-k.
+    Fitted factors travel in int4 codes (``factor_bits`` 4) and fit the bytes of a smaller top-k, ``FIT_DENSITY``
+    of the mode's (at H 30 top-56 of 4096, 82 with Elias-Fano): ranks 6-11 at gpt-5m, about 1.3x int8's at
+    0.64x the bytes, 5,100x fewer bytes per trained token than dense instead of 3,250x. In benchmarks.quality
+    (gpt-5m, H 30, 300 steps, seeds 0 and 1) that ended no worse than int8 factors at top-143's bytes
+    (docs/benchmarks.md).
     Gossip rounds with DeMuon inside send twice the coefficients (top-2048 of 4096, 1.75x the bytes): an
     orthogonalized step moves every direction of a matrix alike, so a round's change is harder to compress
     (top-1024 of a gpt-5m worker's 30 steps leaves 30% of its energy behind, against 23% under AdamW), and
@@ -172,6 +181,7 @@ def mode_defaults(
     (docs/benchmarks.md).
     """
     local = inner_steps > 1
+    fitted = rank == FIT or (rank is None and local and not gossip and not no_compression and not top_k_given)
     if index_coding is None:
         index_coding = "elias-fano" if gossip or local else "packed12"
     if outer_optimizer is None:
@@ -184,6 +194,8 @@ def mode_defaults(
     density = min(max(90, 3 * inner_steps), 4096) / 4096 if local else 32 / 4096
     if gossip:
         density = 512 / 4096
+    if fitted and not top_k_given:  # the top-k only sets the bytes the factors fit
+        density *= FIT_DENSITY
     bins = 16 if gossip else 4 if local else 256
     topk = max(1, round(density * chunk * chunk))
     if index_coding == "elias-fano":
@@ -200,7 +212,8 @@ def mode_defaults(
         "topk": topk,
         "inner_momentum": {"muon": 0.95, "demuon": 0.8}.get(inner_optimizer, 0.0),
         "index_coding": index_coding,
-        "rank": FIT if local and not gossip and not no_compression and not top_k_given else 0,
+        "rank": FIT if fitted else 0,
+        "factor_bits": 4 if fitted else 8,
     }
 
 
@@ -431,15 +444,21 @@ class TrainConfig:
     )
     rank: str | int | None = setting(
         None,
-        help="send every matrix as int8 factors A @ B of its error-feedback buffer (found by one power iteration "
+        help="send every matrix as factors A @ B of its error-feedback buffer (found by one power iteration "
         "a round from the subspace of the round before; a truncated SVD the first round) and every vector "
         "dense, instead of DCT top-k: R > 0 at "
         "rank R (matrices whose smaller side exceeds R); fit at the rank whose bytes fit the matrix's top-k's "
-        "(gpt-5m: 4-9); "
+        "(gpt-5m at H 30: 6-11, the top-k's bytes then 0.62x the mode's); "
         "0: top-k for every tensor (auto: fit in centralized local-SGD rounds unless --topk, --target-chunk, "
         "--no-dct or --index-coding is given; 0 in gradient mode and gossip rounds)",
         section=CODEC,
         metavar="R|fit",
+    )
+    factor_bits: int | None = setting(
+        None,
+        help="bits of a factor's codes under --rank: 8 (int8) or 4 (int4, two a byte; a rank fitted to the "
+        "same bytes is about twice int8's) (auto: 4 with --rank fit, else 8)",
+        section=CODEC,
     )
     no_compression: bool = setting(False, help="send exact dense float32 gradients (a baseline)", section=CODEC)
     feedback_beta: float | None = setting(
@@ -690,6 +709,7 @@ class TrainConfig:
             index_coding=self.index_coding,
             top_k_given=any(v is not None for v in (self.topk, self.target_chunk, self.index_coding))
             or not self.use_dct,
+            rank=self.rank,
         )
         for name in AUTO_FIELDS:
             if getattr(self, name) is None:
@@ -872,10 +892,11 @@ class TrainConfig:
                 indices=self.index_coding,
                 rank=0 if self.rank == FIT else self.rank,
                 rank_fits_topk=self.rank == FIT,
+                factor_bits=self.factor_bits,
             )
         except ValueError as e:
             raise ValueError(
-                f"codec flags (--topk, --target-chunk, --bins, --values, --index-coding, --rank): {e}"
+                f"codec flags (--topk, --target-chunk, --bins, --values, --index-coding, --rank, --factor-bits): {e}"
             ) from None
 
     def downlink_codec_config(self) -> CodecConfig:

@@ -24,25 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17gradwire/v1/codec.proto\x12\x0bgradwire.v1\"\xf6\x01\n\rCodecSettings\x12\r\n\x05\x63hunk\x18\x01 \x01(\r\x12\x0c\n\x04topk\x18\x02 \x01(\r\x12\x0f\n\x07use_dct\x18\x03 \x01(\x08\x12\x0c\n\x04\x62ins\x18\x04 \x01(\r\x12\x14\n\x0crange_sigmas\x18\x05 \x01(\x01\x12\x18\n\x10min_sparse_numel\x18\x06 \x01(\x04\x12(\n\x06values\x18\x07 \x01(\x0e\x32\x18.gradwire.v1.ValueCoding\x12)\n\x07indices\x18\x08 \x01(\x0e\x32\x18.gradwire.v1.IndexCoding\x12\x0c\n\x04rank\x18\t \x01(\r\x12\x16\n\x0erank_fits_topk\x18\n \x01(\x08\"\xf4\x01\n\x10\x43ompressedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\'\n\x08\x65ncoding\x18\x03 \x01(\x0e\x32\x15.gradwire.v1.Encoding\x12.\n\x0cvalue_format\x18\x04 \x01(\x0e\x32\x18.gradwire.v1.ValueFormat\x12\x13\n\x0b\x63hunk_shape\x18\x05 \x03(\r\x12\t\n\x01k\x18\x06 \x01(\r\x12\x0f\n\x07indices\x18\x07 \x01(\x0c\x12\x0e\n\x06values\x18\x08 \x01(\x0c\x12\r\n\x05shift\x18\t \x01(\x02\x12\r\n\x05scale\x18\n \x01(\x02\x12\x0b\n\x03lut\x18\x0b \x01(\x0c\"\x8a\x01\n\x12\x43ompressedGradient\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12,\n\x08settings\x18\x02 \x01(\x0b\x32\x1a.gradwire.v1.CodecSettings\x12.\n\x07tensors\x18\x03 \x03(\x0b\x32\x1d.gradwire.v1.CompressedTensor*d\n\x08\x45ncoding\x12\x18\n\x14\x45NCODING_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x45NCODING_SPARSE\x10\x01\x12\x12\n\x0e\x45NCODING_DENSE\x10\x02\x12\x15\n\x11\x45NCODING_LOW_RANK\x10\x03*\x89\x01\n\x0bValueFormat\x12\x1c\n\x18VALUE_FORMAT_UNSPECIFIED\x10\x00\x12\x18\n\x14VALUE_FORMAT_FLOAT32\x10\x01\x12\x14\n\x10VALUE_FORMAT_LUT\x10\x02\x12\x15\n\x11VALUE_FORMAT_SIGN\x10\x03\x12\x15\n\x11VALUE_FORMAT_INT8\x10\x04*X\n\x0bValueCoding\x12\x1c\n\x18VALUE_CODING_UNSPECIFIED\x10\x00\x12\x14\n\x10VALUE_CODING_LUT\x10\x01\x12\x15\n\x11VALUE_CODING_SIGN\x10\x02*c\n\x0bIndexCoding\x12\x1c\n\x18INDEX_CODING_UNSPECIFIED\x10\x00\x12\x19\n\x15INDEX_CODING_PACKED12\x10\x01\x12\x1b\n\x17INDEX_CODING_ELIAS_FANO\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17gradwire/v1/codec.proto\x12\x0bgradwire.v1\"\x8b\x02\n\rCodecSettings\x12\r\n\x05\x63hunk\x18\x01 \x01(\r\x12\x0c\n\x04topk\x18\x02 \x01(\r\x12\x0f\n\x07use_dct\x18\x03 \x01(\x08\x12\x0c\n\x04\x62ins\x18\x04 \x01(\r\x12\x14\n\x0crange_sigmas\x18\x05 \x01(\x01\x12\x18\n\x10min_sparse_numel\x18\x06 \x01(\x04\x12(\n\x06values\x18\x07 \x01(\x0e\x32\x18.gradwire.v1.ValueCoding\x12)\n\x07indices\x18\x08 \x01(\x0e\x32\x18.gradwire.v1.IndexCoding\x12\x0c\n\x04rank\x18\t \x01(\r\x12\x16\n\x0erank_fits_topk\x18\n \x01(\x08\x12\x13\n\x0b\x66\x61\x63tor_bits\x18\x0b \x01(\r\"\xf4\x01\n\x10\x43ompressedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\'\n\x08\x65ncoding\x18\x03 \x01(\x0e\x32\x15.gradwire.v1.Encoding\x12.\n\x0cvalue_format\x18\x04 \x01(\x0e\x32\x18.gradwire.v1.ValueFormat\x12\x13\n\x0b\x63hunk_shape\x18\x05 \x03(\r\x12\t\n\x01k\x18\x06 \x01(\r\x12\x0f\n\x07indices\x18\x07 \x01(\x0c\x12\x0e\n\x06values\x18\x08 \x01(\x0c\x12\r\n\x05shift\x18\t \x01(\x02\x12\r\n\x05scale\x18\n \x01(\x02\x12\x0b\n\x03lut\x18\x0b \x01(\x0c\"\x8a\x01\n\x12\x43ompressedGradient\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12,\n\x08settings\x18\x02 \x01(\x0b\x32\x1a.gradwire.v1.CodecSettings\x12.\n\x07tensors\x18\x03 \x03(\x0b\x32\x1d.gradwire.v1.CompressedTensor*d\n\x08\x45ncoding\x12\x18\n\x14\x45NCODING_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x45NCODING_SPARSE\x10\x01\x12\x12\n\x0e\x45NCODING_DENSE\x10\x02\x12\x15\n\x11\x45NCODING_LOW_RANK\x10\x03*\xa0\x01\n\x0bValueFormat\x12\x1c\n\x18VALUE_FORMAT_UNSPECIFIED\x10\x00\x12\x18\n\x14VALUE_FORMAT_FLOAT32\x10\x01\x12\x14\n\x10VALUE_FORMAT_LUT\x10\x02\x12\x15\n\x11VALUE_FORMAT_SIGN\x10\x03\x12\x15\n\x11VALUE_FORMAT_INT8\x10\x04\x12\x15\n\x11VALUE_FORMAT_INT4\x10\x05*X\n\x0bValueCoding\x12\x1c\n\x18VALUE_CODING_UNSPECIFIED\x10\x00\x12\x14\n\x10VALUE_CODING_LUT\x10\x01\x12\x15\n\x11VALUE_CODING_SIGN\x10\x02*c\n\x0bIndexCoding\x12\x1c\n\x18INDEX_CODING_UNSPECIFIED\x10\x00\x12\x19\n\x15INDEX_CODING_PACKED12\x10\x01\x12\x1b\n\x17INDEX_CODING_ELIAS_FANO\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gradwire.v1.codec_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ENCODING']._serialized_start=677
-  _globals['_ENCODING']._serialized_end=777
-  _globals['_VALUEFORMAT']._serialized_start=780
-  _globals['_VALUEFORMAT']._serialized_end=917
-  _globals['_VALUECODING']._serialized_start=919
-  _globals['_VALUECODING']._serialized_end=1007
-  _globals['_INDEXCODING']._serialized_start=1009
-  _globals['_INDEXCODING']._serialized_end=1108
+  _globals['_ENCODING']._serialized_start=698
+  _globals['_ENCODING']._serialized_end=798
+  _globals['_VALUEFORMAT']._serialized_start=801
+  _globals['_VALUEFORMAT']._serialized_end=961
+  _globals['_VALUECODING']._serialized_start=963
+  _globals['_VALUECODING']._serialized_end=1051
+  _globals['_INDEXCODING']._serialized_start=1053
+  _globals['_INDEXCODING']._serialized_end=1152
   _globals['_CODECSETTINGS']._serialized_start=41
-  _globals['_CODECSETTINGS']._serialized_end=287
-  _globals['_COMPRESSEDTENSOR']._serialized_start=290
-  _globals['_COMPRESSEDTENSOR']._serialized_end=534
-  _globals['_COMPRESSEDGRADIENT']._serialized_start=537
-  _globals['_COMPRESSEDGRADIENT']._serialized_end=675
+  _globals['_CODECSETTINGS']._serialized_end=308
+  _globals['_COMPRESSEDTENSOR']._serialized_start=311
+  _globals['_COMPRESSEDTENSOR']._serialized_end=555
+  _globals['_COMPRESSEDGRADIENT']._serialized_start=558
+  _globals['_COMPRESSEDGRADIENT']._serialized_end=696
 # @@protoc_insertion_point(module_scope)

@@ -21,6 +21,7 @@ class ValueFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     VALUE_FORMAT_LUT: _ClassVar[ValueFormat]
     VALUE_FORMAT_SIGN: _ClassVar[ValueFormat]
     VALUE_FORMAT_INT8: _ClassVar[ValueFormat]
+    VALUE_FORMAT_INT4: _ClassVar[ValueFormat]
 
 class ValueCoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -42,6 +43,7 @@ VALUE_FORMAT_FLOAT32: ValueFormat
 VALUE_FORMAT_LUT: ValueFormat
 VALUE_FORMAT_SIGN: ValueFormat
 VALUE_FORMAT_INT8: ValueFormat
+VALUE_FORMAT_INT4: ValueFormat
 VALUE_CODING_UNSPECIFIED: ValueCoding
 VALUE_CODING_LUT: ValueCoding
 VALUE_CODING_SIGN: ValueCoding
@@ -50,7 +52,7 @@ INDEX_CODING_PACKED12: IndexCoding
 INDEX_CODING_ELIAS_FANO: IndexCoding
 
 class CodecSettings(_message.Message):
-    __slots__ = ("chunk", "topk", "use_dct", "bins", "range_sigmas", "min_sparse_numel", "values", "indices", "rank", "rank_fits_topk")
+    __slots__ = ("chunk", "topk", "use_dct", "bins", "range_sigmas", "min_sparse_numel", "values", "indices", "rank", "rank_fits_topk", "factor_bits")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
     USE_DCT_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +63,7 @@ class CodecSettings(_message.Message):
     INDICES_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     RANK_FITS_TOPK_FIELD_NUMBER: _ClassVar[int]
+    FACTOR_BITS_FIELD_NUMBER: _ClassVar[int]
     chunk: int
     topk: int
     use_dct: bool
@@ -71,7 +74,8 @@ class CodecSettings(_message.Message):
     indices: IndexCoding
     rank: int
     rank_fits_topk: bool
-    def __init__(self, chunk: _Optional[int] = ..., topk: _Optional[int] = ..., use_dct: _Optional[bool] = ..., bins: _Optional[int] = ..., range_sigmas: _Optional[float] = ..., min_sparse_numel: _Optional[int] = ..., values: _Optional[_Union[ValueCoding, str]] = ..., indices: _Optional[_Union[IndexCoding, str]] = ..., rank: _Optional[int] = ..., rank_fits_topk: _Optional[bool] = ...) -> None: ...
+    factor_bits: int
+    def __init__(self, chunk: _Optional[int] = ..., topk: _Optional[int] = ..., use_dct: _Optional[bool] = ..., bins: _Optional[int] = ..., range_sigmas: _Optional[float] = ..., min_sparse_numel: _Optional[int] = ..., values: _Optional[_Union[ValueCoding, str]] = ..., indices: _Optional[_Union[IndexCoding, str]] = ..., rank: _Optional[int] = ..., rank_fits_topk: _Optional[bool] = ..., factor_bits: _Optional[int] = ...) -> None: ...
 
 class CompressedTensor(_message.Message):
     __slots__ = ("name", "shape", "encoding", "value_format", "chunk_shape", "k", "indices", "values", "shift", "scale", "lut")

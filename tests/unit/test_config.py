@@ -32,7 +32,9 @@ def test_local_sgd_defaults_follow_sparseloco_and_diloco() -> None:
     assert compressed.local_sgd and compressed.outer_optimizer == "sgd"
     assert {k: getattr(compressed, k) for k in defaults} == defaults
     assert compressed.bins == 4 and compressed.feedback_beta == 0.95 and compressed.codec_config().bins == 4
-    assert (compressed.topk, TrainConfig().topk, TrainConfig(inner_steps=30, topk=16).topk) == (143, 32, 16)
+    assert (compressed.topk, TrainConfig().topk, TrainConfig(inner_steps=30, topk=16).topk) == (82, 32, 16)
+    # The 82 is the bytes fitted int4 factors fill, 0.62x the mode's top-k: with --rank 0 the top-k travels.
+    assert (compressed.rank, compressed.factor_bits, TrainConfig(inner_steps=30, rank=0).topk) == ("fit", 4, 143)
     # Past H 30 the top-k grows with H: the same uplink bytes per trained token (12-bit indices' counts).
     twelve = [TrainConfig(inner_steps=h, index_coding="packed12").topk for h in (2, 15, 30, 60, 120, 2000)]
     assert twelve == [90, 90, 90, 180, 360, 4096]
@@ -49,7 +51,7 @@ def test_local_sgd_defaults_follow_sparseloco_and_diloco() -> None:
 def test_the_chunk_follows_the_mode_and_topk_keeps_the_density_at_any_chunk() -> None:
     gradient, local = TrainConfig(), TrainConfig(inner_steps=30)
     assert (gradient.target_chunk, gradient.topk, gradient.codec_config().density) == (64, 32, 32 / 4096)
-    assert (local.target_chunk, local.topk, local.index_coding) == (64, 143, "elias-fano")
+    assert (local.target_chunk, local.topk, local.index_coding) == (64, 82, "elias-fano")
     # A chunk given alone keeps the mode's density (DeMo's 32 of 64x64 in gradient mode) ...
     assert [TrainConfig(target_chunk=c).topk for c in (64, 32, 16, 8)] == [32, 8, 2, 1]
     assert [TrainConfig(inner_steps=30, target_chunk=c, index_coding="packed12").topk for c in (64, 32)] == [90, 22]
@@ -67,7 +69,7 @@ def test_elias_fano_indices_keep_as_many_coefficients_as_fit_the_bytes_of_the_mo
     # The default in rounds of inner steps, local-SGD or gossip; gradient mode aggregates every step and
     # keeps the 12-bit indices a coordinator decodes faster.
     local = TrainConfig(inner_steps=30)
-    assert local.index_coding == local.codec_config().indices == "elias-fano" and local.codec_config().topk == 143
+    assert local.index_coding == local.codec_config().indices == "elias-fano" and local.codec_config().topk == 82
     assert (TrainConfig().index_coding, TrainConfig().codec_config().indices) == ("packed12", "packed12")
     assert TrainConfig(inner_steps=30, index_coding="packed12").topk == 90
 
@@ -259,7 +261,7 @@ def test_centralized_local_sgd_rounds_send_factors_unless_a_top_k_is_asked_for()
     # Each matrix at the rank that fits its top-k's bytes, whatever H (the top-k grows with H past 30).
     assert [TrainConfig(inner_steps=h).rank for h in (2, 30, 120)] == ["fit"] * 3
     codec = TrainConfig(inner_steps=30).codec_config()
-    assert (codec.rank, codec.rank_fits_topk, codec.topk) == (0, True, 143)
+    assert (codec.rank, codec.rank_fits_topk, codec.topk, codec.factor_bits) == (0, True, 82, 4)
     # Gradient mode, gossip rounds and uncompressed rounds keep the top-k (or send it all).
     assert [TrainConfig().rank, TrainConfig(inner_steps=30, topology="ring").rank] == [0, 0]
     assert TrainConfig(inner_steps=30, no_compression=True).rank == 0
@@ -276,7 +278,7 @@ def test_rank_reaches_the_codec_and_the_downlink_takes_four_times_it() -> None:
     config = TrainConfig(inner_steps=30, rank=7)
     assert (config.codec_config().rank, config.downlink_codec_config().rank) == (7, 28)
     fit = TrainConfig(inner_steps=30).downlink_codec_config()  # fits the downlink's 4x top-k
-    assert (fit.rank, fit.rank_fits_topk, fit.topk) == (0, True, 572)
+    assert (fit.rank, fit.rank_fits_topk, fit.topk, fit.factor_bits) == (0, True, 328, 4)
     assert TrainConfig().codec_config().rank == 0 and TrainConfig().downlink_codec_config().rank == 0
     with pytest.raises(ValueError, match="--rank"):
         TrainConfig(rank=-1)
@@ -288,3 +290,5 @@ def test_rank_reaches_the_codec_and_the_downlink_takes_four_times_it() -> None:
     assert config.codec_config().rank_fits_topk
     config, _ = load_train(["train", "--local", "1", "--rank", "fit"])
     assert config.rank == "fit" and config.codec_config().rank_fits_topk
+    config, _ = load_train(["train", "--local", "1", "--inner-steps", "30", "--factor-bits", "8"])
+    assert config.codec_config().factor_bits == 8
