@@ -184,10 +184,19 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser(
         "report",
         help="draw the charts of a run from its metrics.jsonl",
-        description="Draw loss, loss-vs-bytes and step-time charts (PNG) of a run from OUTPUT_DIR/metrics.jsonl.",
+        description="Draw loss, loss-vs-bytes and step-time charts (PNG) of a run from OUTPUT_DIR/metrics.jsonl. "
+        "Given several runs, also compare.png: each run's last held-out loss against its uplink bytes per trained "
+        "token, and a line per run on standard output.",
     )
-    report.add_argument("output_dir", metavar="OUTPUT_DIR", help="the --output-dir of a coordinator train run")
-    report.add_argument("--report-dir", metavar="DIR", help="where the PNG files go (default: OUTPUT_DIR)")
+    report.add_argument(
+        "output_dir", metavar="OUTPUT_DIR", nargs="+", help="the --output-dir of a coordinator train run (or several)"
+    )
+    report.add_argument(
+        "--report-dir",
+        metavar="DIR",
+        help="where the PNG files go (default: OUTPUT_DIR); with several runs each run's charts stay in its own "
+        "OUTPUT_DIR and compare.png goes here (default: the first OUTPUT_DIR)",
+    )
     return parser
 
 
@@ -285,16 +294,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
 
-def report(output_dir: str, report_dir: str | None = None) -> int:
-    """``coordinator report OUTPUT_DIR``: write the run's charts and print their paths."""
-    if not Path(output_dir).is_dir():
-        print(
-            f"coordinator report: error: {output_dir} is not a directory (give the --output-dir of a train run)",
-            file=sys.stderr,
-        )
-        return 2
+def report(output_dirs: str | Sequence[str], report_dir: str | None = None) -> int:
+    """``coordinator report OUTPUT_DIR [OUTPUT_DIR ...]``: write each run's charts and print their paths; for
+    several runs, their comparison too, with a line per run."""
+    dirs = [output_dirs] if isinstance(output_dirs, str) else list(output_dirs)
+    for output_dir in dirs:
+        if not Path(output_dir).is_dir():
+            print(
+                f"coordinator report: error: {output_dir} is not a directory (give the --output-dir of a train run)",
+                file=sys.stderr,
+            )
+            return 2
     try:
-        from gradwire.coordinator.report import write_report  # matplotlib loads only for this command
+        from gradwire.coordinator.report import write_comparison, write_report  # matplotlib loads only here
     except ModuleNotFoundError as e:
         if e.name != "gradwire.coordinator.report":
             raise
@@ -304,12 +316,20 @@ def report(output_dir: str, report_dir: str | None = None) -> int:
         )
         return 1
     try:
-        paths = write_report(output_dir, report_dir)
+        paths = [p for d in dirs for p in write_report(d, report_dir if len(dirs) == 1 else None)]
+        if len(dirs) > 1:
+            compared, runs = write_comparison(dirs, report_dir or dirs[0])
+            paths.append(compared)
     except (FileNotFoundError, ValueError) as e:
         print(f"coordinator report: error: {e}", file=sys.stderr)
         return 2
     for path in paths:
         print(path)
+    if len(dirs) > 1:
+        for run in runs:
+            what = "held-out" if run.held_out else "training"
+            sent = f"{run.bytes_up_per_token:.2f} B up a token"
+            print(f"{run.name}: {what} loss {run.loss:.4f} at step {run.steps}, {sent}")
     return 0
 
 

@@ -6,12 +6,18 @@
     step_time.png       where each step's time went: worker compute, the rest of the dispatch (network,
                         serialization, update replay), and the coordinator's aggregation
 
+and, given several runs (``coordinator report RUN RUN ...``), what settles which way of syncing to use:
+
+    compare.png         each run's last held-out loss (its training loss where it measured none) against its
+                        uplink bytes per trained token, on a log axis, a point per run named by its directory
+
 Figures are drawn on matplotlib's Agg canvas through ``Figure`` directly, not pyplot: no display is
 needed, and no global pyplot state is touched (safe inside a long-running process or a test).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,13 +30,78 @@ from matplotlib.ticker import FuncFormatter
 
 from gradwire.coordinator.metrics import METRICS_FILE, read_metrics
 
-__all__ = ["REPORT_FILES", "write_report"]
+__all__ = ["COMPARE_FILE", "REPORT_FILES", "RunSummary", "summarize", "write_comparison", "write_report"]
 
 REPORT_FILES = ("loss.png", "loss_vs_bytes.png", "step_time.png")
+COMPARE_FILE = "compare.png"
 
 _SIZE = (8.0, 4.8)  # inches; at 120 dpi a 960x576 image
 _DPI = 120
 _COLORS = {"loss": "#1f77b4", "eval": "#d62728", "compute": "#2ca02c", "dispatch": "#ff7f0e", "aggregate": "#9467bd"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSummary:
+    """Where a run ended: its name, its last held-out loss (``held_out`` False: its last training loss, where
+    it measured none), and the uplink bytes it sent per token it trained (all workers' over all tokens)."""
+
+    name: str
+    loss: float
+    held_out: bool
+    bytes_up_per_token: float
+    steps: int
+
+
+def summarize(output_dir: Path | str) -> RunSummary:
+    """A run's ``RunSummary`` from its metrics (the errors of ``write_report`` where there are none)."""
+    records = _records(Path(output_dir))
+    eval_loss, loss = _column(records, "eval_loss"), _column(records, "loss")
+    held_out = bool(np.isfinite(eval_loss).any())
+    tokens = records[-1].get("total_tokens") or 0
+    if tokens <= 0:
+        raise ValueError(f"{output_dir}: its metrics count no trained token")
+    up = float(np.nansum(_column(records, "bytes_up")))
+    return RunSummary(
+        Path(output_dir).resolve().name,
+        _last_finite(eval_loss if held_out else loss),
+        held_out,
+        up / tokens,
+        int(records[-1]["step"]),
+    )
+
+
+def write_comparison(output_dirs: Sequence[Path | str], report_dir: Path | str) -> tuple[Path, list[RunSummary]]:
+    """Draw ``COMPARE_FILE`` of the runs in ``output_dirs`` into ``report_dir``; returns it and the runs'
+    summaries, in the order given."""
+    runs = [summarize(d) for d in output_dirs]
+    out = Path(report_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fig = Figure(figsize=_SIZE, dpi=_DPI, layout="constrained")
+    ax = fig.add_subplot()
+    for run in runs:
+        ax.scatter(run.bytes_up_per_token, run.loss, marker="s" if run.held_out else "o", s=36)
+        ax.annotate(run.name, (run.bytes_up_per_token, run.loss), textcoords="offset points", xytext=(5, 4))
+    if all(r.bytes_up_per_token > 0 for r in runs):
+        ax.set_xscale("log")
+    ax.set_xlabel("uplink bytes per trained token (all workers)")
+    ax.set_ylabel("last held-out loss (squares; circles: training loss)")
+    ax.set_title(f"Loss against uplink bytes: {len(runs)} runs")
+    ax.grid(alpha=0.3, which="both")
+    fig.savefig(out / COMPARE_FILE)
+    return out / COMPARE_FILE, runs
+
+
+def _records(output_dir: Path) -> list[dict[str, Any]]:
+    """The run's records, one per step; the errors ``write_report`` names."""
+    path = output_dir / METRICS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no {METRICS_FILE} in {output_dir}: is it the --output-dir of a coordinator train run?"
+        )
+    records = _by_step(read_metrics(path))
+    if not records:
+        raise ValueError(f"{path} holds no metrics records: the run logged no step")
+    return records
 
 
 def write_report(output_dir: Path | str, report_dir: Path | str | None = None) -> list[Path]:
@@ -40,14 +111,7 @@ def write_report(output_dir: Path | str, report_dir: Path | str | None = None) -
     no metrics file and ``ValueError`` when it holds no records.
     """
     output_dir = Path(output_dir)
-    path = output_dir / METRICS_FILE
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"no {METRICS_FILE} in {output_dir}: is it the --output-dir of a coordinator train run?"
-        )
-    records = _by_step(read_metrics(path))
-    if not records:
-        raise ValueError(f"{path} holds no metrics records: the run logged no step")
+    records = _records(output_dir)
     out = Path(report_dir) if report_dir is not None else output_dir
     out.mkdir(parents=True, exist_ok=True)
     drawers = (_loss, _loss_vs_bytes, _step_time)

@@ -7,13 +7,16 @@ from pathlib import Path
 
 import pytest
 
+from gradwire.coordinator import cli
 from gradwire.coordinator.metrics import METRIC_KEYS, METRICS_FILE, MetricsLog
-from gradwire.coordinator.report import REPORT_FILES, write_report
+from gradwire.coordinator.report import COMPARE_FILE, REPORT_FILES, write_comparison, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def synthetic_run(output_dir: Path, steps: int, *, eval_every: int = 0, first_step: int = 1) -> None:
+def synthetic_run(
+    output_dir: Path, steps: int, *, eval_every: int = 0, first_step: int = 1, bytes_up: int = 2 * 3_000
+) -> None:
     """A plausible log: decaying loss, a state push on step 1, compute inside the dispatch."""
     with MetricsLog(output_dir) as log:
         for step in range(first_step, first_step + steps):
@@ -25,7 +28,7 @@ def synthetic_run(output_dir: Path, steps: int, *, eval_every: int = 0, first_st
                 "grad_norm": 1.0,
                 "tokens_per_sec": 5000.0,
                 "compression_ratio": 200.0,
-                "bytes_up": 2 * 3_000,
+                "bytes_up": bytes_up,
                 "bytes_down": 2 * (2_400_000 if step == 1 else 3_000),
                 "step_time": dispatch + aggregate,
                 "dispatch_time": dispatch,
@@ -84,3 +87,23 @@ def test_missing_or_empty_metrics_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no metrics records"):
         write_report(tmp_path)
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_several_runs_compare_their_last_loss_against_their_uplink_bytes_per_token(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    dense, compressed = tmp_path / "dense", tmp_path / "compressed"
+    synthetic_run(dense, 30, eval_every=10, bytes_up=2 * 40_000)
+    synthetic_run(compressed, 30, bytes_up=2 * 10)  # no held-out loss: its training loss stands in
+    path, runs = write_comparison([dense, compressed], tmp_path / "out")
+    assert path == tmp_path / "out" / COMPARE_FILE and path.read_bytes()[:8] == PNG_MAGIC
+    assert [(r.name, r.held_out, r.steps) for r in runs] == [("dense", True, 30), ("compressed", False, 30)]
+    assert runs[0].bytes_up_per_token == pytest.approx(30 * 80_000 / (1024 * 30))
+    assert runs[1].bytes_up_per_token == pytest.approx(30 * 20 / (1024 * 30))
+    assert runs[0].loss == pytest.approx(3.0 + 6.0 * math.exp(-30 / 20) + 0.05 * math.sin(30) + 0.1)
+    # The command: each run's charts in its own directory, the comparison where asked, a line per run.
+    assert cli.report([str(dense), str(compressed)], str(tmp_path / "both")) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert str(tmp_path / "both" / COMPARE_FILE) in printed and str(dense / "loss.png") in printed
+    assert printed[-2].startswith("dense: held-out loss ") and printed[-1].startswith("compressed: training loss ")
+    assert cli.report([str(dense), str(tmp_path / "nowhere")]) == 2
