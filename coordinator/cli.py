@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib
 import logging
 import re
 import shlex
@@ -306,7 +307,7 @@ def report(output_dirs: str | Sequence[str], report_dir: str | None = None) -> i
             )
             return 2
     try:
-        from gradwire.coordinator.report import write_comparison, write_report  # matplotlib loads only here
+        charts = importlib.import_module("gradwire.coordinator.report")  # matplotlib loads only for this command
     except ModuleNotFoundError as e:
         if e.name != "gradwire.coordinator.report":
             raise
@@ -316,9 +317,9 @@ def report(output_dirs: str | Sequence[str], report_dir: str | None = None) -> i
         )
         return 1
     try:
-        paths = [p for d in dirs for p in write_report(d, report_dir if len(dirs) == 1 else None)]
+        paths = [p for d in dirs for p in charts.write_report(d, report_dir if len(dirs) == 1 else None)]
         if len(dirs) > 1:
-            compared, runs = write_comparison(dirs, report_dir or dirs[0])
+            compared, runs = charts.write_comparison(dirs, report_dir or dirs[0])
             paths.append(compared)
     except (FileNotFoundError, ValueError) as e:
         print(f"coordinator report: error: {e}", file=sys.stderr)
