@@ -15,6 +15,7 @@ hub models and model directories (``gradwire.models.hf``) carry none.
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -127,6 +128,9 @@ def model_spec(name: str) -> dict[str, Any]:
     return copy.deepcopy(_SPECS[name])
 
 
+_BUILD_LOCK = threading.Lock()  # build_from_spec: the global RNG is forked by one build at a time
+
+
 def build_from_spec(spec: dict[str, Any], seed: int = 0) -> nn.Module:
     """A freshly initialized model in float32 on the CPU, in train mode."""
     arch = spec.get("arch")
@@ -139,8 +143,10 @@ def build_from_spec(spec: dict[str, Any], seed: int = 0) -> nn.Module:
         raise ValueError(f"spec 'config' must be a dict, got {type(spec.get('config')).__name__}")
     config = dict(spec["config"])
     # Initialization draws from the global RNG (HF offers no other way); fork it so building a model
-    # neither depends on nor disturbs the caller's random state.
-    with torch.random.fork_rng(devices=[]):
+    # neither depends on nor disturbs the caller's random state. One build at a time: builds on several
+    # threads (in-process workers taking their pushes) would seed and restore the one generator under each
+    # other, and were seen to deadlock inside torch.
+    with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if arch == "gpt":
             model = GPT(GPTConfig.from_dict(config))
