@@ -128,7 +128,7 @@ def model_spec(name: str) -> dict[str, Any]:
     return copy.deepcopy(_SPECS[name])
 
 
-_BUILD_LOCK = threading.Lock()  # build_from_spec: the global RNG is forked by one build at a time
+_BUILD_LOCK = threading.RLock()  # build_from_spec: the global RNG is forked by one build at a time
 
 
 def build_from_spec(spec: dict[str, Any], seed: int = 0) -> nn.Module:
