@@ -332,7 +332,7 @@ class GossipRounds:
             if m in self.stale:
                 self.copies.replace(m, copy)
                 self.stale.discard(m)
-                self.sketches[m] = self._sketch(copy)
+                self.sketches[m] = self.sketch_of(copy)
         if missing := [m for m in wanted if m not in got]:
             raise CopiesUnavailable(missing)
 
@@ -341,7 +341,8 @@ class GossipRounds:
         the copy pulled from it must hold."""
         return self.last_accepted.get(member)
 
-    def _sketch(self, copy: Tensors) -> torch.Tensor:
+    def sketch_of(self, copy: Tensors) -> torch.Tensor:
+        """The count sketch of a public copy's drift from the run's start: what a member's sketch holds."""
         return sketch.sketch(copy) - self._start()
 
     def finish(self, results: Mapping[str, RoundResult | None], codec: GradientCodec) -> GossipFinish:
@@ -405,7 +406,7 @@ class GossipRounds:
         self.held_before, self.held = self.held_before | set(held), held
         for m in self.graph.members:  # a copy no message moved yet: its sketch is exact here
             if m not in self.sketches:
-                self.sketches[m] = self._sketch(self.copies.copy_of(m))
+                self.sketches[m] = self.sketch_of(self.copies.copy_of(m))
         distance = sketch.consensus_distance([self.sketches[m] for m in self.graph.members])
         return GossipFinish(tuple(self.sent), refused, distance)
 

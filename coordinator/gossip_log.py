@@ -131,7 +131,7 @@ class GossipLog:
         for r in records:
             sketches.update(r.sketches)
         if g.peer_to_peer:
-            g.sketches = {m: sketches[m] if m in sketches else g._sketch(g.copies.copy_of(m)) for m in members}
+            g.sketches = {m: sketches[m] if m in sketches else g.sketch_of(g.copies.copy_of(m)) for m in members}
         self._logged_sketches = dict(g.sketches)
 
     def _replay_copies(self, records: Sequence[GossipRecord], codec: GradientCodec) -> set[str]:
