@@ -11,8 +11,13 @@ it or with its values scaled or sign-flipped. Decompressed, perturbed a little a
 sets survive: a scaled copy kept 8 of 12 in the tests. So a payload is a copy when at least half of its
 sampled chunks hold exactly the index set of another payload. That other payload may be:
 - a sender's of this round: the later one in slot order is the copy, and the first still counts, once;
-- any payload of the last rounds the gather stage remembers, the sender's own included (an honest gradient
-  never repeats).
+- another sender's payload of the last rounds the gather stage remembers, or the coordinator's update;
+- the sender's own payload of those rounds, where its values repeat too, relative to each chunk's largest:
+  a replay, as sent or scaled. Its index sets alone may honestly repeat: error feedback keeps what the
+  quantizer left of each coefficient it sent, and at 4-bit values the same top-k came back in 53% of a tiny
+  model's sampled chunks from one step to the next (gpt-tiny, 2 rows of 16 tokens), and so did the order
+  and signs of their quantized values; their values relative to the chunk's largest did not, since each
+  tensor's bins move with all of its values.
 
 What this check cannot see: a copy with enough noise added to move most chunks' top-k, and a gradient
 computed honestly on rows other than those it was sent. Those need checks that compare directions
@@ -40,38 +45,70 @@ CHANCE_LOG = math.log(1e6)  # groups where a chunk's set has fewer possibilities
 
 # Fixed odd multipliers: a chunk's sorted index set hashes to one 64-bit word (a collision is ~2^-64).
 _MULTIPLIERS = np.random.default_rng(0x6772616477697265).integers(1, 2**63, 4096, dtype=np.uint64) | np.uint64(1)
+# A chunk's values, relative to its largest, as float16 bits: more words, drawn the same way.
+_VALUE_MULTIPLIERS = np.random.default_rng(0x7265706C6179).integers(1, 2**63, 4096, dtype=np.uint64) | np.uint64(1)
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # a rank-one term's word: its column's hash times this, plus its row's
 
 
 @dataclasses.dataclass(frozen=True)
+class Digest:
+    """A payload's sampled chunks, one 64-bit word each, in two hashes: ``sets``, of each chunk's set of kept
+    indices (what a copy keeps, scaled or perturbed); ``replays``, of that set with its values relative to
+    the largest, in float16 (what a replay of the same payload keeps, even scaled or sign-flipped). 0 where
+    a chunk holds nothing."""
+
+    sets: np.ndarray
+    replays: np.ndarray
+
+    @classmethod
+    def of(cls, words: np.ndarray) -> Digest:
+        """A digest whose words hash the values too (a factored tensor's codes do): sets and replays alike."""
+        return cls(words, words)
+
+
+@dataclasses.dataclass(frozen=True)
 class Seen:
-    """A payload the gather stage kept: who sent it, in which step, and its sampled chunks' index sets."""
+    """A payload the gather stage kept: who sent it, in which step, and its sampled chunks' digest."""
 
     address: str
     step: int
-    digest: np.ndarray
+    digest: Digest
 
 
-def digest(decoded: DecodedGradient, chunk_numels: Sequence[int]) -> np.ndarray:
-    """One 64-bit word per sampled chunk of each chunk group: a hash of the chunk's set of kept indices (in
-    any order), or 0 for a chunk whose kept values are all the same (its sender had nothing there: top-k of
-    nothing picks the same indices for everyone, and quantized zeros are all one code). ``chunk_numels``:
-    each group's chunk size (``codec.plan.groups``); a group where two honest chunks could hold the same set
-    by chance (top-1 of 64: one in 64) is left out. Then the words of each factored tensor, one per
-    rank-one term (``_factor_words``). Empty if nothing is left."""
-    words = []
+def digest(decoded: DecodedGradient, chunk_numels: Sequence[int]) -> Digest:
+    """Per sampled chunk of each chunk group, a word hashing the chunk's set of kept indices (in any order),
+    and one hashing that set with its values relative to its largest (``Digest``); 0 for a chunk whose kept
+    values are all the same (its sender had nothing there: top-k of nothing picks the same indices for
+    everyone, and quantized zeros are all one code). ``chunk_numels``: each group's chunk size
+    (``codec.plan.groups``); a group where two honest chunks could hold the same set by chance (top-1 of
+    64: one in 64) is left out. Then the words of each factored tensor, one per rank-one term
+    (``_factor_words``), in both. Empty if nothing is left."""
+    sets, replays = [], []
     for indices, values, numel in zip(decoded.indices, decoded.values, chunk_numels):
         chunks, k = indices.shape
         if not chunks or not k or _log_sets(numel, k) < CHANCE_LOG:
             continue
         rows = torch.linspace(0, chunks - 1, min(ROWS_PER_GROUP, chunks)).long()
-        sets = torch.sort(indices[rows], dim=1).values.cpu().numpy().astype(np.uint64)
-        hashed = (sets * _MULTIPLIERS[:k]).sum(axis=1, dtype=np.uint64)  # wraps: a hash, not a sum
-        kept = values[rows]
-        hashed[(kept == kept[:, :1]).all(dim=1).cpu().numpy()] = 0
-        words.append(hashed)
-    words += _factor_words(list(decoded.factors.values()))
-    return np.concatenate(words) if words else np.zeros(0, np.uint64)
+        ordered = torch.sort(indices[rows], dim=1)
+        hashed = _hash(ordered.values.cpu().numpy(), _MULTIPLIERS[:k])
+        kept = torch.gather(values[rows], 1, ordered.indices).float()  # in the order of their indices
+        largest = torch.gather(kept, 1, kept.abs().argmax(dim=1, keepdim=True))
+        ratios = (kept / torch.where(largest == 0, 1.0, largest)).half().view(torch.int16).int() & 0xFFFF
+        replay = hashed * _MIX + _hash(ratios.cpu().numpy(), _VALUE_MULTIPLIERS)
+        empty = (kept == kept[:, :1]).all(dim=1).cpu().numpy()
+        replay[replay == 0] = 1
+        hashed[empty] = replay[empty] = 0
+        sets.append(hashed)
+        replays.append(replay)
+    factors = _factor_words(list(decoded.factors.values()))
+    if not sets and not factors:
+        return Digest.of(np.zeros(0, np.uint64))
+    return Digest(np.concatenate(sets + factors), np.concatenate(replays + factors))
+
+
+def _hash(rows: np.ndarray, multipliers: np.ndarray) -> np.ndarray:
+    """One 64-bit word per row of small non-negative integers: a multiply-and-sum that wraps."""
+    return (rows.astype(np.uint64) * multipliers[: rows.shape[1]]).sum(axis=1, dtype=np.uint64)
 
 
 def _factor_words(factored: Sequence[Factors]) -> list[np.ndarray]:
@@ -110,8 +147,8 @@ def _log_sets(n: int, k: int) -> float:
 
 
 def shared(a: np.ndarray, b: np.ndarray) -> float:
-    """The share of the sampled chunks that hold something in both digests whose index sets are the same
-    (0 if the digests do not align or have no such chunk)."""
+    """The share of the sampled chunks that hold something in both digests' words (``Digest.sets`` or
+    ``Digest.replays``) whose words are the same (0 if the digests do not align or have no such chunk)."""
     if a.size == 0 or a.shape != b.shape:
         return 0.0
     both = (a != 0) & (b != 0)
@@ -119,30 +156,34 @@ def shared(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def find_copies(
-    current: Sequence[tuple[str, np.ndarray]], earlier: Sequence[Seen], step: int, together: Collection[int] = ()
+    current: Sequence[tuple[str, Digest]], earlier: Sequence[Seen], step: int, together: Collection[int] = ()
 ) -> dict[int, str]:
     """Which of this round's payloads (``current``: sender and digest, in slot order) copy another: a later
-    sender repeating an earlier one of this round, or anyone repeating another sender's payload of an
-    earlier round. Returns {position in ``current``: why}. ``together``: positions of senders that were given
-    the same rows this round (a spot check by redundancy): their payloads may well repeat each other's.
+    sender repeating an earlier one of this round, anyone repeating another sender's payload of an earlier
+    round, or a sender replaying its own. Returns {position in ``current``: why}. ``together``: positions of
+    senders that were given the same rows this round (a spot check by redundancy): their payloads may well
+    repeat each other's.
 
     Only pairs that hold the same set in at least one sampled chunk are compared (``_overlapping``: one sort
     of every digest's words), so the cost grows with the payloads, not with their pairs."""
     earlier = [seen for seen in earlier if seen.step < step]
     digests = [d for _, d in current] + [seen.digest for seen in earlier]
-    partners = _overlapping(digests)
+    partners = _overlapping([d.sets for d in digests])
     found: dict[int, str] = {}
-    for i, (_, d) in enumerate(current):
+    for i, (address, d) in enumerate(current):
         for j in sorted(partners.get(i, ())):  # this round's earlier senders first, then the remembered payloads
             if j == i or (j < len(current) and (j > i or (i in together and j in together))):
                 continue
-            share = shared(d, digests[j])
+            seen = earlier[j - len(current)] if j >= len(current) else None
+            own = seen is not None and seen.address == address
+            share = shared(d.replays, digests[j].replays) if own else shared(d.sets, digests[j].sets)
             if share < COPY_SHARE:
                 continue
-            if j < len(current):
+            if seen is None:
                 found[i] = f"a copy: {share:.0%} of its sampled chunks repeat {current[j][0]}'s this round"
-            else:  # its own earlier payloads too: an honest gradient never repeats
-                seen = earlier[j - len(current)]
+            elif own:
+                found[i] = f"a replay: {share:.0%} of its sampled chunks repeat its own payload of step {seen.step}"
+            else:
                 found[i] = (
                     f"a copy: {share:.0%} of its sampled chunks repeat {seen.address}'s payload of step {seen.step}"
                 )

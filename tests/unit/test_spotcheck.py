@@ -266,8 +266,8 @@ def test_the_odd_one_out_is_caught_and_a_pair_that_disagrees_is_a_dispute() -> N
 
 
 def test_workers_given_the_same_rows_are_not_taken_for_copies() -> None:
-    digest = np.arange(1, 301, dtype=np.uint64)
-    current = [("a", digest), ("b", digest.copy())]
+    words = np.arange(1, 301, dtype=np.uint64)
+    current = [("a", copies.Digest.of(words)), ("b", copies.Digest.of(words.copy()))]
     assert list(copies.find_copies(current, [], 0)) == [1]
     assert copies.find_copies(current, [], 0, together={0, 1}) == {}
 
