@@ -7,7 +7,7 @@
 Each (downlink, workers) case runs in its own process (so its peak memory is its own): the coordinator's real
 ``Trainer`` (dispatch, gather, outer step, metrics) with ``--workers`` simulated workers. A simulated worker
 is a ``WorkerLink`` that does no training: for every round it has a payload ready in the codec's real format
-for the model's plan (gpt-10m, gradient mode: DCT top-32 of 64x64 + 8-bit values), made from a random "signal"
+for the model's plan (gpt-10m, gradient mode's codec), made from a random "signal"
 of the round with half of its indices moved at random for each worker: workers agree where they overlap, as
 honest ones do, and no two send the same index sets (the copy check sees no copies). What the coordinator does
 with a payload does not depend on which values it carries. A call goes through the bytes a served worker's would:
@@ -18,6 +18,7 @@ Reports per case, over ``--rounds`` rounds after the first (which pushes the sta
 * ``round_s``: the coordinator's wall time per round (median);
 * ``peak_rss_mb``: the process's peak resident memory over the rounds (the prepared payloads included:
   ``payloads_mb``);
+* ``payload_bytes``: one worker's payload, its coded bytes (``payload_wire_bytes``: as it travels);
 * ``bytes_down_per_worker``: one worker's order (the update, its batch, the settings);
 * ``egress_bytes``: everything the coordinator sent in the round (``egress_payloads``: in payloads of one
   worker's size), and ``bytes_pulled``: what the workers pulled from each other instead (``--relays peers``:
@@ -52,7 +53,7 @@ import torch
 
 from gradwire import protocol
 from gradwire.compression import CompressedGradient, Encoding, GradientCodec, ValueFormat
-from gradwire.compression.packing import pack12, pack_bits
+from gradwire.compression.packing import pack12, pack_bits, pack_ef
 from gradwire.compression.plan import value_bits
 from gradwire.coordinator.config import RELAYS, TrainConfig
 from gradwire.coordinator.trainer import Trainer
@@ -77,7 +78,8 @@ class Signal:
         indices, codes = {}, {}
         for plan in codec.plan.tensors:
             if plan.encoding == Encoding.SPARSE:
-                indices[plan.name] = rng.integers(0, plan.chunk_numel, plan.num_values, dtype=np.int16)
+                chosen = rng.integers(0, plan.chunk_numel, (plan.num_chunks, plan.k), dtype=np.int16)
+                indices[plan.name] = distinct_rows(chosen, plan.chunk_numel, rng)
                 high = codec.config.bins if plan.value_format == ValueFormat.LUT else 2
                 codes[plan.name] = rng.integers(0, high, plan.num_values, dtype=np.uint8)
         return cls(indices, codes)
@@ -94,16 +96,30 @@ def worker_payload(
         if plan.encoding != Encoding.SPARSE:
             tensors.append(sent)
             continue
-        n = plan.num_values
         indices = signal.indices[plan.name].copy()
-        moved = rng.random(n) < own
+        moved = rng.random(indices.shape) < own
         indices[moved] = rng.integers(0, plan.chunk_numel, int(moved.sum()), dtype=np.int16)
+        indices = distinct_rows(indices, plan.chunk_numel, rng)
         if plan.value_format == ValueFormat.FLOAT32:
             values = (signal.codes[plan.name].astype("<f4") - 0.5).tobytes()
         else:
             values = pack_bits(signal.codes[plan.name], value_bits(plan.value_format, config))
-        tensors.append(dataclasses.replace(sent, indices=pack12(indices), values=values))
+        packed = pack_ef(indices, plan.chunk_numel) if config.indices == "elias-fano" else pack12(indices.reshape(-1))
+        tensors.append(dataclasses.replace(sent, indices=packed, values=values))
     return dataclasses.replace(template, tensors=tuple(tensors))
+
+
+def distinct_rows(indices: np.ndarray, universe: int, rng: np.random.Generator) -> np.ndarray:
+    """``indices`` (chunks, k) with each row sorted and its repeats drawn again from [0, ``universe``): a top-k's
+    distinct positions, as Elias-Fano indices must be (and an honest top-k is)."""
+    rows = np.sort(indices, axis=1)
+    while True:
+        repeats = np.zeros(rows.shape, bool)
+        repeats[:, 1:] = rows[:, 1:] == rows[:, :-1]
+        if not repeats.any():
+            return rows
+        rows[repeats] = rng.integers(0, universe, int(repeats.sum()), dtype=rows.dtype)
+        rows.sort(axis=1)
 
 
 class SimulatedWorker:
@@ -223,6 +239,8 @@ def run_case(model: str, downlink: str, workers: int, rounds: int, seed: int, re
         "peak_rss_mb": max(p for _, p in times) / 2**20,
         "payloads_mb": payloads_mb,
         "payload_bytes": template.nbytes,
+        # one payload as it travels (its proto: each tensor's name, shape and fields around the bytes)
+        "payload_wire_bytes": protocol.codec_serde.gradient_to_proto(template).ByteSize(),
         "bytes_down_per_worker": statistics.median(r["bytes_down_per_worker"] for r in records),
         "egress_bytes": statistics.median(r["bytes_down"] for r in records),
         # the coordinator's egress in payloads (one worker's), and what the workers pulled from each other

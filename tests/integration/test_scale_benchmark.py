@@ -17,8 +17,10 @@ def test_relayed_rounds_cut_the_coordinators_egress_to_the_fanout(downlink):
     assert direct["bytes_pulled"] == 0 and relayed["bytes_pulled"] > 0
     if downlink == "replay":  # every order carried the 7 other payloads; relayed, none
         assert direct["egress_payloads"] > WORKERS * (WORKERS - 1)
-        assert relayed["egress_payloads"] < 1
-        assert relayed["bytes_pulled"] == pytest.approx(WORKERS * (WORKERS - 1) * relayed["payload_bytes"], rel=0.05)
+        # relayed, the orders alone (batches, fingerprints, references): under two of gpt-tiny's payloads
+        assert relayed["egress_payloads"] < 2
+        pulls = WORKERS * (WORKERS - 1)
+        assert relayed["bytes_pulled"] == pytest.approx(pulls * relayed["payload_wire_bytes"], rel=0.02)
     else:  # one aggregate to each worker; relayed, to --relay-fanout 2 of them
         aggregate = direct["egress_bytes"] / WORKERS
         assert relayed["egress_bytes"] < 2 * aggregate + WORKERS * 2_000
