@@ -29,9 +29,8 @@ when a run would wrap into a second pass.
                    math): the reference.
   demo             gradient mode as DeMo: DCT + top-32 of 4096 + 8-bit values, error feedback 0.999, sign-SGD
                    (lr 7e-4: the best of 2e-3, 1e-3 and 7e-4 at the default 1200 steps).
-  gradient         gradient mode in fewer bytes (``--index-coding elias-fano --bins 16 --topk 36``): demo's
-                   sign-SGD at the mode's 1e-3 and error feedback, Elias-Fano indices and 4-bit values at top-36
-                   of 4096 (1.5x fewer bytes than demo's).
+  gradient         gradwire's gradient mode at its defaults: demo's sign-SGD at 1e-3 and error feedback, in
+                   Elias-Fano indices and 4-bit values at top-36 of 4096 (1.5x fewer bytes than demo's).
   diloco           H = 30 inner AdamW steps, uncompressed pseudo-gradients, outer Nesterov (lr 0.7, momentum 0.9).
   averaging        sparseloco's rounds (H = 120) without compression and plain averaging (outer SGD at lr 1):
                    where local SGD itself ends, the floor compression can at best reach.
@@ -146,9 +145,8 @@ METHODS: dict[str, dict[str, Any]] = {
         feedback_beta=0.999,
         downlink="replay",
     ),
-    # gradient mode in 1.5x fewer bytes than demo's: sign-SGD at the mode's 1e-3, Elias-Fano indices, 4-bit values,
-    # top-36 (464 bits a 64 x 64 chunk against 640).
-    "gradient": dict(_GRADIENT, index_coding="elias-fano", bins=16, topk=36, downlink="replay"),
+    # gradwire's gradient mode as a user gets it: the mode's defaults, sign-SGD at 1e-3 (mode_defaults).
+    "gradient": dict(_GRADIENT, downlink="replay"),
     "diloco": dict(
         _LOCAL,
         inner_steps=30,

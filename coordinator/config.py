@@ -55,6 +55,9 @@ DENSE_CODEC = CodecConfig(min_sparse_numel=2**62, bins=0)
 FIT = "fit"
 # The top-k whose bytes fitted factors fill, as a fraction of the mode's top-k (mode_defaults).
 FIT_DENSITY = 0.62
+# Gradient mode's top-k of a 64 x 64 chunk in 12-bit indices at its 4-bit values (mode_defaults): 464 bits a
+# chunk, which Elias-Fano indices fill with top-36.
+GRADIENT_TOPK = 29
 
 # The settings ``mode_defaults`` fills when their flag is not given.
 AUTO_FIELDS = (
@@ -137,15 +140,19 @@ def mode_defaults(
 ) -> dict[str, object]:
     """The defaults of the mode-dependent settings, with the outer optimizer already chosen or not.
 
-    Gradient mode keeps DeMo's recipe: sign-SGD at 1e-3 on gradients that error feedback (beta 0.999)
-    accumulates, 8-bit values. Local-SGD rounds follow what the field measured (and benchmarks.quality
-    confirmed here): compressed pseudo-gradients go through error feedback with beta 0.95 and 2-bit values
-    (bins 4) and are applied by plain outer SGD at lr 1 (SparseLoCo); uncompressed ones by Nesterov SGD at
-    lr 0.7, momentum 0.9 (DiLoCo). A local-SGD round can afford more coefficients: top-90 of 4096 (2.2%)
-    trained best of 32/64/90 in benchmarks.quality and still sends 3000x less than DDP per token at H 30;
-    past H 30 the top-k grows with H (3 H of 4096), which keeps the bytes per trained token where they are
-    and trained better at every H tried (1200 steps: H 30 / top-90 +7.2% over dense, H 60 / 180 +6.6%,
-    H 120 / 360 +5.9%, H 240 / 720 +6.2%).
+    Gradient mode keeps DeMo's recipe, sign-SGD at 1e-3 on gradients that error feedback (beta 0.999)
+    accumulates, in fewer bytes: Elias-Fano indices and 4-bit values (bins 16), top-36 of 4096, 272x fewer
+    bytes per token than dense against DeMo's 12-bit indices and 8-bit values at top-32 (182x). In
+    benchmarks.quality (gpt-5m, 300 steps) it ended lower at both learning rates tried (1e-3: 5.6045 against
+    5.6630; 1.5e-3: 5.5869 against 5.6157); 2-bit values (5.9473) or signs (5.9957) at as many bytes trained
+    far worse: the sign step needs the senders' magnitudes to sum them.
+    Local-SGD rounds follow what the field measured (and benchmarks.quality confirmed here): compressed
+    pseudo-gradients go through error feedback with beta 0.95 and 2-bit values (bins 4) and are applied by plain
+    outer SGD at lr 1 (SparseLoCo); uncompressed ones by Nesterov SGD at lr 0.7, momentum 0.9 (DiLoCo). A local-SGD
+    round can afford more coefficients: top-90 of 4096 (2.2%) trained best of 32/64/90 in benchmarks.quality and
+    still sends 3000x less than DDP per token at H 30; past H 30 the top-k grows with H (3 H of 4096), which keeps
+    the bytes per trained token where they are and trained better at every H tried (1200 steps: H 30 / top-90 +7.2%
+    over dense, H 60 / 180 +6.6%, H 120 / 360 +5.9%, H 240 / 720 +6.2%).
     Both modes cut 64 x 64 chunks. ``topk`` follows the chunk edge (``target_chunk``) so the density stays
     the mode's: ``--target-chunk 16`` alone keeps top-2 of 256 in gradient mode, a quarter of the transform
     FLOPs; in benchmarks.quality it trained better at 600 steps but clearly worse at 1200, so 64 stays.
@@ -154,12 +161,11 @@ def mode_defaults(
     off by round 12 with it, and grew without end over 40 rounds with local SGD's top-90 and 4 levels.
     With ``index_coding`` elias-fano the top-k is the most that costs a chunk the bits of that top-k in
     12-bit indices (``packing.ef_topk_in_bits_of``: 90 -> 143 at 2-bit values): more values, the same bytes.
-    Rounds of inner steps take it by default. Gossip rounds (512 -> 1024 of 4096): at 8 workers in
+    Every mode takes it by default. Gossip rounds (512 -> 1024 of 4096): at 8 workers in
     benchmarks.quality the complete graph ended 0.17% above the centralized round with it against 0.51% with
     12-bit indices, at the same bytes. Local-SGD rounds (90 -> 143 at H 30): the codec gap fell from 3.22 to
-    2.57 points. Gradient mode keeps 12-bit indices: it aggregates every step, and decoding Elias-Fano
-    roughly doubles a CPU coordinator's aggregation time (docs/benchmarks.md); a round of H inner steps
-    pays it once per H steps.
+    2.57 points. Gradient mode (29 -> 36 at 4-bit values) pays for it on a CPU coordinator, which decodes
+    every step: its aggregation took 34 ms a step against 23 ms with 12-bit indices in that benchmark.
     Centralized local-SGD rounds send every matrix as int8 factors of its error-feedback buffer instead, at
     the rank that fits the bytes its top-k would cost (``rank`` ``fit``), vectors dense: a pseudo-gradient
     after tens of inner steps is close to low-rank. In benchmarks.quality (gpt-5m, H 30) that cut the codec
@@ -183,7 +189,7 @@ def mode_defaults(
     local = inner_steps > 1
     fitted = rank == FIT or (rank is None and local and not gossip and not no_compression and not top_k_given)
     if index_coding is None:
-        index_coding = "elias-fano" if gossip or local else "packed12"
+        index_coding = "elias-fano"
     if outer_optimizer is None:
         outer_optimizer = ("nesterov" if no_compression else "sgd") if local else "signsgd"
     if local:
@@ -191,12 +197,12 @@ def mode_defaults(
     else:
         learning_rate = 1e-3
     chunk = target_chunk or 64
-    density = min(max(90, 3 * inner_steps), 4096) / 4096 if local else 32 / 4096
+    density = min(max(90, 3 * inner_steps), 4096) / 4096 if local else GRADIENT_TOPK / 4096
     if gossip:
         density = 512 / 4096
     if fitted and not top_k_given:  # the top-k only sets the bytes the factors fit
         density *= FIT_DENSITY
-    bins = 16 if gossip else 4 if local else 256
+    bins = 16 if gossip or not local else 4
     topk = max(1, round(density * chunk * chunk))
     if index_coding == "elias-fano":
         topk = ef_topk_in_bits_of(topk, chunk * chunk, math.ceil(math.log2(bins)))
@@ -403,10 +409,9 @@ class TrainConfig:
     topk: int | None = setting(
         None,
         help="coefficients kept per full --target-chunk x --target-chunk chunk (scaled by area for smaller "
-        "chunks) (auto: the mode's density at that chunk in 12-bit indices, 32 of 64x64 = 0.78% in gradient "
-        "mode and 90 of 64x64 = 2.2% with --inner-steps > 1; with Elias-Fano indices, the default with "
-        "--inner-steps > 1, as many as fit the same bytes: 38 and 143; gossip rounds: 1024, 2048 with DeMuon "
-        "inside)",
+        "chunks) (auto: the mode's density at that chunk in 12-bit indices, 29 of 64x64 = 0.71% in gradient "
+        "mode and 90 of 64x64 = 2.2% with --inner-steps > 1; with Elias-Fano indices, the default, as many "
+        "as fit the same bytes: 36 and 143; gossip rounds: 1024, 2048 with DeMuon inside)",
         section=CODEC,
     )
     target_chunk: int | None = setting(
@@ -424,7 +429,7 @@ class TrainConfig:
     bins: int | None = setting(
         None,
         help="quantization bins for kept values, packed in ceil(log2(bins)) bits: 4 = 2 bits, 16 = 4 bits, "
-        "256 = 8 bits (0: raw float32; auto: 256 in gradient mode, 4 with --inner-steps > 1)",
+        "256 = 8 bits (0: raw float32; auto: 16 in gradient mode and gossip rounds, 4 in local-SGD rounds)",
         section=CODEC,
     )
     values: str = setting(
@@ -438,7 +443,7 @@ class TrainConfig:
         None,
         help="how each chunk's kept indices travel: packed12 (12 bits each) or elias-fano (in increasing "
         "order, about 2 + log2(chunk area / topk) bits each: 668 bits for 90 of 4096, against 1080) "
-        "(auto: elias-fano in rounds of inner steps, local-SGD or gossip; packed12 in gradient mode)",
+        "(auto: elias-fano)",
         section=CODEC,
         choices=INDEX_CODINGS,
     )

@@ -14,16 +14,15 @@ from gradwire.coordinator.cli import load_train
 from gradwire.coordinator.config import AUTO_FIELDS, ROUND_POLICY, SECTIONS, TrainConfig, mode_defaults, setting
 
 
-def test_gradient_mode_keeps_demo_defaults() -> None:
+def test_gradient_mode_keeps_demo_defaults_in_fewer_bytes() -> None:
     c = TrainConfig()
     assert (c.inner_steps, c.local_sgd) == (1, False)
-    assert (c.outer_optimizer, c.learning_rate, c.momentum, c.feedback_beta, c.bins) == (
-        "signsgd",
-        1e-3,
-        0.0,
-        0.999,
-        256,
-    )
+    assert (c.outer_optimizer, c.learning_rate, c.momentum, c.feedback_beta) == ("signsgd", 1e-3, 0.0, 0.999)
+    # DeMo's top-32 in 12-bit indices and 8-bit values costs 640 bits a chunk; the default 464: top-36 in
+    # Elias-Fano indices and 4-bit values
+    codec = c.codec_config()
+    assert (c.bins, c.index_coding, c.topk) == (codec.bins, codec.indices, codec.topk) == (16, "elias-fano", 36)
+    assert TrainConfig(index_coding="packed12").topk == 29
 
 
 def test_local_sgd_defaults_follow_sparseloco_and_diloco() -> None:
@@ -32,7 +31,7 @@ def test_local_sgd_defaults_follow_sparseloco_and_diloco() -> None:
     assert compressed.local_sgd and compressed.outer_optimizer == "sgd"
     assert {k: getattr(compressed, k) for k in defaults} == defaults
     assert compressed.bins == 4 and compressed.feedback_beta == 0.95 and compressed.codec_config().bins == 4
-    assert (compressed.topk, TrainConfig().topk, TrainConfig(inner_steps=30, topk=16).topk) == (82, 32, 16)
+    assert (compressed.topk, TrainConfig().topk, TrainConfig(inner_steps=30, topk=16).topk) == (82, 36, 16)
     # The 82 is the bytes fitted int4 factors fill, 0.62x the mode's top-k: with --rank 0 the top-k travels.
     assert (compressed.rank, compressed.factor_bits, TrainConfig(inner_steps=30, rank=0).topk) == ("fit", 4, 143)
     # Past H 30 the top-k grows with H: the same uplink bytes per trained token (12-bit indices' counts).
@@ -50,10 +49,10 @@ def test_local_sgd_defaults_follow_sparseloco_and_diloco() -> None:
 
 def test_the_chunk_follows_the_mode_and_topk_keeps_the_density_at_any_chunk() -> None:
     gradient, local = TrainConfig(), TrainConfig(inner_steps=30)
-    assert (gradient.target_chunk, gradient.topk, gradient.codec_config().density) == (64, 32, 32 / 4096)
+    assert (gradient.target_chunk, gradient.topk, gradient.codec_config().density) == (64, 36, 36 / 4096)
     assert (local.target_chunk, local.topk, local.index_coding) == (64, 82, "elias-fano")
-    # A chunk given alone keeps the mode's density (DeMo's 32 of 64x64 in gradient mode) ...
-    assert [TrainConfig(target_chunk=c).topk for c in (64, 32, 16, 8)] == [32, 8, 2, 1]
+    # A chunk given alone keeps the mode's density (29 of 64x64 in 12-bit indices in gradient mode) ...
+    assert [TrainConfig(target_chunk=c, index_coding="packed12").topk for c in (64, 32, 16, 8)] == [29, 7, 2, 1]
     assert [TrainConfig(inner_steps=30, target_chunk=c, index_coding="packed12").topk for c in (64, 32)] == [90, 22]
     # ... and an explicit topk is taken as given.
     assert (TrainConfig(topk=8).target_chunk, TrainConfig(topk=8).topk) == (64, 8)
@@ -64,13 +63,12 @@ def test_the_chunk_follows_the_mode_and_topk_keeps_the_density_at_any_chunk() ->
 
 def test_elias_fano_indices_keep_as_many_coefficients_as_fit_the_bytes_of_the_mode_default() -> None:
     assert TrainConfig(inner_steps=30, index_coding="elias-fano").topk == 143  # 90 in 12-bit indices
-    assert TrainConfig(index_coding="elias-fano").topk == 38  # gradient mode: 32
+    assert TrainConfig(index_coding="elias-fano").topk == 36  # gradient mode: 29 at 4-bit values
     assert TrainConfig(inner_steps=30, index_coding="elias-fano", topk=100).topk == 100  # given: kept
-    # The default in rounds of inner steps, local-SGD or gossip; gradient mode aggregates every step and
-    # keeps the 12-bit indices a coordinator decodes faster.
+    # The default in every mode
     local = TrainConfig(inner_steps=30)
     assert local.index_coding == local.codec_config().indices == "elias-fano" and local.codec_config().topk == 82
-    assert (TrainConfig().index_coding, TrainConfig().codec_config().indices) == ("packed12", "packed12")
+    assert (TrainConfig().index_coding, TrainConfig().codec_config().indices) == ("elias-fano", "elias-fano")
     assert TrainConfig(inner_steps=30, index_coding="packed12").topk == 90
 
 
@@ -239,7 +237,7 @@ def test_gossip_rounds_take_their_defaults_and_refuse_what_centralized_rounds_al
     # Elias-Fano indices: top-1024 of 4096 in the bytes of top-512 with 12-bit indices.
     assert (ring.gossip_gamma, ring.topk, ring.bins, ring.spot_check_every) == (0.5, 1024, 16, 0)
     assert ring.index_coding == "elias-fano" and ring.codec_config().indices == "elias-fano"
-    assert (TrainConfig(topology="ring", index_coding="packed12").topk, TrainConfig().index_coding) == (512, "packed12")
+    assert TrainConfig(topology="ring", index_coding="packed12").topk == 512
     assert TrainConfig(topology="complete", no_compression=True).gossip_gamma == 1.0
     demuon = TrainConfig(topology="complete", inner_optimizer="demuon")
     assert (demuon.gossip_gamma, demuon.topk) == (0.7, 2048)  # orthogonalised steps: less compressible

@@ -134,7 +134,7 @@ def test_offline_run_records_metrics_under_the_seed_names(
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert run.project == "gradwire-test" and run.display_name == "unit"
     logged_config = {item.key: json.loads(item.value_json) for item in run.config.update}
-    assert logged_config["model"] == "gpt-tiny" and logged_config["topk"] == 32 and logged_config["target_chunk"] == 64
+    assert logged_config["model"] == "gpt-tiny" and logged_config["topk"] == 36 and logged_config["target_chunk"] == 64
     assert any(r.WhichOneof("record_type") == "exit" for r in records)
 
 
