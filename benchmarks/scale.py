@@ -53,7 +53,7 @@ import torch
 
 from gradwire import protocol
 from gradwire.compression import CompressedGradient, Encoding, GradientCodec, ValueFormat
-from gradwire.compression.packing import pack12, pack_bits, pack_ef
+from gradwire.compression.packing import pack_bits
 from gradwire.compression.plan import value_bits
 from gradwire.coordinator.config import RELAYS, TrainConfig
 from gradwire.coordinator.trainer import Trainer
@@ -104,8 +104,7 @@ def worker_payload(
             values = (signal.codes[plan.name].astype("<f4") - 0.5).tobytes()
         else:
             values = pack_bits(signal.codes[plan.name], value_bits(plan.value_format, config))
-        packed = pack_ef(indices, plan.chunk_numel) if config.indices == "elias-fano" else pack12(indices.reshape(-1))
-        tensors.append(dataclasses.replace(sent, indices=packed, values=values))
+        tensors.append(dataclasses.replace(sent, indices=codec.pack_indices(indices, plan), values=values))
     return dataclasses.replace(template, tensors=tuple(tensors))
 
 

@@ -238,13 +238,13 @@ class GradientCodec:
                 t.value_format,
                 t.chunk_shape,
                 t.k,
-                self._pack_indices(idx_np[rows], t),
+                self.pack_indices(idx_np[rows], t),
                 **fields,
             )
         return out
 
-    def _pack_indices(self, idx: np.ndarray, t: TensorPlan) -> bytes:
-        """A tensor's (chunks, k) kept indices in the settings' index coding."""
+    def pack_indices(self, idx: np.ndarray, t: TensorPlan) -> bytes:
+        """A tensor's (chunks, k) kept indices in the settings' index coding (Elias-Fano: each row increasing)."""
         if self._elias_fano:
             return pack_ef(idx, t.chunk_numel)
         return pack12(idx.reshape(-1))

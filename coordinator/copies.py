@@ -107,8 +107,8 @@ def digest(decoded: DecodedGradient, chunk_numels: Sequence[int]) -> Digest:
 
 
 def _hash(rows: np.ndarray, multipliers: np.ndarray) -> np.ndarray:
-    """One 64-bit word per row of small non-negative integers: a multiply-and-sum that wraps."""
-    return (rows.astype(np.uint64) * multipliers[: rows.shape[1]]).sum(axis=1, dtype=np.uint64)
+    """One 64-bit word per row (the last axis) of integers: a multiply-and-sum that wraps."""
+    return (rows.astype(np.uint64, copy=False) * multipliers[: rows.shape[-1]]).sum(axis=-1, dtype=np.uint64)
 
 
 def _factor_words(factored: Sequence[Factors]) -> list[np.ndarray]:
@@ -132,7 +132,7 @@ def _factor_words(factored: Sequence[Factors]) -> list[np.ndarray]:
         for x, multipliers in zip(sides, (_MULTIPLIERS[:FACTOR_SAMPLES], _MULTIPLIERS[FACTOR_SAMPLES:])):
             first = np.take_along_axis(x, (x != 0).argmax(axis=2)[..., None], axis=2)  # each term's first non-zero
             codes = (x.astype(np.int64) * np.sign(first).astype(np.int64)).astype(np.uint64)  # wraps: a hash
-            words.append((codes * multipliers[: x.shape[2]]).sum(axis=2, dtype=np.uint64))
+            words.append(_hash(codes, multipliers))
         hashed = words[0] * _MIX + words[1]
         hashed[hashed == 0] = 1
         hashed[~live] = 0
