@@ -15,6 +15,8 @@ variants differ only in what crosses the link:
   codec              gradwire's codec at the local-SGD defaults of ``coordinator train`` (DCT of 64 x 64
                      chunks, top-k, 2-bit values, Elias-Fano indices), its own error feedback;
   codec:K            the same at top-K;
+  codec:fit          the codec as ``coordinator train``'s local-SGD rounds run it: int4 factors of every matrix at
+                     the rank that fits its top-k's bytes (``--rank fit``), vectors dense;
   codec:rankR[:auto|:svd|:randomized]
                      the same with ``--rank R``: the service's low-rank factors (``compression.lowrank``) for
                      every matrix, vectors dense in 2-bit values; factored as the service does (one power
@@ -147,7 +149,7 @@ class Codec:
         shapes: dict[str, tuple[int, ...]],
         inner_steps: int,
         topk: int | None,
-        rank: int = 0,
+        rank: int | None = 0,
         factorization: str = "power",
     ) -> None:
         config = TrainConfig(inner_steps=inner_steps, topk=topk, rank=rank).codec_config()
@@ -165,6 +167,8 @@ def compressor(spec: str, shapes: dict[str, tuple[int, ...]], inner_steps: int) 
     name, *fields = spec.split(":")
     if name == "averaging" and not fields:
         return None
+    if spec == "codec:fit":
+        return Codec(shapes, inner_steps, None, None)  # the mode's own rank (fit) and factor bits
     rank = re.fullmatch(r"rank(\d+)", fields[0]) if name == "codec" and fields else None
     if rank and (len(fields) == 1 or fields[1:] in (["auto"], ["svd"], ["randomized"])):
         return Codec(shapes, inner_steps, None, int(rank.group(1)), fields[1] if len(fields) == 2 else "power")
@@ -173,7 +177,7 @@ def compressor(spec: str, shapes: dict[str, tuple[int, ...]], inner_steps: int) 
     iterations = re.fullmatch(r"power(\d*)", fields[2]) if len(fields) == 3 else None
     if name == "lowrank" and (len(fields) == 2 or iterations):
         return LowRank(int(fields[0]), fields[1], power=int(iterations.group(1) or 1) if iterations else 0)
-    variants = "averaging, codec[:K|:rankR[:auto|:svd|:randomized]], lowrank:R:fp16|int8[:powerN]"
+    variants = "averaging, codec[:K|:fit|:rankR[:auto|:svd|:randomized]], lowrank:R:fp16|int8[:powerN]"
     raise SystemExit(f"unknown variant {spec!r}: {variants}")
 
 

@@ -729,3 +729,14 @@ if __name__ == "__main__":
 #                      (stopped) | --rank fit 6.0154 at round 6 against 5.8925 (stopped) | inner steps starting from
 #                      the public copies' mix, the residual set aside (gamma 1) 5.7410 | the models' mean fetched
 #                      at the end instead of the public copies' 5.7354 against 5.7370 (not built)
+#   where --rank fit's codec gap sits (python -m benchmarks.lowrank --rounds 10 --variants codec:fit, gpt-5m, 10
+#                      rounds of H 30; the simulation's averaging 5.8650, codec:fit 5.9457, 5,146x): the token
+#                      embedding sent exact (the rest through the codec) 5.9002, every block's matrices exact (the
+#                      embedding through the codec) 5.8927: the tied embedding (38% of the parameters) holds about
+#                      half of the gap, the blocks the other half
+#   PowerSGD's power iteration spread over rounds, one side a round (every worker projects its buffer onto a
+#                      basis all hold, the last round's mean projection made orthonormal, and sends only that
+#                      side in int4: the aggregate is the exact projection of the mean, at twice fit's rank in its
+#                      bytes; simulated as above, 4,825x): 6.2006 against codec:fit's 5.9457. Its first rounds
+#                      project onto a basis that has not yet turned towards the buffers (round 1: 8.34 against
+#                      6.76) and half a power iteration a round never catches up over 10 rounds: not built

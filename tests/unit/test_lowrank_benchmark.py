@@ -37,7 +37,7 @@ def test_a_matrix_of_the_rank_sent_arrives_whole(power: int) -> None:
 
 
 def test_every_kind_of_variant_runs_and_reports_its_gap_and_bytes(capsys: pytest.CaptureFixture) -> None:
-    variants = "averaging,codec,codec:64,lowrank:2:int8,lowrank:2:fp16:power,lowrank:2:int8:power2"
+    variants = "averaging,codec,codec:64,codec:fit,lowrank:2:int8,lowrank:2:fp16:power,lowrank:2:int8:power2"
     argv = ["--model", "gpt-tiny", "--rounds", "2", "--inner-steps", "2", "--sequence-length", "16", "--json"]
     result = lowrank.main([*argv, "--variants", variants])
     assert set(result["variants"]) == set(variants.split(","))
@@ -45,6 +45,8 @@ def test_every_kind_of_variant_runs_and_reports_its_gap_and_bytes(capsys: pytest
     assert runs["averaging"]["gap_vs_averaging"] == 0.0 and runs["averaging"]["x_fewer_than_fp32_gradients"] == 2.0
     assert (runs["codec"]["topk"], runs["codec:64"]["topk"]) == (143, 64)  # local-SGD rounds' default, and given
     assert runs["codec:64"]["bytes_per_worker_round"] < runs["codec"]["bytes_per_worker_round"]
+    # The mode's own factors (--rank fit, int4) fit a smaller top-k's bytes than the top-k the variant reports.
+    assert runs["codec:fit"]["bytes_per_worker_round"] < runs["codec"]["bytes_per_worker_round"]
     # fp16 factors at rank 2 cost twice int8's, less the scales.
     assert runs["lowrank:2:fp16:power"]["bytes_per_worker_round"] > runs["lowrank:2:int8"]["bytes_per_worker_round"]
     for r in runs.values():
