@@ -2,10 +2,11 @@
 
     python -m benchmarks.e2e --json                      # gpt-10m, 1 local worker on loopback
     python -m benchmarks.e2e --model gpt-tiny --steps 5 --json
+    python -m benchmarks.e2e --json --set stream_buckets=4    # any coordinator train setting, by field name
 
 Runs, in one process and one machine, side by side:
   bare     the same model and batch trained in this process: forward/backward + the same outer step;
-  service  ``coordinator`` + 1 ``worker serve`` subprocess on loopback, default codec settings.
+  service  ``coordinator`` + 1 ``worker serve`` subprocess on loopback, default settings (or ``--set``'s).
 Reports the median step time of each and their ratio (``step_time_ratio``), bytes per step in both
 directions after the first (state-pushing) round, the state size, and tokens/s. One JSON object.
 """
@@ -13,6 +14,7 @@ directions after the first (state-pushing) round, the state size, and tokens/s. 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -52,14 +54,33 @@ class BareStep:
         return time.perf_counter() - t0
 
 
-def main() -> None:
+def _setting(item: str) -> tuple[str, object]:
+    """``FIELD=VALUE`` -> (field, value): the value as JSON where it parses, else the string."""
+    field, sep, value = item.partition("=")
+    if not sep or field not in {f.name for f in dataclasses.fields(TrainConfig)}:
+        raise SystemExit(f"--set {item!r}: expected FIELD=VALUE with FIELD a TrainConfig field")
+    try:
+        return field, json.loads(value)
+    except json.JSONDecodeError:
+        return field, value
+
+
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt-10m")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--json", action="store_true", help="print the result on one line")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="a TrainConfig field of the service's run (VALUE as JSON where it parses); repeatable",
+    )
+    args = parser.parse_args(argv)
+    settings = dict(_setting(item) for item in args.set)
     keep_freed_memory()  # as `coordinator train` does; the bare step runs in this process and gains alike
 
     with tempfile.TemporaryDirectory() as out:
@@ -69,6 +90,7 @@ def main() -> None:
             batch_size=args.batch_size,
             sequence_length=args.seq_len,
             output_dir=out,
+            **settings,
         )
         # The worker gets every core, as it would on its own machine; the coordinator, which mostly waits,
         # gets one (as in `coordinator train --local`). Service and bare steps alternate, so a slow spell
@@ -111,10 +133,12 @@ def main() -> None:
         "worker_compress_s": statistics.median(r["worker_compress_time"] for r in steady),
         "dispatch_s": statistics.median(r["dispatch_time"] for r in steady),
         "aggregate_s": statistics.median(r["aggregate_time"] for r in steady),
+        "settings": settings,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
     print(json.dumps(result) if args.json else json.dumps(result, indent=1))
+    return result
 
 
 if __name__ == "__main__":

@@ -196,7 +196,7 @@ class GradientCodec:
     ) -> dict[str, CompressedTensor]:
         """Top-k per chunk, quantize per tensor, subtract what is sent from ``coeffs`` if it is feedback."""
         k = group.k
-        idx = topk_indices(coeffs.abs(), k)  # (B, k)
+        idx = topk_indices(coeffs, k, magnitude=True)  # (B, k)
         if self._elias_fano:  # its code takes each chunk's indices in increasing order
             idx = idx.sort(dim=1).values
         vals = coeffs.gather(1, idx)  # (B, k)

@@ -38,7 +38,7 @@ def dct_chunks(x: torch.Tensor) -> torch.Tensor:
     d_r, d_c = _bases(x)
     b, r, c = x.shape
     y = (x.reshape(b * r, c) @ d_c.T).view(b, r, c)  # transform along columns of every row at once
-    return torch.matmul(d_r, y)  # (r, r) broadcast over B: transform along rows
+    return torch.bmm(d_r.expand(b, r, r), y)  # transform along rows (bmm reads the broadcast basis in place)
 
 
 def idct_chunks(y: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -52,7 +52,7 @@ def idct_chunks(y: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     d_r, d_c = _bases(y)
     b, r, c = y.shape
     x = (y.reshape(b * r, c) @ (d_c * scale if scale != 1.0 else d_c)).view(b, r, c)
-    return torch.matmul(d_r.T, x)
+    return torch.bmm(d_r.T.expand(b, r, r), x)
 
 
 def fast_transform_dtype(device: torch.device | str = "cpu") -> torch.dtype:

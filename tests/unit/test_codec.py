@@ -173,6 +173,21 @@ def test_error_feedback_reset_forgets():
         ErrorFeedback(beta=1.5)
 
 
+def test_error_feedback_widens_a_narrower_update_to_the_bits_of_a_mixed_add(monkeypatch):
+    """A bfloat16 transform's coefficients go into the float32 buffer a tile at a time (``_add_widened``,
+    tiles shrunk here so that the last one is short): the very bits of ``beta * m + update`` in float32."""
+    from gradwire.compression import feedback as feedback_module
+
+    monkeypatch.setattr(feedback_module, "WIDEN_TILE", 1000)
+    gen = torch.Generator().manual_seed(5)
+    first, second = (torch.randn(37, 129, generator=gen).to(torch.bfloat16) for _ in range(2))
+    feedback = ErrorFeedback(beta=0.9)
+    feedback.accumulate("g", first)
+    expected = first.float().clone().mul_(0.9).add_(second)  # the mixed-dtype add, in one call
+    assert torch.equal(feedback.accumulate("g", second), expected)
+    assert feedback.buffers["g"].dtype == torch.float32
+
+
 @pytest.mark.parametrize("config", list(CODINGS.values()), ids=list(CODINGS))
 def test_error_feedback_keeps_quantization_error(config):
     """After one step the residual is exactly g minus what the receiver decodes."""

@@ -78,3 +78,19 @@ def test_other_dtypes_and_bad_arguments():
             topk_indices(scores, bad_k)
     with pytest.raises(ValueError, match=r"\(B, n\)"):
         topk_indices(torch.rand(64), 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_magnitude_ranks_as_the_absolute_values_do(dtype: torch.dtype):
+    """``magnitude`` keeps the positions ``scores.abs()`` would, NaN and infinity of either sign first, on
+    numpy's path (float32, float64) and torch's (bfloat16) alike."""
+    gen = torch.Generator().manual_seed(3)
+    scores = torch.randn(600, 256, generator=gen).to(dtype)  # 600 rows: three blocks, the last one short
+    scores[4, 17], scores[5, 3] = float("-inf"), float("nan")
+    scores[7, :200] = 0.0  # a row of ties at zero
+    got = topk_indices(scores, 12, magnitude=True)
+    want = topk_indices(scores.abs(), 12)
+    for row in range(scores.shape[0]):
+        kept, expected = scores[row].abs()[got[row]], scores[row].abs()[want[row]]
+        assert torch.equal(kept.float().nan_to_num(9e9).sort().values, expected.float().nan_to_num(9e9).sort().values)
+    assert 17 in got[4].tolist() and 3 in got[5].tolist()
