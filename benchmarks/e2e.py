@@ -26,6 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import torch
 
+from benchmarks.overrides import setting_value
 from gradwire.coordinator.client import WorkerClient
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.local import local_workers
@@ -59,10 +60,7 @@ def _setting(item: str) -> tuple[str, object]:
     field, sep, value = item.partition("=")
     if not sep or field not in {f.name for f in dataclasses.fields(TrainConfig)}:
         raise SystemExit(f"--set {item!r}: expected FIELD=VALUE with FIELD a TrainConfig field")
-    try:
-        return field, json.loads(value)
-    except json.JSONDecodeError:
-        return field, value
+    return field, setting_value(value)
 
 
 def main(argv: list[str] | None = None) -> dict:

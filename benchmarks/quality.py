@@ -100,6 +100,7 @@ import torch
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
+from benchmarks.overrides import setting_value
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.data.streaming import text_pieces
 from gradwire.coordinator.data.tokens import Encoder
@@ -448,11 +449,7 @@ def parse_overrides(items: list[str], methods: list[str]) -> dict[str, dict[str,
         method, dot, field = key.partition(".")
         if not sep or not dot or method not in METHODS:
             raise ValueError(f"--set {item!r}: expected METHOD.FIELD=VALUE with METHOD one of {', '.join(METHODS)}")
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        out.setdefault(method, {})[field] = value
+        out.setdefault(method, {})[field] = setting_value(raw)
     return out
 
 
