@@ -133,22 +133,31 @@ def item_norms_sq(factors: Sequence[Factors]) -> torch.Tensor:
     return out
 
 
-# Codes are at most 127 in magnitude (``lowrank.CODE_LIMIT``): a product of two is at most 127^2 and a sum of
-# 1024 of them stays below 2^24, so float32 holds every partial sum of a Gram matrix of codes over at most
-# this many rows exactly, in any order; float64 holds the sum of such blocks of any matrix exactly.
-EXACT_FLOAT32_ROWS = 1024
+# A float32 holds every integer up to 2^24 exactly. A Gram matrix of codes whose largest product is p sums
+# ``FLOAT32_EXACT // p`` rows at a time in float32 without rounding, in any order, and float64 holds the sum of
+# such blocks of any matrix exactly: 1040 rows of int8 codes (127^2), 342,392 of int4 codes (7^2).
+FLOAT32_EXACT = 2**24
+
+
+def exact_block_rows(x: torch.Tensor, y: torch.Tensor) -> int:
+    """Rows of ``x`` and ``y`` (integer codes) whose products sum exactly in float32: by their largest codes."""
+    if not x.numel() or not y.numel():
+        return 1
+    peak = max(-int(x.amin()), int(x.amax())) * max(-int(y.amin()), int(y.amax()))
+    return FLOAT32_EXACT // max(peak, 1)
 
 
 def code_gram(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``x^T y`` of integer codes (n, m, p) and (n, m, q), exactly, as float64 (n, p, q): float32 products
-    of blocks of at most ``EXACT_FLOAT32_ROWS`` of the m rows, summed in float64 (exact: see above; the same
-    bits on any device and BLAS, where a product of scaled factors rounds by its summation order)."""
+    of blocks of ``exact_block_rows`` of the m rows (all of them, for int4 codes of any matrix here), summed
+    in float64 (exact: see above; the same bits on any device and BLAS, where a product of scaled factors
+    rounds by its summation order)."""
     xf = x.float()
     yf = xf if y is x else y.float()
-    m = x.shape[-2]
-    out = (xf[..., :EXACT_FLOAT32_ROWS, :].mT @ yf[..., :EXACT_FLOAT32_ROWS, :]).double()
-    for i in range(EXACT_FLOAT32_ROWS, m, EXACT_FLOAT32_ROWS):
-        out += (xf[..., i : i + EXACT_FLOAT32_ROWS, :].mT @ yf[..., i : i + EXACT_FLOAT32_ROWS, :]).double()
+    m, block = x.shape[-2], exact_block_rows(x, y)
+    out = (xf[..., :block, :].mT @ yf[..., :block, :]).double()
+    for i in range(block, m, block):
+        out += (xf[..., i : i + block, :].mT @ yf[..., i : i + block, :]).double()
     return out
 
 
