@@ -765,6 +765,8 @@ if __name__ == "__main__":
 #   outer Nesterov 0.5 at lr 0.5 on the compressed aggregate (simulated, 10 rounds): 5.9400 against 5.9457
 #   the first round sent exact, the rest as fitted (simulated, 10 rounds): 5.9231: a quarter of the gap to
 #                      averaging (5.8650) is the first round's, at 22 MB
+#   the first round at 2x or 3x the fitted ranks, the later at 0.89x or 0.78x (the same bytes; simulated, exact SVD,
+#                      int4): 5.9576 / 5.9433 against 5.9103 flat: bytes moved to the first round do not pay
 #   at 1,200 steps, H 240: uncompressed averaging 5.2164 / 5.2210 (seeds 0 / 1, +2.03%): local SGD itself misses
 #                      +2% at that H, so the target needs H 120 or less | peer at top-512 (its H 30 bytes per token,
 #                      4,377x) 5.8774 (+14.7%)
