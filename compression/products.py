@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from gradwire.compression.lowrank import Factors
+from gradwire.compression.lowrank import CODE_LIMIT, Factors
 
 Item = torch.Tensor | Factors
 
@@ -135,16 +135,23 @@ def item_norms_sq(factors: Sequence[Factors]) -> torch.Tensor:
 
 # A float32 holds every integer up to 2^24 exactly. A Gram matrix of codes whose largest product is p sums
 # ``FLOAT32_EXACT // p`` rows at a time in float32 without rounding, in any order, and float64 holds the sum of
-# such blocks of any matrix exactly: 1040 rows of int8 codes (127^2), 342,392 of int4 codes (7^2).
+# such blocks of any matrix exactly: 1040 rows of any codes (127^2), 342,392 of int4 codes (7^2).
 FLOAT32_EXACT = 2**24
+ANY_CODES_ROWS = FLOAT32_EXACT // CODE_LIMIT**2
 
 
 def exact_block_rows(x: torch.Tensor, y: torch.Tensor) -> int:
-    """Rows of ``x`` and ``y`` (integer codes) whose products sum exactly in float32: by their largest codes."""
-    if not x.numel() or not y.numel():
-        return 1
-    peak = max(-int(x.amin()), int(x.amax())) * max(-int(y.amin()), int(y.amax()))
-    return FLOAT32_EXACT // max(peak, 1)
+    """Rows of ``x`` and ``y`` (integer codes, (..., m, k)) whose products sum exactly in float32. Their
+    largest codes are read (one wait for the device each) only where more rows than any codes allow are there."""
+    if x.shape[-2] <= ANY_CODES_ROWS or not x.numel() or not y.numel():
+        return ANY_CODES_ROWS
+    peak_x = _peak(x)
+    return FLOAT32_EXACT // max(peak_x * (peak_x if y is x else _peak(y)), 1)
+
+
+def _peak(codes: torch.Tensor) -> int:
+    """The largest code magnitude (codes are never -128: ``lowrank.CODE_LIMIT``)."""
+    return int(torch.maximum(codes.amax(), codes.amin().neg()))
 
 
 def code_gram(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,7 @@ def test_inner_products_and_norms_come_from_the_factors():
 def test_gram_matrices_of_codes_are_exact_at_any_size():
     """The k x k Gram matrices the norms are made of are the integers' own, whatever their size: the float32
     blocks never round (the largest codes everywhere, a sum past 2^24) and the float64 sum of blocks neither."""
-    assert products.exact_block_rows(torch.full((1, 1), 127), torch.full((1, 1), -127)) == 1040
+    assert products.exact_block_rows(torch.full((2000, 1), 127), torch.full((2000, 1), -127)) == 1040
     rows = 3 * 1040 + 17  # three whole blocks of int8 codes and a part
     worst = torch.full((2, rows, 3), 127, dtype=torch.int8)
     worst[1, ::2] = -127
@@ -71,7 +71,8 @@ def test_gram_matrices_of_codes_are_exact_at_any_size():
     y = torch.randint(-127, 128, (3, rows, 2), generator=gen, dtype=torch.int8)
     assert torch.equal(products.code_gram(x, y), (x.long().mT @ y.long()).double())
     # int4 codes take blocks 330x longer, as exact: the largest codes over more rows than one block of them holds.
-    rows4 = 2 * products.exact_block_rows(torch.tensor([7]), torch.tensor([7])) + 5
+    rows4 = 2 * products.exact_block_rows(torch.full((2000, 1), 7), torch.full((2000, 1), -7)) + 5
+    assert rows4 == 2 * 342_392 + 5
     worst4 = torch.full((1, rows4, 2), 7, dtype=torch.int8)
     worst4[0, ::3, 1] = -7
     exact4 = worst4.long().mT @ worst4.long()
