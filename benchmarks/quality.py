@@ -770,3 +770,9 @@ if __name__ == "__main__":
 #   at 1,200 steps, H 240: uncompressed averaging 5.2164 / 5.2210 (seeds 0 / 1, +2.03%): local SGD itself misses
 #                      +2% at that H, so the target needs H 120 or less | peer at top-512 (its H 30 bytes per token,
 #                      4,377x) 5.8774 (+14.7%)
+#   the one-side-a-round power iteration above, seeded by a two-sided first round (simulated, vectors exact): 6.0202
+#                      against 5.9110 for each worker's own two-sided factors at the same bytes: not built
+#   at 300 steps, the defaults at the same bytes per token (2026-11-29, 69b8605; seeds 0 / 1, dense 5.4790 / 5.4765):
+#                      H 30 5.6126 / 5.6019 (+2.36%) | H 60 5.5806 / 5.5708 (+1.79%: the target met) | H 100 5.5865
+#                      (seed 0); uncompressed averaging H 60 5.5424 / 5.5049 (+0.84%). At H 60 --overlap (eager)
+#                      5.6330, --fragments 2 5.6045 (seed 0). The docs recommend --inner-steps 60 since
