@@ -23,14 +23,18 @@ from concurrent.futures import ThreadPoolExecutor
 thread = ThreadPoolExecutor(1)
 thread.submit(rounds, 3).result()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-thread.submit(rounds, 3).result()
+thread.submit(rounds, MEASURED).result()
 print(took, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
+MEASURED = 6  # rounds counted, after 3 that fault the buffers in
+
+
 def _faults(mode: str) -> tuple[str, int]:
+    script = SCRIPT.replace("MEASURED", str(MEASURED))
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=120, check=True
     ).stdout.split()
     return out[0], int(out[1])
 
@@ -39,8 +43,10 @@ def test_codec_buffers_are_reused_not_refaulted():
     took, kept = _faults("keep")
     _, default = _faults("default")
     assert took == "True"
-    # Three rounds re-fault hundreds of MB of fresh pages by default; kept memory was faulted in before.
-    assert default > 50_000 and kept < default / 10, (kept, default)
+    # By default every round re-faults its buffers: over 200 MB of fresh pages. Kept memory was faulted in
+    # before; under other load the heap may still grow once by the buffers' 64 MB (a different allocation
+    # order across torch's threads), which is not a round's re-fault.
+    assert default > 100_000 and kept < default / 5, (kept, default)
 
 
 def test_can_be_turned_off(monkeypatch):
