@@ -55,7 +55,7 @@ from gradwire.hardware import resolve_precision
 from gradwire.replica import Replica
 from gradwire.worker import compute, rounds
 from gradwire.worker.engine import WorkerEngine
-from gradwire.worker.inprocess import in_process_clients
+from gradwire.worker.inprocess import InProcessClient, in_process_clients
 from gradwire.worker.placement import Placement
 
 # (model, rows, tokens per row, inner steps): on a CPU, on a GPU, --quick
@@ -233,7 +233,8 @@ def measure(args: argparse.Namespace, local: bool) -> dict[str, Any]:
             eval_every=0,
         )
         engine = functools.partial(WorkerEngine, placement=Placement(precision=precision))
-        trainer = Trainer(config, in_process_clients(1, args.device, engine), progress=False)
+        clients = in_process_clients(1, args.device, engine)
+        trainer = Trainer(config, clients, progress=False)
         walls: list[float] = []
         turnarounds: list[float | None] = []
         try:
@@ -250,6 +251,7 @@ def measure(args: argparse.Namespace, local: bool) -> dict[str, Any]:
                 if stages.active:
                     walls.append(time.perf_counter() - t0)
                     turnarounds.append(record.get("turnaround_s"))
+            settle(clients)  # what the last timed round queued on the look-ahead thread is timed too
             stages.active = False
             recorder.close(0)
             heavy = alone(stash, trainer.replica, stages, args.repeats)
@@ -264,6 +266,13 @@ def measure(args: argparse.Namespace, local: bool) -> dict[str, Any]:
         "stages": stages.report(args.rounds),
         "alone": heavy,
     }
+
+
+def settle(clients: list[InProcessClient]) -> None:
+    """Wait until each in-process worker's look-ahead thread has run what was queued on it (its one thread
+    runs them in order, so a no-op queued last finishes after them)."""
+    for client in clients:
+        client.engine.rounds.ahead.submit(lambda: None).result()
 
 
 def _median_ms(values: list[float | None]) -> float | None:
