@@ -145,6 +145,7 @@ METHODS: dict[str, dict[str, Any]] = {
         index_coding="packed12",
         feedback_beta=0.999,
         downlink="replay",
+        topk_warmup_steps=0,
     ),
     # gradwire's gradient mode as a user gets it: the mode's defaults, sign-SGD at 1e-3 (mode_defaults).
     "gradient": dict(_GRADIENT, downlink="replay"),
@@ -784,4 +785,10 @@ if __name__ == "__main__":
 #   at 300 steps, the defaults at the same bytes per token (2026-11-29, 69b8605; seeds 0 / 1, dense 5.4790 / 5.4765):
 #                      H 30 5.6126 / 5.6019 (+2.36%) | H 60 5.5806 / 5.5708 (+1.79%: the target met) | H 100 5.5865
 #                      (seed 0); uncompressed averaging H 60 5.5424 / 5.5049 (+0.84%). At H 60 --overlap (eager)
-#                      5.6330, --fragments 2 5.6045 (seed 0). The docs recommend --inner-steps 60 since
+#                      5.6330, --fragments 2 5.6045 (seed 0). The docs recommend --inner-steps 60.
+#   gradient mode's top-k warm-up (2026-11-29, 300 steps; seeds 0 / 1; the default before 5.6173 / 5.5825, +2.23%):
+#                      144 for 15 steps then 36 5.5076 (244x) | 144 for 30 then 36 5.4858 (222x) | 144 / 30 then 28
+#                      5.4985 / 5.5344 (258x) | 108 / 30 then 30 5.5201 (265x) | 216 / 20 then 28 5.4727 (256x) |
+#                      216 / 20 then 25, top-36's bits over the run (the default since) 5.5175 / 5.5197 (+0.75%,
+#                      274x) | --topk 39 (234 / 20 then 27) 5.4986 / 5.5168 (+0.55%, 256x) | the error feedback's
+#                      decay ramped 1 - 1 / (100 + step) up to 0.999, no warm-up, 5.5856 / 5.6019 (+2.12%)

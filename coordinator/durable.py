@@ -187,7 +187,8 @@ def replay(outer: OuterStrategy, records: Sequence[LogRecord]) -> RoundState:
         state = RoundState.from_bytes(record.coordinator_state)
         made = record.contributions
         c = made if made is not None else record.update
-        aggregator = robust.aggregate(outer.codec_of(c.fragment), c.payloads, c.weights, c.scales, c.rule)
+        settings = c.payloads[0].settings if c.payloads else None  # the round's (a top-k warm-up's step)
+        aggregator = robust.aggregate(outer.codec_of(c.fragment, settings), c.payloads, c.weights, c.scales, c.rule)
         outer.step(
             aggregator,
             c.payloads,

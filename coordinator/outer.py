@@ -248,9 +248,13 @@ class OuterStrategy(abc.ABC):
             return None
         return self._sent_in, pending.payloads[self._senders.index(slot)]
 
-    def codec_of(self, fragment: Fragment | None) -> GradientCodec:
-        """The codec of a round's payloads: the run's, or a fragment's (``--fragments``)."""
-        return self.codec if fragment is None else self.replica.codec(self.codec.config, fragment)
+    def codec_of(self, fragment: Fragment | None, config: CodecConfig | None = None) -> GradientCodec:
+        """The codec of a round's payloads: the run's, or a fragment's (``--fragments``); with ``config``, the
+        round's settings where they are not the run's (a top-k warm-up's step)."""
+        config = config or self.codec.config
+        if fragment is None and config == self.codec.config:
+            return self.codec
+        return self.replica.codec(config, fragment)
 
     def checkpoint(self) -> TensorGroups:
         """Tensor groups for a checkpoint (after ``apply_pending``): the model and the outer optimizer's state."""

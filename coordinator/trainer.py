@@ -111,6 +111,8 @@ class Trainer:
             fingerprint_gradient=self.spot_checks.fingerprint_gradient,
             redundancy=self.spot_checks.redundancy,
         )
+        if self.planner.topk.steps:
+            log.info("top-k warm-up: %s", self.planner.topk.why)
         self.outer.set_replay_window(config.replay_window)
         self.run_id = uuid.uuid4().hex
         self.state_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -282,7 +284,8 @@ class Trainer:
         plan = self.rounds.prepare(self.roster.active(step), step)
         work = self.round_work(step, plan.slots)
         fragment = of_round(step, self.config.fragments)
-        return PlannedRound(step, self.config.lr_at(step), plan, work, fragment, self.outer.codec_of(fragment))
+        codec = self.outer.codec_of(fragment, work.codec)
+        return PlannedRound(step, self.config.lr_at(step), plan, work, fragment, codec)
 
     def _dispatch(self, planned: PlannedRound) -> RoundOutcome:
         """Orders out, results in (``round.RoundDispatcher``); the workers' measured throughput feeds the

@@ -63,6 +63,7 @@ class WorkPlanner:
         ``redundancy``: (every, secret) of spot checks by redundancy (``decisions.redundancy_group``; every 0:
         none): in the rounds they draw, a few workers get the same rows."""
         self.config, self.data, self.codec, self.batch_dtype = config, data, codec, batch_dtype
+        self.topk = config.topk_warmup()  # the top-k of each step (gradient mode's warm-up)
         self.fingerprint_gradient = fingerprint_gradient
         self.redundancy = redundancy
         self.estimates: dict[str, Throughput] = {}  # by worker address
@@ -99,7 +100,7 @@ class WorkPlanner:
         micro = cfg.micro_batch_size or (cfg.batch_size if cfg.balance != "off" else 0)
         return RoundWork(
             step,
-            self.codec,
+            self.topk.config_at(self.codec, step),
             batches,
             next_batches,
             local_steps,

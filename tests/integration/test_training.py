@@ -41,7 +41,9 @@ def test_loss_falls_and_metrics_are_complete(tmp_path, two_workers):
     # After the first round's state push, a round carries only the update: far below the state size.
     assert records[0]["bytes_down"] > trainer.state_bytes * 2
     assert all(r["bytes_down"] < trainer.state_bytes / 20 for r in records[1:])
-    assert all(r["compression_ratio"] > 100 for r in records)
+    # The top-k warm-up's 3 steps (a tenth of 30) send 6x the top-k, the rest fewer: the run as a whole, 100x.
+    assert len(records) / sum(1 / r["compression_ratio"] for r in records) > 100
+    assert all(r["compression_ratio"] > 100 for r in records[3:])
     # The workers' replicas are the coordinator's, bit for bit (same device kind, replayed updates)...
     for w in two_workers:
         (session,) = w.engine.sessions.values()
@@ -73,15 +75,18 @@ def test_dense_sgd_through_the_service_equals_single_process_training(tmp_path, 
 
 
 def test_resume_continues_the_same_trajectory(tmp_path):
-    # --balance sizes the workers' shares to each run's own timings: the same rows in both runs need it off.
-    straight_cfg = _config(tmp_path / "a", steps=20, balance="off")
+    # --balance sizes the workers' shares to each run's own timings: the same rows in both runs need it off. A
+    # run of 10 steps extended to 20 is not a 20-step run where a schedule follows --steps: the top-k warm-up's
+    # is off (resuming within it: test_update_log).
+    same = {"balance": "off", "topk_warmup_steps": 0}
+    straight_cfg = _config(tmp_path / "a", steps=20, **same)
     with live_workers(2) as workers:
         straight = train(straight_cfg, workers)
     with live_workers(2) as workers:
-        train(_config(tmp_path / "b", steps=10, balance="off"), workers)
+        train(_config(tmp_path / "b", steps=10, **same), workers)
     with live_workers(2) as workers:  # fresh worker processes: error feedback comes from the checkpoint
         resumed = train(
-            _config(tmp_path / "b", steps=20, resume_from=str(tmp_path / "b" / "run" / "checkpoints"), balance="off"),
+            _config(tmp_path / "b", steps=20, resume_from=str(tmp_path / "b" / "run" / "checkpoints"), **same),
             workers,
         )
     losses_a = [r["loss"] for r in read_metrics(tmp_path / "a" / "run")]
@@ -207,6 +212,26 @@ def test_a_worker_that_lost_its_own_payload_gets_the_state(tmp_path, two_workers
     assert [r["pushes"] for r in records] == [2, 0, 0, 1, 0, 0]  # NEEDS_STATE, one push, on course
     assert all(r["successful_workers"] == 2 for r in records)
     assert_in_step(trainer, two_workers[1])
+
+
+def test_a_top_k_warm_up_sends_its_codec_each_step_and_keeps_replicas_in_step(tmp_path, two_workers):
+    """Gradient mode's default top-k warm-up through real servers (20 steps: 2 warm ones, a tenth): each
+    round's payloads are the plan of its step's top-k, 6x the top-k for 2 steps and fewer after, and the
+    replays keep every replica the coordinator's."""
+    config = _config(tmp_path, steps=20)
+    warmup = config.topk_warmup()
+    assert (warmup.steps, warmup.warm) == (2, 6 * config.topk) and warmup.rest < config.topk
+    trainer = Trainer(config, [w.client() for w in two_workers], progress=False)
+    records = steps_with_fault(trainer, lambda: None, before=2, after=2)
+    assert all(r is not None and r["successful_workers"] == 2 for r in records)
+    plan = {
+        k: trainer.replica.codec(warmup.config_at(config.codec_config(), s)).plan.payload_bytes()
+        for s, k in ((0, "warm"), (2, "rest"))
+    }
+    framing = [r["bytes_up"] - 2 * plan["warm" if r["step"] <= 2 else "rest"] for r in records]
+    assert plan["warm"] > 3 * plan["rest"] and min(framing) > 0, (plan, framing)
+    assert max(framing) - min(framing) < plan["rest"] / 20  # the same framing (fields, scales) at any top-k
+    assert_in_step(trainer, two_workers[0])
 
 
 def test_elias_fano_indices_cross_the_wire_and_keep_replicas_in_step(tmp_path, two_workers):

@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from gradwire.compression import schedule
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.durable import RoundState, decide_replay, log_path, read_records
 from gradwire.coordinator.metrics import read_metrics
@@ -159,6 +160,27 @@ def test_every_kind_of_round_resumes_from_the_log(tmp_path: Path, changes: dict)
     engines = _engines()
     first = Trainer(_config(out, **changes), _clients(engines), progress=False)
     _killed_after(first, 5)
+    rows, resumed, _ = _resumed(out, engines, **changes)
+    first.close()
+    assert [r["step"] for r in rows] == [6, 7] and [e.pushes for e in engines] == [1, 1]
+    assert all(torch.equal(resumed[n], straight[n]) for n in straight)
+
+
+def test_a_top_k_warm_up_resumes_from_the_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gradient mode's top-k warm-up (--topk-warmup-steps) spanning the kill: the logged rounds' payloads are
+    of the warm top-k and the rounds after of the rest's; the replay decodes each with its own codec, and the
+    run is the uninterrupted run."""
+    monkeypatch.setattr(schedule, "MAX_WARMUP_SHARE", 1.0)  # 4 warm steps of 7 (a real run's: a tenth at most)
+    changes = {"topk_warmup_steps": 4}
+    assert _config(tmp_path, **changes).topk_warmup().steps == 4
+    straight = _straight(tmp_path / "straight", **changes)
+    out = tmp_path / "killed"
+    engines = _engines()
+    first = Trainer(_config(out, **changes), _clients(engines), progress=False)
+    _killed_after(first, 5)
+    logged = read_records(log_path(out / "checkpoints"), 1 << 30)
+    warm, rest = first.planner.topk.warm, first.planner.topk.rest
+    assert [r.update.payloads[0].settings.topk for r in logged] == [warm, rest] and warm > rest
     rows, resumed, _ = _resumed(out, engines, **changes)
     first.close()
     assert [r["step"] for r in rows] == [6, 7] and [e.pushes for e in engines] == [1, 1]
