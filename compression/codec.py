@@ -40,6 +40,7 @@ from gradwire.compression.plan import (
     ChunkGroup,
     ModelPlan,
     TensorPlan,
+    coded_format,
     indices_nbytes,
     lut_nbytes,
     matrix_view,
@@ -123,7 +124,7 @@ class GradientCodec:
         self.device = torch.device(device)
         self.transform_dtype = transform_dtype or fast_transform_dtype(self.device)
         # The one coded format of this codec (tensors that do not use it send raw float32), and its width.
-        self._coded = ValueFormat.SIGN if self.config.values == "sign" else ValueFormat.LUT
+        self._coded = coded_format(self.config)
         self._bits = value_bits(self._coded, self.config)
         self._elias_fano = self.config.indices == "elias-fano"
         self._layouts = [self._layout(g) for g in self.plan.groups]

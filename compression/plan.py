@@ -66,6 +66,11 @@ def lut_nbytes(value_format: ValueFormat, config: CodecConfig, rank: int = 0) ->
     return config.bins * LUT_ENTRY_BYTES if value_format == ValueFormat.LUT else 0
 
 
+def coded_format(config: CodecConfig) -> ValueFormat:
+    """The coded format of ``config``'s values (SIGN or LUT), where coding them is worth it."""
+    return ValueFormat.SIGN if config.values == "sign" else ValueFormat.LUT
+
+
 def value_format_for(num_values: int, config: CodecConfig) -> ValueFormat:
     """The one rule for how values travel: coded when that is smaller in bytes than raw float32.
 
@@ -75,7 +80,7 @@ def value_format_for(num_values: int, config: CodecConfig) -> ValueFormat:
     """
     if not config.quantized:
         return ValueFormat.FLOAT32
-    coded = ValueFormat.SIGN if config.values == "sign" else ValueFormat.LUT
+    coded = coded_format(config)
     header = SIGN_HEADER_BYTES if coded == ValueFormat.SIGN else QUANT_HEADER_BYTES
     coded_bytes = values_nbytes(coded, num_values, config) + lut_nbytes(coded, config) + header
     return coded if coded_bytes < 4 * num_values else ValueFormat.FLOAT32

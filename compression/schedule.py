@@ -17,7 +17,8 @@ import dataclasses
 
 from gradwire.compression.config import CodecConfig
 from gradwire.compression.packing import INDEX_BITS, ef_chunk_bits
-from gradwire.compression.plan import code_bits
+from gradwire.compression.payload import ValueFormat
+from gradwire.compression.plan import coded_format, value_bits
 
 # At most this share of a run's steps is warm-up: the rest must pay for it in fewer coefficients.
 MAX_WARMUP_SHARE = 0.1
@@ -28,7 +29,7 @@ def chunk_bits(config: CodecConfig, k: int) -> int:
     in the settings' index coding and their values (a tensor's table and scales are the same at any k)."""
     area = config.chunk * config.chunk
     index = ef_chunk_bits(k, area) if config.indices == "elias-fano" else k * INDEX_BITS
-    value = 1 if config.values == "sign" else code_bits(config.bins) if config.bins else 32
+    value = value_bits(coded_format(config) if config.quantized else ValueFormat.FLOAT32, config)
     return index + k * value
 
 
