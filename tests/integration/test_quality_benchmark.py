@@ -67,7 +67,11 @@ def test_quality_benchmark_trains_on_a_given_text_and_says_when_tokens_repeat(tm
     text.write_text("To be, or not to be, that is the question.\n\n" * 85)  # ~1,300 tokens, 1,056 held out
     out = tmp_path / "quality"
     args = ["--model", "gpt-tiny", "--steps-total", "4", "--batch-size", "2", "--sequence-length", "32"]
-    result = quality.main([*args, "--methods", "dense", "--data", str(text), "--output-dir", str(out), "--json"])
+    overrides = ["--set", "dense.min_lr_ratio=0.1"]  # dense's own value: recorded, for benchmarks.seeds
+    result = quality.main(
+        [*args, "--methods", "dense", *overrides, "--data", str(text), "--output-dir", str(out), "--json"]
+    )
+    assert result["methods"]["dense"]["overrides"] == {"min_lr_ratio": 0.1}
     data = result["data"]
     assert data["corpus"] == str(text) and data["train_tokens"] < data["tokens_read_per_method"]
     assert not data["each_token_at_most_once"] and data["passes"] > 1
