@@ -13,8 +13,8 @@ method and its ``--set`` overrides: the held-out loss and the gap to dense at ea
 standard error over the seeds, the uplink reduction, and whether the mean meets the method's target
 (``benchmarks.quality.TARGETS``). One JSON object (``--json``) or a table.
 
-Why: at 300 steps one seed's gap between two settings of gradient mode scattered by up to 0.6 points
-(docs/benchmarks.md), as large as the differences two seeds were asked to settle. The standard error says
+Why: at 300 steps a gradient-mode setting's gap to dense moved by up to a point from seed to seed
+(docs/benchmarks.md), as much as the differences two seeds were asked to settle. The standard error says
 which differences a set of seeds can tell apart.
 """
 
