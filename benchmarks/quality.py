@@ -799,3 +799,9 @@ if __name__ == "__main__":
 #                      | top-864 for 5 steps +1.68% | the warm steps at 15-34 instead of 0-19 +2.59% (four seeds)
 #                      | each worker's error feedback cleared when the warm-up ends +1.16% (four seeds)
 #                      | the top-k ramped down from 216 to 25 over 40 steps +0.72% (four seeds, 269x)
+#   gradient mode's selection and step, simulated (benchmarks.gradsim, 2026-11-29, 300 steps, seed 0; its own data
+#                      order, dense 5.8293, the codec 5.8940): the top-k over each tensor instead of each chunk
+#                      5.9436 | 3-bit values at top-39 5.9201 | momentum 0.5 before the sign 5.9779 | majority vote
+#                      6.0145 | the aggregate over its RMS 6.3921, clipped at 2 RMS 6.0150 | each worker's own AdamW
+#                      step through the codec, outer SGD 6.0863 | uncompressed sign-SGD 6.0746, signum 0.9 5.9313:
+#                      none beats the codec's sign step
