@@ -238,13 +238,18 @@ class Aggregator:
         """The weighted sum of the held senders' inverse DCTs of chunks ``lo:hi`` of group ``gi``: each
         sender's transform (computed ahead, or here), times its share of the mean, added in sender order."""
         stack = None
+        alone = len(self._held) == 1
         for d, weight in self._held:
-            share = weight / self.total_weight
+            share = weight / self.total_weight  # 1.0 for a sole sender: x * 1.0 is x, bit for bit
             ahead = d.inverse.get((gi, lo, hi)) if d.inverse is not None else None
             if ahead is not None and ahead.dtype == self.dtype:
-                term = ahead * share  # a new tensor: the term computed ahead stays as it was
+                # A sole sender's term is the sum itself, read as it is; otherwise a new tensor, which the next
+                # senders are added into: the term computed ahead stays as it was either way.
+                term = ahead if alone and share == 1.0 else ahead * share
             else:
-                term = sender_inverse(self.codec, d, gi, lo, hi, self.dtype).mul_(share)
+                term = sender_inverse(self.codec, d, gi, lo, hi, self.dtype)
+                if share != 1.0:
+                    term.mul_(share)
             stack = term if stack is None else stack.add_(term)
         assert stack is not None
         return stack

@@ -257,6 +257,15 @@ def test_a_sender_transformed_ahead_sums_to_the_same_bits(dtype, monkeypatch):
     other = torch.float64 if dtype == torch.float32 else torch.float32
     wrong = result([aggregate.with_inverse(codec, d, other) for d in decoded])
     assert len(transforms) > 0 and all(torch.equal(wrong[n], plain[n]) for n in SHAPES)
+    # A sole sender transformed ahead: its replay reads the transform as it is (no pass to scale it by 1),
+    # the same bits, and the transform itself is left as it was.
+    kept = {key: t.clone() for key, t in ahead[1].inverse.items()}
+    alone, alone_ahead = Aggregator(codec, dtype=dtype), Aggregator(codec, dtype=dtype)
+    alone.add(decoded[1], 3.0)
+    alone_ahead.add(ahead[1], 3.0)
+    a, b = alone.result(), alone_ahead.result()
+    assert all(torch.equal(a[n], b[n]) for n in SHAPES)
+    assert all(torch.equal(kept[key], t) for key, t in ahead[1].inverse.items())
     # The terms are what the dense path sums, to float32 rounding.
     dense = Aggregator(codec, sparse=False, dtype=dtype)
     for p, w in zip(payloads, (1.0, 3.0)):
