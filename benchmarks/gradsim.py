@@ -64,6 +64,7 @@ from gradwire.compression.schedule import TopkWarmup
 from gradwire.compression.select import topk_indices
 from gradwire.coordinator.config import TOPK_WARMUP_FACTOR, TOPK_WARMUP_STEPS, TrainConfig
 from gradwire.models.registry import build_model, lm_loss
+from gradwire.optim.schedule import Schedule, lr_at
 
 DEFAULT_VARIANTS = "dense,codec"
 VARIANTS = ("dense", "exact", "codec", "select:chunk", "select:tensor")
@@ -190,23 +191,25 @@ def sender(spec: str, shapes: Mapping[str, tuple[int, ...]], args: argparse.Name
 
 
 class AdamPreconditioner:
-    """A worker's own AdamW step of its own gradients (``--precond adam``)."""
+    """A worker's own AdamW step of its own gradients (``--precond adam``): torch's AdamW on tensors that start
+    each step at zero, so that after it they hold minus the step."""
 
     def __init__(self) -> None:
-        self.moments: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.steps = 0
+        self.steps: dict[str, torch.Tensor] = {}
+        self.optimizer: torch.optim.AdamW | None = None
 
     def __call__(self, grads: Mapping[str, torch.Tensor], lr: float) -> dict[str, torch.Tensor]:
-        self.steps += 1
-        b1, b2 = ADAM_BETAS
-        out = {}
-        for name, g in grads.items():
-            m, v = self.moments.get(name, (torch.zeros_like(g), torch.zeros_like(g)))
-            m.mul_(b1).add_(g, alpha=1 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            self.moments[name] = (m, v)
-            m_hat, v_hat = m / (1 - b1**self.steps), v / (1 - b2**self.steps)
-            out[name] = lr * m_hat / (v_hat.sqrt() + 1e-8)
+        if self.optimizer is None:
+            self.steps = {n: torch.zeros_like(g) for n, g in grads.items()}
+            self.optimizer = torch.optim.AdamW(list(self.steps.values()), betas=ADAM_BETAS, weight_decay=0.0)
+        for name, t in self.steps.items():
+            t.grad = grads[name]
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        out = {name: -t for name, t in self.steps.items()}
+        for t in self.steps.values():
+            t.zero_()
         return out
 
 
@@ -220,14 +223,8 @@ def run_variant(spec: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[
     shapes = {n: tuple(p.shape) for n, p in params.items()}
     dense = spec == "dense"
     peak = args.dense_learning_rate if dense else args.learning_rate
-    warmup = max(1, int(WARMUP_FRACTION * steps))
+    schedule = Schedule(kind="cosine", warmup=max(1, int(WARMUP_FRACTION * steps)), total=steps, min_ratio=args.min_lr)
     plan = TopkWarmup.plan(sender_config(args), steps, args.topk_warmup_steps, args.topk_warmup_factor)
-
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return peak * (step + 1) / warmup
-        progress = (step - warmup) / max(1, steps - warmup)
-        return peak * (args.min_lr + (1 - args.min_lr) / 2 * (1 + math.cos(math.pi * progress)))
 
     def held_out() -> float:
         with torch.no_grad():
@@ -240,7 +237,7 @@ def run_variant(spec: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[
     curve, sent_bytes, t0 = [], 0, time.perf_counter()
     every = max(1, steps // EVAL_POINTS)
     for step in range(steps):
-        lr = lr_at(step)
+        lr = lr_at(peak, schedule, step)
         grads = []
         for w in range(workers):
             model.zero_grad(set_to_none=True)
