@@ -190,15 +190,22 @@ class Aggregator:
         listed = sum(idx.shape[1] for idx, _, _ in held)  # pairs a chunk, all senders together
         if listed == 0:
             return total
+        # A sole sender whose rows increase (no index twice; Elias-Fano's are checked so at decode): the sort
+        # below would leave every pair in place as a run of its own, so its sums are its values (the same bits).
+        sorted_already = len(held) == 1 and _increasing(held[0][0])
         rows = max(1, NORM_SLICE_PAIRS // listed)
         for lo in range(0, held[0][0].shape[0], rows):
-            idx = torch.cat([i[lo : lo + rows] for i, _, _ in held], dim=1)  # (b, listed)
             vals = torch.cat([v[lo : lo + rows].to(self.dtype) * share for _, v, share in held], dim=1)
-            idx, order = idx.sort(dim=1, stable=True)  # stable: a run keeps the senders' order
-            vals = vals.gather(1, order)
-            runs = _run_ids(idx)  # (b * listed,)
-            # No more runs than pairs: the spare zeros add nothing, and no count of runs is waited for (no sync).
-            sums = torch.zeros(runs.shape[0], dtype=self.dtype, device=idx.device).index_add_(0, runs, vals.view(-1))
+            if sorted_already:
+                sums = vals.view(-1)
+            else:
+                idx = torch.cat([i[lo : lo + rows] for i, _, _ in held], dim=1)  # (b, listed)
+                idx, order = idx.sort(dim=1, stable=True)  # stable: a run keeps the senders' order
+                vals = vals.gather(1, order)
+                runs = _run_ids(idx)  # (b * listed,)
+                # No more runs than pairs: the spare zeros add nothing, and no count of runs is waited for.
+                sums = torch.zeros(runs.shape[0], dtype=self.dtype, device=idx.device)
+                sums.index_add_(0, runs, vals.view(-1))
             total += sums.double().square().sum()
         return total
 
@@ -261,6 +268,11 @@ class Aggregator:
 
 SLICE_ELEMENTS = 1 << 22  # a slice of a chunk group that ``Aggregator.parts`` decodes at once (16 MB in fp32)
 NORM_SLICE_PAIRS = 1 << 18  # (index, value) pairs ``Aggregator.norm`` sorts at once (2 MB of indices)
+
+
+def _increasing(keys: torch.Tensor) -> bool:
+    """Whether every row of ``keys`` strictly increases (Elias-Fano coded indices do, checked at decode)."""
+    return keys.shape[1] < 2 or bool((keys[:, 1:] > keys[:, :-1]).all())
 
 
 def _run_ids(keys: torch.Tensor) -> torch.Tensor:

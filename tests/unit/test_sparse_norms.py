@@ -116,6 +116,42 @@ def test_the_sparse_norm_of_real_payloads_is_the_norm_of_the_result(monkeypatch:
     assert sparse.norm() == pytest.approx(float(torch.linalg.vector_norm(result)), rel=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("slice_pairs", [None, 7, 200])
+def test_a_sole_senders_increasing_indices_skip_the_sort_for_the_same_bits(
+    dtype: torch.dtype, slice_pairs: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One sender whose rows increase (Elias-Fano payloads, checked so at decode): its norm is taken from its
+    values as they are, bit for bit what sorting them into runs gave; a row with an index twice is still
+    summed by runs."""
+    codec = GradientCodec(SHAPES, CodecConfig(topk=8, indices="elias-fano"))
+    g = torch.Generator().manual_seed(11)
+    payload = codec.decode(codec.compress({n: torch.randn(*s, generator=g) for n, s in SHAPES.items()}))
+    assert all(bool((i[:, 1:] > i[:, :-1]).all()) for i in payload.indices)
+    if slice_pairs is not None:
+        monkeypatch.setattr(aggregate_module, "NORM_SLICE_PAIRS", slice_pairs)
+    agg = Aggregator(codec, dtype=dtype)
+    agg.add(payload, 3.0, 0.5)
+    with monkeypatch.context() as m:
+        m.setattr(aggregate_module, "_increasing", lambda keys: False)  # the sort, as every sender took it before
+        sorted_norm = agg.norm()
+    with monkeypatch.context() as m:
+
+        def no_runs(keys: torch.Tensor) -> torch.Tensor:
+            raise AssertionError("a sole sender's increasing rows were sorted into runs")
+
+        m.setattr(aggregate_module, "_run_ids", no_runs)
+        assert agg.norm() == sorted_norm  # to the bit
+    assert sorted_norm == pytest.approx(dense_norm(agg), rel=1e-12)
+
+    repeated = DecodedGradient([i.clone() for i in payload.indices], payload.values, payload.dense)
+    repeated.indices[0][0, 1] = repeated.indices[0][0, 0]  # an index twice in one chunk: its values add up
+    twice = Aggregator(codec, dtype=dtype)
+    twice.add(repeated, 3.0, 0.5)
+    assert twice.norm() == pytest.approx(dense_norm(twice), rel=1e-12)
+    assert twice.norm() != pytest.approx(sorted_norm, rel=1e-12)
+
+
 def dense_leave_one_out(decoded: list[DecodedGradient], weights: list[float], numels: list[int]) -> list[float | None]:
     """The old ``leave_one_out``: per group, the senders scattered into dense (chunks, numel) float64
     buffers of the weighted total and of how often senders of weight > 0 listed each coefficient; per
