@@ -805,3 +805,8 @@ if __name__ == "__main__":
 #                      6.0145 | the aggregate over its RMS 6.3921, clipped at 2 RMS 6.0150 | each worker's own AdamW
 #                      step through the codec, outer SGD 6.0863 | uncompressed sign-SGD 6.0746, signum 0.9 5.9313:
 #                      none beats the codec's sign step
+#   the rate's floor, four seeds (2026-11-29, 1f351d2; --set M.min_lr_ratio=R): every method trains better with a
+#                      slower decay, dense too: at 0.5 dense -0.70%, gradient mode +0.08% (+0.78% against dense at
+#                      0.5), local SGD at H 60 (inner_min_lr_ratio) +1.08% (+1.79%); at 1 (constant) dense -0.00%,
+#                      gradient mode -0.00% (+0.70% against dense at 0.5) | sign-SGD at 7e-4 +1.69%: the gaps are
+#                      not the schedule's, and the benchmark keeps its one cosine to 0.1

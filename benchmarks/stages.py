@@ -42,6 +42,7 @@ import torch
 
 from benchmarks.gpu import launches
 from gradwire.compression import robust
+from gradwire.compression.aggregate import Aggregator
 from gradwire.compression.codec import GradientCodec
 from gradwire.coordinator import copies
 from gradwire.coordinator.config import TrainConfig
@@ -87,6 +88,7 @@ STAGES: tuple[tuple[Any, str, str], ...] = (
     (robust, "payload_norm", "coordinator: sender's norm"),
     (robust, "aggregate", "coordinator: aggregate"),
     (Trainer, "_outer_step", "coordinator: outer step"),
+    (Aggregator, "norm", "coordinator: aggregate's norm"),
     (Resumption, "commit", "coordinator: update log record"),
     (Trainer, "_record", "coordinator: metrics record"),
     (RunRecorder, "append", "coordinator: metrics written"),

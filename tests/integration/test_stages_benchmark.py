@@ -25,6 +25,7 @@ def test_quick_stages_report_each_stage_by_thread_and_the_heavy_ones_alone(capsy
         for expected in (("compute", "compute"), ("encode", "compute"), ("replica fingerprint", "ahead")):
             assert expected in seen, (mode, expected, seen)
         assert ("replica apply", "replica") in seen
+        assert ("coordinator: aggregate's norm", "main") in seen  # the norm a round reports, on its critical path
         assert all(r["calls_per_round"] > 0 and r["per_round_ms"] >= r["median_ms"] * 0.999 for r in figures["stages"])
         per_round = [r["per_round_ms"] for r in figures["stages"]]
         assert per_round == sorted(per_round, reverse=True)
