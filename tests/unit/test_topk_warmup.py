@@ -23,9 +23,10 @@ GRADIENT = CodecConfig(topk=36, bins=16, indices="elias-fano")
 @pytest.mark.parametrize("k", [1, 36, 216])
 def test_chunk_bits_are_what_a_payload_grows_by_per_chunk(config: CodecConfig, k: int) -> None:
     """Between payloads of 64 and 128 full chunks, the bytes grow by 64 chunks' bits (to a byte of rounding
-    in each of the two fields that pack bits)."""
+    in each of the two fields that pack bits). Seeded: a payload whose shift comes out 0.0 leaves that proto
+    field out, 5 bytes less (about one gradient in 3,000 drawn at random)."""
     config = CodecConfig(**{**config.__dict__, "topk": k})
-    grad = torch.randn(64 * 64, 128 * 64)
+    grad = torch.randn(64 * 64, 128 * 64, generator=torch.Generator().manual_seed(0))
     sizes = []
     for cols in (64 * 64, 128 * 64):
         codec = GradientCodec({"w": (64, cols)}, config)
