@@ -195,7 +195,8 @@ class Aggregator:
         sorted_already = len(held) == 1 and _increasing(held[0][0])
         rows = max(1, NORM_SLICE_PAIRS // listed)
         for lo in range(0, held[0][0].shape[0], rows):
-            vals = torch.cat([v[lo : lo + rows].to(self.dtype) * share for _, v, share in held], dim=1)
+            scaled = [v[lo : lo + rows].to(self.dtype) * share for _, v, share in held]
+            vals = scaled[0] if len(scaled) == 1 else torch.cat(scaled, dim=1)  # one sender: no copy to join
             if sorted_already:
                 sums = vals.view(-1)
             else:
