@@ -38,6 +38,7 @@ from gradwire.coordinator.decisions import (
     SPOT_TOLERANCE,
     Grace,
 )
+from gradwire.fingerprint import MAX_FINGERPRINT_EVERY
 from gradwire.gossip.topology import TOPOLOGIES
 from gradwire.models import model_names
 from gradwire.optim.demuon import MSGN
@@ -500,6 +501,12 @@ class TrainConfig:
     sync_tolerance: float = setting(
         1e-4, help="relative tolerance of the replica fingerprint check", section=ROUND_POLICY
     )
+    fingerprint_every: int = setting(
+        10,
+        help="the replica fingerprints of every N-th version hold each tensor's sum and sum of squares (a pass "
+        "over the model on each side); the others hold their sampled values alone (1: every version's)",
+        section=ROUND_POLICY,
+    )
     max_failed_rounds: int = setting(
         3,
         help="give up after this many rounds in a row with no usable worker, once they also span --max-failed-seconds",
@@ -752,6 +759,10 @@ class TrainConfig:
             raise ValueError(f"--clip-grad-norm must be >= 0 (0: no clipping), got {self.clip_grad_norm}")
         if not 0 <= self.sync_tolerance < 1:
             raise ValueError(f"--sync-tolerance must be in [0, 1), got {self.sync_tolerance}")
+        if not 1 <= self.fingerprint_every <= MAX_FINGERPRINT_EVERY:
+            raise ValueError(
+                f"--fingerprint-every must be in [1, {MAX_FINGERPRINT_EVERY}], got {self.fingerprint_every}"
+            )
         if not (math.isfinite(self.clip_factor) and (self.clip_factor == 0 or self.clip_factor >= 1)):
             raise ValueError(f"--clip-factor must be 0 (off) or >= 1, got {self.clip_factor}")
         for name in ("bench_after", "bench_rounds", "replay_window", "min_workers"):

@@ -466,8 +466,15 @@ def make_outer(
     spec: dict,
     seed: int,
     downlink_config: CodecConfig | None = None,
+    fingerprint_every: int = 1,
 ) -> OuterStrategy:
-    """``downlink_config``: the codec of a compressed downlink (replayed rules; default ``codec_config``)."""
+    """``downlink_config``: the codec of a compressed downlink (replayed rules; default ``codec_config``);
+    ``fingerprint_every``: the replica's fingerprints hold their moments at the versions it divides, their
+    samples alone at the others (``fingerprint.takes_moments``; version 0's, taken here, holds them)."""
+    outer: OuterStrategy
     if rule.replayable:
-        return ReplayOuter(model, rule, codec_config, downlink_config)
-    return DeltaOuter(model, rule, codec_config, spec, seed)
+        outer = ReplayOuter(model, rule, codec_config, downlink_config)
+    else:
+        outer = DeltaOuter(model, rule, codec_config, spec, seed)
+    outer.replica.moments_every = fingerprint_every
+    return outer

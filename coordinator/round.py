@@ -138,6 +138,7 @@ class RoundWork:
     next_local_steps: Mapping[int, LocalSteps] = dataclasses.field(default_factory=dict)  # with next_batches
     stream_buckets: int = 0  # gradient mode: the gradient streams in this many pieces (compression.stream)
     gossip: Mapping[int, GossipLinks] = dataclasses.field(default_factory=dict)  # gossip rounds: a slot's links
+    fingerprint_every: int = 1  # fingerprints hold their moments at the versions this divides (takes_moments)
 
     def local_steps_of(self, slot: int) -> LocalSteps | None:
         """Worker ``slot``'s inner steps (None: gradient mode)."""
@@ -173,6 +174,7 @@ class RoundWork:
             next_local_steps=self.next_local_steps.get(slot) if slot in self.next_batches else None,
             stream_buckets=self.stream_buckets if self.local_steps_of(slot) is None else 0,
             gossip=self.gossip.get(slot),
+            fingerprint_every=self.fingerprint_every,
         )
 
 

@@ -100,7 +100,13 @@ class Trainer:
         log.info("the coordinator's replica is on %s (--device %s)", self.device, config.device)
         self.codec_config = config.codec_config()
         self.outer = make_outer(
-            self.model, config.update_rule(), self.codec_config, self.spec, config.seed, config.downlink_codec_config()
+            self.model,
+            config.update_rule(),
+            self.codec_config,
+            self.spec,
+            config.seed,
+            config.downlink_codec_config(),
+            config.fingerprint_every,
         )
         self.spot_checks = SpotChecks(config, self.spec, self.outer.replica)
         self.planner = WorkPlanner(

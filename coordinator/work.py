@@ -114,6 +114,7 @@ class WorkPlanner:
             redundant=redundant,
             next_local_steps=next_steps,
             stream_buckets=cfg.stream_buckets,
+            fingerprint_every=cfg.fingerprint_every,
         )
 
     def _local_steps(

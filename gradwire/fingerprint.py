@@ -12,6 +12,12 @@ block per tensor: a dozen blocks on a GPU of a hundred multiprocessors, at a ten
 statistics land in one float64 vector (``Fingerprint.from_stats``'s layout), read back once. On a CPU, where a
 launch costs nothing and a fresh slab-sized buffer costs more than the reads, ``fingerprint`` goes a tensor at
 a time. The two agree to float64 rounding. ``compare_fingerprints`` is the pure decision, with its reason.
+
+The sums and sums of squares (the moments) read every parameter: on a CPU a model's bytes again each round, on
+each side, for what the samples mostly tell already (a missed or misapplied update moves every value, so the
+samples move with it). So a replica's fingerprint carries its moments only at the versions ``takes_moments``
+names (every ``--fingerprint-every``-th), and its samples alone at the others: a few values a tensor, the same
+on any device, whatever the model's size. ``compare_fingerprints`` compares what the expected one holds.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ SAMPLES_PER_TENSOR = 4
 SLAB = 1 << 24  # elements gathered and cast to float64 at a time (128 MiB of float64)
 ROW = 1 << 12  # elements summed together first; each tensor's piece of a slab starts a row
 MOMENT_SLICE = 1 << 20  # elements cast to float64 at a time by ``moments``
+MAX_FINGERPRINT_EVERY = 1_000_000  # versions between two fingerprints with moments (--fingerprint-every)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +44,15 @@ class Fingerprint:
     sumsqs: tuple[float, ...]
     samples: tuple[float, ...]
 
+    @property
+    def has_moments(self) -> bool:
+        """Whether it holds its tensors' sums and sums of squares, or only their samples."""
+        return bool(self.sums)
+
+    def samples_only(self) -> Fingerprint:
+        """The same fingerprint without its moments (what is taken where ``takes_moments`` says no)."""
+        return Fingerprint((), (), self.samples)
+
     @classmethod
     def from_stats(cls, stats: torch.Tensor, tensors: int) -> Fingerprint:
         """From one flat float64 tensor: ``tensors`` sums, as many sums of squares, then the samples (float32
@@ -45,6 +61,12 @@ class Fingerprint:
         n = tensors
         values = stats.tolist()
         return cls(tuple(values[:n]), tuple(values[n : 2 * n]), tuple(values[2 * n :]))
+
+
+def takes_moments(version: int, every: int) -> bool:
+    """Whether the fingerprint of a replica at ``version`` holds its moments: every ``every``-th version
+    (``every`` <= 1: all of them), version 0 first; the samples alone at the others."""
+    return every <= 1 or version % every == 0
 
 
 def sample_positions(
@@ -99,6 +121,7 @@ class FingerprintPlan:
             raise ValueError(f"{len(numels)} tensors but {len(positions)} sets of sample positions")
         self.numels = tuple(int(n) for n in numels)
         self.device = torch.device(device)
+        self.positions = tuple(p.to(self.device) for p in positions)  # for a fingerprint of samples alone
         n = len(self.numels)
         offsets = [0]
         for numel in self.numels:
@@ -168,14 +191,25 @@ class FingerprintPlan:
             self._pads[dtype] = torch.zeros(ROW - 1, dtype=dtype, device=self.device)
         return self._pads[dtype]
 
-    def __call__(self, tensors: Sequence[torch.Tensor]) -> Fingerprint:
+    def __call__(self, tensors: Sequence[torch.Tensor], with_moments: bool = True) -> Fingerprint:
+        """The fingerprint of ``tensors``; without its moments, their samples alone (one gather a tensor, one
+        read back)."""
+        if not with_moments:
+            if tuple(t.numel() for t in tensors) != self.numels:
+                raise ValueError("the tensors are not those the fingerprint plan was made for")
+            return sampled(tensors, self.positions)
         return Fingerprint.from_stats(self.stats(tensors), len(self.numels))
 
 
 @torch.no_grad()
-def fingerprint(tensors: Sequence[torch.Tensor], positions: Sequence[torch.Tensor]) -> Fingerprint:
+def fingerprint(
+    tensors: Sequence[torch.Tensor], positions: Sequence[torch.Tensor], with_moments: bool = True
+) -> Fingerprint:
     """The fingerprint of ``tensors`` sampled at ``positions``, a tensor at a time: where launches cost nothing
-    (a CPU, whose fresh 64 MiB buffers cost more than a slice's few launches). On a GPU: ``FingerprintPlan``."""
+    (a CPU, whose fresh 64 MiB buffers cost more than a slice's few launches). On a GPU: ``FingerprintPlan``.
+    Without its moments: the samples alone (``sampled``)."""
+    if not with_moments:
+        return sampled(tensors, positions)
     sums, sumsqs, samples = [], [], []
     for t, pos in zip(tensors, positions):
         flat = t.detach().reshape(-1)
@@ -186,6 +220,17 @@ def fingerprint(tensors: Sequence[torch.Tensor], positions: Sequence[torch.Tenso
     if not sums:
         return Fingerprint((), (), ())
     return Fingerprint.from_stats(torch.cat([torch.stack(sums), torch.stack(sumsqs), *samples]), len(sums))
+
+
+@torch.no_grad()
+def sampled(tensors: Sequence[torch.Tensor], positions: Sequence[torch.Tensor]) -> Fingerprint:
+    """A fingerprint without moments: each tensor's values at ``positions`` (as float32 holds them, as the full
+    fingerprint's samples), read back at once. Its cost is the samples', not the tensors'."""
+    if not tensors:
+        return Fingerprint((), (), ())
+    device = tensors[0].device
+    picked = [t.detach().reshape(-1)[pos.to(device)].float() for t, pos in zip(tensors, positions)]
+    return Fingerprint((), (), tuple(torch.cat(picked).double().tolist()))
 
 
 def planned(device: torch.device) -> bool:
@@ -199,9 +244,12 @@ def compare_fingerprints(
     """Do two replicas agree within ``tolerance`` (relative)? Returns (same, reason).
 
     Float noise from a different device or kernel moves these by ~1e-7 relative; a replica that missed
-    or misapplied an update moves them by orders more.
+    or misapplied an update moves them by orders more. What ``expected`` holds is compared: its moments and
+    samples, or its samples alone (``takes_moments``); ``actual`` must hold at least as much.
     """
-    if _layout(expected) != _layout(actual):
+    if expected.has_moments and not actual.has_moments:
+        return False, "the fingerprint holds samples alone, the expected one its moments too"
+    if len(expected.samples) != len(actual.samples) or (expected.has_moments and _layout(expected) != _layout(actual)):
         return False, "fingerprints describe different tensors"
     for i, (s_e, s_a, q_e, q_a, n) in enumerate(
         zip(expected.sums, actual.sums, expected.sumsqs, actual.sumsqs, numels)

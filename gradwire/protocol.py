@@ -23,6 +23,7 @@ from gradwire.compression import serde as codec_serde
 from gradwire.compression.fragment import Fragment
 from gradwire.compression.robust import MEAN, AggregationRule
 from gradwire.compression.stream import MAX_BUCKETS
+from gradwire.fingerprint import MAX_FINGERPRINT_EVERY
 from gradwire.optim.inner import InnerOptimizerConfig
 from gradwire.relay import PieceRef
 from gradwire.replica import Fingerprint, StateUpdate
@@ -36,8 +37,9 @@ from gradwire.v1 import worker_pb2 as pb
 # results report the worker's gossip residual; 8: peer-to-peer gossip (GossipLinks.pulls, Worker.PullGossip,
 # RoundResult.gossip_digest and sketches); 9: the relay fallback (GossipLinks.upload, STATUS_UNREACHABLE);
 # 10: codec settings name their index coding (CodecSettings.indices: 12-bit or Elias-Fano); 11: relayed star
-# rounds (Replay.relayed, WorkOrder.peer_key, Worker.PullPiece)
-PROTOCOL_VERSION = 11
+# rounds (Replay.relayed, WorkOrder.peer_key, Worker.PullPiece); 12: replica fingerprints hold their moments only
+# at the versions WorkOrder.fingerprint_every divides
+PROTOCOL_VERSION = 12
 MAX_INNER_STEPS = 100_000  # H beyond this is a mistake, not a schedule (the field syncs every 30-500 steps)
 MAX_LEARNING_RATE = 1e6  # learning rates crossing the wire are finite, non-negative and below this
 MAX_PIECE_BYTES = 1 << 34  # a relayed payload's declared size: no payload of a model a worker takes is larger
@@ -851,6 +853,7 @@ class WorkOrder:
     gossip: GossipLinks | None = None  # a gossip round (--topology): the worker's links this round
     peer_key: bytes = b""  # --relay peers: what pulls of relayed payloads present, and what pullers must
     seed: bool = False  # --relay peers: keep the update's payloads carried here for the peers to pull
+    fingerprint_every: int = 1  # fingerprints hold their moments at the versions this divides (takes_moments)
 
     @property
     def inner_steps(self) -> int:
@@ -903,6 +906,7 @@ def order_to_proto(o: WorkOrder) -> pb.WorkOrder:
         gossip=gossip_to_proto(o.gossip) if o.gossip is not None else None,
         peer_key=o.peer_key,
         seed=o.seed,
+        fingerprint_every=o.fingerprint_every,
     )
 
 
@@ -957,6 +961,8 @@ def order_from_proto(m: pb.WorkOrder) -> WorkOrder:
         raise ProtocolError("a local-SGD order sends one pseudo-gradient at the end: stream_buckets must be 0")
     if m.peer_key and not PEER_KEY_BYTES[0] <= len(m.peer_key) <= PEER_KEY_BYTES[1]:
         raise ProtocolError(f"work order peer_key is {PEER_KEY_BYTES[0]}-{PEER_KEY_BYTES[1]} bytes")
+    if m.fingerprint_every > MAX_FINGERPRINT_EVERY:
+        raise ProtocolError(f"fingerprint_every is at most {MAX_FINGERPRINT_EVERY}, got {m.fingerprint_every}")
     relays = any(
         (u.HasField("replay") and u.replay.relayed) or u.HasField("delta_piece") for u in (m.update, *m.catch_up)
     )
@@ -992,6 +998,7 @@ def order_from_proto(m: pb.WorkOrder) -> WorkOrder:
         gossip,
         m.peer_key,
         m.seed,
+        max(1, m.fingerprint_every),
     )
 
 

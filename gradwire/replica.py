@@ -37,6 +37,7 @@ from gradwire.fingerprint import (  # noqa: F401 - the replica's fingerprint, im
     moments,
     planned,
     sample_positions,
+    takes_moments,
 )
 from gradwire.optim.outer import UpdateRule, outer_step
 from gradwire.relay import PieceRef
@@ -176,6 +177,9 @@ class Replica:
         self._fragment_codecs: dict[tuple[CodecConfig, Fragment], GradientCodec] = {}
         self._splits: dict[int, tuple[tuple[str, ...], ...]] = {}  # the model's tensors in F fragments, by F
         self._fingerprint: tuple[tuple[int, ...], Fingerprint] | None = None  # (write counts, fingerprint)
+        # A fingerprint holds its moments at the versions this divides (``takes_moments``), its samples alone at
+        # the others: the run's --fingerprint-every (a worker's: its orders'). 1: at every version.
+        self.moments_every = 1
 
     def codec(self, config: CodecConfig, fragment: Fragment | None = None) -> GradientCodec:
         """The codec for this replica's tensors under ``config`` (cached: its plan is not free); with
@@ -277,20 +281,25 @@ class Replica:
         (a replica of a stage holds only some parameters, whole: ``params`` says which)."""
         return full
 
-    def fingerprint(self) -> Fingerprint:
-        """The parameters' fingerprint; kept until a parameter changes in place (torch counts every in-place
-        write of a tensor, so any change, even one that bypasses ``apply``, is seen), so a worker can take it
-        ahead, while it waits for its next order, and the next round's check finds it ready."""
+    def fingerprint(self, with_moments: bool | None = None) -> Fingerprint:
+        """The parameters' fingerprint: with its moments where ``with_moments`` says, or (None) at the versions
+        ``moments_every`` names (``fingerprint.takes_moments``), their samples alone at the others.
+
+        Kept until a parameter changes in place (torch counts every in-place write of a tensor, so any change,
+        even one that bypasses ``apply``, is seen), so a worker can take it ahead, while it waits for its next
+        order, and the next round's check finds it ready; one kept with its moments serves for its samples."""
+        if with_moments is None:
+            with_moments = takes_moments(self.version, self.moments_every)
         key = self._writes()
         cached = self._fingerprint
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        fp = self.fingerprint_of(self.params)
+        if cached is not None and cached[0] == key and (cached[1].has_moments or not with_moments):
+            return cached[1] if with_moments else cached[1].samples_only()
+        fp = self.fingerprint_of(self.params, with_moments)
         if self._writes() == key:  # nothing wrote meanwhile (another thread may take it ahead)
             self._fingerprint = (key, fp)
         return fp
 
-    def fingerprint_of(self, tensors: Mapping[str, torch.Tensor]) -> Fingerprint:
+    def fingerprint_of(self, tensors: Mapping[str, torch.Tensor], with_moments: bool = True) -> Fingerprint:
         """The fingerprint of ``tensors`` shaped like the parameters (a gradient, by parameter name), taken as
         ``fingerprint`` takes the parameters': what a spot check compares (``coordinator.spotcheck``)."""
         chosen = [tensors[n] for n in self.params]
@@ -298,11 +307,11 @@ class Replica:
             return Fingerprint((), (), ())
         device = chosen[0].device
         if not planned(device):
-            return fingerprint(chosen, self._positions)
+            return fingerprint(chosen, self._positions, with_moments)
         plan = self._plans.get(device)
         if plan is None:
             plan = self._plans[device] = FingerprintPlan(self.numels, self._positions, device)
-        return plan(chosen)
+        return plan(chosen, with_moments)
 
     def _writes(self) -> tuple[int, ...]:
         return tuple(p._version for p in self.params.values())

@@ -21,7 +21,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from gradwire.optim.outer import UpdateRule
-from gradwire.replica import Fingerprint, Replica, moments
+from gradwire.replica import Fingerprint, Replica, moments, takes_moments
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
@@ -122,21 +122,24 @@ class ShardedReplica(Replica):
     def _share(self, name: str, full: torch.Tensor) -> torch.Tensor:
         return _rows(full, self._sharded[name])
 
-    def fingerprint(self) -> Fingerprint:
-        """The whole replica's fingerprint (as ``replica.fingerprint`` of the full tensors), a collective."""
-        return self.fingerprint_of(self._sharded)
+    def fingerprint(self, with_moments: bool | None = None) -> Fingerprint:
+        """The whole replica's fingerprint (as ``replica.fingerprint`` of the full tensors), a collective: every
+        rank asks for the same (an order's, or the version's: ``takes_moments``)."""
+        if with_moments is None:
+            with_moments = takes_moments(self.version, self.moments_every)
+        return self.fingerprint_of(self._sharded, with_moments)
 
     @torch.no_grad()
-    def fingerprint_of(self, tensors: Mapping[str, torch.Tensor]) -> Fingerprint:
+    def fingerprint_of(self, tensors: Mapping[str, torch.Tensor], with_moments: bool = True) -> Fingerprint:
         """The fingerprint of whole tensors sharded as the parameters are (DTensors: the parameters, or their
-        gradients), a collective: per-tensor sums and sums of squares of the shards, and each sampled value
-        from the rank that has it."""
+        gradients), a collective: per-tensor sums and sums of squares of the shards (unless ``with_moments`` is
+        false), and each sampled value from the rank that has it."""
         sums, sumsqs, samples = [], [], []
         for name, positions in zip(self._sharded, self._positions):
             p = tensors[name]
             assert isinstance(p, DTensor), f"{name}: a sharded replica fingerprints sharded tensors"
             local = p.to_local().reshape(-1)
-            total, squares = moments(local)
+            total, squares = moments(local) if with_moments else (local.new_zeros((), dtype=torch.float64),) * 2
             sums.append(total)
             sumsqs.append(squares)
             first = _first_row(p) * (p.numel() // p.shape[0] if p.dim() and p.shape[0] else 1)
@@ -146,7 +149,8 @@ class ShardedReplica(Replica):
             samples.append(values)
         stats = torch.cat([torch.stack(sums), torch.stack(sumsqs), *samples])
         dist.all_reduce(stats)  # one collective for the whole fingerprint
-        return Fingerprint.from_stats(stats, len(sums))
+        found = Fingerprint.from_stats(stats, len(sums))
+        return found if with_moments else found.samples_only()
 
 
 def _first_row(p: DTensor) -> int:

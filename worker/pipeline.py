@@ -36,7 +36,7 @@ from gradwire.compression.fragment import Fragment
 from gradwire.models import GPT
 from gradwire.models.gpt import rope_tables
 from gradwire.optim.outer import UpdateRule
-from gradwire.replica import Fingerprint, Replica, moments, sample_positions
+from gradwire.replica import Fingerprint, Replica, moments, sample_positions, takes_moments
 from gradwire.worker.nodeconf import PIPELINE_SCHEDULES
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -325,27 +325,32 @@ class StageReplica(Replica):
             self._codecs[config] = GradientCodec(self.shapes, config, device=self.device)
         return self._codecs[config]
 
-    def fingerprint(self) -> Fingerprint:
-        """The whole model's fingerprint (as ``replica.fingerprint`` of every tensor), a collective."""
-        return self.fingerprint_of(self.params)
+    def fingerprint(self, with_moments: bool | None = None) -> Fingerprint:
+        """The whole model's fingerprint (as ``replica.fingerprint`` of every tensor), a collective: every stage
+        asks for the same (an order's, or the version's: ``takes_moments``)."""
+        if with_moments is None:
+            with_moments = takes_moments(self.version, self.moments_every)
+        return self.fingerprint_of(self.params, with_moments)
 
     @torch.no_grad()
-    def fingerprint_of(self, tensors: Mapping[str, torch.Tensor]) -> Fingerprint:
+    def fingerprint_of(self, tensors: Mapping[str, torch.Tensor], with_moments: bool = True) -> Fingerprint:
         """The fingerprint of the whole model's tensors of this kind (``tensors``: this stage's, by name), a
-        collective: each tensor's sums and samples from the stage that owns it, zeros elsewhere, summed over
-        the node."""
+        collective: each tensor's sums (unless ``with_moments`` is false) and samples from the stage that owns
+        it, zeros elsewhere, summed over the node."""
         n = len(self.shapes)
         stats = torch.zeros(2 * n + sum(len(p) for p in self._positions), dtype=torch.float64)
         offset = 2 * n
         for i, (name, positions) in enumerate(zip(self.shapes, self._positions)):
             if name in self.owned:
                 flat = tensors[name].detach().reshape(-1)
-                total, squares = moments(flat)
-                stats[i], stats[n + i] = total.cpu(), squares.cpu()
+                if with_moments:
+                    total, squares = moments(flat)
+                    stats[i], stats[n + i] = total.cpu(), squares.cpu()
                 stats[offset : offset + len(positions)] = flat[positions.to(flat.device)].float().double().cpu()
             offset += len(positions)
         dist.all_reduce(stats)  # one collective for the whole fingerprint
-        return Fingerprint.from_stats(stats, n)
+        found = Fingerprint.from_stats(stats, n)
+        return found if with_moments else found.samples_only()
 
 
 def owned_names(model: nn.Module, stage: Stage) -> list[str]:

@@ -160,7 +160,7 @@ class Rounds:
     def check(self, order: WorkOrder, session: Session | None) -> RoundResult | None:
         """The answer to an order this replica may not serve (``None``: it may). On a node every rank must
         agree; a replica found out of sync is marked stale until the next push."""
-        verdict = check_order(order, view(session))
+        verdict = check_order(order, view(session, order.fingerprint.has_moments))
         if self.node is not None and not self.node.all_true(verdict.ok) and verdict.ok:
             verdict = Verdict(False, "another rank of this node is out of sync", stale=True)
         if verdict.ok:
@@ -313,6 +313,8 @@ class Rounds:
         worker would wait) and, for a delayed round that announced the next batch, the next compute."""
         replica = session.replica
         if not session.placement.split:  # a split replica's fingerprint is a collective: taken in the check
+            # In the kind the next order asks for (``takes_moments``): its moments every --fingerprint-every.
+            replica.moments_every = order.fingerprint_every
             session.fingerprint_ahead = self.ahead.submit(replica.fingerprint)
         codec = replica.codec(order.codec, order_fragment(order))
         session.sent_decoded = self.ahead.submit(decode_ahead, codec, payload, session.inverse_ahead(codec))
@@ -422,16 +424,17 @@ def order_fragment(order: WorkOrder) -> Fragment | None:
     return order.local_steps.fragment if order.local_steps is not None else None
 
 
-def view(session: Session | None) -> ReplicaView | None:
+def view(session: Session | None, with_moments: bool = True) -> ReplicaView | None:
     """What ``check_order`` reads of the session: its replica's version and fingerprint (the one taken ahead
-    after the last round, waited for rather than taken twice), sizes and vocabulary."""
+    after the last round, waited for rather than taken twice; with its moments where the order's has them),
+    sizes and vocabulary."""
     if session is None:
         return None
     if session.fingerprint_ahead is not None:
         session.fingerprint_ahead.result()
         session.fingerprint_ahead = None
     r = session.replica
-    return ReplicaView(r.version, r.fingerprint(), r.numels, session.vocab_size, session.stale)
+    return ReplicaView(r.version, r.fingerprint(with_moments), r.numels, session.vocab_size, session.stale)
 
 
 def decode_ahead(codec: GradientCodec, payload: CompressedGradient, dtype: torch.dtype | None) -> DecodedGradient:

@@ -110,6 +110,7 @@ def test_schedules_are_evaluated_per_round_and_per_inner_step() -> None:
         ({"bins": 1}, "--bins"),
         ({"log_every": -1.0}, "--log-every"),
         ({"stream_buckets": 65}, "--stream-buckets"),
+        ({"fingerprint_every": 0}, "--fingerprint-every"),
         ({"stream_buckets": 4, "inner_steps": 30}, "--stream-buckets"),
         ({"overlap_update": "soon"}, "--overlap-update"),
         (

@@ -184,6 +184,7 @@ def test_a_gradient_mode_order_carries_the_rounds_values() -> None:
         clip_grad_norm=0.5,
         fingerprint_gradient=True,
         stream_buckets=4,
+        fingerprint_every=7,
     )
     fingerprint = Fingerprint((1.0, 2.0), (3.0, 4.0), (0.5,))
     codec = GradientCodec({"w": (16, 16)}, CODEC)
@@ -208,6 +209,7 @@ def test_a_gradient_mode_order_carries_the_rounds_values() -> None:
         "gossip": None,  # a centralized round
         "peer_key": b"",  # --relay peers: the dispatcher adds the run's (RoundDispatcher._order), and seed
         "seed": False,
+        "fingerprint_every": 7,
     }
     order = work.order("run-a", 3, 4, update, fingerprint, missed)
     check_fields(
@@ -229,7 +231,7 @@ def test_a_gradient_mode_order_carries_the_rounds_values() -> None:
     back = order_from_proto(order_to_proto(order))  # a valid order on the wire
     assert np.array_equal(back.batch, batches[3]) and np.array_equal(back.next_batch, ahead[3])
     assert (back.round, back.base_version, back.clip_grad_norm, back.feedback_beta) == (5, 4, 0.5, 0.9)
-    assert back.fingerprint_gradient and back.stream_buckets == 4
+    assert back.fingerprint_gradient and back.stream_buckets == 4 and back.fingerprint_every == 7
     assert back.update == update and back.catch_up == missed
 
 
@@ -264,6 +266,7 @@ def test_a_local_sgd_order_carries_its_inner_steps() -> None:
             "gossip": None,
             "peer_key": b"",
             "seed": False,
+            "fingerprint_every": 1,
         },
     )
     assert order.inner_steps == 2
