@@ -142,7 +142,8 @@ class Gatherer:
                 continue
             good.append(o)
         chunk_numels = [g.chunk_numel for g in codec.plan.groups]
-        digests = [copies.digest(d, chunk_numels) for d in decoded]
+        # Taken as each result came in (``round._Receiver``), where it was decoded then.
+        digests = [o.digest if o.digest is not None else copies.digest(d, chunk_numels) for o, d in zip(good, decoded)]
         twins = {i for i, o in enumerate(good) if o.slot.index in together}
         copied = copies.find_copies(
             [(o.slot.client.address, d) for o, d in zip(good, digests)], self.seen, step, together=twins

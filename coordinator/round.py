@@ -32,8 +32,9 @@ import grpc
 import numpy as np
 import torch
 
-from gradwire.compression import CodecConfig, CompressedGradient, DecodedGradient, PayloadError
+from gradwire.compression import CodecConfig, CompressedGradient, DecodedGradient, PayloadError, products
 from gradwire.compression.stream import Pieces, StreamPlan
+from gradwire.coordinator import copies
 from gradwire.coordinator.decisions import Grace, Standing, decide_close, decide_first_push, decide_sync
 from gradwire.coordinator.outer import OuterStrategy
 from gradwire.coordinator.relay import Held, Relay, held_piece
@@ -96,9 +97,12 @@ class SlotOutcome:
     straggler: bool = False  # cut off after the round had its quorum and the grace ran out
     first_push_bytes: int = 0  # the state push before the round (a worker new to the run); not in bytes_down
     seconds: float = 0.0  # from the round's dispatch until its answer came in, or it was cut off
-    # The result's payload decoded as it arrived (``run``'s ``stream``), or why it could not be.
+    # The result's payload decoded as it arrived (``run``'s ``stream``), or why it could not be; and what the
+    # gather stage measures of each sender alone, taken then too: its digest (``copies.digest``; its norm,
+    # ``robust.payload_norm``, is kept with the decoded payload's factors).
     decoded: DecodedGradient | None = None
     invalid: str = ""
+    digest: copies.Digest | None = None
     pieces: int = 0  # streamed pieces of its gradient received, of its last call (it may have failed after)
     unreachable: tuple[str, ...] = ()  # peer-to-peer gossip: neighbours it could not pull messages from
     held: Held | None = None  # --relay peers: its payload's digest and size, taken as it came in
@@ -255,7 +259,8 @@ class RoundDispatcher:
     def run(self, plan: RoundPlan, work: RoundWork, stream: StreamPlan | None = None) -> RoundOutcome:
         """The round of ``plan``'s slots, each asked for its share of ``work``. With ``stream`` (the buckets of
         the round's codec), every result's payload is checked and decoded on its worker's thread as it
-        arrives, a streamed one piece by piece (``SlotOutcome.decoded``)."""
+        arrives, a streamed one piece by piece (``SlotOutcome.decoded``), and what the gather stage measures of
+        each sender alone is taken then too (its copy digest, its factored matrices' norms)."""
         step = work.round
         outer, slots = self.outer, plan.slots
         to_push = [s for s in slots if s.version is None and s.guess is None]  # never had the state: the run's start
@@ -528,7 +533,7 @@ class _Receiver:
     def __init__(self, stream: StreamPlan | None, outcome: SlotOutcome) -> None:
         self.pieces = Pieces(stream) if stream is not None else None
         self.outcome, self.error = outcome, ""
-        outcome.pieces, outcome.decoded, outcome.invalid = 0, None, ""
+        outcome.pieces, outcome.decoded, outcome.invalid, outcome.digest = 0, None, "", None
 
     def take(self, piece: CompressedGradient) -> None:
         self.outcome.pieces += 1
@@ -552,7 +557,19 @@ class _Receiver:
         except PayloadError as e:
             self.outcome.invalid = f"sent a bad payload: {e}"
             return result
+        self._measure(self.outcome.decoded)
         return dataclasses.replace(result, gradient=payload)
+
+    def _measure(self, decoded: DecodedGradient) -> None:
+        """What the gather stage asks of this sender alone, taken now, on its call's thread, while the others'
+        results are still coming in: its copy digest and its norm (a factored matrix's, from its factors, is
+        kept with them). Only what is judged across senders is left for after the round's close."""
+        plan = self.pieces.stream.codec.plan if self.pieces is not None else None
+        if plan is None:
+            return
+        self.outcome.digest = copies.digest(decoded, [g.chunk_numel for g in plan.groups])
+        if isinstance(decoded.dense, products.Products):
+            decoded.dense.norms_sq()
 
 
 def _relays(order: WorkOrder) -> bool:

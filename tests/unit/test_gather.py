@@ -426,3 +426,42 @@ def test_a_lone_sender_is_not_measured(codec: GradientCodec) -> None:
         RoundOutcome([sent(workers[0], codec.compress(gradient(0)), 2)], 0, 0), 0, {0: batch(2)}, MEAN
     )
     assert got.fates[0].kind == "kept" and got.scores == {} and workers[0].standing == Standing()
+
+
+def test_what_is_measured_of_a_sender_alone_is_taken_as_its_result_arrives(monkeypatch) -> None:
+    """The call's thread decodes a result as it arrives (``round._Receiver``) and takes its copy digest and its
+    factored matrices' norms then too; the gather stage after the round's close reuses them: the same digest,
+    the same clip, the same aggregate, with none of that work left for it."""
+    from gradwire.compression.stream import StreamPlan
+    from gradwire.coordinator import copies
+    from gradwire.coordinator.round import _Receiver
+
+    factored = GradientCodec(SHAPES, CodecConfig(topk=32, rank=4))
+    stream = StreamPlan(factored, 1)
+    workers = slots(2)
+    payloads = [factored.compress(gradient(seed)) for seed in (1, 2)]
+    arrived = []
+    for w, p in zip(workers, payloads):
+        outcome = sent(w, p, 2)
+        _Receiver(stream, outcome).finish(outcome.result)
+        assert outcome.decoded is not None and outcome.digest is not None
+        assert outcome.decoded.dense._norms_sq is not None  # the factored norms, kept with the factors
+        arrived.append(outcome)
+
+    def gather(outcomes):
+        g = Gatherer(factored, clip_factor=2.0, bench_after=3, bench_rounds=5)
+        return g(RoundOutcome(outcomes, 0, 0), 0, {w.index: batch(2) for w in workers}, MEAN)
+
+    taken = []
+    original = copies.digest
+    monkeypatch.setattr(copies, "digest", lambda *a: taken.append(1) or original(*a))
+    early = gather(arrived)
+    assert taken == []  # nothing measured again after the close
+    late = gather([sent(w, p, 2) for w, p in zip(workers, payloads)])
+    assert len(taken) == 2  # decoded and measured by the gather stage itself
+    assert early.scales == late.scales and early.fates == late.fates
+    numels = [g.chunk_numel for g in factored.plan.groups]
+    for o in arrived:
+        again = original(o.decoded, numels)
+        assert np.array_equal(o.digest.sets, again.sets) and np.array_equal(o.digest.replays, again.replays)
+    assert early.aggregator.norm() == late.aggregator.norm()
