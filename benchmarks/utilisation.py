@@ -140,6 +140,8 @@ def service_run(
         for _ in range(rounds):
             t0 = time.perf_counter()
             record = trainer.train_step()
+            if record is not None:
+                trainer.durable.log()  # as ``Trainer.run``: the round is durable before the next orders go out
             wall = time.perf_counter() - t0
             if record is None:
                 raise RuntimeError(f"round {trainer.step} had no usable contribution; see the log")
