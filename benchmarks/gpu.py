@@ -235,17 +235,22 @@ def check_stream(spec: dict, device: str, rounds: int = 12, buckets: int = 4, ro
 
 
 def check_fingerprint(spec: dict, device: str, repeats: int = 10) -> dict[str, Any]:
-    """The model's fingerprint on ``device`` planned (``FingerprintPlan``: a few launches a slab) and a tensor
-    at a time, each timed (median of ``repeats``) with the work it issues (kernels on a GPU, top-level ops on
-    a CPU); and the planned one against the CPU's (the largest relative difference of a sum or a sum of
-    squares, and whether the samples are the same bits)."""
+    """The model's fingerprint on ``device`` planned (``FingerprintPlan``: a few launches a slab), a tensor
+    at a time, and its samples alone (what the versions between two ``--fingerprint-every`` take), each timed
+    (median of ``repeats``) with the work it issues (kernels on a GPU, top-level ops on a CPU); and the planned
+    one against the CPU's (the largest relative difference of a sum or a sum of squares, and whether the
+    samples are the same bits, the samples alone included)."""
     model = build_from_spec(spec, seed=0).to(device)
     named = list(model.named_parameters())
     tensors = [p.detach() for _, p in named]
     positions = sample_positions([(n, p.shape) for n, p in named])
     plan = FingerprintPlan([t.numel() for t in tensors], positions, torch.device(device))
     out: dict[str, Any] = {"tensors": len(tensors), "slabs": len(plan.slabs)}
-    ways = {"planned": lambda: plan(tensors), "per_tensor": lambda: fingerprint(tensors, positions)}
+    ways = {
+        "planned": lambda: plan(tensors),
+        "per_tensor": lambda: fingerprint(tensors, positions),
+        "samples_only": lambda: plan(tensors, with_moments=False),
+    }
     for name, way in ways.items():
         way()  # warm: a first call allocates
         out[f"{name}_ms"] = statistics.median(_timed(way, device) for _ in range(repeats)) * 1e3
@@ -253,7 +258,7 @@ def check_fingerprint(spec: dict, device: str, repeats: int = 10) -> dict[str, A
     got, cpu = plan(tensors), fingerprint([t.cpu() for t in tensors], positions)
     stats = zip(got.sums + got.sumsqs, cpu.sums + cpu.sumsqs)
     out["max_rel_diff_vs_cpu"] = max((abs(a - b) / max(abs(b), 1e-300) for a, b in stats), default=0.0)
-    out["samples_equal"] = got.samples == cpu.samples
+    out["samples_equal"] = got.samples == cpu.samples == plan(tensors, with_moments=False).samples
     return out
 
 

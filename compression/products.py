@@ -8,7 +8,7 @@ list as tensors (``dense[i]``, iteration) gets each product, computed once on fi
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -79,6 +79,12 @@ def is_zero(f: Factors) -> bool:
     a_live = (f.a != 0).any(dim=-2) & (f.a_scale != 0)  # (k,): column i of A is non-zero
     b_live = (f.b != 0).any(dim=-1) & (f.b_scale != 0)  # (k,): row i of B is non-zero
     return not bool((a_live & b_live).any())
+
+
+def all_zero(items: Iterable[torch.Tensor | Factors]) -> bool:
+    """Whether every one of ``items`` (a payload's values, dense tensors and factored matrices) is zero, a
+    factored one read from its factors (``is_zero``); stops at the first that is not."""
+    return all(is_zero(x) if isinstance(x, Factors) else not bool(x.any()) for x in items)
 
 
 def sum_norm_sq(

@@ -32,11 +32,9 @@ from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import numpy as np
-import torch
 
 from gradwire.compression import PayloadError, products, robust
 from gradwire.compression.codec import CompressedGradient, DecodedGradient, GradientCodec
-from gradwire.compression.lowrank import Factors
 from gradwire.compression.robust import AggregationRule
 from gradwire.coordinator import copies
 from gradwire.coordinator.agreement import agreements
@@ -234,11 +232,6 @@ class Gatherer:
         self.seen.append(copies.Seen(SENT, step, digest))
 
 
-def _zero(item: torch.Tensor | Factors) -> bool:
-    """Whether a payload's values, or a factored matrix's product, are all zero (read from the factors)."""
-    return products.is_zero(item) if isinstance(item, Factors) else not bool(item.any())
-
-
 SENT = "the coordinator's update"  # who sent a payload the workers were sent (``Gatherer.remember_sent``)
 
 
@@ -256,7 +249,8 @@ def _invalid(outcome: SlotOutcome, batch: np.ndarray, codec: GradientCodec, deco
         d = outcome.decoded if outcome.decoded is not None else codec.decode(result.gradient)  # validate first
     except PayloadError as e:
         return f"sent a bad payload: {e}"
-    if all(_zero(v) for v in (*d.values, *products.items(d.dense))):  # stops at the first non-zero one
+    empty = outcome.empty if outcome.empty is not None else products.all_zero((*d.values, *products.items(d.dense)))
+    if empty:
         return f"sent an empty payload: every value is zero, for {result.tokens} tokens"
     decoded.append(d)
     return ""

@@ -103,6 +103,7 @@ class SlotOutcome:
     decoded: DecodedGradient | None = None
     invalid: str = ""
     digest: copies.Digest | None = None
+    empty: bool | None = None  # every value of it zero (``products.all_zero``)
     pieces: int = 0  # streamed pieces of its gradient received, of its last call (it may have failed after)
     unreachable: tuple[str, ...] = ()  # peer-to-peer gossip: neighbours it could not pull messages from
     held: Held | None = None  # --relay peers: its payload's digest and size, taken as it came in
@@ -260,7 +261,7 @@ class RoundDispatcher:
         """The round of ``plan``'s slots, each asked for its share of ``work``. With ``stream`` (the buckets of
         the round's codec), every result's payload is checked and decoded on its worker's thread as it
         arrives, a streamed one piece by piece (``SlotOutcome.decoded``), and what the gather stage measures of
-        each sender alone is taken then too (its copy digest, its factored matrices' norms)."""
+        each sender alone is taken then too (whether it is empty, its copy digest, its factored matrices' norms)."""
         step = work.round
         outer, slots = self.outer, plan.slots
         to_push = [s for s in slots if s.version is None and s.guess is None]  # never had the state: the run's start
@@ -533,7 +534,8 @@ class _Receiver:
     def __init__(self, stream: StreamPlan | None, outcome: SlotOutcome) -> None:
         self.pieces = Pieces(stream) if stream is not None else None
         self.outcome, self.error = outcome, ""
-        outcome.pieces, outcome.decoded, outcome.invalid, outcome.digest = 0, None, "", None
+        outcome.pieces, outcome.decoded, outcome.invalid = 0, None, ""
+        outcome.digest, outcome.empty = None, None
 
     def take(self, piece: CompressedGradient) -> None:
         self.outcome.pieces += 1
@@ -562,11 +564,13 @@ class _Receiver:
 
     def _measure(self, decoded: DecodedGradient) -> None:
         """What the gather stage asks of this sender alone, taken now, on its call's thread, while the others'
-        results are still coming in: its copy digest and its norm (a factored matrix's, from its factors, is
-        kept with them). Only what is judged across senders is left for after the round's close."""
+        results are still coming in: whether it holds anything, its copy digest and its norm (a factored
+        matrix's, from its factors, is kept with them). Only what is judged across senders is left for after
+        the round's close."""
         plan = self.pieces.stream.codec.plan if self.pieces is not None else None
         if plan is None:
             return
+        self.outcome.empty = products.all_zero((*decoded.values, *products.items(decoded.dense)))
         self.outcome.digest = copies.digest(decoded, [g.chunk_numel for g in plan.groups])
         if isinstance(decoded.dense, products.Products):
             decoded.dense.norms_sq()

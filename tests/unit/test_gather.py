@@ -444,7 +444,7 @@ def test_what_is_measured_of_a_sender_alone_is_taken_as_its_result_arrives(monke
     for w, p in zip(workers, payloads):
         outcome = sent(w, p, 2)
         _Receiver(stream, outcome).finish(outcome.result)
-        assert outcome.decoded is not None and outcome.digest is not None
+        assert outcome.decoded is not None and outcome.digest is not None and outcome.empty is False
         assert outcome.decoded.dense._norms_sq is not None  # the factored norms, kept with the factors
         arrived.append(outcome)
 
@@ -465,3 +465,10 @@ def test_what_is_measured_of_a_sender_alone_is_taken_as_its_result_arrives(monke
         again = original(o.decoded, numels)
         assert np.array_equal(o.digest.sets, again.sets) and np.array_equal(o.digest.replays, again.replays)
     assert early.aggregator.norm() == late.aggregator.norm()
+
+    # A payload of nothing is found so as it arrives, and left out as one found after the close is.
+    nothing = sent(workers[1], factored.compress({k: torch.zeros(s) for k, s in SHAPES.items()}), 2)
+    _Receiver(stream, nothing).finish(nothing.result)
+    assert nothing.empty is True
+    fates = gather([arrived[0], nothing]).fates
+    assert fates[1].kind == "left out" and fates[1].reason.startswith("sent an empty payload")

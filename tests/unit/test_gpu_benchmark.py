@@ -107,6 +107,6 @@ def test_the_fingerprint_check_times_both_ways_and_compares_with_the_cpu() -> No
     out = gpu.check_fingerprint(SPEC, "cpu", repeats=2)
     assert out["tensors"] == len(list(build_from_spec(SPEC, 0).parameters())) and out["slabs"] >= 1
     assert out["samples_equal"] is True and out["max_rel_diff_vs_cpu"] < 1e-12
-    assert out["planned_ms"] > 0 and out["per_tensor_ms"] > 0
+    assert out["planned_ms"] > 0 and out["per_tensor_ms"] > 0 and out["samples_only_ms"] > 0
     # The plan's work does not grow with the tensors: a few operators a slab, not a few a tensor.
     assert out["planned_launches"] < out["per_tensor_launches"]
