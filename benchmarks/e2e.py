@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
                 for step in range(config.steps):
                     torch.set_num_threads(1)
                     records.append(trainer.train_step())
+                    trainer.durable.log()  # as ``Trainer.run``: durable before the next orders go out
                     torch.set_num_threads(os.cpu_count() or 1)
                     bare.append(bare_step(step + 1))
             finally:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from gradwire import protocol
-from gradwire.compression import robust
+from gradwire.compression import CompressedGradient, robust
 from gradwire.coordinator import gossip_log
 from gradwire.coordinator.checkpoint import META, write_durably
 from gradwire.coordinator.gossip_log import GossipRecord
@@ -238,6 +238,14 @@ class RunLog:
         written = self.log.append(record)
         self.bytes_written += written
         return written
+
+    def receive(self, payload: CompressedGradient) -> None:
+        """A sender's payload, written ahead of the round's record as it arrives (``UpdateLog.receive``)."""
+        self.log.receive(payload)
+
+    def discard(self) -> None:
+        """The round commits nothing: cut what was written ahead for it."""
+        self.log.discard()
 
     def append_gossip(self, round_: int, version: int, state: RoundState, gossip: GossipRecord) -> int:
         """A gossip round's record: it moves no replica (it stays at ``version``). Durable when this returns."""

@@ -25,6 +25,7 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
+from gradwire.compression import CompressedGradient
 from gradwire.coordinator.checkpointer import RunCheckpointer, RunPosition, worker_key
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.durable import (
@@ -191,6 +192,21 @@ class Resumption:
             sent_in,
             {worker_key(slot): slot.version for slot in slots if slot.version is not None},
         )
+
+    def receive(self, payload: CompressedGradient) -> None:
+        """A sender's payload as it arrives, on its call's thread: written to the update log ahead of the round's
+        record, which then costs only the rest (a failure is only logged: the record carries it then)."""
+        if self.runlog is None or self.config.gossip:
+            return
+        try:
+            self.runlog.receive(payload)
+        except (OSError, RuntimeError) as e:
+            log.warning("update log: a payload could not be written ahead of its record (%s)", e)
+
+    def discard(self) -> None:
+        """The round committed nothing: what was written ahead for it goes."""
+        if self.runlog is not None:
+            self.runlog.discard()
 
     def commit(self, round_: int, state: RoundState, contributions: StateUpdate | GossipRecord | None) -> None:
         """The round just stepped, to be logged once its metrics line is written (``log``): with the

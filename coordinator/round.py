@@ -24,7 +24,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 
@@ -224,6 +224,9 @@ class RoundDispatcher:
         self.state_bytes = state_bytes  # a catch-up must cost less than a push of this
         self.quorum = quorum  # 0: wait for every worker
         self.grace = grace or Grace()
+        # Each result's payload that decoded, as it arrives, on its call's thread (the update log writes it
+        # ahead of the round's record: ``Resumption.receive``); None: nobody.
+        self.on_payload: Callable[[CompressedGradient], None] | None = None
         self._joining: dict[int, Future[_Push]] = {}  # slot index -> its background push
         self.first_order_at: float | None = None  # the round in flight's first order (time.monotonic)
 
@@ -434,6 +437,9 @@ class RoundDispatcher:
                             f"result for round {result.round} at version {result.version}, expected {step} at {target}"
                         )
                     outcome.result = receiver.finish(result)
+                    payload = outcome.result.gradient
+                    if self.on_payload is not None and outcome.decoded is not None and payload is not None:
+                        self.on_payload(payload)
                     if self.relay.digest_payloads and outcome.result.gradient is not None:
                         outcome.held = held_piece(outcome.result.gradient, slot.client.address)
                     outcome.bytes_pulled = sum(r.size for u in (order.update, *order.catch_up) if u for r in u.relayed)

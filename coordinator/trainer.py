@@ -162,6 +162,7 @@ class Trainer:
         # Claimed before the update log opens: --overwrite removes the run there, its log included.
         claim(self.output_dir, self.checkpoint_dir, resuming=bool(config.resume_from), overwrite=config.overwrite)
         self.durable = Resumption(config, self.checkpoint_dir, self.outer, self.checkpoints, self.gather)
+        self.rounds.on_payload = self.durable.receive  # each payload to the update log as it arrives
         self.position = self.durable.begin(self.slots)
 
     def _adopt(self, resumed: Resumed | None) -> None:
@@ -272,6 +273,7 @@ class Trainer:
         t_gathered = time.perf_counter()
         gathered, spot, rule = self._judge(planned, round_)
         if gathered.aggregator is None:
+            self.durable.discard()  # what the update log took of the round's payloads: no record follows
             self._report(round_, None, gathered)
             return None
         grad_norm, compressed, contributions = self._outer_step(planned, gathered, rule)
@@ -296,6 +298,7 @@ class Trainer:
     def _dispatch(self, planned: PlannedRound) -> RoundOutcome:
         """Orders out, results in (``round.RoundDispatcher``); the workers' measured throughput feeds the
         next rounds' shares (--balance)."""
+        self.durable.discard()  # payloads a round before took ahead of a record never logged
         if self.rounds.relay.enabled:  # a payload's digest is worth taking as it comes only for a replay
             self.rounds.relay.digest_payloads = not self._compressed_downlink_of(len(planned.plan.slots))
         round_ = self.rounds.run(planned.plan, planned.work, self._stream_plan(planned.codec))

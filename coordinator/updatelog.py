@@ -13,6 +13,11 @@ On disk, one file::
     frame    body length (uint64 LE) | CRC-32 of the body (uint32 LE, zlib's) | body (a serialized LogRecord)
     frame    ...
 
+A round's senders' payloads may go to the file as each arrives (``UpdateLog.receive``), ahead of the rest of its
+record and synced in the background meanwhile: the frame's header holds a length no record has (``UNFINISHED``)
+until the round commits (``append``), which writes the rest, then the true header, and syncs once. The body
+parses as one record (``log.proto``); a crash before the true header leaves a torn tail, as one mid-append does.
+
 A crash mid-append leaves a torn tail: a frame cut short, a CRC mismatch, or a body that is not a valid
 record (nor is one that does not follow the record before it: rounds increase, versions chain). ``read_log``
 stops at the first such frame (nothing after it is trusted) and says where and why; ``UpdateLog`` (the
@@ -30,12 +35,16 @@ import logging
 import os
 import struct
 import tempfile
+import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
 from gradwire import protocol
+from gradwire.compression import CompressedGradient
+from gradwire.compression import serde as codec_serde
 from gradwire.coordinator import gossip_log
 from gradwire.coordinator.checkpoint import fsync_dir
 from gradwire.coordinator.gossip_log import GossipRecord
@@ -51,6 +60,7 @@ _HEADER = struct.Struct("<8sI")  # magic, format version
 _FRAME = struct.Struct("<QI")  # body length, CRC-32 of the body
 HEADER = _HEADER.pack(MAGIC, LOG_FORMAT)
 FRAME_OVERHEAD = _FRAME.size  # bytes a record costs on disk besides its body
+UNFINISHED = (1 << 64) - 1  # the length in a frame's header while its payloads are written ahead (none has it)
 # A record holds one round's update, which a work order also carries, so --max-message-mb bounds it in a run;
 # this default only keeps a garbled length from being believed.
 MAX_RECORD_BYTES = 1 << 30
@@ -84,26 +94,55 @@ class LogRecord:
             )
 
 
-def record_to_bytes(r: LogRecord) -> bytes:
+def record_to_bytes(r: LogRecord, received: Mapping[int, int] | None = None) -> bytes:
+    """``r`` serialized; with ``received`` (a payload object's id: its position among the payloads written
+    ahead, ``UpdateLog.receive``), an update or contributions whose payloads were all written ahead name them by
+    position instead of carrying them again: the rest of a record whose frame those payloads began."""
     msg = log_pb2.LogRecord(
         round=r.round, from_version=r.from_version, to_version=r.to_version, coordinator_state=r.coordinator_state
     )
     if r.update is not None:
         if r.update.own is not None:  # a record is what every replica replays, never one receiver's cut
             raise ValueError(f"log record of round {r.round}: the update leaves a receiver's own payload out")
-        msg.update.CopyFrom(protocol.update_to_proto(r.update))
+        _put_update(msg.update, msg.update_received, r.update, received or {})
     if r.fingerprint is not None:
         msg.fingerprint.CopyFrom(protocol.fingerprint_to_proto(r.fingerprint))
     if r.contributions is not None:
-        msg.contributions.CopyFrom(protocol.update_to_proto(r.contributions))
+        _put_update(msg.contributions, msg.contributions_received, r.contributions, received or {})
     if r.gossip is not None:
         msg.gossip.CopyFrom(gossip_log.record_to_proto(r.gossip))
     return msg.SerializeToString()
 
 
+def _put_update(field, positions, update: StateUpdate, received: Mapping[int, int]) -> None:  # noqa: ANN001
+    """``update`` into the record's ``field``; its payloads by their ``positions`` where all were received."""
+    field.CopyFrom(protocol.update_to_proto(update))
+    found = [received.get(id(p)) for p in update.payloads]
+    if found and None not in found:
+        del field.replay.payloads[:]
+        positions.extend(found)
+
+
+def _take_received(msg: log_pb2.LogRecord) -> None:
+    """Put the payloads a record names by position back into its update and contributions (before either is
+    validated, as an update off the wire is); ``ValueError`` for a position past what was received."""
+    for field, positions, what in (
+        (msg.update, msg.update_received, "update"),
+        (msg.contributions, msg.contributions_received, "contributions"),
+    ):
+        if not positions:
+            continue
+        if any(i >= len(msg.received) for i in positions) or field.WhichOneof("kind") != "replay":
+            raise ValueError(f"log record: its {what} names payloads it did not receive, or is no replay")
+        if field.replay.payloads:
+            raise ValueError(f"log record: its {what} carries payloads and names received ones too")
+        field.replay.payloads.extend(msg.received[i] for i in positions)
+
+
 def record_from_bytes(data: bytes) -> LogRecord:
     """The inverse of ``record_to_bytes``, validated as an update off the wire is (a ``ValueError`` if not)."""
     msg = protocol.parse(log_pb2.LogRecord, data)
+    _take_received(msg)
     return LogRecord(
         round=msg.round,
         from_version=msg.from_version,
@@ -155,6 +194,10 @@ class LogReader:
     def __init__(self, path: Path | str, *, max_record_bytes: int = MAX_RECORD_BYTES) -> None:
         self.path = Path(path)
         self.max_record_bytes = max_record_bytes
+        self._lock = threading.Lock()  # ``receive`` comes from the round's call threads, the rest from one
+        self._ahead: _Ahead | None = None  # the frame whose payloads are being written ahead of its record
+        self._syncing: ThreadPoolExecutor | None = None  # makes payloads written ahead durable meanwhile
+        self._synced: Future[None] | None = None
         self.records = 0
         self.end = 0
         self.size = 0
@@ -203,6 +246,8 @@ class LogReader:
             return None, f"a frame header cut short ({left} of {FRAME_OVERHEAD} bytes)"
         length, crc = _FRAME.unpack(f.read(FRAME_OVERHEAD))
         # Both checks before reading, so a garbled length allocates nothing.
+        if length == UNFINISHED:
+            return None, "a record whose payloads were written ahead, but which was never committed"
         if length > self.max_record_bytes:
             return None, f"a record length of {length} bytes, over the {self.max_record_bytes}-byte limit"
         if length > left - FRAME_OVERHEAD:
@@ -224,6 +269,17 @@ class LogReader:
         )
 
 
+@dataclasses.dataclass
+class _Ahead:
+    """A frame being written ahead of its record: where it starts, its body's bytes and CRC so far, and the
+    payloads in it (by object id: position, the payload)."""
+
+    start: int
+    length: int = 0
+    crc: int = 0
+    received: dict[int, tuple[int, CompressedGradient]] = dataclasses.field(default_factory=dict)
+
+
 def read_log(path: Path | str, *, max_record_bytes: int = MAX_RECORD_BYTES) -> LogReader:
     """The log at ``path`` to iterate: see ``LogReader``."""
     return LogReader(path, max_record_bytes=max_record_bytes)
@@ -241,6 +297,10 @@ class UpdateLog:
     def __init__(self, path: Path | str, *, max_record_bytes: int = MAX_RECORD_BYTES) -> None:
         self.path = Path(path)
         self.max_record_bytes = max_record_bytes
+        self._lock = threading.Lock()  # ``receive`` comes from the round's call threads, the rest from one
+        self._ahead: _Ahead | None = None  # the frame whose payloads are being written ahead of its record
+        self._syncing: ThreadPoolExecutor | None = None  # makes payloads written ahead durable meanwhile
+        self._synced: Future[None] | None = None
         if not self.path.exists():
             self.path.touch(mode=0o600)  # a gossip run's records hold its peer key
             fsync_dir(self.path.parent)
@@ -277,36 +337,98 @@ class UpdateLog:
         """Bytes on disk: the header and every frame."""
         return self.end
 
+    def receive(self, payload: CompressedGradient) -> None:
+        """Write a sender's ``payload`` ahead of the record it will be part of, as it arrives, and start making it
+        durable meanwhile: the round's ``append`` then writes and syncs only the rest (``record_to_bytes`` names
+        it by position). Safe from any thread. The frame's header says no length until that ``append``, so a
+        crash before it leaves a torn tail; ``discard`` cuts what a round that commits nothing received."""
+        body = log_pb2.LogRecord(received=[codec_serde.gradient_to_proto(payload)]).SerializeToString()
+        with self._lock:
+            if self.broken is not None:
+                raise RuntimeError(f"update log {self.path}: {self.broken}; open it again to go on")
+            ahead = self._ahead
+            if ahead is not None and ahead.length + len(body) > self.max_record_bytes:
+                return  # past what one record may hold: its record carries it instead, and refuses itself
+            try:
+                if ahead is None:
+                    self._write_at(self.end, _FRAME.pack(UNFINISHED, 0))
+                    ahead = self._ahead = _Ahead(self.end)
+                self._write_at(ahead.start + FRAME_OVERHEAD + ahead.length, body)
+            except BaseException:
+                self._cut_back()
+                raise
+            ahead.received[id(payload)] = (len(ahead.received), payload)  # kept: the id stays this payload's
+            ahead.length += len(body)
+            ahead.crc = zlib.crc32(body, ahead.crc)
+            if self._syncing is None:
+                self._syncing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradwire-log")
+            if self._synced is None or self._synced.done():
+                self._synced = self._syncing.submit(os.fdatasync, self._file.fileno())
+
+    def discard(self) -> None:
+        """Cut the payloads written ahead of a record that will not come (a round that committed nothing)."""
+        with self._lock:
+            if self._ahead is not None:
+                self._cut_back()
+
     def append(self, record: LogRecord) -> int:
-        """Write ``record`` and make it durable (flush, fsync) before returning its frame's size in bytes.
-        ``ValueError`` (nothing written) when it does not follow the last record or is over the limit; what
-        fails while writing is raised with the frame cut off again (``broken`` says when even that failed)."""
+        """Write ``record`` and make it durable (flush, fsync) before returning its frame's size in bytes: after
+        the payloads ``receive`` wrote ahead of it, which it names by position where its update's (or its
+        contributions') are all among them. ``ValueError`` (nothing written) when it does not follow the last
+        record or is over the limit; what fails while writing is raised with the frame cut off again (``broken``
+        says when even that failed)."""
         if self.broken is not None:
             raise RuntimeError(f"update log {self.path}: {self.broken}; open it again to go on")
         why = follows(self.last, record)
         if why is not None:
             raise ValueError(f"update log {self.path}: cannot append round {record.round}: {why}")
-        body = record_to_bytes(record)
-        if len(body) > self.max_record_bytes:
-            raise ValueError(
-                f"update log {self.path}: round {record.round}'s record is {len(body)} bytes, over the "
-                f"{self.max_record_bytes}-byte limit"
-            )
-        data = frame(body)
-        try:
-            self._rewrite_from(self.end, data)
-        except BaseException:
-            # A part of the frame may be on disk: cut it, so that the next append follows the last good record.
+        with self._lock:
+            ahead = self._ahead
+            rest = record_to_bytes(record, {k: i for k, (i, _) in ahead.received.items()} if ahead else None)
+            length = len(rest) + (ahead.length if ahead is not None else 0)
+            if length > self.max_record_bytes:
+                self._cut_back()
+                raise ValueError(
+                    f"update log {self.path}: round {record.round}'s record is {length} bytes, over the "
+                    f"{self.max_record_bytes}-byte limit"
+                )
             try:
-                self._rewrite_from(self.end, b"")
-            except OSError as e:
-                self.broken = f"a failed append could not be cut back to byte {self.end} ({e})"
-                log.error("update log %s: %s", self.path, self.broken)
-            raise
-        self.end += len(data)
+                if ahead is None:
+                    self._rewrite_from(self.end, frame(rest))
+                else:  # the rest, then the frame's true header: one fsync makes the whole frame durable
+                    self._write_at(ahead.start + FRAME_OVERHEAD + ahead.length, rest)
+                    self._write_at(ahead.start, _FRAME.pack(length, zlib.crc32(rest, ahead.crc)))
+                    os.fsync(self._file.fileno())
+            except BaseException:
+                # A part of the frame may be on disk: cut it, so that the next append follows the last good record.
+                self._cut_back()
+                raise
+            self._ahead = None
+            self.end += FRAME_OVERHEAD + length
         self.records += 1
         self.last = record
-        return len(data)
+        return FRAME_OVERHEAD + length
+
+    def _write_at(self, offset: int, data: bytes) -> None:
+        self._file.seek(offset)
+        view = memoryview(data)
+        while view:  # an unbuffered write may take less than it was given
+            view = view[self._file.write(view) :]
+
+    def _cut_back(self) -> None:
+        """Cut the file back to the last good record (what was written ahead of a record, or a part of one)."""
+        self._ahead = None
+        try:
+            self._rewrite_from(self.end, b"")
+        except OSError as e:
+            self.broken = f"a failed append could not be cut back to byte {self.end} ({e})"
+            log.error("update log %s: %s", self.path, self.broken)
+
+    def _settle_syncs(self) -> None:
+        """Wait for the background sync of payloads written ahead (before the file is closed or replaced)."""
+        if self._syncing is not None:
+            self._syncing.shutdown(wait=True)
+            self._syncing, self._synced = None, None
 
     def compact(self, keep_after_round: int) -> int:
         """Keep only the records of rounds after ``keep_after_round`` (a full checkpoint's); return how many.
@@ -315,6 +437,8 @@ class UpdateLog:
         and the directory fsynced; a crash at any point leaves the old log or the new one whole. A temporary
         file an earlier crash left behind is removed first.
         """
+        self.discard()  # payloads written ahead of a record that did not come
+        self._settle_syncs()
         for stale in self.path.parent.glob(f".{self.path.name}.compact-*"):
             log.info("update log %s: removing %s, left by an interrupted compaction", self.path, stale.name)
             stale.unlink(missing_ok=True)
@@ -352,6 +476,10 @@ class UpdateLog:
         return kept
 
     def close(self) -> None:
+        """Close the log; payloads written ahead of a record that did not come are cut first."""
+        if not self._file.closed:
+            self.discard()
+        self._settle_syncs()
         self._file.close()
 
     def __enter__(self) -> UpdateLog:

@@ -26,7 +26,7 @@ from gradwire.v1 import codec_pb2 as gradwire_dot_v1_dot_codec__pb2
 from gradwire.v1 import worker_pb2 as gradwire_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15gradwire/v1/log.proto\x12\x0bgradwire.v1\x1a\x17gradwire/v1/codec.proto\x1a\x18gradwire/v1/worker.proto\"\x93\x02\n\tLogRecord\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x14\n\x0c\x66rom_version\x18\x02 \x01(\x04\x12\x12\n\nto_version\x18\x03 \x01(\x04\x12(\n\x06update\x18\x04 \x01(\x0b\x32\x18.gradwire.v1.StateUpdate\x12-\n\x0b\x66ingerprint\x18\x05 \x01(\x0b\x32\x18.gradwire.v1.Fingerprint\x12\x19\n\x11\x63oordinator_state\x18\x06 \x01(\x0c\x12/\n\rcontributions\x18\x07 \x01(\x0b\x32\x18.gradwire.v1.StateUpdate\x12(\n\x06gossip\x18\x08 \x01(\x0b\x32\x18.gradwire.v1.GossipRound\"w\n\x0bGossipRound\x12,\n\x08\x61\x63\x63\x65pted\x18\x01 \x03(\x0b\x32\x1a.gradwire.v1.GossipMessage\x12+\n\x08sketches\x18\x02 \x03(\x0b\x32\x19.gradwire.v1.MemberSketch\x12\r\n\x05state\x18\x03 \x01(\x0c\"\x80\x01\n\rGossipMessage\x12\x0e\n\x06member\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x30\n\x07message\x18\x03 \x01(\x0b\x32\x1f.gradwire.v1.CompressedGradient\x12\x0e\n\x06\x64igest\x18\x04 \x01(\x0c\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\".\n\x0cMemberSketch\x12\x0e\n\x06member\x18\x01 \x01(\t\x12\x0e\n\x06values\x18\x02 \x03(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15gradwire/v1/log.proto\x12\x0bgradwire.v1\x1a\x17gradwire/v1/codec.proto\x1a\x18gradwire/v1/worker.proto\"\xff\x02\n\tLogRecord\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x14\n\x0c\x66rom_version\x18\x02 \x01(\x04\x12\x12\n\nto_version\x18\x03 \x01(\x04\x12(\n\x06update\x18\x04 \x01(\x0b\x32\x18.gradwire.v1.StateUpdate\x12-\n\x0b\x66ingerprint\x18\x05 \x01(\x0b\x32\x18.gradwire.v1.Fingerprint\x12\x19\n\x11\x63oordinator_state\x18\x06 \x01(\x0c\x12/\n\rcontributions\x18\x07 \x01(\x0b\x32\x18.gradwire.v1.StateUpdate\x12(\n\x06gossip\x18\x08 \x01(\x0b\x32\x18.gradwire.v1.GossipRound\x12\x31\n\x08received\x18\t \x03(\x0b\x32\x1f.gradwire.v1.CompressedGradient\x12\x17\n\x0fupdate_received\x18\n \x03(\r\x12\x1e\n\x16\x63ontributions_received\x18\x0b \x03(\r\"w\n\x0bGossipRound\x12,\n\x08\x61\x63\x63\x65pted\x18\x01 \x03(\x0b\x32\x1a.gradwire.v1.GossipMessage\x12+\n\x08sketches\x18\x02 \x03(\x0b\x32\x19.gradwire.v1.MemberSketch\x12\r\n\x05state\x18\x03 \x01(\x0c\"\x80\x01\n\rGossipMessage\x12\x0e\n\x06member\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x30\n\x07message\x18\x03 \x01(\x0b\x32\x1f.gradwire.v1.CompressedGradient\x12\x0e\n\x06\x64igest\x18\x04 \x01(\x0c\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\".\n\x0cMemberSketch\x12\x0e\n\x06member\x18\x01 \x01(\t\x12\x0e\n\x06values\x18\x02 \x03(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,11 +34,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gradwire.v1.log_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LOGRECORD']._serialized_start=90
-  _globals['_LOGRECORD']._serialized_end=365
-  _globals['_GOSSIPROUND']._serialized_start=367
-  _globals['_GOSSIPROUND']._serialized_end=486
-  _globals['_GOSSIPMESSAGE']._serialized_start=489
-  _globals['_GOSSIPMESSAGE']._serialized_end=617
-  _globals['_MEMBERSKETCH']._serialized_start=619
-  _globals['_MEMBERSKETCH']._serialized_end=665
+  _globals['_LOGRECORD']._serialized_end=473
+  _globals['_GOSSIPROUND']._serialized_start=475
+  _globals['_GOSSIPROUND']._serialized_end=594
+  _globals['_GOSSIPMESSAGE']._serialized_start=597
+  _globals['_GOSSIPMESSAGE']._serialized_end=725
+  _globals['_MEMBERSKETCH']._serialized_start=727
+  _globals['_MEMBERSKETCH']._serialized_end=773
 # @@protoc_insertion_point(module_scope)

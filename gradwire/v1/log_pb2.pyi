@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LogRecord(_message.Message):
-    __slots__ = ("round", "from_version", "to_version", "update", "fingerprint", "coordinator_state", "contributions", "gossip")
+    __slots__ = ("round", "from_version", "to_version", "update", "fingerprint", "coordinator_state", "contributions", "gossip", "received", "update_received", "contributions_received")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     FROM_VERSION_FIELD_NUMBER: _ClassVar[int]
     TO_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,9 @@ class LogRecord(_message.Message):
     COORDINATOR_STATE_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     GOSSIP_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTIONS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     round: int
     from_version: int
     to_version: int
@@ -26,7 +29,10 @@ class LogRecord(_message.Message):
     coordinator_state: bytes
     contributions: _worker_pb2.StateUpdate
     gossip: GossipRound
-    def __init__(self, round: _Optional[int] = ..., from_version: _Optional[int] = ..., to_version: _Optional[int] = ..., update: _Optional[_Union[_worker_pb2.StateUpdate, _Mapping]] = ..., fingerprint: _Optional[_Union[_worker_pb2.Fingerprint, _Mapping]] = ..., coordinator_state: _Optional[bytes] = ..., contributions: _Optional[_Union[_worker_pb2.StateUpdate, _Mapping]] = ..., gossip: _Optional[_Union[GossipRound, _Mapping]] = ...) -> None: ...
+    received: _containers.RepeatedCompositeFieldContainer[_codec_pb2.CompressedGradient]
+    update_received: _containers.RepeatedScalarFieldContainer[int]
+    contributions_received: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, round: _Optional[int] = ..., from_version: _Optional[int] = ..., to_version: _Optional[int] = ..., update: _Optional[_Union[_worker_pb2.StateUpdate, _Mapping]] = ..., fingerprint: _Optional[_Union[_worker_pb2.Fingerprint, _Mapping]] = ..., coordinator_state: _Optional[bytes] = ..., contributions: _Optional[_Union[_worker_pb2.StateUpdate, _Mapping]] = ..., gossip: _Optional[_Union[GossipRound, _Mapping]] = ..., received: _Optional[_Iterable[_Union[_codec_pb2.CompressedGradient, _Mapping]]] = ..., update_received: _Optional[_Iterable[int]] = ..., contributions_received: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GossipRound(_message.Message):
     __slots__ = ("accepted", "sketches", "state")

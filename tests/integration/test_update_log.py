@@ -22,6 +22,8 @@ from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.durable import RoundState, decide_replay, log_path, read_records
 from gradwire.coordinator.metrics import read_metrics
 from gradwire.coordinator.trainer import Trainer
+from gradwire.coordinator.updatelog import read_log
+from gradwire.v1 import log_pb2
 from gradwire.worker.engine import WorkerEngine
 from gradwire.worker.inprocess import InProcessClient
 
@@ -160,6 +162,11 @@ def test_every_kind_of_round_resumes_from_the_log(tmp_path: Path, changes: dict)
     engines = _engines()
     first = Trainer(_config(out, **changes), _clients(engines), progress=False)
     _killed_after(first, 5)
+    # Each record's senders' payloads went to the log as they arrived: the record names them by position.
+    frames = [log_pb2.LogRecord.FromString(body) for body, _ in read_log(log_path(out / "checkpoints")).frames()]
+    assert [len(f.received) for f in frames] == [2, 2]
+    made = "outer_optimizer" in changes or "downlink" in changes  # the update is made from the payloads
+    assert all(sorted(f.contributions_received if made else f.update_received) == [0, 1] for f in frames)
     rows, resumed, _ = _resumed(out, engines, **changes)
     first.close()
     assert [r["step"] for r in rows] == [6, 7] and [e.pushes for e in engines] == [1, 1]

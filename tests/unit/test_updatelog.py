@@ -317,3 +317,127 @@ def test_a_compaction_cut_short_leaves_the_old_log(
         assert log.compact(keep_after_round=2) == 3
     assert [r.round for r in read_log(path)] == [3, 5, 7]
     assert [p.name for p in tmp_path.iterdir()] == ["updates.log"]
+
+
+# ------------------------------------------------------------------------ payloads written ahead of a record
+
+
+def extra_payload(seed: int) -> CompressedGradient:
+    gen = torch.Generator().manual_seed(seed)
+    codec = GradientCodec(SHAPES, CodecConfig(chunk=16, topk=8))
+    return codec.compress({n: torch.randn(s, generator=gen) for n, s in SHAPES.items()})
+
+
+def test_payloads_written_ahead_as_they_arrive_make_the_same_record(
+    tmp_path: Path, payloads: tuple[CompressedGradient, ...]
+) -> None:
+    """Payloads received in another order than the update's, with one the round left out: the record reads back
+    equal to the one written whole, names its payloads by position, and costs no second copy of them."""
+    path = tmp_path / "updates.log"
+    first, second = record(payloads, 0), record(payloads, 1)
+    left_out = extra_payload(9)
+    with UpdateLog(path) as log:
+        whole = log.append(first)
+        for p in (payloads[1], left_out, payloads[0]):  # arrival order, not the update's
+            log.receive(p)
+        ahead = log.append(second)
+        assert log.size == path.stat().st_size == len(HEADER) + whole + ahead
+    back, reader = read_all(path)
+    assert back == [first, second] and not reader.torn
+    assert [serde.gradient_to_bytes(p) for p in back[1].update.payloads] == [
+        serde.gradient_to_bytes(p) for p in payloads[:2]
+    ]
+    # On disk: the payloads once each (the left-out one too), and the rest of the record naming two of them.
+    body = path.read_bytes()[len(HEADER) + whole + FRAME_OVERHEAD :]
+    msg = updatelog.log_pb2.LogRecord.FromString(body)
+    assert list(msg.update_received) == [2, 0] and len(msg.received) == 3
+    assert ahead < FRAME_OVERHEAD + len(record_to_bytes(second)) + left_out.nbytes + 100
+
+
+def test_a_record_whose_payloads_were_not_all_received_carries_them(
+    tmp_path: Path, payloads: tuple[CompressedGradient, ...]
+) -> None:
+    path = tmp_path / "updates.log"
+    with UpdateLog(path) as log:
+        log.receive(payloads[0])  # the update's second payload never came ahead
+        log.append(record(payloads, 0))
+    (back,), _ = read_all(path)
+    assert back == record(payloads, 0)
+    msg = updatelog.log_pb2.LogRecord.FromString(path.read_bytes()[len(HEADER) + FRAME_OVERHEAD :])
+    assert not msg.update_received and len(msg.update.replay.payloads) == 2
+
+
+@pytest.mark.parametrize("cut", ["before-any-payload", "mid-payload", "after-the-payloads", "before-the-header"])
+def test_a_crash_before_the_record_commits_leaves_a_torn_tail_the_writer_cuts(
+    tmp_path: Path, payloads: tuple[CompressedGradient, ...], cut: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Killed while payloads are written ahead (the frame's header still says no length), or after the rest was
+    written but before the true header: the log reads up to the last committed record, and reopened, goes on
+    after it."""
+    path = tmp_path / "updates.log"
+    log = UpdateLog(path)
+    log.append(record(payloads, 0))
+    committed = log.size
+    log.receive(payloads[0])
+    log.receive(payloads[1])
+    written = path.read_bytes()
+    image = {
+        "before-any-payload": written[: committed + FRAME_OVERHEAD],
+        "mid-payload": written[: committed + FRAME_OVERHEAD + 40],
+        "after-the-payloads": written,
+    }.get(cut)
+    if image is None:  # the rest of the record on disk, its header not yet rewritten
+        rest = record_to_bytes(record(payloads, 1), {id(payloads[0]): 0, id(payloads[1]): 1})
+        image = written + rest
+    log._file.close()  # the process dies: nothing more is written, nothing cut
+    path.write_bytes(image)
+    back, reader = read_all(path)
+    assert back == [record(payloads, 0)] and reader.torn and reader.end == committed
+    assert reader.stop == "a record whose payloads were written ahead, but which was never committed"
+    with caplog.at_level(logging.WARNING, logger=updatelog.__name__), UpdateLog(path) as again:
+        assert (again.records, again.size, path.stat().st_size) == (1, committed, committed)
+        again.receive(payloads[1])
+        again.receive(payloads[0])
+        again.append(record(payloads, 1))
+    assert "cutting it there" in caplog.text
+    back, reader = read_all(path)
+    assert back == [record(payloads, 0), record(payloads, 1)] and not reader.torn
+
+
+def test_what_a_round_that_commits_nothing_received_is_cut(
+    tmp_path: Path, payloads: tuple[CompressedGradient, ...]
+) -> None:
+    path = tmp_path / "updates.log"
+    with UpdateLog(path) as log:
+        log.append(record(payloads, 0))
+        committed = log.size
+        log.receive(payloads[0])
+        assert path.stat().st_size > committed
+        log.discard()  # the round failed
+        assert path.stat().st_size == committed == log.size
+        log.receive(payloads[2])  # and closed with a payload received: cut too
+    assert path.stat().st_size == committed
+    assert read_all(path)[1].torn is False
+    with UpdateLog(path) as log:
+        log.receive(payloads[0])
+        assert log.compact(keep_after_round=1) == 0  # compaction cuts what was written ahead first
+        assert path.stat().st_size == len(HEADER) == log.size
+        log.append(record(payloads, 1))
+    assert read_all(path)[0] == [record(payloads, 1)]
+
+
+def test_a_record_that_names_a_payload_it_did_not_receive_ends_the_prefix(
+    tmp_path: Path, payloads: tuple[CompressedGradient, ...]
+) -> None:
+    path = tmp_path / "updates.log"
+    write(path, payloads, 1)
+    good = path.stat().st_size
+    rest = updatelog.log_pb2.LogRecord.FromString(record_to_bytes(record(payloads, 1)))
+    del rest.update.replay.payloads[:]
+    rest.update_received.extend([0, 3])  # one received payload, position 3 never was
+    rest.received.append(serde.gradient_to_proto(payloads[0]))
+    with open(path, "ab") as f:
+        f.write(frame(rest.SerializeToString()))
+    back, reader = read_all(path)
+    assert len(back) == 1 and reader.end == good
+    assert "names payloads it did not receive" in (reader.stop or "")
