@@ -115,12 +115,15 @@ def record_to_bytes(r: LogRecord, received: Mapping[int, int] | None = None) -> 
 
 
 def _put_update(field, positions, update: StateUpdate, received: Mapping[int, int]) -> None:  # noqa: ANN001
-    """``update`` into the record's ``field``; its payloads by their ``positions`` where all were received."""
-    field.CopyFrom(protocol.update_to_proto(update))
+    """``update`` into the record's ``field``; its payloads by their ``positions`` where all were received (the
+    rest of the update serialized without them: one weight a sender, as the wire always carries)."""
     found = [received.get(id(p)) for p in update.payloads]
     if found and None not in found:
-        del field.replay.payloads[:]
+        weights = update.weights or (1.0,) * len(update.payloads)
+        field.CopyFrom(protocol.update_to_proto(dataclasses.replace(update, payloads=(), weights=weights)))
         positions.extend(found)
+    else:
+        field.CopyFrom(protocol.update_to_proto(update))
 
 
 def _take_received(msg: log_pb2.LogRecord) -> None:
