@@ -224,8 +224,9 @@ class RoundDispatcher:
         self.state_bytes = state_bytes  # a catch-up must cost less than a push of this
         self.quorum = quorum  # 0: wait for every worker
         self.grace = grace or Grace()
-        # Each result's payload that decoded, as it arrives, on its call's thread (the update log writes it
-        # ahead of the round's record: ``Resumption.receive``); None: nobody.
+        # Each result's payload as it arrives, on its call's thread, before it is decoded (the update log writes
+        # it ahead of the round's record: ``Resumption.receive``; one that does not decode is read past there);
+        # None: nobody.
         self.on_payload: Callable[[CompressedGradient], None] | None = None
         self._joining: dict[int, Future[_Push]] = {}  # slot index -> its background push
         self.first_order_at: float | None = None  # the round in flight's first order (time.monotonic)
@@ -425,7 +426,7 @@ class RoundDispatcher:
                     continue
                 order = self._order(slot, work, action, version, relayed)
                 outcome.catch_ups += action == "catch-up"
-                receiver = _Receiver(stream, outcome)
+                receiver = _Receiver(stream, outcome, self.on_payload)
                 if self.first_order_at is None:
                     self.first_order_at = time.monotonic()
                 result, traffic = slot.client.run_round(order, timeout=self.timeout, on_piece=receiver.take)
@@ -437,9 +438,6 @@ class RoundDispatcher:
                             f"result for round {result.round} at version {result.version}, expected {step} at {target}"
                         )
                     outcome.result = receiver.finish(result)
-                    payload = outcome.result.gradient
-                    if self.on_payload is not None and outcome.decoded is not None and payload is not None:
-                        self.on_payload(payload)
                     if self.relay.digest_payloads and outcome.result.gradient is not None:
                         outcome.held = held_piece(outcome.result.gradient, slot.client.address)
                     outcome.bytes_pulled = sum(r.size for u in (order.update, *order.catch_up) if u for r in u.relayed)
@@ -537,9 +535,15 @@ class _Receiver:
     noted in the outcome (``invalid``), for the gather stage to judge, not raised: a bad payload is the
     sender's strike, not a failed call."""
 
-    def __init__(self, stream: StreamPlan | None, outcome: SlotOutcome) -> None:
+    def __init__(
+        self,
+        stream: StreamPlan | None,
+        outcome: SlotOutcome,
+        on_payload: Callable[[CompressedGradient], None] | None = None,
+    ) -> None:
         self.pieces = Pieces(stream) if stream is not None else None
         self.outcome, self.error = outcome, ""
+        self.on_payload = on_payload  # the payload, whole, as soon as it is (``RoundDispatcher.on_payload``)
         outcome.pieces, outcome.decoded, outcome.invalid = 0, None, ""
         outcome.digest, outcome.empty = None, None
 
@@ -560,11 +564,16 @@ class _Receiver:
         if self.error:
             self.outcome.invalid = self.error
             return result
+        whole = not self.pieces.received  # nothing streamed: the result holds the payload as it came
+        if whole and self.on_payload is not None:
+            self.on_payload(result.gradient)  # first: its bytes go to disk while it is decoded and measured
         try:
             payload, self.outcome.decoded = self.pieces.finish(result.gradient)
         except PayloadError as e:
             self.outcome.invalid = f"sent a bad payload: {e}"
             return result
+        if not whole and self.on_payload is not None:
+            self.on_payload(payload)  # a streamed one once its pieces make it
         self._measure(self.outcome.decoded)
         return dataclasses.replace(result, gradient=payload)
 
