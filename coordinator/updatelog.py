@@ -14,7 +14,7 @@ On disk, one file::
     frame    ...
 
 A round's senders' payloads may go to the file as each arrives (``UpdateLog.receive``), ahead of the rest of its
-record and synced in the background meanwhile: the frame's header holds a length no record has (``UNFINISHED``)
+record, and its writing to the disk started meanwhile: the frame's header holds a length no record has (``UNFINISHED``)
 until the round commits (``append``), which writes the rest, then the true header, and syncs once. The body
 parses as one record (``log.proto``); a crash before the true header leaves a torn tail, as one mid-append does.
 
@@ -38,7 +38,7 @@ import tempfile
 import threading
 import zlib
 from collections.abc import Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
@@ -197,10 +197,6 @@ class LogReader:
     def __init__(self, path: Path | str, *, max_record_bytes: int = MAX_RECORD_BYTES) -> None:
         self.path = Path(path)
         self.max_record_bytes = max_record_bytes
-        self._lock = threading.Lock()  # ``receive`` comes from the round's call threads, the rest from one
-        self._ahead: _Ahead | None = None  # the frame whose payloads are being written ahead of its record
-        self._syncing: ThreadPoolExecutor | None = None  # makes payloads written ahead durable meanwhile
-        self._synced: Future[None] | None = None
         self.records = 0
         self.end = 0
         self.size = 0
@@ -272,6 +268,19 @@ class LogReader:
         )
 
 
+# Start writing a range of the file to the disk without waiting for it, or for a journal commit: the round's
+# one fsync then finds it written, or on its way. POSIX_FADV_DONTNEED does so on Linux (the fallback PostgreSQL
+# uses where sync_file_range is missing); elsewhere the fsync writes it all.
+_START_WRITEBACK = getattr(os, "POSIX_FADV_DONTNEED", None) if hasattr(os, "posix_fadvise") else None
+
+
+def _start_writeback(fd: int, offset: int, length: int) -> None:
+    try:
+        os.posix_fadvise(fd, offset, length, _START_WRITEBACK)  # type: ignore[arg-type]
+    except OSError:  # the log was closed meanwhile, or the file system will not: the fsync writes it
+        pass
+
+
 @dataclasses.dataclass
 class _Ahead:
     """A frame being written ahead of its record: where it starts, its body's bytes and CRC so far, and the
@@ -302,8 +311,7 @@ class UpdateLog:
         self.max_record_bytes = max_record_bytes
         self._lock = threading.Lock()  # ``receive`` comes from the round's call threads, the rest from one
         self._ahead: _Ahead | None = None  # the frame whose payloads are being written ahead of its record
-        self._syncing: ThreadPoolExecutor | None = None  # makes payloads written ahead durable meanwhile
-        self._synced: Future[None] | None = None
+        self._flushing: ThreadPoolExecutor | None = None  # starts the disk writing payloads written ahead
         if not self.path.exists():
             self.path.touch(mode=0o600)  # a gossip run's records hold its peer key
             fsync_dir(self.path.parent)
@@ -341,8 +349,8 @@ class UpdateLog:
         return self.end
 
     def receive(self, payload: CompressedGradient) -> None:
-        """Write a sender's ``payload`` ahead of the record it will be part of, as it arrives, and start making it
-        durable meanwhile: the round's ``append`` then writes and syncs only the rest (``record_to_bytes`` names
+        """Write a sender's ``payload`` ahead of the record it will be part of, as it arrives, and start writing it
+        to the disk meanwhile: the round's ``append`` then writes only the rest (``record_to_bytes`` names
         it by position). Safe from any thread. The frame's header says no length until that ``append``, so a
         crash before it leaves a torn tail; ``discard`` cuts what a round that commits nothing received."""
         body = log_pb2.LogRecord(received=[codec_serde.gradient_to_proto(payload)]).SerializeToString()
@@ -360,13 +368,14 @@ class UpdateLog:
             except BaseException:
                 self._cut_back()
                 raise
+            offset = ahead.start + FRAME_OVERHEAD + ahead.length
             ahead.received[id(payload)] = (len(ahead.received), payload)  # kept: the id stays this payload's
             ahead.length += len(body)
             ahead.crc = zlib.crc32(body, ahead.crc)
-            if self._syncing is None:
-                self._syncing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradwire-log")
-            if self._synced is None or self._synced.done():
-                self._synced = self._syncing.submit(os.fdatasync, self._file.fileno())
+            if _START_WRITEBACK is not None:
+                if self._flushing is None:
+                    self._flushing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradwire-log")
+                self._flushing.submit(_start_writeback, self._file.fileno(), offset, len(body))
 
     def discard(self) -> None:
         """Cut the payloads written ahead of a record that will not come (a round that committed nothing)."""
@@ -428,10 +437,10 @@ class UpdateLog:
             log.error("update log %s: %s", self.path, self.broken)
 
     def _settle_syncs(self) -> None:
-        """Wait for the background sync of payloads written ahead (before the file is closed or replaced)."""
-        if self._syncing is not None:
-            self._syncing.shutdown(wait=True)
-            self._syncing, self._synced = None, None
+        """Wait for the writebacks started of payloads written ahead (before the file is closed or replaced)."""
+        if self._flushing is not None:
+            self._flushing.shutdown(wait=True)
+            self._flushing = None
 
     def compact(self, keep_after_round: int) -> int:
         """Keep only the records of rounds after ``keep_after_round`` (a full checkpoint's); return how many.
