@@ -582,9 +582,8 @@ class _Receiver:
         results are still coming in: whether it holds anything, its copy digest and its norm (a factored
         matrix's, from its factors, is kept with them). Only what is judged across senders is left for after
         the round's close."""
-        plan = self.pieces.stream.codec.plan if self.pieces is not None else None
-        if plan is None:
-            return
+        assert self.pieces is not None  # ``finish`` decodes only with a stream plan
+        plan = self.pieces.stream.codec.plan
         self.outcome.empty = products.all_zero((*decoded.values, *products.items(decoded.dense)))
         self.outcome.digest = copies.digest(decoded, [g.chunk_numel for g in plan.groups])
         if isinstance(decoded.dense, products.Products):

@@ -436,7 +436,7 @@ class UpdateLog:
             self.broken = f"a failed append could not be cut back to byte {self.end} ({e})"
             log.error("update log %s: %s", self.path, self.broken)
 
-    def _settle_syncs(self) -> None:
+    def _settle_writebacks(self) -> None:
         """Wait for the writebacks started of payloads written ahead (before the file is closed or replaced)."""
         if self._flushing is not None:
             self._flushing.shutdown(wait=True)
@@ -450,7 +450,7 @@ class UpdateLog:
         file an earlier crash left behind is removed first.
         """
         self.discard()  # payloads written ahead of a record that did not come
-        self._settle_syncs()
+        self._settle_writebacks()
         for stale in self.path.parent.glob(f".{self.path.name}.compact-*"):
             log.info("update log %s: removing %s, left by an interrupted compaction", self.path, stale.name)
             stale.unlink(missing_ok=True)
@@ -491,7 +491,7 @@ class UpdateLog:
         """Close the log; payloads written ahead of a record that did not come are cut first."""
         if not self._file.closed:
             self.discard()
-        self._settle_syncs()
+        self._settle_writebacks()
         self._file.close()
 
     def __enter__(self) -> UpdateLog:
