@@ -190,7 +190,7 @@ class Aggregator:
         listed = sum(idx.shape[1] for idx, _, _ in held)  # pairs a chunk, all senders together
         if listed == 0:
             return total
-        # A sole sender whose rows increase (no index twice; Elias-Fano's are checked so at decode): the sort
+        # A sole sender whose rows increase (the codec sends them so; Elias-Fano's are checked at decode): the sort
         # below would leave every pair in place as a run of its own, so its sums are its values (the same bits).
         sorted_already = len(held) == 1 and _increasing(held[0][0])
         rows = max(1, NORM_SLICE_PAIRS // listed)

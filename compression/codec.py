@@ -197,9 +197,7 @@ class GradientCodec:
     ) -> dict[str, CompressedTensor]:
         """Top-k per chunk, quantize per tensor, subtract what is sent from ``coeffs`` if it is feedback."""
         k = group.k
-        idx = topk_indices(coeffs, k, magnitude=True)  # (B, k)
-        if self._elias_fano:  # its code takes each chunk's indices in increasing order
-            idx = idx.sort(dim=1).values
+        idx = topk_indices(coeffs, k, magnitude=True)  # (B, k), each chunk's in increasing order
         vals = coeffs.gather(1, idx)  # (B, k)
         # top-k ranks NaN and infinity first, and the DCT spreads one over its chunk: checking the kept
         # values finds any in the group (and any value past ``VALUE_LIMIT``, the largest of each chunk).

@@ -27,13 +27,15 @@ ROWS_PER_BLOCK = 256  # bounds the (rows, n) int64 scratch argpartition makes: 8
 
 
 def topk_indices(scores: torch.Tensor, k: int, magnitude: bool = False) -> torch.Tensor:
-    """Positions of the ``k`` largest entries of each row of ``scores`` (B, n): (B, k) int64, unordered.
-    ``magnitude``: of the largest ``|scores|``, as ``topk_indices(scores.abs(), k)`` (on a CPU each block of
-    rows takes its magnitudes as it goes: no pass over the whole of ``scores`` first)."""
+    """Positions of the ``k`` largest entries of each row of ``scores`` (B, n): (B, k) int64, each row in
+    increasing order (a receiver then tells at a glance that a row names no position twice, and needs no sort
+    to sum or measure one sender: ``Aggregator.norm``; Elias-Fano's code takes them so). ``magnitude``: of
+    the largest ``|scores|``, as ``topk_indices(scores.abs(), k)`` (on a CPU each block of rows takes its
+    magnitudes as it goes: no pass over the whole of ``scores`` first)."""
     if scores.dim() != 2 or not 1 <= k <= scores.shape[1]:
         raise ValueError(f"need (B, n) scores and 1 <= k <= n, got shape {tuple(scores.shape)} and k={k}")
     if scores.device.type != "cpu" or scores.dtype not in (torch.float32, torch.float64) or k == scores.shape[1]:
-        return (scores.abs() if magnitude else scores).topk(k, dim=1, sorted=False).indices
+        return (scores.abs() if magnitude else scores).topk(k, dim=1, sorted=False).indices.sort(dim=1).values
     values = scores.detach().contiguous().numpy()
     b, n = values.shape
     out = np.empty((b, k), np.int64)
@@ -44,7 +46,8 @@ def topk_indices(scores: torch.Tensor, k: int, magnitude: bool = False) -> torch
             rows = np.abs(rows)
         if np.count_nonzero(rows) < rows.size * 3 // 4:  # ties: make the zeros distinct, below every score
             rows = np.where(rows == 0, _ramp(n, rows.dtype), rows)
-        out[start : start + len(rows)] = np.argpartition(rows, n - k, axis=1)[:, n - k :]
+        kept = np.argpartition(rows, n - k, axis=1)[:, n - k :]
+        out[start : start + len(rows)] = np.sort(kept, axis=1)  # SIMD-sorted: 1% of the partition's time
 
     starts = range(0, b, ROWS_PER_BLOCK)
     threads = min(torch.get_num_threads(), len(starts))

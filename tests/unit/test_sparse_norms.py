@@ -116,15 +116,16 @@ def test_the_sparse_norm_of_real_payloads_is_the_norm_of_the_result(monkeypatch:
     assert sparse.norm() == pytest.approx(float(torch.linalg.vector_norm(result)), rel=1e-4)
 
 
+@pytest.mark.parametrize("indices", ["packed12", "elias-fano"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("slice_pairs", [None, 7, 200])
 def test_a_sole_senders_increasing_indices_skip_the_sort_for_the_same_bits(
-    dtype: torch.dtype, slice_pairs: int | None, monkeypatch: pytest.MonkeyPatch
+    indices: str, dtype: torch.dtype, slice_pairs: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One sender whose rows increase (Elias-Fano payloads, checked so at decode): its norm is taken from its
-    values as they are, bit for bit what sorting them into runs gave; a row with an index twice is still
-    summed by runs."""
-    codec = GradientCodec(SHAPES, CodecConfig(topk=8, indices="elias-fano"))
+    """One sender whose rows increase (the codec sends every chunk's indices in increasing order; Elias-Fano
+    payloads are checked so at decode): its norm is taken from its values as they are, bit for bit what sorting
+    them into runs gave; a row with an index twice is still summed by runs."""
+    codec = GradientCodec(SHAPES, CodecConfig(topk=8, indices=indices))
     g = torch.Generator().manual_seed(11)
     payload = codec.decode(codec.compress({n: torch.randn(*s, generator=g) for n, s in SHAPES.items()}))
     assert all(bool((i[:, 1:] > i[:, :-1]).all()) for i in payload.indices)
