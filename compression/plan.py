@@ -9,6 +9,7 @@ whatever the number of tensors in it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -247,8 +248,13 @@ class ModelPlan:
     def payload_bytes(self) -> int:
         """Exact tensor-data bytes (indices, values, tables) of every payload under this plan.
 
-        They all have the same size; shift, scale and protobuf framing are not counted.
+        They all have the same size; shift, scale and protobuf framing are not counted. Counted once (a plan
+        never changes): the coordinator asks every round, and counting opt-125m's 196 tensors took 1.6 ms.
         """
+        return self._payload_bytes
+
+    @functools.cached_property
+    def _payload_bytes(self) -> int:
         total = 0
         for t in self.tensors:
             n = t.num_values
