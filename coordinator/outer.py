@@ -28,6 +28,7 @@ import abc
 import collections
 import json
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -69,6 +70,7 @@ class OuterStrategy(abc.ABC):
         self.advancer = ReplicaAdvancer(replica)
         # The apply of ``pending`` to our replica, once submitted: its future holds the target fingerprint.
         self._applying: Future[Fingerprint] | None = None
+        self._advancing = threading.Lock()
         self.base_version = replica.version
         self._base_fingerprint: FingerprintSoon = replica.fingerprint()
         # The last updates before ``pending``, for workers that missed rounds: (from version, fingerprint
@@ -127,8 +129,9 @@ class OuterStrategy(abc.ABC):
     def advance(self) -> None:
         """Start applying ``pending`` to the coordinator's replica on the advancer's thread, if it has not
         started: returns at once (``wait_applied`` waits for it)."""
-        if self.pending is not None and self._applying is None:
-            self._applying = self.advancer.submit(self._apply_job(self.pending))
+        with self._advancing:  # a round's dispatch threads may ask at once (the last order out, a push)
+            if self.pending is not None and self._applying is None:
+                self._applying = self.advancer.submit(self._apply_job(self.pending))
 
     def wait_applied(self) -> None:
         """Block until the coordinator's replica is at ``target_version`` (``ReplicaError`` if it cannot be)."""

@@ -1,9 +1,10 @@
 """The dispatch of one round: state pushes, concurrent work orders, retries, and what each worker did.
 
 ``RoundDispatcher.run`` pushes the full state to the workers that have never had it, sends every worker
-its order concurrently, and starts applying the pending update to the coordinator's own replica on the
-replica's own thread (``OuterStrategy.advance``) while they compute; nothing in the round waits for that
-apply but what needs the round's version (a push to a worker out of sync, the next round's fingerprint).
+its order concurrently, and once every order is out starts applying the pending update to the coordinator's
+own replica on the replica's own thread (``OuterStrategy.advance``) while they compute; nothing in the round
+waits for that apply but what needs the round's version (a push to a worker out of sync, the next round's
+fingerprint).
 A worker new to a running job gets the state *in the background* (``prepare``;
 ``decisions.decide_first_push``): the rounds go on without it while the state travels (a snapshot: the
 replica moves on meanwhile), and it works from the first round after its push completes, catching up on
@@ -230,6 +231,7 @@ class RoundDispatcher:
         self.on_payload: Callable[[CompressedGradient], None] | None = None
         self._joining: dict[int, Future[_Push]] = {}  # slot index -> its background push
         self.first_order_at: float | None = None  # the round in flight's first order (time.monotonic)
+        self._unordered = _Unordered([], lambda: None)  # the round in flight's slots whose order is not out yet
 
     @property
     def joining(self) -> list[int]:
@@ -275,10 +277,12 @@ class RoundDispatcher:
             outer.settle()
         pushed = dict(zip((s.index for s in to_push), self.pool.map(self._push, to_push)))
         self.relay.plan_round([s.client.address for s in slots], step)
-        outer.advance()
         cut_off = {slot.index: threading.Event() for slot in slots}  # set for a straggler: make no further call
         start = time.monotonic()
         self.first_order_at = None
+        # Our replica's apply of the pending update starts once every order is out: started before them, it
+        # took the cores the orders were being made and sent on (a push or a catch-up starts it at once).
+        self._unordered = _Unordered([s.index for s in slots], outer.advance)
         futures = [
             self.pool.submit(self._timed, start, slot, work, pushed.get(slot.index), cut_off[slot.index], stream)
             for slot in slots
@@ -429,6 +433,7 @@ class RoundDispatcher:
                 receiver = _Receiver(stream, outcome, self.on_payload)
                 if self.first_order_at is None:
                     self.first_order_at = time.monotonic()
+                self._unordered.out(slot.index)
                 result, traffic = slot.client.run_round(order, timeout=self.timeout, on_piece=receiver.take)
                 outcome.bytes_down += traffic.down
                 outcome.bytes_up += traffic.up
@@ -471,6 +476,8 @@ class RoundDispatcher:
             outcome.error = "worker still out of sync after a state push"
         except (WorkerError, ValueError) as e:
             outcome.error = str(e)
+        finally:
+            self._unordered.out(slot.index)  # no order after all: not waited for
         return outcome
 
     def _catch_up_bytes(self, version: int | None) -> int | None:
@@ -588,6 +595,26 @@ class _Receiver:
         self.outcome.digest = copies.digest(decoded, [g.chunk_numel for g in plan.groups])
         if isinstance(decoded.dense, products.Products):
             decoded.dense.norms_sq()
+
+
+class _Unordered:
+    """A round's slots whose order has not gone out yet; when the last one has (or its worker was given up
+    on), ``then`` runs, once, on that slot's thread."""
+
+    def __init__(self, slots: Sequence[int], then: Callable[[], None]) -> None:
+        self._left, self._then = set(slots), then
+        self._lock = threading.Lock()
+        if not self._left:
+            then()
+
+    def out(self, slot: int) -> None:
+        with self._lock:
+            if slot not in self._left:
+                return
+            self._left.discard(slot)
+            if self._left:
+                return
+        self._then()
 
 
 def _relays(order: WorkOrder) -> bool:

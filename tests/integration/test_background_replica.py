@@ -173,3 +173,39 @@ def test_the_advancer_applies_in_order_and_a_failed_apply_fails_every_wait():
     advancer.close()
     assert advancer.submit(lambda: None).result() == replica.fingerprint()  # a new thread after close
     advancer.close()
+
+
+def test_the_replicas_apply_starts_once_every_order_of_the_round_is_out(tmp_path):
+    """Started before the orders, the apply took the cores they were made and sent on: each round's apply of
+    the last update starts after both workers' orders were made (a push or a catch-up starts it at once:
+    ``test_a_push_to_a_worker_out_of_sync_sends_the_rounds_version_while_the_replica_advances``)."""
+    config = _config(tmp_path, "ordered", steps=4, eval_every=0, checkpoint_every=0, spot_check_every=0)
+    clients = in_process_clients(2)
+    trainer = Trainer(config, clients, progress=False)
+    events: list[str] = []  # in the order they happened (each appended after what precedes it on its thread)
+    make_job, make_order = trainer.outer._apply_job, trainer.rounds._order
+
+    def noted_job(update):
+        job = make_job(update)
+
+        def run():
+            events.append("apply")
+            return job()
+
+        return run
+
+    def noted_order(*args, **kwargs):
+        order = make_order(*args, **kwargs)
+        events.append("order")
+        return order
+
+    trainer.outer._apply_job = noted_job
+    trainer.rounds._order = noted_order
+    try:
+        trainer.connect()
+        for _ in range(config.steps):
+            assert trainer.train_step() is not None
+    finally:
+        trainer.close()
+    # Round 0 has no update to apply; each later round makes its two orders, then starts the apply.
+    assert events == ["order", "order"] + ["order", "order", "apply"] * (config.steps - 1), events
