@@ -190,9 +190,10 @@ class Aggregator:
         listed = sum(idx.shape[1] for idx, _, _ in held)  # pairs a chunk, all senders together
         if listed == 0:
             return total
-        # A sole sender whose rows increase (the codec sends them so; Elias-Fano's are checked at decode): the sort
+        # A sole sender whose rows increase (the codec sends them so; Elias-Fano's were checked at decode): the sort
         # below would leave every pair in place as a run of its own, so its sums are its values (the same bits).
-        sorted_already = len(held) == 1 and _increasing(held[0][0])
+        sole = self._held[0][0] if len(self._held) == 1 else None
+        sorted_already = sole is not None and (sole.increasing or _increasing(held[0][0]))
         rows = max(1, NORM_SLICE_PAIRS // listed)
         for lo in range(0, held[0][0].shape[0], rows):
             scaled = [v[lo : lo + rows].to(self.dtype) * share for _, v, share in held]

@@ -92,6 +92,9 @@ class DecodedGradient:
     # ``dense`` (a ``products.Products``: multiplied out when read). Checks that compare what senders sent
     # (``coordinator.copies``) read the codes.
     factors: dict[str, lowrank.Factors] = dataclasses.field(default_factory=dict)
+    # Every row of every group's ``indices`` strictly increases, as checked at decode (Elias-Fano's code
+    # allows nothing else): a sole sender's values are then its sums, and no one sorts or checks them again.
+    increasing: bool = False
 
 
 def _chunk_view(x: torch.Tensor, plan: TensorPlan) -> torch.Tensor:
@@ -413,7 +416,7 @@ class GradientCodec:
             ],
             self.device,
         )
-        return DecodedGradient(indices, values, dense, factors=factors)
+        return DecodedGradient(indices, values, dense, factors=factors, increasing=self._elias_fano)
 
     def _check_tensor(self, t: TensorPlan, ct: CompressedTensor) -> None:
         def fail(field: str, reason: str) -> None:

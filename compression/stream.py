@@ -133,7 +133,8 @@ class StreamPlan:
                 dense[wi] = d.dense[di]
         assert all(t is not None for t in dense)
         ordered = {t.name: factors[t.name] for t in plan.dense if t.name in factors}
-        return DecodedGradient(indices, values, dense, factors=ordered)  # type: ignore[arg-type]
+        increasing = bool(decoded) and all(d.increasing for d in decoded)  # rows move whole: each stays as it was
+        return DecodedGradient(indices, values, dense, factors=ordered, increasing=increasing)  # type: ignore[arg-type]
 
 
 class Pieces:

@@ -9,6 +9,8 @@ real payloads of the codec.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -133,15 +135,21 @@ def test_a_sole_senders_increasing_indices_skip_the_sort_for_the_same_bits(
         monkeypatch.setattr(aggregate_module, "NORM_SLICE_PAIRS", slice_pairs)
     agg = Aggregator(codec, dtype=dtype)
     agg.add(payload, 3.0, 0.5)
+    assert payload.increasing == (indices == "elias-fano")  # checked at decode: no one checks again
     with monkeypatch.context() as m:
         m.setattr(aggregate_module, "_increasing", lambda keys: False)  # the sort, as every sender took it before
-        sorted_norm = agg.norm()
+        unchecked = dataclasses.replace(payload, increasing=False)
+        sorted_agg = Aggregator(codec, dtype=dtype)
+        sorted_agg.add(unchecked, 3.0, 0.5)
+        sorted_norm = sorted_agg.norm()
     with monkeypatch.context() as m:
 
         def no_runs(keys: torch.Tensor) -> torch.Tensor:
             raise AssertionError("a sole sender's increasing rows were sorted into runs")
 
         m.setattr(aggregate_module, "_run_ids", no_runs)
+        if payload.increasing:
+            m.setattr(aggregate_module, "_increasing", lambda keys: pytest.fail("rows checked at decode, again"))
         assert agg.norm() == sorted_norm  # to the bit
     assert sorted_norm == pytest.approx(dense_norm(agg), rel=1e-12)
 

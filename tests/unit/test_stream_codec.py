@@ -52,6 +52,7 @@ def test_streamed_pieces_assemble_to_the_single_codec_payload_and_its_decoding(c
         want = whole.decode(expected)
         got_tensors = (*decoded.indices, *decoded.values, *decoded.dense)
         assert all(torch.equal(a, b) for a, b in zip(got_tensors, (*want.indices, *want.values, *want.dense)))
+        assert decoded.increasing == want.increasing == (config.indices == "elias-fano")  # checked piece by piece
 
 
 def test_a_payload_sent_whole_is_decoded_whole() -> None:
