@@ -151,7 +151,7 @@ class Gatherer:
             del decoded[position], digests[position]
             fates[o.slot.index] = Fate(o.slot.index, o.slot.client.address, "left out", copied[position])
             verdicts[o.slot.index] = "rejected"
-        norms = [robust.payload_norm(d) for d in decoded]
+        norms = [o.norm if o.norm is not None else robust.payload_norm(d) for o, d in zip(good, decoded)]
         typical = statistics.median(self.norms) if self.norms else None  # of the senders kept in recent rounds
         scales = robust.clip_scales(norms, self.clip_factor, typical)
         bound = f"--clip-factor {self.clip_factor:g} x the median norm"

@@ -33,7 +33,7 @@ import grpc
 import numpy as np
 import torch
 
-from gradwire.compression import CodecConfig, CompressedGradient, DecodedGradient, PayloadError, products
+from gradwire.compression import CodecConfig, CompressedGradient, DecodedGradient, PayloadError, products, robust
 from gradwire.compression.stream import Pieces, StreamPlan
 from gradwire.coordinator import copies
 from gradwire.coordinator.decisions import Grace, Standing, decide_close, decide_first_push, decide_sync
@@ -99,12 +99,13 @@ class SlotOutcome:
     first_push_bytes: int = 0  # the state push before the round (a worker new to the run); not in bytes_down
     seconds: float = 0.0  # from the round's dispatch until its answer came in, or it was cut off
     # The result's payload decoded as it arrived (``run``'s ``stream``), or why it could not be; and what the
-    # gather stage measures of each sender alone, taken then too: its digest (``copies.digest``; its norm,
-    # ``robust.payload_norm``, is kept with the decoded payload's factors).
+    # gather stage measures of each sender alone, taken then too: its digest (``copies.digest``) and its norm
+    # (``robust.payload_norm``; a factored matrix's is kept with the decoded payload's factors).
     decoded: DecodedGradient | None = None
     invalid: str = ""
     digest: copies.Digest | None = None
     empty: bool | None = None  # every value of it zero (``products.all_zero``)
+    norm: float | None = None
     pieces: int = 0  # streamed pieces of its gradient received, of its last call (it may have failed after)
     unreachable: tuple[str, ...] = ()  # peer-to-peer gossip: neighbours it could not pull messages from
     held: Held | None = None  # --relay peers: its payload's digest and size, taken as it came in
@@ -552,7 +553,7 @@ class _Receiver:
         self.outcome, self.error = outcome, ""
         self.on_payload = on_payload  # the payload, whole, as soon as it is (``RoundDispatcher.on_payload``)
         outcome.pieces, outcome.decoded, outcome.invalid = 0, None, ""
-        outcome.digest, outcome.empty = None, None
+        outcome.digest, outcome.empty, outcome.norm = None, None, None
 
     def take(self, piece: CompressedGradient) -> None:
         self.outcome.pieces += 1
@@ -587,14 +588,13 @@ class _Receiver:
     def _measure(self, decoded: DecodedGradient) -> None:
         """What the gather stage asks of this sender alone, taken now, on its call's thread, while the others'
         results are still coming in: whether it holds anything, its copy digest and its norm (a factored
-        matrix's, from its factors, is kept with them). Only what is judged across senders is left for after
-        the round's close."""
+        matrix's, from its factors, is kept with them for the aggregate's). Only what is judged across senders
+        is left for after the round's close."""
         assert self.pieces is not None  # ``finish`` decodes only with a stream plan
         plan = self.pieces.stream.codec.plan
         self.outcome.empty = products.all_zero((*decoded.values, *products.items(decoded.dense)))
         self.outcome.digest = copies.digest(decoded, [g.chunk_numel for g in plan.groups])
-        if isinstance(decoded.dense, products.Products):
-            decoded.dense.norms_sq()
+        self.outcome.norm = robust.payload_norm(decoded)
 
 
 class _Unordered:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from gradwire.compression import CodecConfig, CompressedGradient, GradientCodec
+from gradwire.compression import CodecConfig, CompressedGradient, GradientCodec, robust
 from gradwire.compression.robust import MEAN, AggregationRule, aggregate
 from gradwire.coordinator.decisions import AGREEMENT_FLOOR, HARD_CLIP, Score, Standing
 from gradwire.coordinator.gather import Gatherer
@@ -430,8 +430,8 @@ def test_a_lone_sender_is_not_measured(codec: GradientCodec) -> None:
 
 def test_what_is_measured_of_a_sender_alone_is_taken_as_its_result_arrives(monkeypatch) -> None:
     """The call's thread decodes a result as it arrives (``round._Receiver``) and takes its copy digest and its
-    factored matrices' norms then too; the gather stage after the round's close reuses them: the same digest,
-    the same clip, the same aggregate, with none of that work left for it."""
+    norm (its factored matrices' kept with the factors) then too; the gather stage after the round's close
+    reuses them: the same digest, the same clip, the same aggregate, with none of that work left for it."""
     from gradwire.compression.stream import StreamPlan
     from gradwire.coordinator import copies
     from gradwire.coordinator.round import _Receiver
@@ -446,19 +446,21 @@ def test_what_is_measured_of_a_sender_alone_is_taken_as_its_result_arrives(monke
         _Receiver(stream, outcome).finish(outcome.result)
         assert outcome.decoded is not None and outcome.digest is not None and outcome.empty is False
         assert outcome.decoded.dense._norms_sq is not None  # the factored norms, kept with the factors
+        assert outcome.norm == robust.payload_norm(factored.decode(p))  # the sender's, for the clip
         arrived.append(outcome)
 
     def gather(outcomes):
         g = Gatherer(factored, clip_factor=2.0, bench_after=3, bench_rounds=5)
         return g(RoundOutcome(outcomes, 0, 0), 0, {w.index: batch(2) for w in workers}, MEAN)
 
-    taken = []
-    original = copies.digest
+    taken, normed = [], []
+    original, original_norm = copies.digest, robust.payload_norm
     monkeypatch.setattr(copies, "digest", lambda *a: taken.append(1) or original(*a))
+    monkeypatch.setattr(robust, "payload_norm", lambda d: normed.append(1) or original_norm(d))
     early = gather(arrived)
-    assert taken == []  # nothing measured again after the close
+    assert taken == [] and normed == []  # nothing measured again after the close
     late = gather([sent(w, p, 2) for w, p in zip(workers, payloads)])
-    assert len(taken) == 2  # decoded and measured by the gather stage itself
+    assert len(taken) == len(normed) == 2  # decoded and measured by the gather stage itself
     assert early.scales == late.scales and early.fates == late.fates
     numels = [g.chunk_numel for g in factored.plan.groups]
     for o in arrived:
