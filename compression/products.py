@@ -97,10 +97,11 @@ def sum_norm_sq(
     costs nothing."""
     device = next((terms[0][0].a.device for terms in matrices if terms), torch.device("cpu"))
     total = torch.zeros((), dtype=torch.float64, device=device)
-    if known is not None:
-        for terms, norms in zip(matrices, known):
-            for (_, w), n in zip(terms, norms):
-                total += (w * w) * n.to(device)
+    if known is not None and (
+        pairs := [(w, n) for terms, norms in zip(matrices, known) for (_, w), n in zip(terms, norms)]
+    ):
+        squares = torch.tensor([w * w for w, _ in pairs], dtype=torch.float64, device=device)
+        total += (squares * torch.stack([n.to(device) for _, n in pairs])).sum()  # one sum, not one add each
     by_shape: dict[tuple, list[Sequence[tuple[Factors, float]]]] = {}
     for terms in matrices:
         if terms and (known is None or len(terms) > 1):
