@@ -18,7 +18,7 @@ from gradwire.compression import products
 from gradwire.compression.codec import CompressedGradient, DecodedGradient, GradientCodec, Normalize
 from gradwire.compression.dct import dct_basis, idct_chunks
 from gradwire.compression.lowrank import Factors
-from gradwire.compression.plan import ChunkGroup, Encoding, ModelPlan
+from gradwire.compression.plan import ChunkGroup, ModelPlan
 
 
 class Aggregator:
@@ -66,12 +66,14 @@ class Aggregator:
         self._hits: list[torch.Tensor] | None = None
         self._held: list[tuple[DecodedGradient, float]] = []  # decoded senders not yet spilled
         self._max_held = _max_sparse_senders(plan) if sparse and normalize == "mean" and codec.config.use_dct else 0
-        # Dense tensors' weighted sums; a factored matrix's (LOW_RANK) stays its senders' factors, each with its
-        # weight, until someone reads the sum (``_dense_sum``): a norm or a check costs the factors' bytes.
-        self._dense: list[torch.Tensor | None] = [
-            None if t.encoding == Encoding.LOW_RANK else torch.zeros(t.numel, device=device, dtype=dtype)
-            for t in plan.dense
-        ]
+        # Dense tensors' weighted sums. Those sent whole are slices of one flat buffer, so that a round adds and
+        # measures them in one call each, however many there are (opt-125m: 122 vectors). A factored matrix's
+        # (LOW_RANK) stays its senders' factors, each with its weight, until someone reads the sum
+        # (``_dense_sum``): a norm or a check costs the factors' bytes.
+        whole = plan.whole
+        numel = max((s.stop for s in whole.values()), default=0)
+        self._whole = torch.zeros(numel, device=device, dtype=dtype)
+        self._products: dict[int, torch.Tensor] = {}  # factored matrices' sums, once read
         self._factored: dict[int, list[tuple[products.Products, float]]] = {}  # by dense tensor: senders' tensors
 
     def add(self, payload: CompressedGradient | DecodedGradient, weight: float = 1.0, scale: float = 1.0) -> None:
@@ -89,17 +91,17 @@ class Aggregator:
         else:
             self._spill()
             self._scatter(d, effective, weight)
-        plain = []
-        for i, vals in enumerate(products.items(d.dense)):
-            if isinstance(vals, Factors) and self._dense[i] is None:
+        # Each product rounded first, as the coefficient sums do (not fused into the add): then the sum of two
+        # senders is the same bits in either order.
+        plan, values = self.codec.plan, products.items(d.dense)
+        if plan.whole:  # every tensor sent whole in one call
+            self._whole.add_(torch.cat([values[i] for i in plan.whole]).to(self.dtype).mul_(effective))
+        for i in plan.factored:
+            if isinstance(values[i], Factors) and i not in self._products:
                 assert isinstance(d.dense, products.Products)
                 self._factored.setdefault(i, []).append((d.dense, effective))
-                continue
-            plain.append(i)
-        if plain:  # the product rounded first, as the coefficient sums do (not fused into the add): then the sum
-            # of two senders is the same bits in either order; every tensor in one call (opt-125m: 122 vectors)
-            terms = [d.dense[i].to(self.dtype) for i in plain]
-            torch._foreach_add_([self._dense_sum(i) for i in plain], torch._foreach_mul(terms, effective))
+            else:  # multiplied out already, or its sum was read before this sender came
+                self._dense_sum(i).add_(d.dense[i].to(self.dtype) * effective)
         self.total_weight += weight
         self.senders += 1
 
@@ -146,15 +148,17 @@ class Aggregator:
     def dense_values(self) -> Iterator[torch.Tensor]:
         """The normalised aggregate of the dense (uncompressed) tensors, flat, in plan order."""
         self._check_nonempty()
-        return (self._dense_sum(i) / self.total_weight for i in range(len(self._dense)))
+        return (self._dense_sum(i) / self.total_weight for i in range(len(self.codec.plan.dense)))
 
     def _dense_sum(self, i: int) -> torch.Tensor:
         """Dense tensor ``i``'s weighted sum; a factored matrix's senders multiplied out and added in the order
         they came (the bits of adding each product as it came), once, on first read."""
-        acc = self._dense[i]
+        plan = self.codec.plan
+        if (whole := plan.whole.get(i)) is not None:
+            return self._whole[whole]
+        acc = self._products.get(i)
         if acc is None:
-            t = self.codec.plan.dense[i]
-            acc = self._dense[i] = torch.zeros(t.numel, device=self.codec.device, dtype=self.dtype)
+            acc = self._products[i] = torch.zeros(plan.dense[i].numel, device=self.codec.device, dtype=self.dtype)
             for dense, effective in self._factored.pop(i, []):  # a product made ahead (a worker's own) is reused
                 acc.add_(dense[i].to(self.dtype) * effective)
         return acc
@@ -165,7 +169,8 @@ class Aggregator:
         Held senders (the sparse path) cost their payloads, not the model (``_held_norm_sq``): the same
         coefficient sums in ``dtype``, their squares added up in float64. (The float32 norm of a dense
         buffer of them, taken before, was off by up to 2e-5 relative at gpt-80m size, 20k chunks at top-32;
-        this is within 1e-13.) Spilled sums and dense tensors: the norm of each in ``dtype``, as before. The
+        this is within 1e-13.) Spilled sums: the norm of each group in ``dtype``; the tensors sent whole: one
+        norm of their flat buffer in ``dtype``; factored matrices: from their senders' k x k products. The
         parts combine in float64."""
         self._check_nonempty()
         groups = range(len(self.codec.plan.groups))
@@ -173,8 +178,11 @@ class Aggregator:
             parts = [self._held_norm_sq(gi).sqrt() for gi in groups]
         else:
             parts = [torch.linalg.vector_norm(self._coefficients(gi)).double() for gi in groups]
-        if dense := [acc for acc in self._dense if acc is not None]:  # one call for them all (opt-125m: 122)
-            parts.append((torch.stack(torch._foreach_norm(dense)) / self.total_weight).double())
+        if self._whole.numel():  # the tensors sent whole, in one call
+            parts.append((torch.linalg.vector_norm(self._whole) / self.total_weight).double())
+        if self._products:  # factored matrices' sums read already
+            summed = torch._foreach_norm(list(self._products.values()))
+            parts.append((torch.stack(summed) / self.total_weight).double())
         senders = list(self._factored.items())
         factored = [[(dense.items[i], w) for dense, w in held] for i, held in senders]
         if factored:  # the factored matrices' senders: ||sum_s w_s A_s B_s|| from k x k products (each sender's

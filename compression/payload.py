@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 
 from gradwire.compression.config import FORMAT_VERSION, CodecConfig
 
@@ -99,7 +100,8 @@ class CompressedGradient:
     tensors: tuple[CompressedTensor, ...]
     format_version: int = FORMAT_VERSION
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
-        """Bytes of tensor data (indices, values, lookup tables); protobuf framing adds a little."""
+        """Bytes of tensor data (indices, values, lookup tables); protobuf framing adds a little. Counted once
+        (a round's records and decisions ask several times; opt-125m has 196 tensors)."""
         return sum(t.nbytes for t in self.tensors)

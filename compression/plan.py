@@ -96,7 +96,7 @@ class TensorPlan:
     chunk_shape: tuple[int, ...]  # (r, c) or (n,) for SPARSE; () for DENSE and LOW_RANK
     k: int  # kept per chunk (0 for DENSE); the rank for LOW_RANK
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
@@ -241,9 +241,25 @@ class ModelPlan:
         dense = tuple(t for t in tensors if t.encoding != Encoding.SPARSE)
         return cls(config, tensors, tuple(groups), dense)
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return sum(t.numel for t in self.tensors)
+
+    @functools.cached_property
+    def whole(self) -> dict[int, slice]:
+        """The dense tensors sent whole (DENSE: not LOW_RANK), by index in ``dense``: each one's slice of one
+        flat buffer of them all, in order (``aggregate.Aggregator`` sums them there in one call)."""
+        out, lo = {}, 0
+        for i, t in enumerate(self.dense):
+            if t.encoding == Encoding.DENSE:
+                out[i] = slice(lo, lo + t.numel)
+                lo += t.numel
+        return out
+
+    @functools.cached_property
+    def factored(self) -> tuple[int, ...]:
+        """The dense tensors sent as factors (LOW_RANK), by index in ``dense``."""
+        return tuple(i for i, t in enumerate(self.dense) if t.encoding == Encoding.LOW_RANK)
 
     def payload_bytes(self) -> int:
         """Exact tensor-data bytes (indices, values, tables) of every payload under this plan.

@@ -86,6 +86,25 @@ def test_aggregate_equals_weighted_mean_of_decompressed():
         torch.testing.assert_close(agg[name], ref, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_tensors_sent_whole_sum_in_one_buffer_to_the_bits_of_summing_each(dtype):
+    codec = GradientCodec(SHAPES, CodecConfig())
+    whole = codec.plan.whole
+    assert [codec.plan.dense[i].name for i in whole] == ["bias", "mid"]  # (768,) is sparse: chunks of 256
+    payloads = [codec.compress(_grads(s)) for s in range(3)]
+    weights, scales = [3.0, 1.0, 2.5], [1.0, 0.3, 0.7]
+    agg = codec.aggregator(dtype=dtype)
+    for p, w, c in zip(payloads, weights, scales):
+        agg.add(p, w, c)
+    got = list(agg.dense_values())
+    for i, t in enumerate(codec.plan.dense):
+        expected = torch.zeros(t.numel, dtype=dtype)
+        for p, w, c in zip(payloads, weights, scales):
+            expected.add_(codec.decode(p).dense[i].to(dtype) * (w * c))  # as each was added before: one by one
+        assert torch.equal(got[i], expected / sum(weights)), t.name
+    assert agg.norm() == pytest.approx(float(_cat(agg.result()).double().norm()), rel=1e-6)
+
+
 def test_aggregate_is_independent_of_sender_order():
     codec = GradientCodec(SHAPES, CodecConfig())
     payloads = [codec.compress(_grads(s)) for s in range(3)]

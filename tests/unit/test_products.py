@@ -122,10 +122,9 @@ def test_a_factored_aggregate_is_summed_from_factors_and_multiplied_out_bit_for_
     agg = Aggregator(codec)
     for d, w in zip(decoded, weights):
         agg.add(d, w)
-    factored = [i for i, t in enumerate(codec.plan.dense) if agg._dense[i] is None]
-    assert factored  # nothing allocated for the factored matrices by adding senders and taking the norm
-    norm = agg.norm()
-    assert all(agg._dense[i] is None for i in factored)
+    assert codec.plan.factored and not agg._products  # nothing allocated for the factored matrices by adding
+    norm = agg.norm()  # senders and taking the norm
+    assert not agg._products
     # The sum: each sender multiplied out and added as it came, as a dense buffer of their products would be.
     for i, t in enumerate(codec.plan.dense):
         expected = torch.zeros(t.numel)

@@ -59,7 +59,7 @@ def dense_norm(agg: Aggregator, norm_dtype: torch.dtype = torch.float64) -> floa
         for d, weight in agg._held:
             acc.scatter_add_(1, d.indices[gi], d.values[gi].to(agg.dtype) * (weight / agg.total_weight))
         parts.append(torch.linalg.vector_norm(acc.to(norm_dtype)))
-    parts += [torch.linalg.vector_norm(d) / agg.total_weight for d in agg._dense]
+    parts += [torch.linalg.vector_norm(agg._dense_sum(i)) / agg.total_weight for i in range(len(agg.codec.plan.dense))]
     return float(torch.linalg.vector_norm(torch.stack(parts).double()))
 
 
