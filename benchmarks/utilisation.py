@@ -30,6 +30,10 @@ them), wait and span each worker's mean; figures a run's records do not hold are
 backward run in ``--precision`` (auto: bf16 autocast on a GPU that supports it, else fp32) in the bare loop
 and the workers alike. The coordinator runs in this process (``--coordinator-device``: its replica's), on one
 thread beside CPU workers, as ``coordinator train --local`` does. One JSON object on stdout, a line per run on stderr.
+
+On one machine the coordinator and its workers share the cores: a worker's work after its result lands in the
+coordinator's turnaround, as it would not on machines of their own. ``--coordinator-cores N`` (Linux) gives
+the coordinator the first N cores and the workers, and the bare loop, the rest (``benchmarks.cores``).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import torch
 
+from benchmarks import cores
 from gradwire.coordinator.client import WorkerClient
 from gradwire.coordinator.config import TrainConfig
 from gradwire.coordinator.local import local_workers
@@ -246,6 +251,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "inner_steps": args.inner_steps,
         "warmup": args.warmup,
         "threads": torch.get_num_threads(),
+        "cores": {"coordinator": sorted(args.cores[0]), "workers": sorted(args.cores[1])} if args.cores else None,
         "torch": torch.__version__,
         "runs": {},
     }
@@ -255,7 +261,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # a few steps first: a GPU's first steps pick kernels and grow the allocator's pool (with one left
         # out, two runs on an H100 put gpt-80m's step at 27.5 and 20.9 ms)
         size = (args.batch_size, args.seq_len, args.steps, max(BARE_WARMUP, args.warmup))
-        runs["bare"] = _attempt(bare_loop, spec, args.device, precision, *size)
+        with _on_workers_cores(args):
+            runs["bare"] = _attempt(bare_loop, spec, args.device, precision, *size)
         _report("bare", runs["bare"])
         bare = runs["bare"] if "error" not in runs["bare"] else None
     for workers in WORKER_COUNTS:
@@ -263,7 +270,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not names:
             continue
         baseline = baseline_for(workers, args.device)
-        with _workers(workers, args.device, precision) as addresses:
+        with _workers(workers, args.device, precision, args.cores) as addresses:
             for mode in names:
                 name = f"{mode}-{workers}"
                 runs[name] = _attempt(measure, addresses, MODES[mode], args, bare, baseline)
@@ -271,7 +278,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if bare is not None and len(runs) > 1:
         # The bare loop again once the service has run: where the host's speed drifts (a shared machine),
         # each run is read against both ends.
-        again = _attempt(bare_loop, spec, args.device, precision, *size)
+        with _on_workers_cores(args):
+            again = _attempt(bare_loop, spec, args.device, precision, *size)
         if "error" not in again:
             bare["after"] = {k: again[k] for k in ("step_s", "tokens_per_sec")}
             bare["drift"] = again["tokens_per_sec"] / bare["tokens_per_sec"]
@@ -288,6 +296,8 @@ def measure(
 ) -> dict[str, Any]:
     """One service run's figures (``summarize``), beside ``bare``'s on ``baseline`` devices."""
     rounds, inner = (args.rounds, args.inner_steps) if mode.local_sgd else (args.steps, 1)
+    if args.cores:  # again: a thread a worker started while it was first pinned may have missed it
+        cores.pin_descendants(args.cores[1])
     with tempfile.TemporaryDirectory() as tmp:
         records = service_run(addresses, mode, args, args.warmup + rounds, tmp)
     figures = summarize(records, args.warmup, len(addresses), inner, bare, baseline[0])
@@ -315,16 +325,39 @@ def _free(device: str) -> None:
 
 
 @contextlib.contextmanager
-def _workers(n: int, device: str, precision: str) -> Iterator[list[str]]:
+def _workers(
+    n: int, device: str, precision: str, placed: tuple[frozenset[int], frozenset[int]] | None = None
+) -> Iterator[list[str]]:
     """``n`` local workers on ``device``, and this process's coordinator on one thread while they run on the CPU
-    (as ``coordinator train --local`` does: the workers get the cores); beside GPU workers it keeps them."""
+    (as ``coordinator train --local`` does: the workers get the cores); beside GPU workers it keeps them.
+    ``placed``: the coordinator's cores and the workers' (``--coordinator-cores``)."""
     threads = torch.get_num_threads()
     if torch.device(device).type == "cpu":
         torch.set_num_threads(1)
     try:
         kind = "cuda" if torch.device(device).type == "cuda" else "cpu"
-        with local_workers(n, device=kind, precision=precision) as addresses:
-            yield addresses
+        per_worker = max(1, len(placed[1]) // n) if placed else None
+        with local_workers(n, threads=per_worker, device=kind, precision=precision) as addresses:
+            if placed:
+                cores.pin_descendants(placed[1])
+            with cores.pinned(placed[0] if placed else None):
+                yield addresses
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def _on_workers_cores(args: argparse.Namespace) -> Iterator[None]:
+    """The bare loop where the workers run (``--coordinator-cores``: on their cores, with a thread each)."""
+    if not args.cores:
+        yield
+        return
+    threads = torch.get_num_threads()
+    if torch.device(args.device).type == "cpu":
+        torch.set_num_threads(len(args.cores[1]))
+    try:
+        with cores.pinned(args.cores[1]):
+            yield
     finally:
         torch.set_num_threads(threads)
 
@@ -388,6 +421,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "on a GPU that supports it, else fp32 (default: auto)",
     )
     parser.add_argument("--runs", type=_runs, default=RUNS, help=f"a comma-separated subset of {','.join(RUNS)}")
+    parser.add_argument(
+        "--coordinator-cores",
+        type=int,
+        default=0,
+        help="the coordinator on this many of the cores (the first), the workers and the bare loop on the rest, "
+        "as on machines of their own (Linux; default 0: every process on every core)",
+    )
     parser.add_argument("--quick", action="store_true", help="gpt-tiny, 1 x 32, 2 steps, 1 round of 2 inner steps")
     parser.add_argument("--json", action="store_true", help="print the result on one line")
     args = parser.parse_args(argv)
@@ -402,6 +442,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--inner-steps must be >= 2 for the local-SGD runs (1 is gradient mode)")
     if args.warmup < 0:
         parser.error("--warmup must be >= 0")
+    args.cores = None
+    if args.coordinator_cores:
+        if not cores.available():
+            parser.error("--coordinator-cores: this platform cannot pin threads to cores (Linux can)")
+        try:
+            args.cores = cores.split(args.coordinator_cores)
+        except ValueError as e:
+            parser.error(f"--coordinator-cores: {e}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: no CUDA device here")
     return args

