@@ -75,10 +75,20 @@ class Aggregator:
         self._whole = torch.zeros(numel, device=device, dtype=dtype)
         self._products: dict[int, torch.Tensor] = {}  # factored matrices' sums, once read
         self._factored: dict[int, list[tuple[products.Products, float]]] = {}  # by dense tensor: senders' tensors
+        self._sole_norm: float | None = None  # a sole sender's known norm, times its scale (``add``)
 
-    def add(self, payload: CompressedGradient | DecodedGradient, weight: float = 1.0, scale: float = 1.0) -> None:
+    def add(
+        self,
+        payload: CompressedGradient | DecodedGradient,
+        weight: float = 1.0,
+        scale: float = 1.0,
+        norm: float | None = None,
+    ) -> None:
         """Add one sender with ``weight`` (its share of the mean) times ``scale`` (a clip factor in [0, 1]:
-        the sender counts for less, the total weight the mean divides by stays)."""
+        the sender counts for less, the total weight the mean divides by stays). ``norm``: the payload's own L2
+        norm where already taken (``robust.payload_norm``, as it arrived): the aggregate of a sole sender is
+        its payload times its scale, so ``norm()`` is then this times that, not another pass over the payload
+        (2.9 ms for opt-125m's gradient-mode payload on one core)."""
         weight, scale = float(weight), float(scale)
         if not (math.isfinite(weight) and weight >= 0):
             raise ValueError(f"weight must be finite and non-negative, got {weight}")
@@ -102,6 +112,7 @@ class Aggregator:
                 self._factored.setdefault(i, []).append((d.dense, effective))
             else:  # multiplied out already, or its sum was read before this sender came
                 self._dense_sum(i).add_(d.dense[i].to(self.dtype) * effective)
+        self._sole_norm = norm * scale if self.senders == 0 and norm is not None else None
         self.total_weight += weight
         self.senders += 1
 
@@ -173,6 +184,8 @@ class Aggregator:
         norm of their flat buffer in ``dtype``; factored matrices: from their senders' k x k products. The
         parts combine in float64."""
         self._check_nonempty()
+        if self.senders == 1 and self._sole_norm is not None:  # the sender's payload times its scale
+            return self._sole_norm
         groups = range(len(self.codec.plan.groups))
         if self._sums is None:
             parts = [self._held_norm_sq(gi).sqrt() for gi in groups]

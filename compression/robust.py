@@ -106,8 +106,10 @@ def aggregate(
     weights: Sequence[float],
     scales: Sequence[float] = (),
     rule: AggregationRule = MEAN,
+    norms: Sequence[float | None] = (),
 ) -> Aggregator | CoordinateAggregate:
-    """The round's aggregate of ``senders`` (validated first: ``PayloadError`` before anything is summed)."""
+    """The round's aggregate of ``senders`` (validated first: ``PayloadError`` before anything is summed).
+    ``norms``: each sender's ``payload_norm`` where already taken (a sole sender's aggregate norm is then its)."""
     if len(weights) != len(senders) or (scales and len(scales) != len(senders)):
         raise ValueError(f"{len(senders)} senders, {len(weights)} weights, {len(scales)} scales")
     scales = tuple(scales) or (1.0,) * len(senders)
@@ -117,8 +119,8 @@ def aggregate(
     decoded = [d if isinstance(d, DecodedGradient) else codec.decode(d) for d in senders]
     if rule.mode in ("mean", "kept-mean"):
         agg = codec.aggregator("mean" if rule.mode == "mean" else "per_coordinate", dtype=rule.dtype)
-        for d, w, s in zip(decoded, weights, scales):
-            agg.add(d, float(w), scale=float(s))
+        for d, w, s, n in zip(decoded, weights, scales, tuple(norms) or (None,) * len(decoded)):
+            agg.add(d, float(w), scale=float(s), norm=n)
         return agg
     return CoordinateAggregate(codec, decoded, scales, rule)
 

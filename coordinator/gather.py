@@ -188,7 +188,8 @@ class Gatherer:
             if o.result is not None
         )
         if outcomes:
-            aggregator = robust.aggregate(codec, [decoded[i] for i in kept], weights, kept_scales, rule)
+            kept_norms = [norms[i] for i in kept]  # a sole sender's is the aggregate's, times its scale
+            aggregator = robust.aggregate(codec, [decoded[i] for i in kept], weights, kept_scales, rule, kept_norms)
         order = [o.slot.index for o in round_.outcomes]
         return Gathered(outcomes, aggregator, kept_scales, tuple(fates[i] for i in order), scores, weights)
 

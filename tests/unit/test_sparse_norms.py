@@ -14,10 +14,11 @@ import dataclasses
 import pytest
 import torch
 
-from gradwire.compression import CodecConfig, GradientCodec
+from gradwire.compression import CodecConfig, GradientCodec, robust
 from gradwire.compression import aggregate as aggregate_module
 from gradwire.compression.aggregate import Aggregator
 from gradwire.compression.codec import DecodedGradient
+from gradwire.compression.robust import AggregationRule
 from gradwire.coordinator import agreement
 from gradwire.coordinator.agreement import leave_one_out
 
@@ -116,6 +117,28 @@ def test_the_sparse_norm_of_real_payloads_is_the_norm_of_the_result(monkeypatch:
     assert sparse.norm() == pytest.approx(want, rel=1e-12)
     assert sparse.norm() == pytest.approx(spilled, rel=1e-5)
     assert sparse.norm() == pytest.approx(float(torch.linalg.vector_norm(result)), rel=1e-4)
+
+
+@pytest.mark.parametrize("rule", ["mean", "kept-mean"])
+def test_a_sole_senders_known_norm_is_the_aggregates_times_its_scale(rule: str, monkeypatch) -> None:
+    """The norm a sender's payload was measured at as it arrived (``payload_norm``) stands for the aggregate
+    of that sender alone, times its clip scale, with no pass over the payload; two senders' is computed."""
+    codec = GradientCodec(SHAPES, CONFIG)
+    g = torch.Generator().manual_seed(7)
+    payloads = [
+        codec.decode(codec.compress({n: torch.randn(*s, generator=g) for n, s in SHAPES.items()})) for _ in "ab"
+    ]
+    norms = [robust.payload_norm(d) for d in payloads]
+    computed = robust.aggregate(codec, payloads[:1], [3.0], [0.4], AggregationRule(mode=rule)).norm()
+    with monkeypatch.context() as m:
+        m.setattr(Aggregator, "_held_norm_sq", lambda self, gi: pytest.fail("the sole sender's payload measured again"))
+        m.setattr(Aggregator, "_coefficients", lambda self, gi: pytest.fail("the sole sender's payload measured again"))
+        known = robust.aggregate(codec, payloads[:1], [3.0], [0.4], AggregationRule(mode=rule), norms[:1])
+        assert known.norm() == norms[0] * 0.4
+    assert known.norm() == pytest.approx(computed, rel=1e-6)
+    both = robust.aggregate(codec, payloads, [3.0, 1.0], [0.4, 1.0], AggregationRule(mode=rule), norms)
+    assert both.norm() == robust.aggregate(codec, payloads, [3.0, 1.0], [0.4, 1.0], AggregationRule(mode=rule)).norm()
+    assert both.norm() != pytest.approx(norms[0] * 0.4, rel=1e-3)
 
 
 @pytest.mark.parametrize("indices", ["packed12", "elias-fano"])
