@@ -72,9 +72,10 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def pin_descendants(cores: frozenset[int]) -> list[int]:
-    """Every thread of every process this one started onto ``cores``; returns their process ids."""
-    pids = descendants(os.getpid())
+def pin_descendants(cores: frozenset[int], root: int | None = None) -> list[int]:
+    """Every thread of every process this one (or ``root``) started onto ``cores``; returns their process ids.
+    A fork server among them stays there for what it forks later: pin them back when done."""
+    pids = descendants(os.getpid() if root is None else root)
     for pid in pids:
         pin(pid, cores)
     return pids

@@ -337,11 +337,16 @@ def _workers(
     try:
         kind = "cuda" if torch.device(device).type == "cuda" else "cpu"
         per_worker = max(1, len(placed[1]) // n) if placed else None
-        with local_workers(n, threads=per_worker, device=kind, precision=precision) as addresses:
-            if placed:
-                cores.pin_descendants(placed[1])
-            with cores.pinned(placed[0] if placed else None):
-                yield addresses
+        every = frozenset(os.sched_getaffinity(0)) if placed else None
+        try:
+            with local_workers(n, threads=per_worker, device=kind, precision=precision) as addresses:
+                if placed:
+                    cores.pin_descendants(placed[1])
+                with cores.pinned(placed[0] if placed else None):
+                    yield addresses
+        finally:
+            if every is not None:  # the fork server stays for later workers (and a test's): back on every core
+                cores.pin_descendants(every)
     finally:
         torch.set_num_threads(threads)
 

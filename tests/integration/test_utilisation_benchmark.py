@@ -109,4 +109,5 @@ def test_the_coordinator_and_the_workers_on_cores_of_their_own(
     assert "error" not in result["runs"]["grad-1"] and result["runs"]["grad-1"]["of_bare"] > 0
     ((coordinator, workers),) = seen
     assert coordinator == {first} and workers and all(a == set(rest) for a in workers.values())
-    assert os.sched_getaffinity(0) == before  # given back
+    assert os.sched_getaffinity(0) == before  # given back, and so are the processes started from here (a fork server)
+    assert all(os.sched_getaffinity(pid) == before for pid in cores.descendants(os.getpid()))
