@@ -110,8 +110,8 @@ def aggregate(
 ) -> Aggregator | CoordinateAggregate:
     """The round's aggregate of ``senders`` (validated first: ``PayloadError`` before anything is summed).
     ``norms``: each sender's ``payload_norm`` where already taken (a sole sender's aggregate norm is then its)."""
-    if len(weights) != len(senders) or (scales and len(scales) != len(senders)):
-        raise ValueError(f"{len(senders)} senders, {len(weights)} weights, {len(scales)} scales")
+    if len(weights) != len(senders) or any(x and len(x) != len(senders) for x in (scales, norms)):
+        raise ValueError(f"{len(senders)} senders, {len(weights)} weights, {len(scales)} scales, {len(norms)} norms")
     scales = tuple(scales) or (1.0,) * len(senders)
     for s in scales:
         if not (math.isfinite(s) and 0 <= s <= 1):

@@ -139,6 +139,8 @@ def test_a_sole_senders_known_norm_is_the_aggregates_times_its_scale(rule: str, 
     both = robust.aggregate(codec, payloads, [3.0, 1.0], [0.4, 1.0], AggregationRule(mode=rule), norms)
     assert both.norm() == robust.aggregate(codec, payloads, [3.0, 1.0], [0.4, 1.0], AggregationRule(mode=rule)).norm()
     assert both.norm() != pytest.approx(norms[0] * 0.4, rel=1e-3)
+    with pytest.raises(ValueError, match="2 senders, 2 weights, 2 scales, 1 norms"):  # none left out unsaid
+        robust.aggregate(codec, payloads, [3.0, 1.0], [0.4, 1.0], AggregationRule(mode=rule), norms[:1])
 
 
 @pytest.mark.parametrize("indices", ["packed12", "elias-fano"])
