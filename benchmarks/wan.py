@@ -135,8 +135,55 @@ def run_ddp(lab: Lab, args: argparse.Namespace, hook: str) -> dict:
     }
 
 
+class WorkerServers:
+    """One ``worker serve`` on each worker host, started at the first gradwire method and kept for the rest:
+    each coordinator run is a new run to them (a new session; the oldest beyond two is dropped), so the
+    methods share the processes instead of each paying their start (importing torch, building the server)."""
+
+    def __init__(self, lab: Lab) -> None:
+        self.lab, self.procs = lab, []
+
+    def addresses(self) -> str:
+        workers = len(self.lab.hosts) - 1
+        if not self.procs:
+            env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // workers)), "HF_HUB_OFFLINE": "1"}
+            self.procs = [
+                self.lab.popen(
+                    1 + r,
+                    [
+                        sys.executable,
+                        "-m",
+                        "gradwire.worker",
+                        "serve",
+                        "--host",
+                        self.lab.hosts[1 + r].address,
+                        "--port",
+                        str(WORKER_PORT),
+                        "--device",
+                        "cpu",
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    env=env,
+                )
+                for r in range(workers)
+            ]
+        for p in self.procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"a worker serve exited with status {p.returncode}")
+        return ",".join(f"{self.lab.hosts[1 + r].address}:{WORKER_PORT}" for r in range(workers))
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            p.wait(30)
+        self.procs = []
+
+
 def run_gradwire(
     lab: Lab,
+    servers: WorkerServers,
     args: argparse.Namespace,
     inner_steps: int,
     overlap: bool = False,
@@ -144,90 +191,62 @@ def run_gradwire(
     stream_buckets: int = 0,
     relay: str = "direct",
 ) -> dict:
-    workers = len(lab.hosts) - 1
-    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // workers)), "HF_HUB_OFFLINE": "1"}
-    procs = [
-        lab.popen(
-            1 + r,
-            [
-                sys.executable,
-                "-m",
-                "gradwire.worker",
-                "serve",
-                "--host",
-                lab.hosts[1 + r].address,
-                "--port",
-                str(WORKER_PORT),
-                "--device",
-                "cpu",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env=env,
-        )
-        for r in range(workers)
-    ]
     per_round = inner_steps // fragments  # inner steps in a round (fragments: each syncs every inner_steps)
     rounds = max(1, args.steps // per_round)
-    try:
-        with tempfile.TemporaryDirectory() as out:
-            addresses = ",".join(f"{lab.hosts[1 + r].address}:{WORKER_PORT}" for r in range(workers))
-            argv = [
-                sys.executable,
-                "-m",
-                "benchmarks.wan_coordinator",
-                "--workers",
-                addresses,
-                "--model",
-                args.model,
-                "--rounds",
-                str(rounds),
-                "--inner-steps",
-                str(inner_steps),
-                "--batch-size",
-                str(args.batch_size),
-                "--seq-len",
-                str(args.seq_len),
-                "--output-dir",
-                out,
-                *(["--target-chunk", str(args.target_chunk)] if args.target_chunk else []),
-                *(["--topk", str(args.topk)] if args.topk else []),
-                *(["--overlap"] if overlap else []),
-                *(["--fragments", str(fragments)] if fragments > 1 else []),
-                *(["--stream-buckets", str(stream_buckets)] if stream_buckets > 1 else []),
-                "--relay",
-                relay,
-            ]
-            before, sent_before = total_bytes(lab), lab.counters(0)["tx"]
-            coordinator = lab.popen(
-                0,
-                argv,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
-            )
-            line = coordinator.stdout.readline()  # the run is over, nothing else sent yet
-            wire = total_bytes(lab) - before
-            coordinator_sent = lab.counters(0)["tx"] - sent_before  # its uplink: the orders, and any state push
-            _, err = coordinator.communicate("", timeout=args.timeout)
-            if coordinator.returncode != 0 or not line:
-                raise RuntimeError(f"coordinator failed: {err[-2000:]}")
-            run = json.loads(line)
-            records = run["records"]
-            # Round 1 also ships the state to every worker: per-step figures leave it out (its bytes as the
-            # coordinator counted them), and the times are those of the rounds after it.
-            push = (
-                records[0]["bytes_down"] - statistics.median(r["bytes_down"] for r in records[1:])
-                if len(records) > 1
-                else 0
-            )
-            timed = records[1:] or records
-    finally:
-        for p in procs:
-            p.terminate()
-            p.wait(30)
+    addresses = servers.addresses()
+    with tempfile.TemporaryDirectory() as out:
+        argv = [
+            sys.executable,
+            "-m",
+            "benchmarks.wan_coordinator",
+            "--workers",
+            addresses,
+            "--model",
+            args.model,
+            "--rounds",
+            str(rounds),
+            "--inner-steps",
+            str(inner_steps),
+            "--batch-size",
+            str(args.batch_size),
+            "--seq-len",
+            str(args.seq_len),
+            "--output-dir",
+            out,
+            *(["--target-chunk", str(args.target_chunk)] if args.target_chunk else []),
+            *(["--topk", str(args.topk)] if args.topk else []),
+            *(["--overlap"] if overlap else []),
+            *(["--fragments", str(fragments)] if fragments > 1 else []),
+            *(["--stream-buckets", str(stream_buckets)] if stream_buckets > 1 else []),
+            "--relay",
+            relay,
+        ]
+        before, sent_before = total_bytes(lab), lab.counters(0)["tx"]
+        coordinator = lab.popen(
+            0,
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+        )
+        line = coordinator.stdout.readline()  # the run is over, nothing else sent yet
+        wire = total_bytes(lab) - before
+        coordinator_sent = lab.counters(0)["tx"] - sent_before  # its uplink: the orders, and any state push
+        _, err = coordinator.communicate("", timeout=args.timeout)
+        if coordinator.returncode != 0 or not line:
+            raise RuntimeError(f"coordinator failed: {err[-2000:]}")
+        run = json.loads(line)
+        records = run["records"]
+        # Round 1 also ships the state to every worker: per-step figures leave it out (its bytes as the
+        # coordinator counted them), and the times are those of the rounds after it.
+        push = (
+            records[0]["bytes_down"] - statistics.median(r["bytes_down"] for r in records[1:])
+            if len(records) > 1
+            else 0
+        )
+        timed = records[1:] or records
     step = statistics.median(r["step_time"] for r in timed) / per_round
     compute = statistics.median(r["worker_compute_time"] for r in timed) / per_round
     steps = rounds * per_round
@@ -302,6 +321,29 @@ def parse_latency(text: str) -> float:
     if not 0 <= seconds <= 10:
         raise argparse.ArgumentTypeError(f"latency must be in [0, 10 s], got {text!r}")
     return seconds
+
+
+def run_methods(lab: Lab, servers: WorkerServers, args: argparse.Namespace, results: dict[str, dict]) -> None:
+    """Each method of ``--methods`` in turn on ``lab``, its result put in ``results`` as it ends."""
+    for method in args.methods.split(","):
+        if method == "ddp":
+            results[method] = run_ddp(lab, args, "none")
+        elif method == "ddp-powersgd":
+            results[method] = run_ddp(lab, args, "powersgd")
+        elif method == "gradwire":
+            results[method] = run_gradwire(lab, servers, args, 1)
+        elif method == "gradwire-overlap":
+            results[method] = run_gradwire(lab, servers, args, 1, overlap=True)
+        elif method == "gradwire-stream":
+            results[method] = run_gradwire(lab, servers, args, 1, stream_buckets=args.stream_buckets)
+        elif method == "gradwire-local":
+            results[method] = run_gradwire(lab, servers, args, args.inner_steps)
+        elif method == "gradwire-local-overlap":
+            results[method] = run_gradwire(lab, servers, args, args.inner_steps, overlap=True)
+        elif method == "gradwire-fragments":
+            results[method] = run_gradwire(lab, servers, args, args.inner_steps, fragments=args.fragments)
+        elif method == "gradwire-relayed":
+            results[method] = run_gradwire(lab, servers, args, 1, relay="peers")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -385,25 +427,11 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     shaped = {0} if args.topology == "coordinator-link" else None  # host 0 runs the coordinator
     with Lab(args.workers + 1, bandwidth=args.bandwidth, latency=args.latency or None, shaped=shaped) as lab:
-        for method in args.methods.split(","):
-            if method == "ddp":
-                results[method] = run_ddp(lab, args, "none")
-            elif method == "ddp-powersgd":
-                results[method] = run_ddp(lab, args, "powersgd")
-            elif method == "gradwire":
-                results[method] = run_gradwire(lab, args, 1)
-            elif method == "gradwire-overlap":
-                results[method] = run_gradwire(lab, args, 1, overlap=True)
-            elif method == "gradwire-stream":
-                results[method] = run_gradwire(lab, args, 1, stream_buckets=args.stream_buckets)
-            elif method == "gradwire-local":
-                results[method] = run_gradwire(lab, args, args.inner_steps)
-            elif method == "gradwire-local-overlap":
-                results[method] = run_gradwire(lab, args, args.inner_steps, overlap=True)
-            elif method == "gradwire-fragments":
-                results[method] = run_gradwire(lab, args, args.inner_steps, fragments=args.fragments)
-            elif method == "gradwire-relayed":
-                results[method] = run_gradwire(lab, args, 1, relay="peers")
+        servers = WorkerServers(lab)
+        try:
+            run_methods(lab, servers, args, results)
+        finally:
+            servers.stop()
     compare_with_ddp(results)
     out = {
         "bandwidth": args.bandwidth,

@@ -269,7 +269,7 @@ def _losses(out: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
 
 
-SUPERVISED = ["--model", "gpt-tiny", "--steps", "200", "--batch-size", "3", "--sequence-length", "32", "--no-progress"]
+SUPERVISED = ["--model", "gpt-tiny", "--steps", "200", "--batch-size", "3", "--sequence-length", "16", "--no-progress"]
 SUPERVISED += ["--checkpoint-every", "20", "--balance", "off", "--resume-from", "auto"]
 KILLS = 10
 
