@@ -812,3 +812,7 @@ if __name__ == "__main__":
 #                      not the schedule's, and the benchmark keeps its one cosine to 0.1
 #   the rate's warm-up 5 steps instead of 15 (seeds 0 / 1): dense 5.4953 / 5.4843, gradient mode 5.5967 / 5.5092
 #                      (+1.15% over dense at the same warm-up, against +0.75%): 15 stays
+#   gradient mode at 32 x 32 chunks (2026-11-30, 6025996; --set gradient.target_chunk=32, top-8 of 1,024 after the
+#                      warm-up, 321x): 5.5272 / 5.5320 (+0.88% / +1.01%), against 64 x 64's +0.70% / +0.79% at 274x |
+#                      a dead-zone sign step (|g| under a quarter of its tensor's RMS left still; gradsim, seed 0)
+#                      6.0664 against the sign step's 5.9032: neither kept
