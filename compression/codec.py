@@ -318,7 +318,8 @@ class GradientCodec:
             if not ok:
                 raise NonFiniteInput(t.name)
             by_shape.setdefault((*matrix_view(t.shape), t.k), []).append((t, values))
-        out = {}
+        batches: list[list[TensorPlan]] = []
+        factored_batches: list[lowrank.Factors] = []
         for (rows, cols, rank), members in by_shape.items():
             step = max(1, FACTOR_BATCH_NUMEL // (rows * cols))
             for first in range(0, len(members), step):
@@ -331,11 +332,16 @@ class GradientCodec:
                     sent = factors.decode(m.device)  # (B, rows, cols)
                     for (_, values), s in zip(batch, sent):
                         values.sub_(s.view(-1))
-                for (t, _), f in zip(batch, factors.cpu().unbind()):  # one read a field for the batch
-                    codes, scales = f.to_bytes(self.config.factor_bits)
-                    out[t.name] = CompressedTensor(
-                        t.name, t.shape, t.encoding, t.value_format, (), t.k, b"", codes, lut=scales
-                    )
+                batches.append([t for t, _ in batch])
+                factored_batches.append(factors)
+        out = {}
+        # Read back once every batch's work is launched (``Factors.to_host``: two reads in all).
+        for plans, host in zip(batches, lowrank.Factors.to_host(factored_batches)):
+            for t, f in zip(plans, host.unbind()):
+                codes, scales = f.to_bytes(self.config.factor_bits)
+                out[t.name] = CompressedTensor(
+                    t.name, t.shape, t.encoding, t.value_format, (), t.k, b"", codes, lut=scales
+                )
         return out
 
     def _factor(

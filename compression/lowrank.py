@@ -24,6 +24,8 @@ Pure tensor code, no payload framing: ``codec`` places the codes and scales in a
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
@@ -67,9 +69,25 @@ class Factors:
     b: torch.Tensor  # (k, cols) int8
     b_scale: torch.Tensor  # (k,) float32
 
-    def cpu(self) -> Factors:
-        """The same factors on the host: one copy a field for a whole batch."""
-        return Factors(self.a.cpu(), self.a_scale.cpu(), self.b.cpu(), self.b_scale.cpu())
+    @staticmethod
+    def to_host(batches: Sequence[Factors]) -> list[Factors]:
+        """Every batch of ``batches`` on the host in two reads, all the codes and then all the scales, instead
+        of one a field a batch: on a GPU each read waits for the device, so one read a batch would leave it
+        idle while the host packs that batch's codes, before the next batch's work is even launched."""
+        if not batches:
+            return []
+        codes = torch.cat([torch.cat([f.a.flatten(-2), f.b.flatten(-2)], -1).reshape(-1) for f in batches]).cpu()
+        scales = torch.cat([torch.cat([f.a_scale, f.b_scale], -1).reshape(-1) for f in batches]).cpu()
+        out, at, at_scale = [], 0, 0
+        for f in batches:
+            (*lead, rows, k), cols = f.a.shape, f.b.shape[-1]
+            n = math.prod(lead)
+            block = codes[at : at + n * (rows + cols) * k].view(*lead, (rows + cols) * k)
+            scale = scales[at_scale : at_scale + n * 2 * k].view(*lead, 2 * k)
+            a, b = block[..., : rows * k].view(*lead, rows, k), block[..., rows * k :].view(*lead, k, cols)
+            out.append(Factors(a, scale[..., :k], b, scale[..., k:]))
+            at, at_scale = at + n * (rows + cols) * k, at_scale + n * 2 * k
+        return out
 
     def unbind(self) -> list[Factors]:
         """A batch's factors, one ``Factors`` per matrix."""
@@ -77,9 +95,9 @@ class Factors:
 
     def to_bytes(self, bits: int = 8) -> tuple[bytes, bytes]:
         """(values, lut): the codes, A's then B's, row-major, a byte each (``bits`` 8) or two a byte (4,
-        ``pack_int4``); the scales, A's then B's, float32."""
-        codes = np.concatenate([self.a.cpu().numpy().reshape(-1), self.b.cpu().numpy().reshape(-1)])
-        scales = np.concatenate([self.a_scale.cpu().numpy(), self.b_scale.cpu().numpy()]).astype("<f4")
+        ``pack_int4``); the scales, A's then B's, float32. Of factors on the host (``to_host``)."""
+        codes = np.concatenate([self.a.numpy().reshape(-1), self.b.numpy().reshape(-1)])
+        scales = np.concatenate([self.a_scale.numpy(), self.b_scale.numpy()]).astype("<f4")
         values = codes.astype(np.int8).tobytes() if bits == 8 else pack_int4(codes)
         return values, scales.tobytes()
 

@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from gradwire.compression import lowrank, serde
 from gradwire.compression.codec import GradientCodec
@@ -320,6 +321,34 @@ def test_stacked_by_shape_each_matrix_gets_what_it_would_alone() -> None:
             assert single == payload[name], name  # the same codes and scales
             assert torch.equal(own.subspaces[name], feedback.subspaces[name])
             assert torch.equal(own.buffers[name], feedback.buffers[name])
+
+
+class _HostReads(TorchFunctionMode):
+    """The order of host reads (``Tensor.cpu``) and error-feedback updates (``Tensor.sub_``) in a call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+        name = getattr(func, "__name__", "")
+        if name in ("cpu", "sub_"):
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_every_stack_is_factored_before_the_host_reads_them_in_two_reads() -> None:
+    # Two shapes, so two stacks (q, k, v together; out alone): on a GPU a read waits for the device, so every
+    # stack's work is launched first and all the factors come back in one read of codes and one of scales.
+    codec, feedback = GradientCodec(LOW, FIT), ErrorFeedback(beta=0.95)
+    for grads in _low_rank_rounds(2, seed=3):
+        with _HostReads() as reads:
+            payload = codec.compress(grads, feedback)
+        assert reads.calls.count("sub_") == len(LOW)  # each buffer loses what was sent
+        assert reads.calls.count("cpu") == 2 and reads.calls[-2:] == ["cpu", "cpu"], reads.calls
+        for t in payload.tensors:  # and the factors read back are each matrix's own
+            alone = GradientCodec({t.name: LOW[t.name]}, FIT).decompress
+            assert alone(dataclasses.replace(payload, tensors=(t,)))[t.name].shape == LOW[t.name]
 
 
 def test_the_subspace_travels_in_the_feedback_state_and_a_restored_sender_sends_the_same_bytes() -> None:
