@@ -144,6 +144,8 @@ class WorkerServers:
         self.lab, self.procs = lab, []
 
     def addresses(self) -> str:
+        """The workers' addresses (``host:port,...``), their processes started at the first call; ``RuntimeError``
+        if one has exited since."""
         workers = len(self.lab.hosts) - 1
         if not self.procs:
             env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // workers)), "HF_HUB_OFFLINE": "1"}

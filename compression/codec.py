@@ -318,8 +318,7 @@ class GradientCodec:
             if not ok:
                 raise NonFiniteInput(t.name)
             by_shape.setdefault((*matrix_view(t.shape), t.k), []).append((t, values))
-        batches: list[list[TensorPlan]] = []
-        factored_batches: list[lowrank.Factors] = []
+        launched: list[tuple[list[TensorPlan], lowrank.Factors]] = []  # each stack's plans and factors
         for (rows, cols, rank), members in by_shape.items():
             step = max(1, FACTOR_BATCH_NUMEL // (rows * cols))
             for first in range(0, len(members), step):
@@ -332,11 +331,10 @@ class GradientCodec:
                     sent = factors.decode(m.device)  # (B, rows, cols)
                     for (_, values), s in zip(batch, sent):
                         values.sub_(s.view(-1))
-                batches.append([t for t, _ in batch])
-                factored_batches.append(factors)
+                launched.append(([t for t, _ in batch], factors))
         out = {}
-        # Read back once every batch's work is launched (``Factors.to_host``: two reads in all).
-        for plans, host in zip(batches, lowrank.Factors.to_host(factored_batches)):
+        # Read back once every stack's work is launched (``Factors.to_host``: two reads in all).
+        for (plans, _), host in zip(launched, lowrank.Factors.to_host([f for _, f in launched])):
             for t, f in zip(plans, host.unbind()):
                 codes, scales = f.to_bytes(self.config.factor_bits)
                 out[t.name] = CompressedTensor(

@@ -24,7 +24,6 @@ Pure tensor code, no payload framing: ``codec`` places the codes and scales in a
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -78,15 +77,15 @@ class Factors:
             return []
         codes = torch.cat([torch.cat([f.a.flatten(-2), f.b.flatten(-2)], -1).reshape(-1) for f in batches]).cpu()
         scales = torch.cat([torch.cat([f.a_scale, f.b_scale], -1).reshape(-1) for f in batches]).cpu()
-        out, at, at_scale = [], 0, 0
-        for f in batches:
-            (*lead, rows, k), cols = f.a.shape, f.b.shape[-1]
-            n = math.prod(lead)
-            block = codes[at : at + n * (rows + cols) * k].view(*lead, (rows + cols) * k)
-            scale = scales[at_scale : at_scale + n * 2 * k].view(*lead, 2 * k)
-            a, b = block[..., : rows * k].view(*lead, rows, k), block[..., rows * k :].view(*lead, k, cols)
-            out.append(Factors(a, scale[..., :k], b, scale[..., k:]))
-            at, at_scale = at + n * (rows + cols) * k, at_scale + n * 2 * k
+        code_sizes = [f.a.numel() + f.b.numel() for f in batches]
+        scale_sizes = [f.a_scale.numel() + f.b_scale.numel() for f in batches]
+        out = []
+        for f, c, s in zip(batches, codes.split(code_sizes), scales.split(scale_sizes)):
+            lead, a_size, k = f.a.shape[:-2], f.a.shape[-2:].numel(), f.a.shape[-1]
+            c, s = c.view(*lead, -1), s.view(*lead, -1)
+            out.append(
+                Factors(c[..., :a_size].view(f.a.shape), s[..., :k], c[..., a_size:].view(f.b.shape), s[..., k:])
+            )
         return out
 
     def unbind(self) -> list[Factors]:
