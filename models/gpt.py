@@ -79,7 +79,10 @@ class GPTConfig:
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotation angle ``t * theta**(-2i/head_dim)``, each (max_seq_len, head_dim/2)."""
+    """cos and sin of the rotation angle ``t * theta**(-2i/head_dim)``, each (max_seq_len, head_dim/2); on the
+    meta device (a model built for its shapes) only their shapes."""
+    if torch.get_default_device().type == "meta":
+        return torch.empty(max_seq_len, head_dim // 2), torch.empty(max_seq_len, head_dim // 2)
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # (hd/2,)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)  # (T, hd/2)
     # Built in float64 so long positions keep their precision, stored in float32.

@@ -26,6 +26,7 @@ from tokenizers import ByteLevelBPETokenizer, Tokenizer
 
 from gradwire.assets import default_tokenizer, gpt2_tokenizer
 from gradwire.models.gpt import GPT, GPTConfig
+from gradwire.models.meta import no_meta_writes
 
 AnyTokenizer = Tokenizer | ByteLevelBPETokenizer  # both offer .encode(text).ids and .decode(ids)
 
@@ -182,7 +183,7 @@ def spec_elements(spec: dict[str, Any]) -> int:
                 raise ValueError(f"spec config[{key!r}] = {value} layers, more than {MAX_LAYERS}")
             if abs(value) > MAX_DIMENSION:
                 raise ValueError(f"spec config[{key!r}] = {value} is beyond any model's size")
-    with torch.device("meta"):
+    with torch.device("meta"), no_meta_writes():
         model = build_from_spec(spec)
     return sum(t.numel() for t in model.parameters()) + sum(b.numel() for b in model.buffers())
 

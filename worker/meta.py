@@ -12,6 +12,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from gradwire.models.meta import no_meta_writes
+
 _REGISTER = nn.Module.register_parameter
 _meta = threading.local()  # which threads are inside ``parameters_on_meta``
 _patch_lock = threading.Lock()
@@ -37,7 +39,8 @@ def parameters_on_meta() -> Iterator[None]:
         _patched += 1
     _meta.inside = True
     try:
-        yield
+        with no_meta_writes():  # the parameters' initializers: nothing to write on the meta device
+            yield
     finally:
         _meta.inside = False
         with _patch_lock:
