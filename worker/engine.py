@@ -142,8 +142,6 @@ class WorkerEngine:
         self.pull_wait = ARRIVAL_WAIT  # seconds a peer's PullPiece waits for a payload this worker is about to hold
         self._last_command = time.monotonic()
         self._push_ids = itertools.count()  # a node's ranks tell overlapping pushes apart by these
-        if self.node is not None:
-            lazy.for_nodes()  # now, before any call: what only a node's ranks use (worker.lazy)
         if self.node is not None and self.node.info.leader:
             # Every collective is bounded by the node's timeout, the command channel too, so an idle node
             # must keep talking: a heartbeat whenever no command went out for a while. A rank that stopped
@@ -339,6 +337,8 @@ class WorkerEngine:
         as ``placement`` says (default: ``_placement_for``). Each rank of a node keeps its own share of it:
         ``Session.load``."""
         placement = placement or self._placement_for(header)
+        if placement.torch_parallel:
+            lazy.for_nodes()  # now, before the run's first call: what only these modes use (worker.lazy)
         if placement.split and not self._giving_back:
             # A node splits a model because memory is short: its ranks give freed memory back (gradwire.memory).
             self._giving_back = give_back_freed_memory()

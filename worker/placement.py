@@ -107,6 +107,12 @@ class Placement:
         return self.node is not None and self.mode == "pipeline"
 
     @property
+    def torch_parallel(self) -> bool:
+        """A node that computes through torch's sharding or pipelining stacks (FSDP2, ZeRO, a pipeline): its
+        ranks load them (``worker.lazy``)."""
+        return self.node is not None and self.mode in ("fsdp", "pipeline")
+
+    @property
     def split(self) -> bool:
         """A node whose ranks each hold part of the model (sharded or pipelined): each encodes its own
         tensors with its own error feedback, and checkpoints its own part."""

@@ -230,3 +230,18 @@ def test_a_sharded_nodes_states_come_back_only_to_a_node_as_wide() -> None:
     assert torch.equal(shard_state(merged, 2, 1)["group0"], torch.ones(3))
     assert shard_state(merged, 4, 1) == {}  # another width cuts other rows: start afresh
     assert rank_state(merged, 0) == {}  # not for a single worker or a DDP node either
+
+
+@pytest.mark.parametrize(
+    ("changes", "torch_parallel"),
+    [
+        ({}, False),
+        ({"node": _Node()}, False),
+        ({"node": _Node(), "mode": "local-sgd"}, False),
+        ({"node": _Node(), "mode": "fsdp"}, True),
+        ({"node": _Node(), "mode": "fsdp", "shard": "optimizer"}, True),  # ZeRO-1 steps inside torch's optimizer
+        ({"node": _Node(), "mode": "pipeline"}, True),
+    ],
+)
+def test_only_sharded_zero_and_pipelined_nodes_load_torchs_parallel_stacks(changes: dict, torch_parallel: bool) -> None:
+    assert Placement(**changes).torch_parallel is torch_parallel
