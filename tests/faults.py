@@ -244,9 +244,9 @@ def supervise(
         before = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
         proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         if len(logs) < kills:
-            deadline = time.monotonic() + 120
+            deadline, kill_after = time.monotonic() + 120, before + rng.randrange(rounds_apart)
             while proc.poll() is None and not (
-                metrics.is_file() and len(metrics.read_text().splitlines()) > before + rng.randrange(rounds_apart)
+                metrics.is_file() and len(metrics.read_text().splitlines()) > kill_after
             ):
                 assert time.monotonic() < deadline, "the run never got going"
                 time.sleep(0.02)
