@@ -100,22 +100,22 @@ class TensorPlan:
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @functools.cached_property
     def chunk_numel(self) -> int:
         return math.prod(self.chunk_shape)
 
-    @property
+    @functools.cached_property
     def num_chunks(self) -> int:
         return self.numel // self.chunk_numel if self.encoding == Encoding.SPARSE else 0
 
-    @property
+    @functools.cached_property
     def num_values(self) -> int:
         """Values in the payload: kept coefficients (SPARSE), elements (DENSE), factor entries (LOW_RANK)."""
         if self.encoding == Encoding.LOW_RANK:
             return self.k * sum(matrix_view(self.shape))
         return self.num_chunks * self.k if self.encoding == Encoding.SPARSE else self.numel
 
-    @property
+    @functools.cached_property
     def grid(self) -> tuple[int, int]:
         """Chunks along (rows, cols) of the matrix view; (1, chunks) for vectors."""
         rows, cols = matrix_view(self.shape)
@@ -198,11 +198,11 @@ class ChunkGroup:
     members: tuple[TensorPlan, ...]
     offsets: tuple[int, ...]  # first chunk of each member in the stack
 
-    @property
+    @functools.cached_property
     def num_chunks(self) -> int:
         return self.offsets[-1] + self.members[-1].num_chunks
 
-    @property
+    @functools.cached_property
     def chunk_numel(self) -> int:
         return math.prod(self.chunk_shape)
 
