@@ -22,6 +22,8 @@ Pure numpy, vectorized: payload bytes live on the host anyway.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 INDEX_BITS = 12
@@ -115,6 +117,23 @@ def pack_ef(indices: np.ndarray, universe: int) -> bytes:
     upper = np.zeros(chunks * width, np.uint8)
     upper[((idx >> low) + np.arange(k) + np.arange(0, chunks * width, width)[:, None]).reshape(-1)] = 1
     return _pack_stream(idx & ((1 << low) - 1), low) + np.packbits(upper, bitorder="little").tobytes()
+
+
+def ef_joinable(chunks: int, k: int, universe: int) -> bool:
+    """Whether the Elias-Fano code of ``chunks`` chunks has no pad bits: its low bits and its upper bits each
+    fill whole bytes. Then the codes of tensors that share ``k`` and ``universe`` join (``join_ef``) into the
+    code of all their chunks, which one ``unpack_ef`` decodes."""
+    low = ef_low_bits(k, universe)
+    return chunks * k * low % 8 == 0 and chunks * _ef_width(k, universe, low) % 8 == 0
+
+
+def join_ef(codes: Sequence[bytes], chunks: Sequence[int], k: int, universe: int) -> bytes:
+    """One Elias-Fano code of every chunk of ``codes`` in order (each ``ef_joinable`` and of its
+    ``ef_nbytes``): their low bits, then their upper bits."""
+    low = ef_low_bits(k, universe)
+    views = [memoryview(code) for code in codes]
+    splits = [n * k * low // 8 for n in chunks]
+    return b"".join([v[:s] for v, s in zip(views, splits)] + [v[s:] for v, s in zip(views, splits)])
 
 
 def unpack_ef(data: bytes | np.ndarray, chunks: int, k: int, universe: int) -> np.ndarray:

@@ -9,6 +9,8 @@ import torch
 from gradwire.compression import CodecConfig, ErrorFeedback, GradientCodec, NonFiniteInput, aggregate
 from gradwire.compression.aggregate import Aggregator
 from gradwire.compression.dct import dct_chunks, idct_chunks
+from gradwire.compression.packing import ef_low_bits, unpack_ef
+from gradwire.compression.payload import PayloadError
 
 from .codec_helpers import check_corrupted_byte, rounds_to_send
 
@@ -436,6 +438,30 @@ def test_elias_fano_aggregates_as_the_packed_indices_do():
     mean_b = b.aggregate([b.compress(g) for g in senders])
     for k, v in mean_a.items():
         torch.testing.assert_close(mean_b[k], v, atol=1e-6, rtol=0)
+
+
+def test_a_groups_joined_elias_fano_indices_decode_per_member_and_a_bad_member_is_named():
+    """Tensors of one chunk group whose codes fill whole bytes are decoded in one call; a wrong code among
+    them is refused with the tensor it belongs to, as when each is decoded alone."""
+    shapes = {"a": (128, 128), "b": (64, 128)}
+    codec = GradientCodec(shapes, CodecConfig(topk=36, bins=4, indices="elias-fano"), transform_dtype=EXACT)
+    (layout,) = codec._layouts
+    assert layout.ef_joinable and [t.name for t in codec.plan.groups[0].members] == ["a", "b"]
+    grads = _grads(3, shapes=shapes)
+    payload = codec.compress(grads)
+    decoded = codec.decode(payload)
+    for t, ct in zip(codec.plan.groups[0].members, payload.tensors):
+        rows = slice(0 if t.name == "a" else 4, 4 if t.name == "a" else 6)
+        expected = unpack_ef(ct.indices, t.num_chunks, t.k, t.chunk_numel)
+        assert torch.equal(decoded.indices[0][rows], torch.from_numpy(expected.astype("int64")))
+    b = next(ct for ct in payload.tensors if ct.name == "b")
+    broken = bytearray(b.indices)
+    broken[2 * 36 * ef_low_bits(36, 4096) // 8] ^= 1  # b's first upper bit: its first chunk sets 35 or 37
+    wrong = dataclasses.replace(b, indices=bytes(broken))
+    bad = dataclasses.replace(payload, tensors=[wrong if t.name == "b" else t for t in payload.tensors])
+    with pytest.raises(PayloadError) as refused:
+        codec.decode(bad)
+    assert (refused.value.tensor, refused.value.field) == ("b", "indices")
 
 
 def test_a_corrupted_elias_fano_payload_is_refused_or_decodes_finite():

@@ -11,9 +11,11 @@ from gradwire.compression.packing import (
     _unpack_stream,
     bits_nbytes,
     ef_chunk_bits,
+    ef_joinable,
     ef_low_bits,
     ef_nbytes,
     ef_topk_in_bits_of,
+    join_ef,
     pack12,
     pack_bits,
     pack_ef,
@@ -175,6 +177,29 @@ def test_elias_fano_round_trips_any_set_in_its_documented_size(case):
     packed = pack_ef(idx, universe)
     assert len(packed) == ef_nbytes(chunks, k, universe) <= (chunks * ef_chunk_bits(k, universe) + 7) // 8 + 1
     np.testing.assert_array_equal(unpack_ef(packed, chunks, k, universe), idx)
+
+
+@given(st.integers(1, 4096), st.data())
+def test_joined_elias_fano_codes_are_the_code_of_all_their_chunks(universe, data):
+    """Codes without pad bits (chunk counts a multiple of 8 always are) join into the very bytes ``pack_ef``
+    writes for their chunks stacked, which one ``unpack_ef`` decodes."""
+    k = data.draw(st.integers(1, min(universe, 64)))
+    counts = data.draw(st.lists(st.integers(0, 3).map(lambda n: 8 * n), min_size=1, max_size=4))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    members = [
+        np.sort(np.array([rng.choice(universe, k, replace=False) for _ in range(n)]).reshape(n, k)) for n in counts
+    ]
+    assert all(ef_joinable(n, k, universe) for n in counts)
+    joined = join_ef([pack_ef(m, universe) for m in members], counts, k, universe)
+    stacked = np.concatenate(members)
+    assert joined == pack_ef(stacked, universe)
+    np.testing.assert_array_equal(unpack_ef(joined, sum(counts), k, universe), stacked)
+
+
+def test_a_code_with_pad_bits_is_not_joinable():
+    assert not ef_joinable(1, 2, 8)  # 2 low bits each: 4 bits of low bits
+    assert not ef_joinable(3, 36, 4096)  # 6 low bits each: 648 bits, but 300 upper bits
+    assert ef_joinable(4, 36, 4096) and ef_joinable(0, 36, 4096)
 
 
 def test_elias_fano_costs_about_two_bits_over_the_low_bits_an_index():
