@@ -9,7 +9,7 @@ import torch
 from gradwire.compression import CodecConfig, ErrorFeedback, GradientCodec, NonFiniteInput, aggregate
 from gradwire.compression.aggregate import Aggregator
 from gradwire.compression.dct import dct_chunks, idct_chunks
-from gradwire.compression.packing import ef_low_bits, unpack_ef
+from gradwire.compression.packing import ef_low_bits, ef_nbytes, unpack_ef
 from gradwire.compression.payload import PayloadError
 
 from .codec_helpers import check_corrupted_byte, rounds_to_send
@@ -446,7 +446,7 @@ def test_a_groups_joined_elias_fano_indices_decode_per_member_and_a_bad_member_i
     shapes = {"a": (128, 128), "b": (64, 128)}
     codec = GradientCodec(shapes, CodecConfig(topk=36, bins=4, indices="elias-fano"), transform_dtype=EXACT)
     (layout,) = codec._layouts
-    assert layout.ef_joinable and [t.name for t in codec.plan.groups[0].members] == ["a", "b"]
+    assert layout.ef_runs == [[0, 1]] and [t.name for t in codec.plan.groups[0].members] == ["a", "b"]
     grads = _grads(3, shapes=shapes)
     payload = codec.compress(grads)
     decoded = codec.decode(payload)
@@ -462,6 +462,25 @@ def test_a_groups_joined_elias_fano_indices_decode_per_member_and_a_bad_member_i
     with pytest.raises(PayloadError) as refused:
         codec.decode(bad)
     assert (refused.value.tensor, refused.value.field) == ("b", "indices")
+
+
+def test_a_groups_codes_join_in_runs_of_whole_bytes_and_bounded_size(monkeypatch: pytest.MonkeyPatch):
+    """Runs of consecutive members: a code with pad bits is decoded alone, and a run stops at the byte cap."""
+    from gradwire.compression import codec as codec_module
+
+    shapes = {"a": (64, 128), "b": (64, 128), "c": (192, 64), "d": (64, 128), "e": (64, 128), "f": (64, 128)}
+    config = CodecConfig(topk=36, bins=4, indices="elias-fano")
+    monkeypatch.setattr(codec_module, "JOINED_EF_BYTES", 1 << 20)
+    (layout,) = GradientCodec(shapes, config)._layouts
+    assert layout.ef_runs == [[0, 1], [2], [3, 4, 5]]  # c: 3 chunks of 100 upper bits each, 300 bits in all
+    monkeypatch.setattr(codec_module, "JOINED_EF_BYTES", ef_nbytes(4, 36, 4096))  # two tensors' codes
+    codec = GradientCodec(shapes, config)
+    assert codec._layouts[0].ef_runs == [[0, 1], [2], [3, 4], [5]]
+    monkeypatch.setattr(codec_module, "JOINED_EF_BYTES", 0)
+    alone = GradientCodec(shapes, config)
+    assert alone._layouts[0].ef_runs == [[i] for i in range(6)]
+    payload = codec.compress(_grads(4, shapes=shapes))
+    assert torch.equal(codec.decode(payload).indices[0], alone.decode(payload).indices[0])
 
 
 def test_a_corrupted_elias_fano_payload_is_refused_or_decodes_finite():
