@@ -146,6 +146,7 @@ METHODS: dict[str, dict[str, Any]] = {
         feedback_beta=0.999,
         downlink="replay",
         topk_warmup_steps=0,
+        aggregate="mean",
     ),
     # gradwire's gradient mode as a user gets it: the mode's defaults, sign-SGD at 1e-3 (mode_defaults).
     "gradient": dict(_GRADIENT, downlink="replay"),
@@ -816,3 +817,7 @@ if __name__ == "__main__":
 #                      warm-up, 321x): 5.5272 / 5.5320 (+0.88% / +1.01%), against 64 x 64's +0.70% / +0.79% at 274x |
 #                      a dead-zone sign step (|g| under a quarter of its tensor's RMS left still; gradsim, seed 0)
 #                      6.0664 against the sign step's 5.9032: neither kept
+#   gradient mode, four seeds (2026-11-30; dense 5.4790 / 5.4765 / 5.4601 / 5.4532): sign-SGD at 1.2e-3 +1.42%
+#                      (-0.01% at seed 0, +3.30% at seed 1) | each kept coefficient averaged over the workers that
+#                      sent it (--set gradient.aggregate=kept-mean) 5.5033 / 5.5035 / 5.4577 / 5.4855, +0.37%
+#                      against the mean's +0.61%, lower or level at every seed

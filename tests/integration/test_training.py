@@ -183,9 +183,10 @@ def test_keep_checkpoints_prunes_old_steps(tmp_path, two_workers):
 
 def test_a_worker_is_never_sent_its_own_payload_back(tmp_path, two_workers):
     """Each worker holds the payload it sent; the replay it gets carries only the others' (two workers:
-    one payload down per worker per round, as many bytes down as up). Top-32 of 64 x 64: two senders' sparse
-    inverse beats the dense one by the margin ``aggregate.sparse_senders`` asks for (the default top-36 does not)."""
-    trainer = train(_config(tmp_path, steps=5, topk=32), two_workers)
+    one payload down per worker per round, as many bytes down as up). Top-32 of 64 x 64 and the mean: two
+    senders' sparse inverse beats the dense one by the margin ``aggregate.sparse_senders`` asks for (the
+    default top-36 does not, and kept-mean, gradient mode's default, sums the coefficients first)."""
+    trainer = train(_config(tmp_path, steps=5, topk=32, aggregate="mean"), two_workers)
     records = read_metrics(tmp_path / "run")
     for before, r in zip(records[1:], records[2:]):  # round k replays round k-1's payloads
         assert 0.9 * before["bytes_up"] < r["bytes_down"] < 1.1 * before["bytes_up"] + 4096, (

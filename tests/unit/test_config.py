@@ -25,6 +25,14 @@ def test_gradient_mode_keeps_demo_defaults_in_fewer_bytes() -> None:
     assert TrainConfig(index_coding="packed12").topk == 29
 
 
+def test_gradient_mode_averages_each_coefficient_over_its_senders_and_the_others_over_all() -> None:
+    assert TrainConfig().aggregate == "kept-mean"
+    assert TrainConfig(inner_steps=30).aggregate == TrainConfig(no_compression=True).aggregate == "mean"
+    assert TrainConfig(topology="ring", inner_steps=30).aggregate == "mean"
+    assert TrainConfig(aggregate="median").aggregate == "median"  # given: kept
+    assert TrainConfig().aggregation_rule().mode == "kept-mean"
+
+
 def test_local_sgd_defaults_follow_sparseloco_and_diloco() -> None:
     compressed = TrainConfig(inner_steps=30)
     defaults = mode_defaults(inner_steps=30, no_compression=False, outer_optimizer=None, inner_optimizer="adamw")
