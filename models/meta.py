@@ -9,8 +9,6 @@ meta tensor (an initializer, a fill, a scaling) returns the tensor it was given 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -56,8 +54,6 @@ class _NoMetaWrites(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-@contextlib.contextmanager
-def no_meta_writes() -> Iterator[None]:
-    """Within this block (on this thread), in-place writes of values to meta tensors do nothing."""
-    with _NoMetaWrites():
-        yield
+def no_meta_writes() -> TorchFunctionMode:
+    """A context in which (on this thread) in-place writes of values to meta tensors do nothing."""
+    return _NoMetaWrites()

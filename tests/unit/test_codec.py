@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from gradwire.compression import CodecConfig, ErrorFeedback, GradientCodec, NonFiniteInput, aggregate
+from gradwire.compression import codec as codec_module
 from gradwire.compression.aggregate import Aggregator
 from gradwire.compression.dct import dct_chunks, idct_chunks
 from gradwire.compression.packing import ef_low_bits, ef_nbytes, unpack_ef
@@ -466,8 +467,6 @@ def test_a_groups_joined_elias_fano_indices_decode_per_member_and_a_bad_member_i
 
 def test_a_groups_codes_join_in_runs_of_whole_bytes_and_bounded_size(monkeypatch: pytest.MonkeyPatch):
     """Runs of consecutive members: a code with pad bits is decoded alone, and a run stops at the byte cap."""
-    from gradwire.compression import codec as codec_module
-
     shapes = {"a": (64, 128), "b": (64, 128), "c": (192, 64), "d": (64, 128), "e": (64, 128), "f": (64, 128)}
     config = CodecConfig(topk=36, bins=4, indices="elias-fano")
     monkeypatch.setattr(codec_module, "JOINED_EF_BYTES", 1 << 20)
