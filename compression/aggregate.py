@@ -30,15 +30,18 @@ class Aggregator:
     (dense tensors are sent whole by everyone, so both agree there): the mean over the senders that kept
     it, as templar's ``scatter_reduce(reduce="mean", include_self=False)``. Either way a clip ``scale``
     shrinks that sender's values but not the weight divided by: a clipped sender counts for less, it does
-    not make the others count for more. ``per_coordinate`` always sums into dense coefficient buffers.
+    not make the others count for more.
 
     With few senders the sum is sparse: k coefficients per chunk from each. Then each sender's inverse DCT
     is computed straight from its coefficients, ``X = (D_r[u] * vals)^T @ D_c[v]``: 2rck FLOPs per chunk
     and sender instead of 2rc(r + c), and no dense coefficient buffer; the senders' transforms are
-    weighted and summed in order. A sender's transform does not depend on the others, so a holder that
-    knows one payload early (a worker, its own) computes it ahead (``with_inverse``) and its replay pays
-    for the others' alone. Past that, senders are scatter-added into dense coefficient sums as they
-    arrive, which keeps memory bounded however many there are.
+    weighted and summed in order. Under ``mean`` a sender's transform does not depend on the others, so a
+    holder that knows one payload early (a worker, its own) computes it ahead (``with_inverse``) and its
+    replay pays for the others' alone; so does a sole sender's under ``per_coordinate``. With several senders
+    ``per_coordinate`` weighs each kept coefficient by the weight of the senders that kept it, found by
+    sorting the senders' indices of a chunk together (``_held_shares``): still their payloads' cost, not
+    the model's. Past that, senders are scatter-added into dense coefficient sums as they arrive, which
+    keeps memory bounded however many there are.
 
     ``dtype=torch.float64`` sums and transforms in float64 and rounds once to float32 at the end: then
     devices that sum in another order (a GPU against a CPU) get the same float32 bits but in cases as rare
@@ -64,8 +67,9 @@ class Aggregator:
         plan, device = codec.plan, codec.device
         self._sums: list[torch.Tensor] | None = None  # dense coefficient sums, once senders are spilled
         self._hits: list[torch.Tensor] | None = None
-        self._held: list[tuple[DecodedGradient, float]] = []  # decoded senders not yet spilled
-        self._max_held = _max_sparse_senders(plan) if sparse and normalize == "mean" and codec.config.use_dct else 0
+        # Decoded senders not yet spilled: (payload, weight x scale, weight).
+        self._held: list[tuple[DecodedGradient, float, float]] = []
+        self._max_held = _max_sparse_senders(plan) if sparse and codec.config.use_dct else 0
         # Dense tensors' weighted sums. Those sent whole are slices of one flat buffer, so that a round adds and
         # measures them in one call each, however many there are (opt-125m: 122 vectors). A factored matrix's
         # (LOW_RANK) stays its senders' factors, each with its weight, until someone reads the sum
@@ -97,7 +101,7 @@ class Aggregator:
         d = payload if isinstance(payload, DecodedGradient) else self.codec.decode(payload)
         effective = weight * scale if scale != 1.0 else weight
         if self._sums is None and len(self._held) < self._max_held:
-            self._held.append((d, effective))
+            self._held.append((d, effective, weight))
         else:
             self._spill()
             self._scatter(d, effective, weight)
@@ -123,8 +127,8 @@ class Aggregator:
         plan, device = self.codec.plan, self.codec.device
         self._sums = [torch.zeros(g.num_chunks, g.chunk_numel, device=device, dtype=self.dtype) for g in plan.groups]
         self._hits = [torch.zeros_like(s) for s in self._sums] if self.normalize == "per_coordinate" else None
-        for d, weight in self._held:  # only "mean" holds senders, and it counts no hits
-            self._scatter(d, weight, weight)
+        for d, effective, weight in self._held:
+            self._scatter(d, effective, weight)
         self._held = []
 
     def _scatter(self, d: DecodedGradient, weight: float, hit_weight: float) -> None:
@@ -142,8 +146,8 @@ class Aggregator:
         if self._sums is None:
             group = self.codec.plan.groups[gi]
             acc = torch.zeros(group.num_chunks, group.chunk_numel, device=self.codec.device, dtype=self.dtype)
-            for d, weight in self._held:
-                acc.scatter_add_(1, d.indices[gi], d.values[gi].to(self.dtype) * (weight / self.total_weight))
+            for (d, _, _), share in zip(self._held, self._held_shares(gi, 0, group.num_chunks)):
+                acc.scatter_add_(1, d.indices[gi], d.values[gi].to(self.dtype) * share)
             return acc
         if self._hits is None:
             return self._sums[gi] / self.total_weight
@@ -210,9 +214,9 @@ class Aggregator:
         pairs: a slice of chunks at a time, every sender's pairs of a chunk sorted by index, each run of one
         index summed (in ``dtype``, senders in order, as ``_coefficients`` sums them), squared and added up
         in float64. Sorting k pairs a sender and chunk, not a (num_chunks, chunk_numel) buffer."""
-        held = [(d.indices[gi], d.values[gi], weight / self.total_weight) for d, weight in self._held]
+        held = [(d.indices[gi], d.values[gi]) for d, _, _ in self._held]
         total = torch.zeros((), dtype=torch.float64, device=held[0][0].device)
-        listed = sum(idx.shape[1] for idx, _, _ in held)  # pairs a chunk, all senders together
+        listed = sum(idx.shape[1] for idx, _ in held)  # pairs a chunk, all senders together
         if listed == 0:
             return total
         # A sole sender whose rows increase (the codec sends them so; Elias-Fano's were checked at decode): the sort
@@ -221,12 +225,13 @@ class Aggregator:
         sorted_already = sole is not None and (sole.increasing or _increasing(held[0][0]))
         rows = max(1, NORM_SLICE_PAIRS // listed)
         for lo in range(0, held[0][0].shape[0], rows):
-            scaled = [v[lo : lo + rows].to(self.dtype) * share for _, v, share in held]
+            shares = self._held_shares(gi, lo, lo + rows)
+            scaled = [v[lo : lo + rows].to(self.dtype) * share for (_, v), share in zip(held, shares)]
             vals = scaled[0] if len(scaled) == 1 else torch.cat(scaled, dim=1)  # one sender: no copy to join
             if sorted_already:
                 sums = vals.view(-1)
             else:
-                idx = torch.cat([i[lo : lo + rows] for i, _, _ in held], dim=1)  # (b, listed)
+                idx = torch.cat([i[lo : lo + rows] for i, _ in held], dim=1)  # (b, listed)
                 idx, order = idx.sort(dim=1, stable=True)  # stable: a run keeps the senders' order
                 vals = vals.gather(1, order)
                 runs = _run_ids(idx)  # (b * listed,)
@@ -270,11 +275,15 @@ class Aggregator:
 
     def _held_inverse(self, gi: int, lo: int, hi: int) -> torch.Tensor:
         """The weighted sum of the held senders' inverse DCTs of chunks ``lo:hi`` of group ``gi``: each
-        sender's transform (computed ahead, or here), times its share of the mean, added in sender order."""
+        sender's transform (computed ahead, or here) times its share (``_held_shares``; a share per kept
+        coefficient multiplies its values before the transform), added in sender order."""
         stack = None
         alone = len(self._held) == 1
-        for d, weight in self._held:
-            share = weight / self.total_weight  # 1.0 for a sole sender: x * 1.0 is x, bit for bit
+        for (d, _, _), share in zip(self._held, self._held_shares(gi, lo, hi)):
+            if isinstance(share, torch.Tensor):  # each kept coefficient's own share: weighed before the transform
+                term = sender_inverse(self.codec, d, gi, lo, hi, self.dtype, share)
+                stack = term if stack is None else stack.add_(term)
+                continue
             ahead = d.inverse.get((gi, lo, hi)) if d.inverse is not None else None
             if ahead is not None and ahead.dtype == self.dtype:
                 # A sole sender's term is the sum itself, read as it is; otherwise a new tensor, which the next
@@ -287,6 +296,32 @@ class Aggregator:
             stack = term if stack is None else stack.add_(term)
         assert stack is not None
         return stack
+
+    def _held_shares(self, gi: int, lo: int, hi: int) -> list[float | torch.Tensor]:
+        """Each held sender's share of the aggregate for chunks ``lo:hi`` of group ``gi``: under ``mean`` its
+        weight x scale over the total weight; under ``per_coordinate`` a sole sender's scale (1.0 unclipped:
+        ``x * 1.0`` is ``x``, bit for bit) where no chunk names an index twice, and otherwise a (hi - lo, k)
+        share of each kept coefficient, its weight x scale over the weight of the senders that kept that
+        coefficient, each time they named it (found by sorting the senders' indices of a chunk together, as
+        ``_held_norm_sq`` does; 0 where that weight is)."""
+        if self.normalize == "mean":
+            return [effective / self.total_weight for _, effective, _ in self._held]
+        if len(self._held) == 1 and (self._held[0][0].increasing or _increasing(self._held[0][0].indices[gi][lo:hi])):
+            _, effective, weight = self._held[0]  # no index twice: every coefficient is this sender's alone
+            return [effective / weight if weight > 0 else 0.0]
+        idx = [d.indices[gi][lo:hi] for d, _, _ in self._held]
+        keys, order = torch.cat(idx, dim=1).sort(dim=1, stable=True)
+        weights = torch.cat(
+            [torch.full(i.shape, w, dtype=self.dtype, device=i.device) for i, (*_, w) in zip(idx, self._held)], dim=1
+        )
+        runs = _run_ids(keys)
+        hit = torch.zeros(runs.shape[0], dtype=self.dtype, device=keys.device)
+        hit.index_add_(0, runs, weights.gather(1, order).view(-1))
+        kept = torch.empty_like(weights).scatter_(1, order, hit[runs].view_as(keys))  # each pair's, in sender order
+        return [
+            torch.where(h > 0, effective / h.clamp_min(1e-30), 0.0)
+            for h, (_, effective, _) in zip(kept.split([i.shape[1] for i in idx], dim=1), self._held)
+        ]
 
     def _check_nonempty(self) -> None:
         if self.total_weight <= 0:
@@ -344,12 +379,21 @@ def in_plan_order(codec: GradientCodec, parts: Iterable[dict[str, torch.Tensor]]
 
 
 def sender_inverse(
-    codec: GradientCodec, d: DecodedGradient, gi: int, lo: int, hi: int, dtype: torch.dtype = torch.float32
+    codec: GradientCodec,
+    d: DecodedGradient,
+    gi: int,
+    lo: int,
+    hi: int,
+    dtype: torch.dtype = torch.float32,
+    shares: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The inverse DCT of one sender's kept coefficients of chunks ``lo:hi`` of group ``gi``, unweighted,
-    straight from its (index, value) pairs: (hi - lo, *chunk_shape) in ``dtype``."""
+    """The inverse DCT of one sender's kept coefficients of chunks ``lo:hi`` of group ``gi``, unweighted (or
+    each value times its ``shares``, (hi - lo, k)), straight from its (index, value) pairs: (hi - lo,
+    *chunk_shape) in ``dtype``."""
     group = codec.plan.groups[gi]
     idx, vals = d.indices[gi][lo:hi], d.values[gi][lo:hi].to(dtype)  # (B, k)
+    if shares is not None:
+        vals = vals * shares
     if len(group.chunk_shape) == 1:
         (n,) = group.chunk_shape
         basis = dct_basis(n, dtype, vals.device)
@@ -367,6 +411,15 @@ def sender_inverse(
 def sparse_senders(codec: GradientCodec) -> int:
     """How many senders an aggregate of ``codec``'s payloads sums on its sparse path (0: never)."""
     return _max_sparse_senders(codec.plan) if codec.config.use_dct else 0
+
+
+def sums_sender_inverses(codec: GradientCodec, mode: str, senders: int) -> bool:
+    """Whether an aggregate of ``senders`` payloads of ``codec`` under rule ``mode`` sums each sender's own
+    inverse DCT, one that can be taken ahead (``with_inverse``): the sparse path's mean, or a sole sender's
+    kept-mean (with several, each kept coefficient's share depends on who else kept it)."""
+    if senders > sparse_senders(codec):
+        return False
+    return mode == "mean" or (mode == "kept-mean" and senders == 1)
 
 
 def inverse_numel(codec: GradientCodec) -> int:

@@ -279,7 +279,7 @@ class Session:
         if self.last_replay is None or self.placement.split:
             return None
         senders, rule = self.last_replay
-        if rule.mode != "mean" or senders > aggregate.sparse_senders(codec):
+        if not aggregate.sums_sender_inverses(codec, rule.mode, senders):
             return None
         free = free_device_memory(self.device)
         need = aggregate.inverse_numel(codec) * rule.dtype.itemsize

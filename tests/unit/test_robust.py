@@ -240,7 +240,7 @@ def shared_and_alone(codec: GradientCodec, ps) -> tuple[int, int]:
 @pytest.mark.parametrize(
     "config",
     [RAW, CodecConfig(topk=256, bins=4), CodecConfig(topk=4, bins=4)],
-    ids=["raw", "dct-2bit", "dct-2bit-few"],  # few: so few kept that mean sums two senders sparse, not kept-mean
+    ids=["raw", "dct-2bit", "dct-2bit-few"],  # few: so few kept that two senders are summed sparse
 )
 @pytest.mark.parametrize("overlap", ["disjoint", "overlapping"])
 def test_kept_mean_is_the_mean_over_the_senders_that_kept_each_coefficient(config, overlap: str) -> None:
@@ -261,9 +261,11 @@ def test_kept_mean_is_the_mean_over_the_senders_that_kept_each_coefficient(confi
         assert both > 0
     weights, scales = (1.0, 3.0), (1.0, 0.5)
     agg = aggregate(codec, ps, weights, scales, KEPT)
-    assert agg._sums is not None and not agg._held  # per coefficient needs the dense sums and their weights
-    if config.topk == 4:
-        assert aggregate(codec, ps, weights, scales, MEAN)._held  # the control: mean holds them sparse
+    if config.topk == 4:  # held sparse, as mean holds them: each kept coefficient's share from who kept it
+        assert agg._sums is None and len(agg._held) == 2
+        assert aggregate(codec, ps, weights, scales, MEAN)._held
+    else:  # so many kept that the dense sums and their weights cost less
+        assert agg._sums is not None and not agg._held
     want_groups, want_dense = kept_mean_by_hand(codec, ps, weights, scales)
     for got, want in zip(agg.coefficient_groups(), want_groups):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
