@@ -185,7 +185,8 @@ def test_a_worker_is_never_sent_its_own_payload_back(tmp_path, two_workers):
     """Each worker holds the payload it sent; the replay it gets carries only the others' (two workers:
     one payload down per worker per round, as many bytes down as up). Top-32 of 64 x 64 and the mean: two
     senders' sparse inverse beats the dense one by the margin ``aggregate.sparse_senders`` asks for (the
-    default top-36 does not, and kept-mean, gradient mode's default, sums the coefficients first)."""
+    default top-36 does not), and each worker's own inverse, taken ahead, is a term of it (under kept-mean,
+    gradient mode's default, two senders' shares depend on who kept each coefficient)."""
     trainer = train(_config(tmp_path, steps=5, topk=32, aggregate="mean"), two_workers)
     records = read_metrics(tmp_path / "run")
     for before, r in zip(records[1:], records[2:]):  # round k replays round k-1's payloads
