@@ -67,9 +67,14 @@ class Aggregator:
         plan, device = codec.plan, codec.device
         self._sums: list[torch.Tensor] | None = None  # dense coefficient sums, once senders are spilled
         self._hits: list[torch.Tensor] | None = None
-        # Decoded senders not yet spilled: (payload, weight x scale, weight).
+        # Decoded senders not yet spilled: (payload, weight x scale, weight). Up to ``_max_held`` the result sums
+        # their inverse DCTs (sparse); beyond, the result spills them into dense sums when it is read, and until
+        # then the norm is still taken from their pairs (the coordinator reads only the norm before its next
+        # orders). Held pairs stay under a quarter of the coefficients; a sender past that spills them at once.
         self._held: list[tuple[DecodedGradient, float, float]] = []
         self._max_held = _max_sparse_senders(plan) if sparse and codec.config.use_dct else 0
+        self._held_pairs = 0
+        self._max_held_pairs = sum(g.num_chunks * g.chunk_numel for g in plan.groups) // 4 if sparse else 0
         # Dense tensors' weighted sums. Those sent whole are slices of one flat buffer, so that a round adds and
         # measures them in one call each, however many there are (opt-125m: 122 vectors). A factored matrix's
         # (LOW_RANK) stays its senders' factors, each with its weight, until someone reads the sum
@@ -100,8 +105,12 @@ class Aggregator:
             raise ValueError(f"scale must be in [0, 1], got {scale}")
         d = payload if isinstance(payload, DecodedGradient) else self.codec.decode(payload)
         effective = weight * scale if scale != 1.0 else weight
-        if self._sums is None and len(self._held) < self._max_held:
+        pairs = sum(i.numel() for i in d.indices)
+        if self._sums is None and (
+            len(self._held) < self._max_held or self._held_pairs + pairs <= self._max_held_pairs
+        ):
             self._held.append((d, effective, weight))
+            self._held_pairs += pairs
         else:
             self._spill()
             self._scatter(d, effective, weight)
@@ -129,7 +138,13 @@ class Aggregator:
         self._hits = [torch.zeros_like(s) for s in self._sums] if self.normalize == "per_coordinate" else None
         for d, effective, weight in self._held:
             self._scatter(d, effective, weight)
-        self._held = []
+        self._held, self._held_pairs = [], 0
+
+    def _spill_past_sparse(self) -> None:
+        """More senders held than the sparse path sums (held for the norm): into the dense sums now, in the
+        order they came, the same bits as scattering each as it arrived."""
+        if self._sums is None and len(self._held) > self._max_held:
+            self._spill()
 
     def _scatter(self, d: DecodedGradient, weight: float, hit_weight: float) -> None:
         """Add ``weight`` x the sender's values, and ``hit_weight`` (its unclipped weight) to the weight of
@@ -158,6 +173,7 @@ class Aggregator:
         """The normalised aggregate in the coefficient domain, a chunk group at a time: (B, chunk_numel) each,
         in plan order (``GradientCodec.compress_coefficients`` re-compresses it)."""
         self._check_nonempty()
+        self._spill_past_sparse()
         return (self._coefficients(gi) for gi in range(len(self.codec.plan.groups)))
 
     def dense_values(self) -> Iterator[torch.Tensor]:
@@ -212,8 +228,9 @@ class Aggregator:
     def _held_norm_sq(self, gi: int) -> torch.Tensor:
         """The squared norm of group ``gi``'s normalised sum of the held senders, from their (index, value)
         pairs: a slice of chunks at a time, every sender's pairs of a chunk sorted by index, each run of one
-        index summed (in ``dtype``, senders in order, as ``_coefficients`` sums them), squared and added up
-        in float64. Sorting k pairs a sender and chunk, not a (num_chunks, chunk_numel) buffer."""
+        index summed (in ``dtype``, senders in order, as ``_coefficients`` sums them; under ``per_coordinate``
+        over the weight of the senders in the run), squared and added up in float64. Sorting k pairs a sender
+        and chunk, not a (num_chunks, chunk_numel) buffer."""
         held = [(d.indices[gi], d.values[gi]) for d, _, _ in self._held]
         total = torch.zeros((), dtype=torch.float64, device=held[0][0].device)
         listed = sum(idx.shape[1] for idx, _ in held)  # pairs a chunk, all senders together
@@ -223,9 +240,11 @@ class Aggregator:
         # below would leave every pair in place as a run of its own, so its sums are its values (the same bits).
         sole = self._held[0][0] if len(self._held) == 1 else None
         sorted_already = sole is not None and (sole.increasing or _increasing(held[0][0]))
+        # Kept-mean's runs are divided by the weight of the senders in them, found by the same sort.
+        per_run = self.normalize == "per_coordinate" and not sorted_already
         rows = max(1, NORM_SLICE_PAIRS // listed)
         for lo in range(0, held[0][0].shape[0], rows):
-            shares = self._held_shares(gi, lo, lo + rows)
+            shares = [e for _, e, _ in self._held] if per_run else self._held_shares(gi, lo, lo + rows)
             scaled = [v[lo : lo + rows].to(self.dtype) * share for (_, v), share in zip(held, shares)]
             vals = scaled[0] if len(scaled) == 1 else torch.cat(scaled, dim=1)  # one sender: no copy to join
             if sorted_already:
@@ -238,6 +257,10 @@ class Aggregator:
                 # No more runs than pairs: the spare zeros add nothing, and no count of runs is waited for.
                 sums = torch.zeros(runs.shape[0], dtype=self.dtype, device=idx.device)
                 sums.index_add_(0, runs, vals.view(-1))
+                if per_run:  # the scaled values' shapes: each sender's pairs of the slice
+                    weights = torch.cat([torch.full_like(v, w) for v, (*_, w) in zip(scaled, self._held)], dim=1)
+                    hits = torch.zeros_like(sums).index_add_(0, runs, weights.gather(1, order).view(-1))
+                    sums = torch.where(hits > 0, sums / hits.clamp_min(1e-30), 0.0)
             total += sums.double().square().sum()
         return total
 
@@ -251,6 +274,7 @@ class Aggregator:
         only some of each (a rank's shard) never holds the whole aggregate, nor the inverse transform's
         working memory for more than a slice. Every holder slices alike, so replicas stay bit-identical."""
         self._check_nonempty()
+        self._spill_past_sparse()
         codec = self.codec
         for gi, group in enumerate(codec.plan.groups):
             sparse = self._sums is None and self._held

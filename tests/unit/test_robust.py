@@ -261,17 +261,20 @@ def test_kept_mean_is_the_mean_over_the_senders_that_kept_each_coefficient(confi
         assert both > 0
     weights, scales = (1.0, 3.0), (1.0, 0.5)
     agg = aggregate(codec, ps, weights, scales, KEPT)
+    assert agg._sums is None and len(agg._held) == 2  # held as they came: the norm is taken from their pairs
+    want_groups, want_dense = kept_mean_by_hand(codec, ps, weights, scales)
+    norm = float(torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in (*want_groups, *want_dense)])))
+    assert agg.norm() == pytest.approx(norm, rel=1e-5)
+    assert agg._sums is None
+    for got, want in zip(agg.coefficient_groups(), want_groups):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
     if config.topk == 4:  # held sparse, as mean holds them: each kept coefficient's share from who kept it
         assert agg._sums is None and len(agg._held) == 2
         assert aggregate(codec, ps, weights, scales, MEAN)._held
-    else:  # so many kept that the dense sums and their weights cost less
+    else:  # so many kept that the dense sums and their weights cost less, once the result is read
         assert agg._sums is not None and not agg._held
-    want_groups, want_dense = kept_mean_by_hand(codec, ps, weights, scales)
-    for got, want in zip(agg.coefficient_groups(), want_groups):
-        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
     for got, want in zip(agg.dense_values(), want_dense):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
-    norm = float(torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in (*want_groups, *want_dense)])))
     assert agg.norm() == pytest.approx(norm, rel=1e-5)
     result = agg.result()
     assert list(result) == list(SHAPES)

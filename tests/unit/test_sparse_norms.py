@@ -399,3 +399,42 @@ def test_gradient_modes_default_rule_replays_a_sole_sender_without_a_dense_buffe
     reference = codec.decompress(payload)
     for name, got in agg.result().items():
         torch.testing.assert_close(got, reference[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("normalize", ["mean", "per_coordinate"])
+def test_more_senders_than_the_sparse_path_sums_are_held_for_the_norm_and_spilled_for_the_result(
+    normalize, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the senders whose inverses the sparse path sums, an aggregate still holds its senders until its
+    result is read: the norm (what the coordinator reads before its next orders) is taken from their pairs,
+    and the result is the bits of senders scattered into dense sums as they came."""
+    codec = GradientCodec(SHAPES, CONFIG)
+    senders = [(seed, 1.0 + seed, 1.0 if seed % 2 else 0.5) for seed in range(1, 13)]
+    assert len(senders) > aggregate_module.sparse_senders(codec)
+    held, scattered = Aggregator(codec, normalize), Aggregator(codec, normalize, sparse=False)
+    for seed, weight, scale in senders:
+        d = codec.decode(
+            codec.compress(
+                {n: torch.randn(*s, generator=torch.Generator().manual_seed(seed)) for n, s in SHAPES.items()}
+            )
+        )
+        held.add(d, weight, scale)
+        scattered.add(d, weight, scale)
+    assert held._sums is None and len(held._held) == len(senders) and scattered._sums is not None
+    want = scattered.norm()
+    with monkeypatch.context() as m:
+        no_dense_buffer(m)
+        assert held.norm() == pytest.approx(want, rel=1e-5)
+    assert held._sums is None
+    got, ref = held.result(), scattered.result()
+    assert held._sums is not None and not held._held
+    for name in SHAPES:
+        assert torch.equal(got[name], ref[name]), name
+
+
+def test_a_sender_of_many_pairs_is_spilled_as_it_comes() -> None:
+    """Held pairs stay under a quarter of the coefficients: a top-k past that is summed dense at once."""
+    codec = GradientCodec(SHAPES, CodecConfig(topk=2048))
+    agg = Aggregator(codec, "per_coordinate")
+    agg.add(codec_payload(codec, 1, extra_k=0), 1.0)
+    assert agg._sums is not None and not agg._held
