@@ -822,7 +822,8 @@ if __name__ == "__main__":
 #                      sent it (--set gradient.aggregate=kept-mean) 5.5033 / 5.5035 / 5.4577 / 5.4855, +0.37%
 #                      against the mean's +0.61%, lower or level at every seed; summed sparse (8b30fa7, the same
 #                      aggregate to rounding) 5.4875 / 5.4920 / 5.4532 / 5.4951, +0.27% | with --topk 39 +0.58% (256x)
-#                      | the rate's warm-up 30 steps 5.5734 / 5.4998 (seeds 0 / 1, +1.07%)
+#                      | the rate's warm-up 30 steps 5.5734 / 5.4998 (seeds 0 / 1, +1.07%) | weight decay 0.5 on the
+#                      sign step 5.5220 / 5.5434 (seeds 0 / 1, +1.00%)
 #   at 1,200 steps (seed 0), short rounds first, doubling up to H 240 (30, 30, 60, 120, then 240; patched in process,
 #                      each round's auto top-k following its H): uncompressed averaging 5.1875 (+1.24%, against H 240's
 #                      +1.80% and H 30's +1.35%) | the defaults 5.2647 from 30, 5.2615 from 60, 5.2393 from two
