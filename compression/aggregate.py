@@ -40,8 +40,10 @@ class Aggregator:
     replay pays for the others' alone; so does a sole sender's under ``per_coordinate``. With several senders
     ``per_coordinate`` weighs each kept coefficient by the weight of the senders that kept it, found by
     sorting the senders' indices of a chunk together (``_held_shares``): still their payloads' cost, not
-    the model's. Past that, senders are scatter-added into dense coefficient sums as they arrive, which
-    keeps memory bounded however many there are.
+    the model's. Past that, the result scatter-adds the senders into dense coefficient sums, in the order they
+    came; until the result is read they are held, and the norm is taken from their pairs, as long as those
+    stay under a quarter of the coefficients (then they are summed as they arrive, which keeps memory
+    bounded however many there are).
 
     ``dtype=torch.float64`` sums and transforms in float64 and rounds once to float32 at the end: then
     devices that sum in another order (a GPU against a CPU) get the same float32 bits but in cases as rare
