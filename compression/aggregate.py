@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -259,9 +259,8 @@ class Aggregator:
                 # No more runs than pairs: the spare zeros add nothing, and no count of runs is waited for.
                 sums = torch.zeros(runs.shape[0], dtype=self.dtype, device=idx.device)
                 sums.index_add_(0, runs, vals.view(-1))
-                if per_run:  # the scaled values' shapes: each sender's pairs of the slice
-                    weights = torch.cat([torch.full_like(v, w) for v, (*_, w) in zip(scaled, self._held)], dim=1)
-                    hits = torch.zeros_like(sums).index_add_(0, runs, weights.gather(1, order).view(-1))
+                if per_run:
+                    hits = self._run_weights(scaled, order, runs)
                     sums = torch.where(hits > 0, sums / hits.clamp_min(1e-30), 0.0)
             total += sums.double().square().sum()
         return total
@@ -337,17 +336,23 @@ class Aggregator:
             return [effective / weight if weight > 0 else 0.0]
         idx = [d.indices[gi][lo:hi] for d, _, _ in self._held]
         keys, order = torch.cat(idx, dim=1).sort(dim=1, stable=True)
-        weights = torch.cat(
-            [torch.full(i.shape, w, dtype=self.dtype, device=i.device) for i, (*_, w) in zip(idx, self._held)], dim=1
-        )
         runs = _run_ids(keys)
-        hit = torch.zeros(runs.shape[0], dtype=self.dtype, device=keys.device)
-        hit.index_add_(0, runs, weights.gather(1, order).view(-1))
-        kept = torch.empty_like(weights).scatter_(1, order, hit[runs].view_as(keys))  # each pair's, in sender order
+        hit = self._run_weights(idx, order, runs)
+        kept = torch.empty(keys.shape, dtype=self.dtype, device=keys.device)
+        kept.scatter_(1, order, hit[runs].view_as(keys))  # each pair's, in sender order
         return [
             torch.where(h > 0, effective / h.clamp_min(1e-30), 0.0)
             for h, (_, effective, _) in zip(kept.split([i.shape[1] for i in idx], dim=1), self._held)
         ]
+
+    def _run_weights(self, pieces: Sequence[torch.Tensor], order: torch.Tensor, runs: torch.Tensor) -> torch.Tensor:
+        """The weight of the senders in each run of a slice's pairs sorted by index: ``pieces`` are the held
+        senders' (b, k) pairs of the slice (any tensor of their shape), ``order`` and ``runs`` the sort's."""
+        weights = torch.cat(
+            [torch.full(p.shape, w, dtype=self.dtype, device=p.device) for p, (*_, w) in zip(pieces, self._held)], dim=1
+        )
+        hits = torch.zeros(runs.shape[0], dtype=self.dtype, device=runs.device)
+        return hits.index_add_(0, runs, weights.gather(1, order).view(-1))
 
     def _check_nonempty(self) -> None:
         if self.total_weight <= 0:
