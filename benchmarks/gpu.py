@@ -24,6 +24,9 @@ Each check runs once on ``--device`` (default cuda:0) against the CPU and report
   fingerprint
             the model's fingerprint on the GPU planned (a few launches a slab) and a tensor at a time: time and
             kernels of each, and the planned one against the CPU's
+  refine    a local-SGD round's ``--rank fit`` refinement of the model's matrices, stack by stack, with
+            Householder QR (torch's, which on a GPU factors one matrix at a time) and the batched Cholesky-QR a
+            GPU takes: time and kernels of each, and how far what they send differs
   node      with two GPUs, a 2-rank NCCL node (``worker serve --nproc-per-node 2``) in each mode (ddp,
             fsdp, pipeline) against one GPU on the whole batch (max abs difference of the gradient)
   memory    with two GPUs, what each rank of a ddp, fsdp and pipeline node holds of a local-SGD run's
@@ -49,9 +52,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import torch
 
-from gradwire.compression import CodecConfig, ErrorFeedback
+from gradwire.compression import CodecConfig, ErrorFeedback, lowrank
+from gradwire.compression.payload import Encoding
+from gradwire.compression.plan import ModelPlan, matrix_view
 from gradwire.compression.robust import AggregationRule
-from gradwire.coordinator.config import DENSE_CODEC
+from gradwire.coordinator.config import DENSE_CODEC, TrainConfig
 from gradwire.fingerprint import FingerprintPlan, fingerprint, sample_positions
 from gradwire.models import build_from_spec, lm_loss, model_names, model_spec
 from gradwire.optim.muon import Muon, orthogonalize
@@ -262,6 +267,46 @@ def check_fingerprint(spec: dict, device: str, repeats: int = 10) -> dict[str, A
     return out
 
 
+def check_refine(model: str, device: str, repeats: int = 5) -> dict[str, Any]:
+    """A local-SGD round's refinement of ``model``'s matrices under ``--rank fit`` (the defaults at H 30): each
+    stack of same-shape matrices, as the codec stacks them, refined from a carried subspace (``lowrank.refine``)
+    with Householder QR (``torch.linalg.qr``) and with the batched Cholesky-QR (``lowrank.cholesky_qr``), each
+    timed (median of ``repeats``) with the work it issues, and how far the factors they send differ."""
+    config = TrainConfig(model=model, inner_steps=30).codec_config()
+    shapes = {n: tuple(p.shape) for n, p in build_from_spec(model_spec(model), seed=0).named_parameters()}
+    stacks: dict[tuple[int, int, int], int] = {}
+    for t in ModelPlan.build(shapes, config).dense:
+        if t.encoding == Encoding.LOW_RANK:
+            key = (*matrix_view(t.shape), t.k)
+            stacks[key] = stacks.get(key, 0) + 1
+    g = torch.Generator().manual_seed(0)
+    work = []
+    for (rows, cols, k), count in stacks.items():
+        # A pseudo-gradient's spectrum, roughly: 64 directions falling as 1 / (i + 1), and a little noise.
+        decay = 1.0 / torch.arange(1, 65)
+        m = (torch.randn(count, rows, 64, generator=g) * decay) @ torch.randn(count, 64, cols, generator=g)
+        m += 1e-3 * torch.randn(count, rows, cols, generator=g)
+        q, _ = torch.linalg.qr(torch.randn(count, cols, lowrank.carried_width(k, rows, cols), generator=g))
+        work.append((m.to(device), q.to(device), k))
+    ways = {"householder": torch.linalg.qr, "cholesky": lowrank.cholesky_qr}
+    out: dict[str, Any] = {
+        "stacks": len(work),
+        "matrices": sum(stacks.values()),
+        "default": next(name for name, qr in ways.items() if lowrank.thin_qr(torch.device(device)) is qr),
+    }
+    sent = {}
+    for name, qr in ways.items():
+        refine_all = lambda qr=qr: [lowrank.refine(m, q, k, qr=qr) for m, q, k in work]  # noqa: E731
+        sent[name] = [a @ b for a, b, _ in refine_all()]  # warm, and what each sends
+        out[f"{name}_ms"] = statistics.median(_timed(refine_all, device) for _ in range(repeats)) * 1e3
+        out[f"{name}_launches"] = launches(refine_all, device)
+    out["max_rel_diff"] = max(
+        float(torch.linalg.matrix_norm(a - b).max() / torch.linalg.matrix_norm(a).min())
+        for a, b in zip(sent["householder"], sent["cholesky"])
+    )
+    return out
+
+
 def _timed(call: Any, device: str) -> float:
     _sync(device)
     t0 = time.perf_counter()
@@ -298,6 +343,7 @@ CHECKS = (
     "drift_low_rank",
     "stream",
     "fingerprint",
+    "refine",
     "node",
     "memory",
 )
@@ -320,6 +366,7 @@ def run(model: str, device: str, updates: int, only: Sequence[str] = CHECKS) -> 
         "drift_low_rank": lambda: check_drift(spec, "cpu", device, updates, exact=False, config=LOW_RANK),
         "stream": lambda: check_stream(spec, device, *((12, 4, 8) if on_gpu else (2, 4, 2))),
         "fingerprint": lambda: check_fingerprint(spec, device),
+        "refine": lambda: check_refine(model, device),
     }
     if torch.cuda.device_count() >= 2:
         checks["node"] = lambda: check_node(spec)

@@ -10,9 +10,10 @@ whatever factors arrive.
 A sender with error feedback need not factor from scratch every round: its buffer's top subspace moves
 little between rounds. ``refine`` carries each matrix's right subspace (``carried_width`` directions) from
 round to round and sharpens it with one power iteration, PowerSGD's way, batched over every matrix of one
-shape: three thin products and three thin QRs, where a fresh factorization costs an SVD or a range
-finder's nine passes. The first round (no subspace yet) is factored as before and seeds it (``seed``). The
-subspace lives beside the error feedback (``feedback.ErrorFeedback.subspaces``) and travels with it.
+shape: three thin products and three thin QRs (batched Cholesky-QR off a CPU: ``cholesky_qr``), where a
+fresh factorization costs an SVD or a range finder's nine passes. The first round (no subspace yet) is
+factored as before and seeds it (``seed``). The subspace lives beside the error feedback
+(``feedback.ErrorFeedback.subspaces``) and travels with it.
 
 The decoded matrix is computed in float64 from the codes and scales and rounded once to float32, so a CPU
 and a GPU receiver get the same bits (but where a float64 rounding error lands on a float32 rounding
@@ -24,7 +25,9 @@ Pure tensor code, no payload framing: ``codec`` places the codes and scales in a
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+import math
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import numpy as np
@@ -194,7 +197,55 @@ def seed(m: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.
     return a, b, vh[: carried_width(rank, *m.shape)].T.contiguous()
 
 
-def refine(m: torch.Tensor, q: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+# ``cholesky_qr`` blends a fixed basis into each matrix at this fraction of its Frobenius norm: directions the
+# matrix lacks (all of a zero one's) are completed from it, as Householder QR completes them, and the Gram
+# matrix's condition stays under 1e14, which float64 Cholesky factors. Ten times float32's own rounding of the
+# matrix: a relative residual of ~5e-6 where Householder's is ~3e-7, far under int4 or int8 codes' error.
+CHOLESKY_FILL = 1e-6
+
+QR = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def cholesky_qr(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A thin QR of a batch of tall matrices ``y`` (B, n, w), n >= w: ``q`` (B, n, w) with orthonormal columns
+    spanning each ``y`` (completed where ``y`` is rank-deficient, see ``CHOLESKY_FILL``) and ``r = q^T y``
+    (B, w, w), float32. CholeskyQR2 in float64: ``y = q1 L^T`` from the Cholesky factor of ``y^T y``, then the
+    same again on ``q1``, which restores the orthogonality the first pass loses (Fukaya et al., 2014).
+
+    Three batched calls a pass (a product, a Cholesky, a triangular solve), where ``torch.linalg.qr`` on a GPU
+    runs one cuSOLVER factorization and one Q reconstruction per matrix of the batch (pytorch#143281): a
+    stack of 16 matrices makes 32 calls, each allocating its workspace. On a CPU LAPACK's Householder QR is
+    exact and faster (gpt-80m's largest stack, 16 x 3072 x 37: 23 ms against 33), and ``refine`` keeps it
+    there (``thin_qr``)."""
+    x = y.double()
+    n, w = x.shape[-2:]
+    size = torch.linalg.matrix_norm(x, keepdim=True)  # (B, 1, 1)
+    x = x + _fill(n, w, x.device) * (CHOLESKY_FILL * size + 1e-100)  # a zero matrix: the basis itself
+    for _ in range(2):
+        # x^T x = L L^T; positive definite for any finite y with the fill. ``cholesky_ex``: no read of its
+        # status, which on a GPU would wait for the device twice a call.
+        lower, _ = torch.linalg.cholesky_ex(x.mT @ x)
+        x = torch.linalg.solve_triangular(lower.mT, x, upper=True, left=False)  # x L^-T
+    q = x.float()
+    return q, q.mT @ y.float()
+
+
+@functools.lru_cache(maxsize=32)
+def _fill(n: int, w: int, device: torch.device) -> torch.Tensor:
+    """``cholesky_qr``'s fixed basis for (n, w) matrices: Gaussian columns of unit expected norm, float64, from a
+    seed of the shape (the same matrix gives the same basis, on any run)."""
+    generator = torch.Generator().manual_seed(n * 65537 + w)
+    return (torch.randn(n, w, generator=generator, dtype=torch.float64) / math.sqrt(n)).to(device)
+
+
+def thin_qr(device: torch.device) -> QR:
+    """``refine``'s thin QR on ``device``: Householder (``torch.linalg.qr``) on a CPU, ``cholesky_qr`` elsewhere."""
+    return torch.linalg.qr if device.type == "cpu" else cholesky_qr
+
+
+def refine(
+    m: torch.Tensor, q: torch.Tensor, rank: int, qr: QR | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rank-``rank`` factors of a batch of matrices ``m`` (B, rows, cols) from their carried subspaces ``q``
     (B, cols, width), and the subspaces refined, (B, cols, width): one power iteration turns ``q`` towards
     each matrix's top right singular vectors, and the factors are read off the refined subspace (Rayleigh-Ritz:
@@ -204,11 +255,14 @@ def refine(m: torch.Tensor, q: torch.Tensor, rank: int) -> tuple[torch.Tensor, t
     Three thin products: PowerSGD sends after two (``p p^T m``, ``p = orth(m q_old)``), which in
     benchmarks.quality (gpt-5m, ``--rank fit``, 300 steps) ended at 5.6360 where a fresh SVD every round ended
     at 5.6264; the third, from the refined side, at 5.6217 (600 steps: 5.5145 against 5.5063; a subspace
-    three times the rank, 5.5160; docs/benchmarks.md)."""
+    three times the rank, 5.5160; docs/benchmarks.md).
+
+    ``qr``: the thin QR the three orthonormalizations take (default ``thin_qr(m.device)``)."""
     m = m.float()
-    p, _ = torch.linalg.qr(m @ q)  # (B, rows, width): an orthonormal basis of m's range seen through q
-    q, _ = torch.linalg.qr(m.mT @ p)  # (B, cols, width): the subspace, one power iteration on
-    p, r = torch.linalg.qr(m @ q)  # m q = p r: (B, rows, width), (B, width, width)
+    qr = qr or thin_qr(m.device)
+    p, _ = qr(m @ q)  # (B, rows, width): an orthonormal basis of m's range seen through q
+    q, _ = qr(m.mT @ p)  # (B, cols, width): the subspace, one power iteration on
+    p, r = qr(m @ q)  # m q = p r: (B, rows, width), (B, width, width)
     ur, s, vrh = torch.linalg.svd(r)  # (B, width, width): small
     u, vh = p @ ur, vrh @ q.mT  # m q q^T = u diag(s) vh: (B, rows, width), (B, width, cols)
     a, b = _split(u[..., :rank], s[..., :rank], vh[..., :rank, :])

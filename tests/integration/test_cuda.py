@@ -107,6 +107,32 @@ def test_a_gradient_streamed_on_the_gpu_is_the_payload_sent_whole():
             torch.testing.assert_close(streamed[name], whole[name], atol=1e-6, rtol=0)
 
 
+def test_the_carried_subspace_refined_on_the_gpu_sends_what_the_cpu_sends():
+    """``--rank fit`` on a GPU refines each stack of matrices with the batched Cholesky-QR (``lowrank.cholesky_qr``,
+    not ``torch.linalg.qr``'s loop over the batch); what a sender sends from it is the CPU's Householder
+    refinement's, to float32's noise, round after round with the error feedback."""
+    from gradwire.compression import lowrank
+    from gradwire.compression.codec import GradientCodec
+    from gradwire.compression.feedback import ErrorFeedback
+
+    shapes = {"q": (256, 128), "k": (256, 128), "out": (128, 384)}
+    config = CodecConfig(bins=4, topk=512, indices="elias-fano", rank_fits_topk=True)
+    assert lowrank.thin_qr(torch.device("cuda", 0)) is lowrank.cholesky_qr
+    g = torch.Generator().manual_seed(0)
+    rounds = [{n: torch.randn(s, generator=g) @ torch.diag(torch.rand(s[1], generator=g)) for n, s in shapes.items()}]
+    rounds *= 3
+    sent = {}
+    for device in ("cpu", "cuda:0"):
+        codec, feedback = GradientCodec(shapes, config, device=device), ErrorFeedback(beta=0.95)
+        payloads = [codec.compress({n: x.to(device) for n, x in r.items()}, feedback) for r in rounds]
+        sent[device] = [codec.decompress(p) for p in payloads]
+        assert all(q.device.type == torch.device(device).type for q in feedback.subspaces.values())
+    for cpu, gpu in zip(sent["cpu"], sent["cuda:0"]):
+        for name in shapes:
+            rel = float((cpu[name] - gpu[name].cpu()).norm() / cpu[name].norm())
+            assert rel < 2e-2, (name, rel)  # int4 codes: a code's rounding may flip between the two
+
+
 def test_gossip_rounds_with_demuon_train_on_the_gpu(tmp_path):
     """The quality benchmark's gossip rows with the workers on the GPU (its ``--device``): each worker's
     DeMuon steps, its mix and its codec on the device, the coordinator's consensus on the CPU; what the

@@ -103,6 +103,15 @@ def test_checks_runs_the_named_checks_alone() -> None:
         gpu.main(["--checks", "muon,warp"])
 
 
+def test_the_refine_check_times_both_thin_qrs_on_the_models_stacks_and_compares_what_they_send() -> None:
+    out = gpu.check_refine("gpt-tiny", "cpu", repeats=2)
+    assert out["default"] == "householder"  # a CPU's; a GPU's is cholesky
+    assert out["stacks"] >= 2 and out["matrices"] >= out["stacks"]
+    assert out["householder_ms"] > 0 and out["cholesky_ms"] > 0
+    assert out["householder_launches"] > 0 and out["cholesky_launches"] > 0
+    assert 0.0 < out["max_rel_diff"] < 1e-4  # the same factors but for rounding (and the fill)
+
+
 def test_the_fingerprint_check_times_both_ways_and_compares_with_the_cpu() -> None:
     out = gpu.check_fingerprint(SPEC, "cpu", repeats=2)
     assert out["tensors"] == len(list(build_from_spec(SPEC, 0).parameters())) and out["slabs"] >= 1

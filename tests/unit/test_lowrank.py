@@ -275,7 +275,80 @@ def _low_rank_rounds(rounds: int, seed: int = 0, rank: int = 3, noise: float = 1
     ]
 
 
-def test_the_carried_subspace_sends_the_payload_a_fresh_factorization_would_in_the_same_bytes() -> None:
+@pytest.fixture(params=["householder", "cholesky"])
+def qr(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each thin QR ``refine`` takes: Householder (a CPU's) and, forced here, the batched Cholesky-QR a GPU's
+    ``refine`` takes (``lowrank.thin_qr``)."""
+    if request.param == "cholesky":
+        monkeypatch.setattr(lowrank, "thin_qr", lambda device: lowrank.cholesky_qr)
+    return request.param
+
+
+def test_refine_takes_householder_qr_on_a_cpu_and_cholesky_qr_elsewhere() -> None:
+    assert lowrank.thin_qr(torch.device("cpu")) is torch.linalg.qr
+    assert lowrank.thin_qr(torch.device("cuda", 0)) is lowrank.cholesky_qr
+
+
+def _spectrum(rows: int, cols: int, values: torch.Tensor, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    u, _ = torch.linalg.qr(torch.randn(rows, cols, generator=g))
+    v, _ = torch.linalg.qr(torch.randn(cols, cols, generator=g))
+    return (u * values) @ v.T
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["decaying", "to 1e-9", "rank 2", "zero", "huge", "tiny", "square"],
+)
+def test_cholesky_qr_gives_an_orthonormal_basis_of_each_matrix_and_r(case: str) -> None:
+    rows, w = (24, 24) if case == "square" else (300, 16)
+    values = {
+        "to 1e-9": torch.logspace(0, -9, w),
+        "rank 2": torch.tensor([3.0, 1.0] + [0.0] * (w - 2)),
+        "zero": torch.zeros(w),
+    }.get(case, 1.0 / torch.arange(1, w + 1))
+    scale = {"huge": 1e30, "tiny": 1e-30}.get(case, 1.0)
+    y = torch.stack([_spectrum(rows, w, values, seed) * scale for seed in range(3)])  # a batch of 3
+    q, r = lowrank.cholesky_qr(y)
+    assert q.shape == y.shape and r.shape == (3, w, w) and q.dtype == r.dtype == torch.float32
+    # orthonormal columns, completed where the matrix lacks directions (all of them for a zero one)
+    torch.testing.assert_close(q.mT @ q, torch.eye(w).expand(3, w, w), rtol=0, atol=2e-6)
+    torch.testing.assert_close(r, q.mT @ y, rtol=0, atol=0)
+    # spanning each matrix: what q q^T misses of y is as little as float32 and the fill allow
+    missed = torch.linalg.matrix_norm((y - q @ r).double())
+    assert float((missed / torch.linalg.matrix_norm(y.double()).clamp_min(1e-300)).max()) < 2e-5, missed
+    if case == "zero":
+        assert not r.any() and not missed.any()
+    q2, r2 = lowrank.cholesky_qr(y)  # the same matrices, the same basis
+    assert torch.equal(q, q2) and torch.equal(r, r2)
+
+
+def test_cholesky_qr_spans_what_householder_qr_spans() -> None:
+    y = torch.stack([_decaying(500, 20, seed) for seed in range(4)])
+    q, _ = lowrank.cholesky_qr(y)
+    h, _ = torch.linalg.qr(y)
+    for k in (1, 5, 20):  # the leading directions of each agree (up to the signs of their columns)
+        top = h[..., :k]
+        assert float((top - q @ (q.mT @ top)).norm() / top.norm()) < 1e-4, k
+    # column by column the same basis but for signs: both orthonormalize the columns in order
+    signs = torch.sign((q * h).sum(-2, keepdim=True))
+    torch.testing.assert_close(q, h * signs, rtol=0, atol=1e-4)
+
+
+def test_refine_by_cholesky_qr_sends_what_refine_by_householder_sends() -> None:
+    m = torch.stack([_decaying(96, 48, seed) for seed in range(3)])
+    q = lowrank.seed(m[0], 3)[2].expand(3, -1, -1).contiguous()  # one carried subspace for all three
+    a, b, carried = lowrank.refine(m, q, 3)
+    a2, b2, carried2 = lowrank.refine(m, q, 3, qr=lowrank.cholesky_qr)
+    sent, sent2 = a @ b, a2 @ b2
+    assert float(torch.linalg.matrix_norm(sent - sent2).max() / torch.linalg.matrix_norm(sent).min()) < 1e-5
+    gram = carried2.mT @ carried2
+    torch.testing.assert_close(gram, torch.eye(gram.shape[-1]).expand_as(gram), rtol=0, atol=2e-6)
+    # the refined subspaces agree but for the signs of their columns
+    torch.testing.assert_close(carried2.abs(), carried.abs(), rtol=0, atol=1e-4)
+
+
+def test_the_carried_subspace_sends_the_payload_a_fresh_factorization_would_in_the_same_bytes(qr: str) -> None:
     power, fresh = GradientCodec(LOW, FIT), GradientCodec(LOW, FIT, factorization="svd")
     assert power.factorization == "power"  # the default
     assert {t.k for t in power.plan.dense} == {3}
@@ -296,7 +369,7 @@ def test_the_carried_subspace_sends_the_payload_a_fresh_factorization_would_in_t
         assert set(feedback.subspaces) == set(LOW) and feedback.subspaces["q"].shape == (48, 6)  # rank + 3 more
 
 
-def test_one_power_iteration_a_round_turns_a_subspace_seeded_on_noise_to_the_best() -> None:
+def test_one_power_iteration_a_round_turns_a_subspace_seeded_on_noise_to_the_best(qr: str) -> None:
     # Seeded on noise, then the same matrix every round (beta 0: the buffer is the matrix): each round's
     # iteration sharpens the carried subspace, and what is sent nears the truncated SVD's share in a few.
     m = _decaying(96, 48, seed=5)
@@ -385,7 +458,7 @@ def test_without_feedback_or_from_scratch_nothing_is_carried() -> None:
     assert feedback.buffers and not feedback.subspaces
 
 
-def test_a_zero_buffer_sends_zeros_and_keeps_an_orthonormal_subspace() -> None:
+def test_a_zero_buffer_sends_zeros_and_keeps_an_orthonormal_subspace(qr: str) -> None:
     codec, feedback = GradientCodec({"w": (40, 24)}, CONFIG), ErrorFeedback(beta=0.0)
     codec.compress({"w": torch.randn(40, 24)}, feedback)  # seeds
     for _ in range(2):
