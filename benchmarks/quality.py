@@ -824,6 +824,12 @@ if __name__ == "__main__":
 #                      aggregate to rounding) 5.4875 / 5.4920 / 5.4532 / 5.4951, +0.27% | with --topk 39 +0.58% (256x)
 #                      | the rate's warm-up 30 steps 5.5734 / 5.4998 (seeds 0 / 1, +1.07%) | weight decay 0.5 on the
 #                      sign step 5.5220 / 5.5434 (seeds 0 / 1, +1.00%)
+#   gradient mode, kept-mean summed sparse (2026-11-30, 686d3f4; seeds 0 / 1 against 5.4875 / 5.4920): sign-SGD at
+#                      8e-4 5.5652 / 5.5649, at 1.2e-3 5.5181 / 5.5549 | the rate's warm-up 5 steps 5.5920 / 5.4878 |
+#                      the step as the aggregate over its tensor's RMS (outer_step patched in process) 6.2041 /
+#                      6.2685, at 3e-3 6.2570 (seed 0) | tanh of the aggregate over half its RMS 5.6097 (seed 0) |
+#                      every worker gradient clipped to norm 1 (clip_grad_norm) 5.4981 / 5.4870 | the top-k warm-up
+#                      over 30 steps (276x) 5.5292 / 5.5361: none kept; the sign step at 1e-3 stays
 #   at 1,200 steps (seed 0), short rounds first, doubling up to H 240 (30, 30, 60, 120, then 240; patched in process,
 #                      each round's auto top-k following its H): uncompressed averaging 5.1875 (+1.24%, against H 240's
 #                      +1.80% and H 30's +1.35%) | the defaults 5.2647 from 30, 5.2615 from 60, 5.2393 from two
