@@ -10,8 +10,9 @@ whatever factors arrive.
 A sender with error feedback need not factor from scratch every round: its buffer's top subspace moves
 little between rounds. ``refine`` carries each matrix's right subspace (``carried_width`` directions) from
 round to round and sharpens it with one power iteration, PowerSGD's way, batched over every matrix of one
-shape: three thin products and three thin QRs (batched Cholesky-QR off a CPU: ``cholesky_qr``), where a
-fresh factorization costs an SVD or a range finder's nine passes. The first round (no subspace yet) is
+shape: three thin products, three thin QRs (batched Cholesky-QR off a CPU: ``cholesky_qr``) and the SVD of
+a small (width, width) matrix each (on the host: ``_small_svd``), where a fresh factorization costs an SVD or
+a range finder's nine passes. The first round (no subspace yet) is
 factored as before and seeds it (``seed``). The subspace lives beside the error feedback
 (``feedback.ErrorFeedback.subspaces``) and travels with it.
 
@@ -263,10 +264,20 @@ def refine(
     p, _ = qr(m @ q)  # (B, rows, width): an orthonormal basis of m's range seen through q
     q, _ = qr(m.mT @ p)  # (B, cols, width): the subspace, one power iteration on
     p, r = qr(m @ q)  # m q = p r: (B, rows, width), (B, width, width)
-    ur, s, vrh = torch.linalg.svd(r)  # (B, width, width): small
+    ur, s, vrh = _small_svd(r)  # (B, width, width): small
     u, vh = p @ ur, vrh @ q.mT  # m q q^T = u diag(s) vh: (B, rows, width), (B, width, cols)
     a, b = _split(u[..., :rank], s[..., :rank], vh[..., :rank, :])
     return a, b, vh.mT.contiguous()
+
+
+def _small_svd(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.linalg.svd`` of a batch of small square matrices, taken on the host off a CPU and sent back: on
+    a GPU the call waits for the device anyway (its convergence check reads the device's status), and past
+    32 x 32 torch runs one cuSOLVER Jacobi SVD per matrix of the batch, where LAPACK takes microseconds."""
+    if r.device.type == "cpu":
+        return torch.linalg.svd(r)
+    u, s, vh = torch.linalg.svd(r.cpu())
+    return u.to(r.device), s.to(r.device), vh.to(r.device)
 
 
 def quantize(a: torch.Tensor, b: torch.Tensor, bits: int = 8) -> Factors:
