@@ -168,8 +168,10 @@ class Aggregator:
             return acc
         if self._hits is None:
             return self._sums[gi] / self.total_weight
-        hits = self._hits[gi]
-        return torch.where(hits > 0, self._sums[gi] / hits.clamp_min(1e-30), self._sums[gi])
+        # Each sum over its hit weight. Where no sender kept a coefficient both are 0 (a sender of weight 0 adds
+        # its values times 0), and 0 over the clamp is that same 0: the bits of ``where(hits > 0, sums / hits,
+        # sums)`` in two passes over the group instead of four.
+        return self._sums[gi] / self._hits[gi].clamp_min(1e-30)
 
     def coefficient_groups(self) -> Iterator[torch.Tensor]:
         """The normalised aggregate in the coefficient domain, a chunk group at a time: (B, chunk_numel) each,

@@ -332,6 +332,24 @@ def test_kept_mean_on_the_sparse_path_is_the_dense_sums_over_their_weights(
     assert sparse.norm() == pytest.approx(want_norm, rel=1e-6 if dtype == torch.float32 else 1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("senders", list(KEPT_SENDERS.values()), ids=list(KEPT_SENDERS))
+def test_kept_mean_in_dense_sums_divides_only_where_a_sender_kept_a_coefficient(senders, dtype) -> None:
+    """Spilled into dense sums, kept-mean's coefficients are each sum over the weight of the senders that kept
+    it, and the sum itself where none did (weight-0 and zero senders included): the same bits as selecting
+    the two apart."""
+    codec = GradientCodec(SHAPES, CONFIG)
+    dense = Aggregator(codec, "per_coordinate", sparse=False, dtype=dtype)
+    for seed, weight, scale in senders:
+        dense.add(codec_payload(codec, 0, zero=True) if seed == "zero" else codec_payload(codec, seed), weight, scale)
+    assert dense._sums is not None and dense._hits is not None
+    for gi, got in enumerate(dense.coefficient_groups()):
+        sums, hits = dense._sums[gi], dense._hits[gi]
+        want = torch.where(hits > 0, sums / hits.clamp_min(1e-30), sums)
+        assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+        assert bool((hits == 0).any()) and not got[hits == 0].any()  # coefficients no sender kept stay 0
+
+
 def test_kept_mean_of_two_real_senders_weighs_shared_and_lone_coefficients_apart() -> None:
     """Two senders of the codec's real payloads, one clipped: a coefficient both kept is their weighted mean,
     one only a sender kept is its value times its clip scale (the by-hand rule), on the sparse path."""
