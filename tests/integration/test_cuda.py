@@ -119,8 +119,11 @@ def test_the_carried_subspace_refined_on_the_gpu_sends_what_the_cpu_sends():
     config = CodecConfig(bins=4, topk=512, indices="elias-fano", rank_fits_topk=True)
     assert lowrank.thin_qr(torch.device("cuda", 0)) is lowrank.cholesky_qr
     g = torch.Generator().manual_seed(0)
-    rounds = [{n: torch.randn(s, generator=g) @ torch.diag(torch.rand(s[1], generator=g)) for n, s in shapes.items()}]
-    rounds *= 3
+    # Decaying spectra, so that each matrix's top directions are well apart and both devices find the same.
+    rounds = [
+        {n: torch.randn(s, generator=g) @ torch.diag(1.0 / torch.arange(1, s[1] + 1)) for n, s in shapes.items()}
+        for _ in range(3)
+    ]
     sent = {}
     for device in ("cpu", "cuda:0"):
         codec, feedback = GradientCodec(shapes, config, device=device), ErrorFeedback(beta=0.95)
