@@ -830,6 +830,9 @@ if __name__ == "__main__":
 #                      6.2685, at 3e-3 6.2570 (seed 0) | tanh of the aggregate over half its RMS 5.6097 (seed 0) |
 #                      every worker gradient clipped to norm 1 (clip_grad_norm) 5.4981 / 5.4870 | the top-k warm-up
 #                      over 30 steps (276x) 5.5292 / 5.5361: none kept; the sign step at 1e-3 stays
+#   local SGD at 1,200 steps, H 240, the outer SGD's rate 1.2 instead of 1 (--set sparseloco.learning_rate=1.2,
+#                      seeds 0 / 1, 5,037x): 5.2738 / 5.2791 against 5.2428 / 5.2377: a step past the workers' mean
+#                      trains worse, 1 stays
 #   at 1,200 steps (seed 0), short rounds first, doubling up to H 240 (30, 30, 60, 120, then 240; patched in process,
 #                      each round's auto top-k following its H): uncompressed averaging 5.1875 (+1.24%, against H 240's
 #                      +1.80% and H 30's +1.35%) | the defaults 5.2647 from 30, 5.2615 from 60, 5.2393 from two
