@@ -829,7 +829,8 @@ if __name__ == "__main__":
 #                      the step as the aggregate over its tensor's RMS (outer_step patched in process) 6.2041 /
 #                      6.2685, at 3e-3 6.2570 (seed 0) | tanh of the aggregate over half its RMS 5.6097 (seed 0) |
 #                      every worker gradient clipped to norm 1 (clip_grad_norm) 5.4981 / 5.4870 | the top-k warm-up
-#                      over 30 steps (276x) 5.5292 / 5.5361: none kept; the sign step at 1e-3 stays
+#                      over 30 steps (276x) 5.5292 / 5.5361: none kept; the sign step at 1e-3 stays | seeds 4 / 5: dense
+#                      5.4436 / 5.4573, the default 5.4799 / 5.5444: over six seeds +0.56% (0.25 pt standard error)
 #   local SGD at 1,200 steps, H 240, the outer SGD's rate 1.2 instead of 1 (--set sparseloco.learning_rate=1.2,
 #                      seeds 0 / 1, 5,037x): 5.2738 / 5.2791 against 5.2428 / 5.2377: a step past the workers' mean
 #                      trains worse, 1 stays

@@ -159,8 +159,8 @@ def mode_defaults(
     at 300 steps (two seeds) that ended +0.75% over dense against +2.23% with the top-k every step. Its
     aggregate averages each kept coefficient over the workers that sent it (``aggregate`` kept-mean, templar's
     rule): at 300 steps over four seeds +0.37% over dense against the mean's +0.61%, lower or level at every
-    seed (+0.27% since it sums on the sparse path, the same aggregate to rounding); local-SGD rounds keep the
-    mean, which their codec gap preferred.
+    seed (+0.27% since it sums on the sparse path, the same aggregate to rounding; +0.56% over six seeds);
+    local-SGD rounds keep the mean, which their codec gap preferred.
     Local-SGD rounds follow what the field measured (and benchmarks.quality confirmed here): compressed
     pseudo-gradients go through error feedback with beta 0.95 and 2-bit values (bins 4) and are applied by plain
     outer SGD at lr 1 (SparseLoCo); uncompressed ones by Nesterov SGD at lr 0.7, momentum 0.9 (DiLoCo). A local-SGD
