@@ -39,6 +39,7 @@ function of the devices it compares, so the tests run them CPU against CPU. One 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -296,7 +297,7 @@ def check_refine(model: str, device: str, repeats: int = 5) -> dict[str, Any]:
     }
     sent = {}
     for name, qr in ways.items():
-        refine_all = lambda qr=qr: [lowrank.refine(m, q, k, qr=qr) for m, q, k in work]  # noqa: E731
+        refine_all = functools.partial(_refine_all, work, qr)
         sent[name] = [a @ b for a, b, _ in refine_all()]  # warm, and what each sends
         out[f"{name}_ms"] = statistics.median(_timed(refine_all, device) for _ in range(repeats)) * 1e3
         out[f"{name}_launches"] = launches(refine_all, device)
@@ -305,6 +306,11 @@ def check_refine(model: str, device: str, repeats: int = 5) -> dict[str, Any]:
         for a, b in zip(sent["householder"], sent["cholesky"])
     )
     return out
+
+
+def _refine_all(work: Sequence[tuple[torch.Tensor, torch.Tensor, int]], qr: lowrank.QR) -> list[tuple]:
+    """``lowrank.refine`` of every (stack, carried subspace, rank) of ``work`` with the thin QR ``qr``."""
+    return [lowrank.refine(m, q, k, qr=qr) for m, q, k in work]
 
 
 def _timed(call: Any, device: str) -> float:

@@ -12,9 +12,9 @@ little between rounds. ``refine`` carries each matrix's right subspace (``carrie
 round to round and sharpens it with one power iteration, PowerSGD's way, batched over every matrix of one
 shape: three thin products, three thin QRs (batched Cholesky-QR off a CPU: ``cholesky_qr``) and the SVD of
 a small (width, width) matrix each (on the host: ``_small_svd``), where a fresh factorization costs an SVD or
-a range finder's nine passes. The first round (no subspace yet) is
-factored as before and seeds it (``seed``). The subspace lives beside the error feedback
-(``feedback.ErrorFeedback.subspaces``) and travels with it.
+a range finder's nine passes. The first round (no subspace yet) is factored as before and seeds it
+(``seed``). The subspace lives beside the error feedback (``feedback.ErrorFeedback.subspaces``) and travels
+with it.
 
 The decoded matrix is computed in float64 from the codes and scales and rounded once to float32, so a CPU
 and a GPU receiver get the same bits (but where a float64 rounding error lands on a float32 rounding
