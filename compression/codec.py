@@ -62,6 +62,7 @@ from gradwire.compression.plan import (
 from gradwire.compression.products import Products
 from gradwire.compression.quant import Quantized, quantize, quantize_sign, sign_table, values_table
 from gradwire.compression.select import topk_indices
+from gradwire.compression.transfer import to_device
 
 if TYPE_CHECKING:
     from gradwire.compression.aggregate import Aggregator
@@ -423,23 +424,21 @@ class GradientCodec:
         by_name = dict(zip(names, payload.tensors))
         for t in self.plan.tensors:
             self._check_tensor(t, by_name[t.name])
+        pairs = [self._decode_group(group, layout, by_name) for group, layout in zip(self.plan.groups, self._layouts)]
+        whole = [self._decode_values(t, by_name[t.name]) for t in self.plan.dense if t.encoding != Encoding.LOW_RANK]
+        # Decoded on the host, copied to the device together (``transfer``): a copy a tensor would wait for the
+        # device as often.
+        moved = iter(to_device([*(x for pair in pairs for x in pair), *whole], self.device))
         indices, values = [], []
-        for group, layout in zip(self.plan.groups, self._layouts):
-            idx, val = self._decode_group(group, layout, by_name)
-            indices.append(idx)
-            values.append(val)
+        for _ in pairs:
+            indices.append(next(moved))
+            values.append(next(moved))
         factors = {
             t.name: self._factors(t, by_name[t.name]) for t in self.plan.dense if t.encoding == Encoding.LOW_RANK
         }
         # A factored matrix's product is multiplied out only when read (``products``): what a norm, a check or
         # an aggregate's running sum needs, its factors say.
-        dense = Products(
-            [
-                factors[t.name] if t.name in factors else self._decode_values(t, by_name[t.name])
-                for t in self.plan.dense
-            ],
-            self.device,
-        )
+        dense = Products([factors[t.name] if t.name in factors else next(moved) for t in self.plan.dense], self.device)
         return DecodedGradient(indices, values, dense, factors=factors, increasing=self._elias_fano)
 
     def _check_tensor(self, t: TensorPlan, ct: CompressedTensor) -> None:
@@ -507,6 +506,7 @@ class GradientCodec:
     def _decode_group(
         self, group: ChunkGroup, layout: _GroupLayout, by_name: Mapping[str, CompressedTensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A group's kept indices (int64) and values (float32), (chunks, k) each, on the host."""
         members = [by_name[t.name] for t in group.members]
         idx = self._unpack_ef(group, layout, members) if self._elias_fano else self._unpack12(group, layout, members)
         k = group.k
@@ -528,10 +528,7 @@ class GradientCodec:
                 else:
                     vals[span] = np.frombuffer(ct.values, "<f4")
         b = group.num_chunks
-        return (
-            torch.from_numpy(idx.astype(np.int64)).view(b, k).to(self.device),
-            torch.from_numpy(vals).view(b, k).to(self.device),
-        )
+        return torch.from_numpy(idx.astype(np.int64)).view(b, k), torch.from_numpy(vals).view(b, k)
 
     @staticmethod
     def _unpack_ef(group: ChunkGroup, layout: _GroupLayout, members: Sequence[CompressedTensor]) -> np.ndarray:
@@ -581,12 +578,12 @@ class GradientCodec:
         return lowrank.Factors.from_bytes(ct.values, ct.lut, rows, cols, t.k, bits)
 
     def _decode_values(self, t: TensorPlan, ct: CompressedTensor) -> torch.Tensor:
-        """A tensor sent whole, its values flat."""
+        """A tensor sent whole, its values flat, on the host."""
         if t.value_format != ValueFormat.FLOAT32:
             vals = torch.from_numpy(self._dequantize([t], [ct]))
         else:
             vals = torch.from_numpy(np.frombuffer(ct.values, "<f4").copy())
-        return vals.to(self.device)
+        return vals
 
     def _dequantize(self, plans: Sequence[TensorPlan], cts: Sequence[CompressedTensor]) -> np.ndarray:
         """Coded values of several tensors, (N,) float32 in order.

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 
 from gradwire.compression.lowrank import CODE_LIMIT, Factors
+from gradwire.compression.transfer import to_device
 
 Item = torch.Tensor | Factors
 
@@ -26,6 +27,7 @@ class Products(Sequence[torch.Tensor]):
         self.device = torch.device(device)
         self._made: dict[int, torch.Tensor] = {}
         self._norms_sq: dict[int, torch.Tensor] | None = None
+        self._moved: dict[int, Factors] | None = None  # the factored items on ``device`` (``_on_device``)
 
     def norms_sq(self) -> dict[int, torch.Tensor]:
         """Each factored matrix's squared norm ``||A B||^2`` (float64, by index), from k x k products batched
@@ -46,8 +48,23 @@ class Products(Sequence[torch.Tensor]):
             return item
         i = i % len(self.items)
         if i not in self._made:
-            self._made[i] = item.decode(self.device).view(-1)
+            self._made[i] = self._on_device(i).decode(self.device).view(-1)
         return self._made[i]
+
+    def _on_device(self, i: int) -> Factors:
+        """Factored item ``i`` on ``device``: on first need every factored item's codes and scales are copied
+        there together (``transfer.to_device``: a copy a dtype, not four a matrix); the items stay as given
+        (where their norms are taken)."""
+        item = self.items[i]
+        assert isinstance(item, Factors)
+        if item.a.device == self.device:
+            return item
+        if self._moved is None:
+            indices = [j for j, x in enumerate(self.items) if isinstance(x, Factors)]
+            fields = [field for j in indices for field in _fields(self.items[j])]
+            moved = iter(to_device(fields, self.device))
+            self._moved = {j: Factors(*(next(moved) for _ in range(4))) for j in indices}
+        return self._moved[i]
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         return (self[i] for i in range(len(self.items)))
@@ -186,5 +203,9 @@ def _inner(f: Factors, g: Factors) -> torch.Tensor:
     return (a * b * s_f[:, :, None] * s_g[:, None, :]).sum(dim=(1, 2))
 
 
+def _fields(f: Factors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return f.a, f.a_scale, f.b, f.b_scale
+
+
 def _stack(factors: Sequence[Factors]) -> Factors:
-    return Factors(*(torch.stack(fields) for fields in zip(*((f.a, f.a_scale, f.b, f.b_scale) for f in factors))))
+    return Factors(*(torch.stack(fields) for fields in zip(*(_fields(f) for f in factors))))

@@ -8,7 +8,6 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from gradwire.compression import lowrank, serde
 from gradwire.compression.codec import GradientCodec
@@ -17,6 +16,7 @@ from gradwire.compression.feedback import SUBSPACE, ErrorFeedback, ScopedFeedbac
 from gradwire.compression.payload import CompressedGradient, Encoding, NonFiniteInput, PayloadError, ValueFormat
 from gradwire.compression.robust import AggregationRule, aggregate, payload_norm
 
+from ..hostreads import Calls
 from .codec_helpers import rounds_to_send
 
 CONFIG = CodecConfig(bins=4, topk=143, indices="elias-fano", rank=3)
@@ -396,29 +396,15 @@ def test_stacked_by_shape_each_matrix_gets_what_it_would_alone() -> None:
             assert torch.equal(own.buffers[name], feedback.buffers[name])
 
 
-class _HostReads(TorchFunctionMode):
-    """The order of host reads (``Tensor.cpu``) and error-feedback updates (``Tensor.sub_``) in a call."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
-        name = getattr(func, "__name__", "")
-        if name in ("cpu", "sub_"):
-            self.calls.append(name)
-        return func(*args, **(kwargs or {}))
-
-
 def test_every_stack_is_factored_before_the_host_reads_them_in_two_reads() -> None:
     # Two shapes, so two stacks (q, k, v together; out alone): on a GPU a read waits for the device, so every
     # stack's work is launched first and all the factors come back in one read of codes and one of scales.
     codec, feedback = GradientCodec(LOW, FIT), ErrorFeedback(beta=0.95)
     for grads in _low_rank_rounds(2, seed=3):
-        with _HostReads() as reads:
+        with Calls({"cpu", "sub_"}) as calls:
             payload = codec.compress(grads, feedback)
-        assert reads.calls.count("sub_") == len(LOW)  # each buffer loses what was sent
-        assert reads.calls.count("cpu") == 2 and reads.calls[-2:] == ["cpu", "cpu"], reads.calls
+        assert calls.names.count("sub_") == len(LOW)  # each buffer loses what was sent
+        assert calls.names.count("cpu") == 2 and calls.names[-2:] == ["cpu", "cpu"], calls.names
         for t in payload.tensors:  # and the factors read back are each matrix's own
             alone = GradientCodec({t.name: LOW[t.name]}, FIT).decompress
             assert alone(dataclasses.replace(payload, tensors=(t,)))[t.name].shape == LOW[t.name]

@@ -4,12 +4,15 @@ read, and the aggregate's result is the bits of multiplying out each sender as i
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gradwire.compression import CodecConfig, ErrorFeedback, GradientCodec, products
 from gradwire.compression.aggregate import Aggregator
 from gradwire.compression.lowrank import Factors, quantize
 from gradwire.compression.robust import payload_norm
+
+from ..hostreads import Calls
 
 SHAPES = {"embed": (96, 64), "qkv": (64, 192), "bias": (192,), "norm": (64,)}
 CONFIG = CodecConfig(bins=4, topk=143, indices="elias-fano", rank=3)
@@ -142,3 +145,21 @@ def test_the_clip_norm_of_a_factored_payload_is_its_dense_norm():
     d = codec.decode(payload)
     dense = torch.cat([*(v.double().reshape(-1) for v in d.values), *(t.double() for t in d.dense)])
     assert abs(payload_norm(codec.decode(payload)) - float(dense.norm())) <= 1e-6 * float(dense.norm())
+
+
+@pytest.mark.parametrize("config", [CONFIG, CodecConfig(min_sparse_numel=128)], ids=["factored", "top-k"])
+def test_a_payload_decoded_onto_another_device_is_copied_there_a_dtype_at_a_time(config: CodecConfig) -> None:
+    # On a GPU each blocking copy from the host waits for the device: a copy a tensor (four a factored matrix)
+    # would stall it as many times. On the meta device (another device, without values) the copies are counted.
+    shapes = {f"layer{i}.{part}": shape for i in range(4) for part, shape in SHAPES.items()}
+    sent = GradientCodec(shapes, config).compress({k: torch.ones(s) for k, s in shapes.items()})
+    codec = GradientCodec(shapes, config, device="meta")
+    with Calls({"to"}) as calls:
+        decoded = codec.decode(sent)
+    assert len(decoded.factors) + len(decoded.values) >= 2 and len(decoded.dense) >= 4  # tensors of each kind
+    assert calls.uploads() <= 2  # the coefficients' indices (int64) and every value (float32)
+    assert all(x.a.device.type == "cpu" for x in decoded.factors.values())  # norms read them where they are
+    with Calls({"to"}) as calls:
+        made = list(decoded.dense)
+    assert calls.uploads() == (2 if decoded.factors else 0)  # every matrix's codes (int8) and scales, at once
+    assert [(t.device.type, t.numel()) for t in made] == [("meta", t.numel) for t in codec.plan.dense]

@@ -3,11 +3,13 @@
 import pytest
 import torch
 
-from gradwire.compression import CodecConfig, GradientCodec, PayloadError
+from gradwire.compression import CodecConfig, GradientCodec, PayloadError, robust
 from gradwire.fingerprint import MOMENT_SLICE, compare_fingerprints, moments
 from gradwire.models import build_model
 from gradwire.optim.outer import UpdateRule
 from gradwire.replica import Replica, StateUpdate
+
+from ..hostreads import HOST_READS, Calls
 
 CFG = CodecConfig()
 
@@ -105,3 +107,29 @@ def test_moments_a_slice_at_a_time_are_the_whole_tensors_float64_sums() -> None:
     assert torch.allclose(squares, (exact * exact).sum(), rtol=1e-12)
     empty = moments(torch.empty(0))
     assert empty[0].item() == 0.0 and empty[1].item() == 0.0
+
+
+def test_an_update_is_checked_with_one_host_read_whatever_its_parts() -> None:
+    # On a GPU each read waits for the device: checked a part at a time, a replay would stall once a part
+    # (27 times a replay at gpt-80m); its bounds stay on the device and come back together.
+    r = Replica(build_model("gpt-tiny"), UpdateRule(optimizer="signsgd"))
+    payloads = _payloads(r.model)
+    codec = r.codec(payloads[0].settings)
+    summed = robust.aggregate(codec, payloads, (1.0, 1.0), (), robust.MEAN)
+    assert len(list(summed.parts())) >= 2  # so that one read a part would read more than once
+    with Calls(HOST_READS) as calls:
+        r.apply(StateUpdate(0.01, payloads, (1.0, 1.0)), aggregator=summed)
+    assert calls.names == ["cpu"]
+
+
+def test_a_non_finite_update_in_its_last_part_is_refused_and_moves_nothing() -> None:
+    r = Replica(build_model("gpt-tiny"), UpdateRule(optimizer="sgd"))
+    payloads = _payloads(r.model)
+    summed = robust.aggregate(r.codec(payloads[0].settings), payloads, (1.0, 1.0), (), robust.MEAN)
+    *parts, last = summed.parts()
+    last[next(iter(last))].view(-1)[0] = float("nan")
+    before = {n: p.clone() for n, p in r.params.items()}
+    poisoned = type("Poisoned", (), {"parts": lambda self: iter([*parts, last])})()
+    with pytest.raises(ValueError, match=f"update would move {next(iter(last))!r}"):
+        r.apply(StateUpdate(0.01, payloads, (1.0, 1.0)), aggregator=poisoned)
+    assert r.version == 0 and all(torch.equal(p, before[n]) for n, p in r.params.items())
