@@ -88,7 +88,7 @@ FACTOR_BATCH_NUMEL = 1 << 26
 class _GroupLayout:
     """Index arithmetic of one chunk group, computed once per plan."""
 
-    row_member: torch.Tensor  # (B,) member index of every chunk
+    row_member: torch.Tensor  # (B,) member index of every chunk, on the codec's device
     quantized: np.ndarray  # (M,) bool: member sends coded (LUT or SIGN) values
     value_starts: np.ndarray  # (M,) first value of each member in stack order
     pads: np.ndarray | None  # positions of odd-count pads among the group's unpacked indices
@@ -233,12 +233,13 @@ class GradientCodec:
         q = None
         sent = vals
         if layout.quantized.any():
-            seg = layout.row_member.to(coeffs.device)[:, None].expand(-1, k).reshape(-1)
+            rows = layout.row_member.to(coeffs.device)  # there already (``_layout``) but for a sender elsewhere
+            seg = rows[:, None].expand(-1, k).reshape(-1)
             q = self._quantize(vals.reshape(-1), seg, m)
             if layout.quantized.all():
                 sent = q.dequantized.view_as(vals)
             else:
-                row_q = torch.from_numpy(layout.quantized).to(coeffs.device)[layout.row_member.to(coeffs.device)]
+                row_q = torch.from_numpy(layout.quantized).to(coeffs.device)[rows]
                 sent = torch.where(row_q[:, None], q.dequantized.view_as(vals), vals)
         if update_feedback:
             coeffs.scatter_(1, idx, vals - sent)  # what stays behind: the unsent part of the kept coefficients
@@ -650,7 +651,8 @@ class GradientCodec:
 
     def _layout(self, group: ChunkGroup) -> _GroupLayout:
         counts = torch.tensor([t.num_chunks for t in group.members])
-        row_member = torch.repeat_interleave(torch.arange(len(group.members)), counts)
+        # Made where the sender's chunks are, once: copied there at each encode, it would wait for the device.
+        row_member = torch.repeat_interleave(torch.arange(len(group.members)), counts).to(self.device)
         quantized = np.array([t.value_format != ValueFormat.FLOAT32 for t in group.members])
         num_values = np.array([t.num_values for t in group.members])
         value_starts = np.concatenate([[0], np.cumsum(num_values)[:-1]])
