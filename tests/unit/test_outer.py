@@ -84,3 +84,44 @@ def test_a_downlink_that_would_factor_what_the_workers_send_as_top_k_keeps_their
     wide = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 1024))  # cut alike: its own
     outer = ReplayOuter(wide, UpdateRule(optimizer="sgd"), workers, downlink)
     assert outer.downlink_codec.config == downlink
+
+
+def _loop_sign_step(params, grads, lr, weight_decay):
+    """The sign step a tensor at a time, as the reference."""
+    for p, g in zip(params, grads):
+        if weight_decay:
+            p.mul_(1 - lr * weight_decay)
+        p.add_(torch.sign(g.float()).to(p.dtype), alpha=-lr)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_the_sign_step_in_batches_is_the_bits_of_a_tensor_at_a_time(weight_decay, monkeypatch):
+    from gradwire.optim import outer
+
+    monkeypatch.setattr(outer, "BATCH_ELEMENTS", 100)  # several batches, one tensor larger than a batch
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (3,), (150,), (2, 2), (40,), (1,)]
+    dtypes = [torch.float32, torch.float32, torch.float32, torch.bfloat16, torch.bfloat16, torch.float32]
+    start = [torch.randn(s, generator=gen).to(d) for s, d in zip(shapes, dtypes)]
+    grads = [torch.randn(s, generator=gen) * (torch.rand(s, generator=gen) > 0.2) for s in shapes]  # zeros too
+    assert [len(b) for b in outer._batches(start, grads)] == [2, 1, 2, 1]
+    ours, ref = [t.clone() for t in start], [t.clone() for t in start]
+    for lr in (0.01, 1e-3):
+        outer_step(ours, grads, UpdateRule(optimizer="signsgd", weight_decay=weight_decay), lr)
+        _loop_sign_step(ref, grads, lr, weight_decay)
+    for a, b in zip(ours, ref):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_the_sign_step_dispatches_a_few_operations_whatever_the_number_of_tensors():
+    params = [torch.zeros(16) for _ in range(60)]
+    grads = [torch.randn(16) for _ in range(60)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        outer_step(params, grads, UpdateRule(optimizer="signsgd", weight_decay=0.1), 0.01)
+    top = [e.name for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::")]
+    # one sign, one decay and one add for the batch; each gradient's .to (already float32 there) copies nothing
+    assert sorted(n for n in top if n != "aten::to") == [
+        "aten::_foreach_add_",
+        "aten::_foreach_mul_",
+        "aten::_foreach_sign",
+    ]
