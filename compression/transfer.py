@@ -14,12 +14,15 @@ import torch
 
 
 def to_device(tensors: Sequence[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
-    """``tensors`` on ``device``, each its own shape and dtype: as they are where all are there already,
-    otherwise views of one copy a dtype."""
+    """``tensors`` on ``device``, each its own shape and dtype: those there already as they are, the others
+    views of one copy a dtype."""
     device = torch.device(device)
-    if all(t.device == device for t in tensors):
-        return list(tensors)
-    return joined(tensors, lambda flat: flat.to(device))
+    out = list(tensors)
+    away = [i for i, t in enumerate(out) if t.device != device]
+    if away:
+        for i, t in zip(away, joined([out[i] for i in away], lambda flat: flat.to(device))):
+            out[i] = t
+    return out
 
 
 def joined(tensors: Sequence[torch.Tensor], move: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:

@@ -36,3 +36,8 @@ def test_to_a_device_copies_once_a_dtype_and_not_at_all_where_they_are() -> None
         moved = to_device(tensors, "meta")  # another device (one without values): the copies are counted
     assert len(calls.names) == 3
     assert [(t.device.type, t.dtype, t.shape) for t in moved] == [("meta", t.dtype, t.shape) for t in tensors]
+    mixed = [moved[0], *tensors[1:]]  # one there already: kept as it is, the others copied
+    with Calls({"to"}) as calls:
+        again = to_device(mixed, "meta")
+    assert again[0] is moved[0] and len(calls.names) == 3
+    assert [(t.device.type, t.dtype, t.shape) for t in again] == [("meta", t.dtype, t.shape) for t in tensors]
