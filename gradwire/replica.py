@@ -416,19 +416,20 @@ class _Loading:
     momentum: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # by the parameter's index
 
 
-def _bounds(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s (min, max) in float32, on its device: aminmax is one vectorized pass (10x faster than an
-    inf-norm on a CPU), and NaN propagates through it."""
-    return torch.stack(t.aminmax()).float()
+def _bounds(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t``'s (min, max), on its device: aminmax is one vectorized pass (10x faster than an inf-norm on a
+    CPU), and NaN propagates through it."""
+    return t.aminmax()
 
 
-def _check_step(names: Sequence[str], bounds: Sequence[torch.Tensor], lr: float) -> None:
+def _check_step(names: Sequence[str], bounds: Sequence[tuple[torch.Tensor, torch.Tensor]], lr: float) -> None:
     """``ValueError`` unless every value is finite and ``lr`` times the largest stays under ``STEP_LIMIT``;
-    ``bounds`` are each named tensor's ``_bounds``, read back to the host at once (on a GPU each read waits
-    for the device, so a read a part would stall the replay as often as the update has parts)."""
+    ``bounds`` are each named tensor's ``_bounds``, stacked and read back to the host at once (on a GPU each
+    read waits for the device, so a read a part would stall the replay as often as the update has parts)."""
     if not bounds:
         return
-    largest = torch.stack(list(bounds)).cpu().abs().amax(dim=1)  # (tensors,)
+    lows, highs = ([x.float() for x in side] for side in zip(*bounds))  # float32 already: no copies
+    largest = torch.stack([torch.stack(lows), torch.stack(highs)]).cpu().abs().amax(dim=0)  # (tensors,)
     worst = float(largest.max())
     if not math.isfinite(worst) or lr * worst > STEP_LIMIT:
         name = names[int(largest.nan_to_num(math.inf).argmax())]
