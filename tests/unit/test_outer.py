@@ -99,6 +99,7 @@ def test_the_sign_step_in_batches_is_the_bits_of_a_tensor_at_a_time(weight_decay
     from gradwire.optim import outer
 
     monkeypatch.setattr(outer, "BATCH_ELEMENTS", 100)  # several batches, one tensor larger than a batch
+    monkeypatch.setattr(outer, "ALONE_ON", frozenset())  # batched as on a GPU
     gen = torch.Generator().manual_seed(0)
     shapes = [(7, 5), (3,), (150,), (2, 2), (40,), (1,)]
     dtypes = [torch.float32, torch.float32, torch.float32, torch.bfloat16, torch.bfloat16, torch.float32]
@@ -113,7 +114,10 @@ def test_the_sign_step_in_batches_is_the_bits_of_a_tensor_at_a_time(weight_decay
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
-def test_the_sign_step_dispatches_a_few_operations_whatever_the_number_of_tensors():
+def test_the_sign_step_dispatches_a_few_operations_whatever_the_number_of_tensors(monkeypatch):
+    from gradwire.optim import outer
+
+    monkeypatch.setattr(outer, "ALONE_ON", frozenset())  # batched as on a GPU
     params = [torch.zeros(16) for _ in range(60)]
     grads = [torch.randn(16) for _ in range(60)]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -125,3 +129,10 @@ def test_the_sign_step_dispatches_a_few_operations_whatever_the_number_of_tensor
         "aten::_foreach_mul_",
         "aten::_foreach_sign",
     ]
+
+
+def test_on_a_cpu_the_sign_step_goes_a_tensor_at_a_time():
+    from gradwire.optim import outer
+
+    params, grads = [torch.zeros(16) for _ in range(3)], [torch.randn(16) for _ in range(3)]
+    assert [len(b) for b in outer._batches(params, grads)] == [1, 1, 1]
