@@ -838,3 +838,7 @@ if __name__ == "__main__":
 #                      each round's auto top-k following its H): uncompressed averaging 5.1875 (+1.24%, against H 240's
 #                      +1.80% and H 30's +1.35%) | the defaults 5.2647 from 30, 5.2615 from 60, 5.2393 from two
 #                      rounds of 120, against H 240's 5.2428: a short round's compression costs more than its sync
+#   at 1,200 steps, H 240, this tree (2026-11-30, 96b3541 to d361378; dense the same 5.1242 / 5.1060): the defaults
+#                      5.2090 / 5.2342 (+2.08%; 5.2428 / 5.2377 on 2026-11-28), averaging 5.2099 (seed 0: the codec
+#                      costs nothing there) | error feedback 0.99 5.2227 / 5.2406 (+2.28%), 0.9 5.2238 (seed 0) |
+#                      inner AdamW at 1.4e-3 5.2807, at 7e-4 5.2731 (seed 0): none kept
