@@ -34,6 +34,8 @@ from typing import Literal
 import numpy as np
 import torch
 
+from gradwire.compression.transfer import joined
+
 CODE_LIMIT = 127  # codes are symmetric: -128 is never sent
 INT4_LIMIT = 7  # int4 codes: [-7, 7], each stored as code + 8 in a nibble (0, which would be -8, is never sent)
 
@@ -77,20 +79,12 @@ class Factors:
         """Every batch of ``batches`` on the host in two reads, all the codes and then all the scales, instead
         of one a field a batch: on a GPU each read waits for the device, so one read a batch would leave it
         idle while the host packs that batch's codes, before the next batch's work is even launched."""
-        if not batches:
-            return []
-        codes = torch.cat([torch.cat([f.a.flatten(-2), f.b.flatten(-2)], -1).reshape(-1) for f in batches]).cpu()
-        scales = torch.cat([torch.cat([f.a_scale, f.b_scale], -1).reshape(-1) for f in batches]).cpu()
-        code_sizes = [f.a.numel() + f.b.numel() for f in batches]
-        scale_sizes = [f.a_scale.numel() + f.b_scale.numel() for f in batches]
-        out = []
-        for f, c, s in zip(batches, codes.split(code_sizes), scales.split(scale_sizes)):
-            lead, a_size, k = f.a.shape[:-2], f.a.shape[-2:].numel(), f.a.shape[-1]
-            c, s = c.view(*lead, -1), s.view(*lead, -1)
-            out.append(
-                Factors(c[..., :a_size].view(f.a.shape), s[..., :k], c[..., a_size:].view(f.b.shape), s[..., k:])
-            )
-        return out
+        fields = [field for f in batches for field in f.fields()]
+        host = iter(joined(fields, lambda flat: flat.cpu()))  # a read a dtype: the codes, then the scales
+        return [Factors(*(next(host) for _ in range(4))) for _ in batches]
+
+    def fields(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.a, self.a_scale, self.b, self.b_scale
 
     def unbind(self) -> list[Factors]:
         """A batch's factors, one ``Factors`` per matrix."""

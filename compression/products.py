@@ -61,7 +61,7 @@ class Products(Sequence[torch.Tensor]):
             return item
         if self._moved is None:
             indices = [j for j, x in enumerate(self.items) if isinstance(x, Factors)]
-            fields = [field for j in indices for field in _fields(self.items[j])]
+            fields = [field for j in indices for field in self.items[j].fields()]
             moved = iter(to_device(fields, self.device))
             self._moved = {j: Factors(*(next(moved) for _ in range(4))) for j in indices}
         return self._moved[i]
@@ -203,9 +203,5 @@ def _inner(f: Factors, g: Factors) -> torch.Tensor:
     return (a * b * s_f[:, :, None] * s_g[:, None, :]).sum(dim=(1, 2))
 
 
-def _fields(f: Factors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return f.a, f.a_scale, f.b, f.b_scale
-
-
 def _stack(factors: Sequence[Factors]) -> Factors:
-    return Factors(*(torch.stack(fields) for fields in zip(*(_fields(f) for f in factors))))
+    return Factors(*(torch.stack(fields) for fields in zip(*(f.fields() for f in factors))))
