@@ -842,4 +842,6 @@ if __name__ == "__main__":
 #                      5.2090 / 5.2342 (+2.08%; 5.2428 / 5.2377 on 2026-11-28), averaging 5.2099 (seed 0: the codec
 #                      costs nothing there) | error feedback 0.99 5.2227 / 5.2406 (+2.28%), 0.9 5.2238 (seed 0) |
 #                      inner AdamW at 1.4e-3 5.2807, at 7e-4 5.2731 (seed 0): none kept | seed 2: dense 5.1055,
-#                      the defaults 5.2243: over three seeds +2.16% (0.26 pt standard error)
+#                      the defaults 5.2243: over three seeds +2.16% (0.26 pt standard error) | seeds 3 / 4: dense
+#                      5.1064 / 5.0830, the defaults 5.2234 / 5.2490: over five +2.41% (0.26 pt); averaging at seeds
+#                      1 / 2 5.2004 / 5.1987 (+1.78% over three): the codec 0.66 / 0.50 pt above it there
