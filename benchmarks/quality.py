@@ -844,4 +844,6 @@ if __name__ == "__main__":
 #                      inner AdamW at 1.4e-3 5.2807, at 7e-4 5.2731 (seed 0): none kept | seed 2: dense 5.1055,
 #                      the defaults 5.2243: over three seeds +2.16% (0.26 pt standard error) | seeds 3 / 4: dense
 #                      5.1064 / 5.0830, the defaults 5.2234 / 5.2490: over five +2.41% (0.26 pt); averaging at seeds
-#                      1 / 2 5.2004 / 5.1987 (+1.78% over three): the codec 0.66 / 0.50 pt above it there
+#                      1 / 2 5.2004 / 5.1987 (+1.78% over three): the codec 0.66 / 0.50 pt above it there |
+#                      the dense vectors (norm gains) in float32 instead of 2-bit (the plan patched in process,
+#                      4,997x) 5.2257 / 5.2225 (seeds 1 / 2): 0.17 / 0.04 pt lower, a sixth of the codec's cost
