@@ -179,7 +179,7 @@ def test_workers_that_lost_their_sessions_resume_a_gossip_run_from_the_checkpoin
 
 COORDINATOR = [sys.executable, "-m", "gradwire.coordinator", "train"]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-SUPERVISED = ["--model", "gpt-tiny", "--steps", "30", "--batch-size", "2", "--sequence-length", "32", "--no-progress"]
+SUPERVISED = ["--model", "gpt-tiny", "--steps", "36", "--batch-size", "2", "--sequence-length", "32", "--no-progress"]
 SUPERVISED += ["--topology", "ring", "--inner-steps", "2", "--checkpoint-every", "10", "--balance", "off"]
 SUPERVISED += ["--resume-from", "auto"]
 KILLS = 3
@@ -194,7 +194,7 @@ def _losses(out: Path) -> list[tuple[int, float, float]]:
 def test_a_supervised_gossip_coordinator_killed_again_and_again_trains_every_round_once_and_pushes_nothing(
     tmp_path: Path, peer_to_peer: bool
 ) -> None:
-    """A supervisor loop re-runs the same command (``--resume-from auto``) after each of 3 SIGKILLs over 30
+    """A supervisor loop re-runs the same command (``--resume-from auto``) after each of 3 SIGKILLs over 36
     gossip rounds of a ring of 3, dealt at random points (inside rounds, appends, checkpoints every 10): every
     step is trained once with the uninterrupted run's loss and consensus distance, no worker gets the state
     after its first push, and the consensus exported is the same, bit for bit."""
