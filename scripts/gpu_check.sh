@@ -46,8 +46,8 @@ mkdir -p "$OUT"
 } 2>&1
 
 # The carried wheels first on the path (they override the image's older gRPC and protobuf). gradwire itself is
-# not installed: its subpackages, which live beside gradwire/ in the tree, are linked into it where they do not
-# import (this copy of the tree only).
+# not installed: its subpackages, which live beside gradwire/ in the tree (pyproject's package-dir), are linked
+# into it where they do not import (this copy of the tree only).
 if compgen -G ".whl/*.whl" >/dev/null; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
     export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
@@ -58,18 +58,15 @@ fi
 $PY -c 'import gradwire.coordinator.cli, gradwire.worker.cli, benchmarks.utilisation, benchmarks.gpu' || exit 1
 echo "ready in ${SECONDS}s"
 
+# The steps' sizes: the measurements at their real sizes, or with GW_QUICK the same commands at gpt-tiny.
 if [ -n "${GW_QUICK:-}" ]; then
-    step tests 15 $PY -m pytest -q -p no:cacheprovider tests/integration/test_cuda.py
-    step utilisation 60 $PY -m benchmarks.utilisation --device "$DEVICE" --quick \
-        --runs bare,grad-1,local-1 --json
-    step gpu 50 $PY -m benchmarks.gpu --device "$DEVICE" --model gpt-tiny --updates 2 --checks fingerprint --json
-    step llama 100 $PY -m benchmarks.utilisation --device "$DEVICE" --quick --runs bare,local-1 --json
+    SIZE=(--quick) RUNS=bare,grad-1,local-1 CHECKS=(--model gpt-tiny --updates 2 --checks fingerprint) LLAMA=(--quick)
 else
-    step tests 15 $PY -m pytest -q -p no:cacheprovider -m cuda tests/integration/test_cuda.py
-    step utilisation 60 $PY -m benchmarks.utilisation --device "$DEVICE" \
-        --runs bare,grad-1,grad-overlap-1,local-1,local-overlap-1 --json
-    step gpu 50 $PY -m benchmarks.gpu --device "$DEVICE" --model gpt-80m \
-        --checks refine,fingerprint,drift_float32 --json
-    step llama 100 $PY -m benchmarks.utilisation --device "$DEVICE" --model llama-1b --runs bare,local-1 --json
+    SIZE=() RUNS=bare,grad-1,grad-overlap-1,local-1,local-overlap-1 LLAMA=(--model llama-1b)
+    CHECKS=(--model gpt-80m --checks refine,fingerprint,drift_float32)
 fi
+step tests 15 $PY -m pytest -q -p no:cacheprovider -m cuda tests/integration/test_cuda.py
+step utilisation 60 $PY -m benchmarks.utilisation --device "$DEVICE" "${SIZE[@]}" --runs "$RUNS" --json
+step gpu 50 $PY -m benchmarks.gpu --device "$DEVICE" "${CHECKS[@]}" --json
+step llama 100 $PY -m benchmarks.utilisation --device "$DEVICE" "${LLAMA[@]}" --runs bare,local-1 --json
 echo "done in $((BUDGET - $(left)))s; in $OUT: $(ls "$OUT" | tr '\n' ' ')"
