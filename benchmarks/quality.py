@@ -853,4 +853,5 @@ if __name__ == "__main__":
 #                      5.2322 / 5.2271, in the first 5.2391 / 5.2294: none kept. The first round's loss is the tied
 #                      embedding's int4 codes of A (small rows round to zero); a scale per row of A (where it costs
 #                      at most 1/16) was lower at round 4 by 0.012 over seeds 0-3 and ended 0.006 higher
-#                      (5.2227 / 5.2429 / 5.2242 / 5.2259): not kept (docs/benchmarks.md)
+#                      (5.2227 / 5.2429 / 5.2242 / 5.2259), for the embedding alone 5.2385 / 5.2326 (seeds 0 / 1):
+#                      not kept (docs/benchmarks.md)
