@@ -847,8 +847,8 @@ if __name__ == "__main__":
 #                      1 / 2 5.2004 / 5.1987 (+1.78% over three): the codec 0.66 / 0.50 pt above it there |
 #                      the dense vectors (norm gains) in float32 instead of 2-bit (the plan patched in process,
 #                      4,997x) 5.2257 / 5.2225 (seeds 1 / 2): 0.17 / 0.04 pt lower, a sixth of the codec's cost |
-#                      DCT top-k for every matrix (rank=0, 3,115x) 5.2488 / 5.2302: worse at 1.6x the bytes
-#                      | 2026-11-30 (seeds 1 / 2 unless said): a fresh SVD every round 5.2561 / 5.2259; int8 factors
+#                      DCT top-k for every matrix (rank=0, 3,115x) 5.2488 / 5.2302: worse at 1.6x the bytes |
+#                      2026-11-30 (seeds 1 / 2 unless said): a fresh SVD every round 5.2561 / 5.2259; int8 factors
 #                      (factor_bits=8) 5.2647 (seed 1); twice the bytes in the last round, rounds 2-4 paying
 #                      5.2322 / 5.2271, in the first 5.2391 / 5.2294: none kept. The first round's loss is the tied
 #                      embedding's int4 codes of A (small rows round to zero); a scale per row of A (where it costs
