@@ -854,4 +854,10 @@ if __name__ == "__main__":
 #                      embedding's int4 codes of A (small rows round to zero); a scale per row of A (where it costs
 #                      at most 1/16) was lower at round 4 by 0.012 over seeds 0-3 and ended 0.006 higher
 #                      (5.2227 / 5.2429 / 5.2242 / 5.2259), for the embedding alone 5.2385 / 5.2326 (seeds 0 / 1):
-#                      not kept (docs/benchmarks.md)
+#                      not kept (docs/benchmarks.md) | the outer SGD's rate 0.9 (learning_rate=0.9, 4dc9161,
+#                      seeds 0-4) 5.2309 / 5.2364 / 5.2086 / 5.2107 / 5.2132, +2.25%: lower along the run, at the
+#                      end -0.16 pt (0.19 pt standard error), not kept; 0.8 5.2246 / 5.2189 / - / - / 5.2374 |
+#                      H 300 5.2270 / 5.2269 (seeds 1 / 2) | each round ending on the mean of its last 60 iterates
+#                      5.2639 / 5.2467 (seeds 1 / 2) | error feedback cleared before the last round 5.2298 /
+#                      5.2376 (seeds 1 / 2) | at 300 steps, H 60, seeds 0-3: the defaults 5.5848 / 5.5583 / 5.5569 /
+#                      5.5409 (+1.70%), the outer rate 0.9 5.5901 / 5.5584 / 5.5463 / 5.5449 (+1.70%)
