@@ -846,7 +846,7 @@ if __name__ == "__main__":
 #                      5.1064 / 5.0830, the defaults 5.2234 / 5.2490: over five +2.41% (0.26 pt); averaging at seeds
 #                      1 / 2 5.2004 / 5.1987 (+1.78% over three): the codec 0.66 / 0.50 pt above it there |
 #                      the dense vectors (norm gains) in float32 instead of 2-bit (the plan patched in process,
-#                      4,997x) 5.2257 / 5.2225 (seeds 1 / 2): 0.17 / 0.04 pt lower, a sixth of the codec's cost |
+#                      4,997x) 5.2257 / 5.2225 (seeds 1 / 2): 0.17 / 0.04 pt lower (int8: no lower, below) |
 #                      DCT top-k for every matrix (rank=0, 3,115x) 5.2488 / 5.2302: worse at 1.6x the bytes |
 #                      2026-11-30 (seeds 1 / 2 unless said): a fresh SVD every round 5.2561 / 5.2259; int8 factors
 #                      (factor_bits=8) 5.2647 (seed 1); twice the bytes in the last round, rounds 2-4 paying
