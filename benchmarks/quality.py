@@ -10,9 +10,10 @@
 
 Trains the same model from the same seed once per method, with ``--workers`` (2) workers simulated in this
 process (``worker.inprocess``: the service's own ``Trainer``, engine and codec, every message serialized as on
-the wire, no gRPC). Every method trains on the same tokens (``--steps-total`` inner steps per worker of
-``--batch-size`` x ``--sequence-length`` tokens; local-SGD methods take them as ``steps-total / H`` rounds of H)
-and is evaluated on the same held-out batches.
+the wire, no gRPC; each worker's encodes transform in float32, as on a GPU, so a run repeats on any CPU). Every
+method trains on the same tokens (``--steps-total`` inner steps per worker of ``--batch-size`` x
+``--sequence-length`` tokens; local-SGD methods take them as ``steps-total / H`` rounds of H) and is evaluated
+on the same held-out batches.
 
 The data: Shakespeare's complete works (42 works, 5.06 MB, 1.60M tokens of the models' bpe-8k
 tokenizer; CC BY 2.5, the Open Knowledge Foundation: see ``benchmarks/data/LICENSE-shakespeare_complete.txt``),
@@ -108,6 +109,7 @@ from gradwire.coordinator.trainer import Trainer
 from gradwire.memory import keep_freed_memory
 from gradwire.models import model_names
 from gradwire.models.registry import tokenizer_for
+from gradwire.worker.engine import WorkerEngine
 from gradwire.worker.inprocess import in_process_clients
 
 WORKERS = 2
@@ -315,8 +317,15 @@ def method_config(name: str, args: argparse.Namespace, overrides: dict[str, Any]
     )
 
 
+def _engine(device: str) -> WorkerEngine:
+    """A worker whose encodes transform in float32, as on a GPU: a CPU that multiplies bfloat16 natively would
+    transform in it (``dct.fast_transform_dtype``), and a run's bits, and a seed's end by up to a point in
+    gradient mode, would depend on which CPU ran it."""
+    return WorkerEngine(device, transform_dtype=torch.float32)
+
+
 def run_method(name: str, config: TrainConfig, workers: int = WORKERS, device: str = "cpu") -> dict[str, Any]:
-    trainer = Trainer(config, in_process_clients(workers, device), progress=False)
+    trainer = Trainer(config, in_process_clients(workers, device, _engine), progress=False)
     try:
         t0 = time.perf_counter()
         records = trainer.run()

@@ -180,6 +180,9 @@ class Replica:
         # A fingerprint holds its moments at the versions this divides (``takes_moments``), its samples alone at
         # the others: the run's --fingerprint-every (a worker's: its orders'). 1: at every version.
         self.moments_every = 1
+        # What a sender's chunk DCT multiplies in (``GradientCodec``'s ``transform_dtype``; None: the device's
+        # fastest accurate one). A sender's choice alone: receivers decode the same bytes either way.
+        self.transform_dtype: torch.dtype | None = None
 
     def codec(self, config: CodecConfig, fragment: Fragment | None = None) -> GradientCodec:
         """The codec for this replica's tensors under ``config`` (cached: its plan is not free); with
@@ -189,12 +192,17 @@ class Replica:
             if key not in self._fragment_codecs:
                 shapes = {n: self.shapes[n] for n in self.fragment_names(fragment)}
                 device = self.codec(config).device
-                self._fragment_codecs[key] = GradientCodec(shapes, config, device=device)
+                self._fragment_codecs[key] = GradientCodec(
+                    shapes, config, device=device, transform_dtype=self.transform_dtype
+                )
             return self._fragment_codecs[key]
         if config not in self._codecs:
             device = next(iter(self.params.values())).device
             self._codecs[config] = GradientCodec(
-                {n: tuple(p.shape) for n, p in self.params.items()}, config, device=device
+                {n: tuple(p.shape) for n, p in self.params.items()},
+                config,
+                device=device,
+                transform_dtype=self.transform_dtype,
             )
         return self._codecs[config]
 

@@ -103,12 +103,16 @@ class WorkerEngine:
         max_model_params: int = DEFAULT_MAX_MODEL_PARAMS,
         rank_memory: int | None = None,
         push_budget: int | None = None,
+        transform_dtype: torch.dtype | None = None,
     ) -> None:
         """``rank_memory``: the bytes a run's state may use on this worker's device (each rank's, on a
         node; ``worker.sizing``); default: a CUDA device's memory, no limit on the CPU. ``push_budget``: the
         bytes the state pushes in flight may hold together (``worker.budget``); default: ``rank_memory``,
-        or this machine's memory."""
+        or this machine's memory. ``transform_dtype``: what its encodes' chunk DCT multiplies in (None: the
+        device's fastest accurate one, ``compression.dct.fast_transform_dtype``; float32 makes a CPU's payloads
+        the same on any CPU)."""
         self.device = torch.device(device)
+        self.transform_dtype = transform_dtype
         self.rank_memory = rank_memory if rank_memory is not None else device_memory(self.device)
         self.push_budget = PushBudget(push_budget or self.rank_memory or physical_memory())
         self.max_sessions = max_sessions
@@ -342,7 +346,9 @@ class WorkerEngine:
         if placement.split and not self._giving_back:
             # A node splits a model because memory is short: its ranks give freed memory back (gradwire.memory).
             self._giving_back = give_back_freed_memory()
-        return Session(header, self.device, owner, self.max_model_params, self.rank_memory, placement)
+        return Session(
+            header, self.device, owner, self.max_model_params, self.rank_memory, placement, self.transform_dtype
+        )
 
     def _install(self, session: Session) -> tuple[int, Fingerprint]:
         """Make a complete session the run's: the previous one of the run, if any, goes (a resync keeps what

@@ -322,7 +322,9 @@ class StageReplica(Replica):
         if fragment is not None:
             return super().codec(config, fragment)
         if config not in self._codecs:
-            self._codecs[config] = GradientCodec(self.shapes, config, device=self.device)
+            self._codecs[config] = GradientCodec(
+                self.shapes, config, device=self.device, transform_dtype=self.transform_dtype
+            )
         return self._codecs[config]
 
     def fingerprint(self, with_moments: bool | None = None) -> Fingerprint:

@@ -68,6 +68,7 @@ class Session:
         max_elements: int | None = None,
         memory: int | None = None,
         placement: Placement | None = None,
+        transform_dtype: torch.dtype | None = None,
     ) -> None:
         """Build the run's replica for the state ``header`` announces; its tensors come next (``load``, a
         tensor at a time as a push streams in; then ``loaded``: ``from_state`` does all three). The spec is
@@ -75,8 +76,10 @@ class Session:
         whose state would not fit ``memory`` bytes (``worker.sizing``), is refused before anything is
         allocated. ``placement``: how the run computes here; on a sharded node (``worker.fsdp``) this rank
         holds its share of the replica, working copy and inner state, on a pipelined one
-        (``worker.pipeline``) its stage's."""
+        (``worker.pipeline``) its stage's. ``transform_dtype``: what this sender's chunk DCT multiplies in
+        (``GradientCodec``; None: the device's fastest accurate one)."""
         self.placement = placement or Placement()
+        self.transform_dtype = transform_dtype
         shards = self.placement.ranks if self.placement.split else 1
         self.stage: pipeline.Stage | None = None  # a pipelined node: this rank's stage
         try:
@@ -120,6 +123,7 @@ class Session:
             self.replica = fsdp.ShardedReplica(model, rule)
         else:  # its parameters are allocated as the push brings them
             self.replica = Replica(model, rule, device=self.device)
+        self.replica.transform_dtype = transform_dtype
         self.replica.begin_load()
         node = self.placement.node
         self._restore: Restore | None = Restore(
@@ -255,7 +259,9 @@ class Session:
         if key not in self._shard_codecs:
             shapes = {t.name: tuple(t.shape) for t in self.replica.codec(config).plan.tensors}  # whole tensors
             owned = [n for n in shapes if n in names]
-            self._shard_codecs[key] = GradientCodec(shard.subset(shapes, owned), config, device=self.device)
+            self._shard_codecs[key] = GradientCodec(
+                shard.subset(shapes, owned), config, device=self.device, transform_dtype=self.transform_dtype
+            )
         return self._shard_codecs[key]
 
     def stream_plan(self, config: CodecConfig, count: int) -> StreamPlan:
