@@ -62,7 +62,10 @@ def fast_transform_dtype(device: torch.device | str = "cpu") -> torch.dtype:
     on gpt-10m's chunk stacks); float32 elsewhere, GPUs included (their float32 transform is already a small
     part of a step). A bfloat16 transform moves each coefficient by ~0.4% of its size (8-bit mantissas,
     float32 accumulation): far under the 8-bit quantizer's step, and only the sender's choice - receivers
-    decode the same payload bytes either way, so replicas stay bit-identical.
+    decode the same payload bytes either way, so replicas stay bit-identical. A gradient-mode run's sign steps
+    still carry such differences into another trajectory (in ``benchmarks.quality``, which pins float32 with
+    ``WorkerEngine(transform_dtype=...)``, six seeds ended 0.30 points higher on average in bfloat16, within
+    their scatter: docs/benchmarks.md).
     """
     device = torch.device(device)
     if device.type == "cpu" and hardware.cpu_multiplies_bf16():
