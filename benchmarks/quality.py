@@ -880,3 +880,5 @@ if __name__ == "__main__":
 #                      exponential moving averages of the coordinator's model (decays 0.8 / 0.9 / 0.95 / 0.98,
 #                      evaluated beside it; seed 0, bfloat16) ended at 5.5206 / 5.5201 / 5.5240 / 5.5477 against
 #                      the model's 5.5219: at the cosine's floor the sign steps leave little to average away
+#   local SGD at 300 steps, H 60, the defaults at seeds 4 / 5 (2026-12-01, 8a05f37): 5.5470 / 5.5693; over six
+#                      seeds +1.79% over dense (0.09 pt standard error) at 5,048x: the target met at this length
