@@ -882,3 +882,5 @@ if __name__ == "__main__":
 #                      the model's 5.5219: at the cosine's floor the sign steps leave little to average away
 #   local SGD at 300 steps, H 60, the defaults at seeds 4 / 5 (2026-12-01, 8a05f37): 5.5470 / 5.5693; over six
 #                      seeds +1.79% over dense (0.09 pt standard error) at 5,048x: the target met at this length
+#   gradient mode at 1,200 steps, the default at seeds 2 / 3 (2026-12-01, 14f5143): 5.0809 / 5.0985 against dense's
+#                      5.1055 / 5.1064; over four seeds -0.66% (0.29 pt standard error): the target met at 1,200
