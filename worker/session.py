@@ -79,7 +79,6 @@ class Session:
         (``worker.pipeline``) its stage's. ``transform_dtype``: what this sender's chunk DCT multiplies in
         (``GradientCodec``; None: the device's fastest accurate one)."""
         self.placement = placement or Placement()
-        self.transform_dtype = transform_dtype
         shards = self.placement.ranks if self.placement.split else 1
         self.stage: pipeline.Stage | None = None  # a pipelined node: this rank's stage
         try:
@@ -260,7 +259,7 @@ class Session:
             shapes = {t.name: tuple(t.shape) for t in self.replica.codec(config).plan.tensors}  # whole tensors
             owned = [n for n in shapes if n in names]
             self._shard_codecs[key] = GradientCodec(
-                shard.subset(shapes, owned), config, device=self.device, transform_dtype=self.transform_dtype
+                shard.subset(shapes, owned), config, device=self.device, transform_dtype=self.replica.transform_dtype
             )
         return self._shard_codecs[key]
 
