@@ -33,7 +33,9 @@ log = logging.getLogger(__name__)
 
 
 def _device(text: str) -> str:
-    from gradwire.hardware import resolve_device  # here: a CPU worker's launcher need not load torch
+    if text == "cpu":  # a CPU node's launcher never loads torch: its fork server loads it once for the ranks
+        return text
+    from gradwire.hardware import resolve_device
 
     try:
         return resolve_device(text)

@@ -179,8 +179,8 @@ def test_workers_that_lost_their_sessions_resume_a_gossip_run_from_the_checkpoin
 
 COORDINATOR = [sys.executable, "-m", "gradwire.coordinator", "train"]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-SUPERVISED = ["--model", "gpt-tiny", "--steps", "36", "--batch-size", "2", "--sequence-length", "32", "--no-progress"]
-SUPERVISED += ["--topology", "ring", "--inner-steps", "2", "--checkpoint-every", "10", "--balance", "off"]
+SUPERVISED = ["--model", "gpt-tiny", "--steps", "24", "--batch-size", "2", "--sequence-length", "32", "--no-progress"]
+SUPERVISED += ["--topology", "ring", "--inner-steps", "2", "--checkpoint-every", "8", "--balance", "off"]
 SUPERVISED += ["--resume-from", "auto"]
 KILLS = 3
 
@@ -194,8 +194,8 @@ def _losses(out: Path) -> list[tuple[int, float, float]]:
 def test_a_supervised_gossip_coordinator_killed_again_and_again_trains_every_round_once_and_pushes_nothing(
     tmp_path: Path, peer_to_peer: bool
 ) -> None:
-    """A supervisor loop re-runs the same command (``--resume-from auto``) after each of 3 SIGKILLs over 36
-    gossip rounds of a ring of 3, dealt at random points (inside rounds, appends, checkpoints every 10): every
+    """A supervisor loop re-runs the same command (``--resume-from auto``) after each of 3 SIGKILLs over 24
+    gossip rounds of a ring of 3, dealt at random points (inside rounds, appends, checkpoints every 8): every
     step is trained once with the uninterrupted run's loss and consensus distance, no worker gets the state
     after its first push, and the consensus exported is the same, bit for bit."""
     rng = random.Random(48 + peer_to_peer)
@@ -210,7 +210,7 @@ def test_a_supervised_gossip_coordinator_killed_again_and_again_trains_every_rou
     with live_workers(3, _engine) as workers:
         out = tmp_path / "run"
         command = [*argv, "--workers", ",".join(w.address for w in workers), "--output-dir", str(out)]
-        logs = supervise(command, out, KILLS, rng, rounds_apart=9, env=ENV)
+        logs = supervise(command, out, KILLS, rng, rounds_apart=6, env=ENV)
         assert len(logs) == KILLS
         assert [w.engine.pushes for w in workers] == [1, 1, 1], "\n".join(x[-2000:] for x in logs)
     assert _losses(out) == _losses(straight)

@@ -269,8 +269,8 @@ def _losses(out: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
 
 
-SUPERVISED = ["--model", "gpt-tiny", "--steps", "120", "--batch-size", "3", "--sequence-length", "16", "--no-progress"]
-SUPERVISED += ["--checkpoint-every", "20", "--balance", "off", "--resume-from", "auto"]
+SUPERVISED = ["--model", "gpt-tiny", "--steps", "80", "--batch-size", "3", "--sequence-length", "16", "--no-progress"]
+SUPERVISED += ["--checkpoint-every", "16", "--balance", "off", "--resume-from", "auto"]
 KILLS = 6
 
 
@@ -278,8 +278,8 @@ KILLS = 6
 def test_a_supervised_coordinator_killed_again_and_again_trains_every_round_once_and_pushes_nothing(
     tmp_path: Path,
 ) -> None:
-    """A supervisor loop re-runs the same command (``--resume-from auto``) after each of 6 SIGKILLs over 120
-    rounds with 3 workers, dealt at random points (inside rounds, log appends, checkpoints every 20 rounds):
+    """A supervisor loop re-runs the same command (``--resume-from auto``) after each of 6 SIGKILLs over 80
+    rounds with 3 workers, dealt at random points (inside rounds, log appends, checkpoints every 16 rounds):
     every step is trained once with the uninterrupted run's loss, no worker gets the state after its first
     push, and the trained model is the same, bit for bit."""
     rng = random.Random(46)
@@ -292,7 +292,7 @@ def test_a_supervised_coordinator_killed_again_and_again_trains_every_round_once
     with live_workers(3, _engines_factory()) as workers:
         out = tmp_path / "run"
         argv = [*COORDINATOR, *SUPERVISED, "--workers", ",".join(w.address for w in workers), "--output-dir", str(out)]
-        logs = supervise(argv, out, KILLS, rng, rounds_apart=20, env=ENV)
+        logs = supervise(argv, out, KILLS, rng, rounds_apart=13, env=ENV)
         assert len(logs) == KILLS
         assert [w.engine.pushes for w in workers] == [1, 1, 1], "\n".join(x[-2000:] for x in logs)
     assert _losses(out) == _losses(straight)

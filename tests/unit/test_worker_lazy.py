@@ -48,3 +48,20 @@ def test_a_worker_and_its_round_modules_load_none_of_them() -> None:
     done = subprocess.run([sys.executable, "-c", code, *lazy.NODE_MODULES], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"
+
+
+def test_a_cpu_nodes_launcher_never_loads_torch() -> None:
+    """``worker serve --device cpu --nproc-per-node 2`` only supervises: its ranks are forked from a server that
+    loads torch once (``gradwire.processes``), so the launcher itself spends no second and no memory on it."""
+    code = (
+        "import sys\n"
+        "import gradwire.worker.launch as launch\n"
+        "seen = []\n"
+        "launch.launch = lambda argv, nproc, **_: seen.append(nproc) or 0\n"
+        "from gradwire.worker.cli import main\n"
+        "code = main(['serve', '--port', '0', '--device', 'cpu', '--nproc-per-node', '2'])\n"
+        "print(code, seen, 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["0", "[2]", "False"]
