@@ -3,15 +3,14 @@ computed, and no import of ``torch._dynamo`` (a second of CPU in every worker, o
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from gradwire.models import build_from_spec, model_spec, spec_elements
 from gradwire.models.meta import no_meta_writes
 from gradwire.worker.meta import parameters_on_meta
+
+from ..fresh import fresh_python
 
 
 def _layout(model: torch.nn.Module) -> tuple[list, list]:
@@ -59,9 +58,7 @@ def test_counting_a_spec_and_laying_out_a_replica_import_no_dynamo() -> None:
         "assert all(p.is_meta for p in model.parameters())\n"
         "print('torch._dynamo' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "False"
+    assert fresh_python(code) == "False"
 
 
 def test_the_replicas_layout_keeps_real_rope_tables() -> None:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import importlib
-import subprocess
 import sys
 import threading
 
 import pytest
 
 from gradwire.worker import lazy
+
+from ..fresh import fresh_python
 
 
 def test_the_node_modules_load_on_their_own_thread_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -45,9 +46,7 @@ def test_a_worker_and_its_round_modules_load_none_of_them() -> None:
         "import gradwire.worker.engine, gradwire.worker.rounds, gradwire.worker.servicer\n"
         "print(sorted(m for m in ('torch._dynamo', 'torch.distributed.fsdp', *sys.argv[1:]) if m in sys.modules))\n"
     )
-    done = subprocess.run([sys.executable, "-c", code, *lazy.NODE_MODULES], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "[]"
+    assert fresh_python(code, *lazy.NODE_MODULES) == "[]"
 
 
 def test_a_cpu_nodes_launcher_never_loads_torch() -> None:
@@ -62,6 +61,4 @@ def test_a_cpu_nodes_launcher_never_loads_torch() -> None:
         "code = main(['serve', '--port', '0', '--device', 'cpu', '--nproc-per-node', '2'])\n"
         "print(code, seen, 'torch' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["0", "[2]", "False"]
+    assert fresh_python(code).split() == ["0", "[2]", "False"]
