@@ -880,6 +880,9 @@ if __name__ == "__main__":
 #                      exponential moving averages of the coordinator's model (decays 0.8 / 0.9 / 0.95 / 0.98,
 #                      evaluated beside it; seed 0, bfloat16) ended at 5.5206 / 5.5201 / 5.5240 / 5.5477 against
 #                      the model's 5.5219: at the cosine's floor the sign steps leave little to average away
+#   gradient mode, 300 steps, 2026-12-01 (69b09e8): the vectors' (norm gains') sign steps at 0.25x the rate
+#                      5.6231 / 5.4928, at 2x 5.4995 / 5.6901 (seeds 0 / 1; _sign_step patched in process) against
+#                      5.4875 / 5.4920: one seed moves by up to 0.2, the other not at all; not kept
 #   local SGD at 300 steps, H 60, the defaults at seeds 4 / 5 (2026-12-01, 8a05f37): 5.5470 / 5.5693; over six
 #                      seeds +1.79% over dense (0.09 pt standard error) at 5,048x: the target met at this length
 #   gradient mode at 1,200 steps, the default at seeds 2 / 3 (2026-12-01, 14f5143): 5.0809 / 5.0985 against dense's
