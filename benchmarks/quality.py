@@ -882,6 +882,9 @@ if __name__ == "__main__":
 #                      the model's 5.5219: at the cosine's floor the sign steps leave little to average away
 #   gradient mode at 1,200 steps, the default at seed 4 (2026-12-01, 9cf8ee6): 5.0913 against dense's 5.0830;
 #                      over five seeds -0.49% (0.28 pt standard error): the target still met at 1,200
+#   gradient mode at 300 steps, seeds 6 / 7 (2026-12-01, 3db8c6a): dense 5.4475 / 5.4566, the default 5.6328 /
+#                      5.4895 (+3.40%, +0.60%); over eight seeds +0.92% (0.40 pt standard error). Seed 6 was 0.15
+#                      above dense by step 60, just after the top-k warm-up, and never caught up
 #   gradient mode, 300 steps, 2026-12-01 (69b09e8): the vectors' (norm gains') sign steps at 0.25x the rate
 #                      5.6231 / 5.4928, at 2x 5.4995 / 5.6901 (seeds 0 / 1; _sign_step patched in process) against
 #                      5.4875 / 5.4920: one seed moves by up to 0.2, the other not at all; not kept
