@@ -1,9 +1,8 @@
 """keep_freed_memory: the codec's model-sized buffers are reused instead of being page-faulted in again."""
 
-import subprocess
-import sys
-
 from gradwire.memory import keep_freed_memory
+
+from ..fresh import fresh_python
 
 SCRIPT = """
 import resource, sys, torch
@@ -33,9 +32,7 @@ MEASURED = 6  # rounds counted, after 3 that fault the buffers in
 
 def _faults(mode: str) -> tuple[str, int]:
     script = SCRIPT.replace("MEASURED", str(MEASURED))
-    out = subprocess.run(
-        [sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=120, check=True
-    ).stdout.split()
+    out = fresh_python(script, mode).split()
     return out[0], int(out[1])
 
 
@@ -75,8 +72,8 @@ print(took, kept, after, rss_mb())
 
 
 def test_a_rank_that_must_save_memory_gives_freed_memory_back():
-    out = subprocess.run([sys.executable, "-c", GIVE_BACK], capture_output=True, text=True, timeout=120, check=True)
-    took, kept, after, again = out.stdout.split()
+    out = fresh_python(GIVE_BACK)
+    took, kept, after, again = out.split()
     assert took == "True"
     # Kept, 256 MB freed stay resident; given back, they leave at once, and so does the next 256 MB freed.
-    assert float(kept) - float(after) > 200 and float(again) - float(after) < 50, out.stdout
+    assert float(kept) - float(after) > 200 and float(again) - float(after) < 50, out
