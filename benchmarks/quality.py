@@ -30,8 +30,9 @@ when a run would wrap into a second pass.
                    math): the reference.
   demo             gradient mode as DeMo: DCT + top-32 of 4096 + 8-bit values, error feedback 0.999, sign-SGD
                    (lr 7e-4: the best of 2e-3, 1e-3 and 7e-4 at the default 1200 steps).
-  gradient         gradwire's gradient mode at its defaults: demo's sign-SGD at 1e-3 and error feedback, in
-                   Elias-Fano indices and 4-bit values at top-36 of 4096 (1.5x fewer bytes than demo's).
+  gradient         gradwire's gradient mode at its defaults: demo's sign-SGD at 1e-3 (the token embedding at 2e-3)
+                   and error feedback, in Elias-Fano indices and 4-bit values at top-36 of 4096 (1.5x fewer bytes
+                   than demo's), top-216 for its first 20 steps and top-25 after.
   diloco           H = 30 inner AdamW steps, uncompressed pseudo-gradients, outer Nesterov (lr 0.7, momentum 0.9).
   averaging        sparseloco's rounds (H = 120) without compression and plain averaging (outer SGD at lr 1):
                    where local SGD itself ends, the floor compression can at best reach.
@@ -149,6 +150,7 @@ METHODS: dict[str, dict[str, Any]] = {
         downlink="replay",
         topk_warmup_steps=0,
         aggregate="mean",
+        embedding_lr_scale=1.0,
     ),
     # gradwire's gradient mode as a user gets it: the mode's defaults, sign-SGD at 1e-3 (mode_defaults).
     "gradient": dict(_GRADIENT, downlink="replay"),

@@ -51,7 +51,7 @@ from gradwire.coordinator.tracking import make_tracker
 from gradwire.coordinator.work import WorkPlanner
 from gradwire.hardware import resolve_device
 from gradwire.link import WorkerLink
-from gradwire.models import lm_loss
+from gradwire.models import lm_loss, token_embedding_names
 from gradwire.replica import Replica, StateUpdate
 
 log = logging.getLogger("gradwire.coordinator")
@@ -101,7 +101,7 @@ class Trainer:
         self.codec_config = config.codec_config()
         self.outer = make_outer(
             self.model,
-            config.update_rule(),
+            config.update_rule(token_embedding_names(self.model)),
             self.codec_config,
             self.spec,
             config.seed,

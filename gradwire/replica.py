@@ -257,17 +257,16 @@ class Replica:
             aggregator = robust.aggregate(codec, senders, weights, update.scales, update.rule)
         shares = self._shares(aggregator.parts(), update.learning_rate)
         tensors, momentum = self._step_tensors(), self.momentum
-        if update.fragment is None:
-            steps = [shares[n] for n in self.params]
-        else:  # the fragment's tensors alone step, each with its own momentum
-            moving = [i for i, n in enumerate(self.params) if n in shares]
+        names = list(self.params)
+        if update.fragment is not None:  # the fragment's tensors alone step, each with its own momentum
+            moving = [i for i, n in enumerate(names) if n in shares]
             if self.rule.has_momentum and len(momentum) < len(tensors):
                 # buffers of every tensor first, zeros (0 x mu + g is g: as a buffer made on first use)
                 momentum.extend(torch.zeros_like(t, dtype=torch.float32) for t in tensors[len(momentum) :])
-            names = list(self.params)
-            tensors, steps = [tensors[i] for i in moving], [shares[names[i]] for i in moving]
+            tensors, names = [tensors[i] for i in moving], [names[i] for i in moving]
             momentum = [momentum[i] for i in moving] if self.rule.has_momentum else momentum
-        outer_step(tensors, steps, self.rule, update.learning_rate, momentum)
+        steps = [shares[n] for n in names]
+        outer_step(tensors, steps, self.rule, update.learning_rate, momentum, self.lr_scales(names))
         self.version += 1
         return shares
 
@@ -281,6 +280,10 @@ class Replica:
             shares.update({name: self._share(name, t) for name, t in part.items() if name in self.params})
         _check_step(names, bounds, lr)
         return shares
+
+    def lr_scales(self, names: Iterable[str]) -> list[float]:
+        """The learning-rate factor of each of ``names``' steps (``UpdateRule.lr_scales``)."""
+        return [self.rule.lr_scale(n) for n in names]
 
     def _step_tensors(self) -> list[torch.Tensor]:
         """The tensors an update writes into: the parameters (a sharded replica: its shards)."""

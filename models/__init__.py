@@ -19,6 +19,7 @@ from gradwire.models.registry import (
     model_names,
     model_spec,
     spec_elements,
+    token_embedding_names,
     tokenizer_for,
 )
 
@@ -35,6 +36,7 @@ __all__ = [
     "model_spec",
     "resolve_model",
     "spec_elements",
+    "token_embedding_names",
     "tokenizer_for",
     "tokenizer_vocab_size",
     "vocab_size_of",

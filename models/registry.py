@@ -224,6 +224,24 @@ def tokenizer_for(name: str) -> AnyTokenizer:
     return load_tokenizer(model_spec(name)["tokenizer"])
 
 
+def token_embedding_names(model: nn.Module) -> list[str]:
+    """The names of the parameters that embed tokens (with a tied output layer, that layer's too): the module
+    ``get_input_embeddings`` returns, as Hugging Face models have, else every ``nn.Embedding``. A model's own
+    fact, nothing of training: ``--embedding-lr-scale`` gives these their own outer learning rate."""
+    modules: list[nn.Module] = []
+    get = getattr(model, "get_input_embeddings", None)
+    if callable(get):
+        try:
+            found = get()
+        except NotImplementedError:  # an HF model that does not say
+            found = None
+        modules = [found] if isinstance(found, nn.Module) else []
+    if not modules:
+        modules = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    weights = {id(p) for m in modules for p in m.parameters(recurse=False)}
+    return [name for name, p in model.named_parameters() if id(p) in weights]
+
+
 def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of tokens (B, T+1): predict tokens[:, 1:] from tokens[:, :-1].
 

@@ -246,7 +246,8 @@ def eager_start(
     own = robust.aggregate(replica.codec(sent[1].settings), [sender], (1.0,)).result()
     params = [p.detach().clone() for p in replica.params.values()]
     momentum = [m.clone() for m in replica.momentum]
-    outer_step(params, [own[n] for n in replica.params], replica.rule, plan.eager_lr, momentum)
+    steps, scales = [own[n] for n in replica.params], replica.lr_scales(replica.params)
+    outer_step(params, steps, replica.rule, plan.eager_lr, momentum, scales)
     return dict(zip(replica.params, params))
 
 

@@ -105,6 +105,7 @@ class Session:
                     whole = build_from_spec(spec)
                 self.stage = pipeline.plan_stage(whole, self.placement.node.rank, self.placement.ranks)
             model = self._build(meta=True)
+            rule.check_names({n for n, _ in (whole if self.stage is not None else model).named_parameters()})
         except TooLarge:
             raise
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Literal
 
 import torch
@@ -23,6 +23,10 @@ import torch
 OuterOptimizer = Literal["sgd", "nesterov", "signsgd", "adamw"]
 OUTER_OPTIMIZERS: tuple[str, ...] = ("sgd", "nesterov", "signsgd", "adamw")
 REPLAYABLE = ("sgd", "nesterov", "signsgd")
+# Bounds on a rule's per-parameter learning rates (it crosses the network): pairs, a name's characters, a factor.
+MAX_LR_SCALES = 64
+MAX_NAME_CHARS = 512
+MAX_LR_SCALE = 1000.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -35,6 +39,9 @@ class UpdateRule:
         weight_decay: decoupled: ``p <- p * (1 - lr * weight_decay)`` before the step.
         momentum: the momentum of ``sgd`` and ``nesterov`` (replayed by workers too; ``nesterov`` needs it > 0).
         betas, eps: ``adamw`` only; its state lives on the coordinator alone.
+        lr_scales: (parameter name, factor) pairs: those parameters step at the learning rate times their
+            factor, every other at the learning rate (``--embedding-lr-scale``: the token embedding's). Replayed
+            rules only: every replica steps alike.
     """
 
     optimizer: OuterOptimizer = "signsgd"
@@ -42,6 +49,7 @@ class UpdateRule:
     momentum: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
+    lr_scales: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.optimizer not in OUTER_OPTIMIZERS:
@@ -58,6 +66,36 @@ class UpdateRule:
             math.isfinite(self.eps) and self.eps > 0
         ):
             raise ValueError(f"adamw betas must be in [0, 1) and eps > 0, got {self.betas}, {self.eps}")
+        self._check_lr_scales()
+
+    def _check_lr_scales(self) -> None:
+        scales = self.lr_scales
+        if not isinstance(scales, tuple) or len(scales) > MAX_LR_SCALES:
+            raise ValueError(f"update rule lr_scales must be at most {MAX_LR_SCALES} (name, factor) pairs")
+        for pair in scales:
+            if not (isinstance(pair, tuple) and len(pair) == 2):
+                raise ValueError(f"update rule lr_scales must be (name, factor) pairs, got {pair!r}")
+            name, factor = pair
+            if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
+                raise ValueError(f"update rule lr_scales: a name of 1-{MAX_NAME_CHARS} characters, got {name!r}")
+            if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= MAX_LR_SCALE:
+                raise ValueError(f"update rule lr_scales: {name}'s factor must be in (0, {MAX_LR_SCALE:g}]: {factor!r}")
+        if len({name for name, _ in scales}) < len(scales):
+            raise ValueError("update rule lr_scales names a parameter twice")
+        if scales and not self.replayable:
+            raise ValueError(
+                f"per-parameter learning rates (--embedding-lr-scale) need a replayed outer optimizer: {self.optimizer}"
+            )
+
+    def lr_scale(self, name: str) -> float:
+        """The factor of parameter ``name``'s learning rate: 1 unless ``lr_scales`` names it."""
+        return dict(self.lr_scales).get(name, 1.0)
+
+    def check_names(self, names: Collection[str]) -> None:
+        """``ValueError`` unless every parameter ``lr_scales`` names is one of the model's ``names``."""
+        unknown = sorted(name for name, _ in self.lr_scales if name not in names)
+        if unknown:
+            raise ValueError(f"update rule lr_scales names parameters the model does not have: {unknown[:4]}")
 
     @property
     def replayable(self) -> bool:
@@ -86,6 +124,11 @@ class UpdateRule:
             if not isinstance(raw["betas"], list) or len(raw["betas"]) != 2:
                 raise ValueError("update rule betas must be a list of two numbers")
             raw["betas"] = tuple(raw["betas"])
+        if "lr_scales" in raw:
+            scales = raw["lr_scales"]
+            if not isinstance(scales, list) or len(scales) > MAX_LR_SCALES:
+                raise ValueError(f"update rule lr_scales must be a list of at most {MAX_LR_SCALES} [name, factor]s")
+            raw["lr_scales"] = tuple(tuple(pair) if isinstance(pair, list) else pair for pair in scales)
         try:
             return cls(**raw)
         except TypeError as e:  # a value of the wrong type (a string momentum, ...)
@@ -99,30 +142,38 @@ def outer_step(
     rule: UpdateRule,
     lr: float,
     momentum: list[torch.Tensor] | None = None,
+    scales: Sequence[float] | None = None,
 ) -> None:
     """One replayable outer step in place.
 
     ``momentum`` holds the momentum buffers of ``sgd``/``nesterov``, one per parameter, created on first
     use (``buf = g``), then ``buf <- mu * buf + g``; ``sgd`` steps along ``buf``, ``nesterov`` along
     ``g + mu * buf``: exactly ``torch.optim.SGD(momentum=mu, nesterov=...)`` with decoupled weight decay.
+    ``scales``: each parameter's factor of ``lr`` (its weight decay's too; ``UpdateRule.lr_scale``), 1 if None.
     """
     if not rule.replayable:
         raise ValueError(f"{rule.optimizer} is not replayed; its updates travel as deltas")
+    params = list(params)
+    scales = [1.0] * len(params) if scales is None else list(scales)
+    if len(scales) != len(params):
+        raise ValueError(f"{len(scales)} learning-rate factors for {len(params)} parameters")
     if rule.optimizer == "signsgd":
-        for batch in _batches(params, grads):
-            _sign_step(*zip(*batch), rule, lr)
+        for batch in _batches(params, grads, scales):
+            tensors, steps, factors = zip(*batch)
+            _sign_step(tensors, steps, rule, lr * factors[0])
         return
     for i, (p, g) in enumerate(zip(params, grads)):
         g = g.to(p.device, torch.float32)
+        p_lr = lr * scales[i]
         if rule.weight_decay:
-            p.mul_(1 - lr * rule.weight_decay)
+            p.mul_(1 - p_lr * rule.weight_decay)
         if rule.has_momentum and momentum is not None:
             if len(momentum) <= i:
                 momentum.append(g.clone())
             else:
                 momentum[i].mul_(rule.momentum).add_(g)
             g = g.add(momentum[i], alpha=rule.momentum) if rule.optimizer == "nesterov" else momentum[i]
-        p.add_(g.to(p.dtype), alpha=-lr)
+        p.add_(g.to(p.dtype), alpha=-p_lr)
 
 
 # The elements of one batch of tensors a sign step takes at once: its signs' temporary stays at most 64 MiB.
@@ -133,24 +184,24 @@ ALONE_ON = frozenset({"cpu"})
 
 
 def _batches(
-    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
-) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """(parameter, gradient) pairs in runs of one device and dtype, each of at most ``BATCH_ELEMENTS``
-    elements unless one tensor is larger; on a CPU (``ALONE_ON``) a tensor a run, where a launch costs nothing
-    and the step's second pass over a tensor finds it still in the cache."""
-    batches: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], scales: Sequence[float]
+) -> list[list[tuple[torch.Tensor, torch.Tensor, float]]]:
+    """(parameter, gradient, learning-rate factor) triples in runs of one device, dtype and factor, each of at
+    most ``BATCH_ELEMENTS`` elements unless one tensor is larger; on a CPU (``ALONE_ON``) a tensor a run, where
+    a launch costs nothing and the step's second pass over a tensor finds it still in the cache."""
+    batches: list[list[tuple[torch.Tensor, torch.Tensor, float]]] = []
     size = 0
-    for p, g in zip(params, grads):
-        last = batches[-1][-1][0] if batches else None
+    for p, g, f in zip(params, grads, scales):
+        last = batches[-1][-1] if batches else None
         if (
             last is None
-            or (last.device, last.dtype) != (p.device, p.dtype)
+            or (last[0].device, last[0].dtype, last[2]) != (p.device, p.dtype, f)
             or size + p.numel() > BATCH_ELEMENTS
             or p.device.type in ALONE_ON
         ):
             batches.append([])
             size = 0
-        batches[-1].append((p, g))
+        batches[-1].append((p, g, f))
         size += p.numel()
     return batches
 

@@ -97,6 +97,14 @@ def test_bad_states_are_refused_and_the_live_run_is_untouched(worker) -> None:
             state(update_rule_json='{"optimizer": "sgd", "weight_decay": NaN}'),
             "weight-decay",
         ),
+        "a learning-rate factor for a parameter the model lacks": (
+            state(update_rule_json='{"optimizer": "signsgd", "lr_scales": [["evil.weight", 2.0]]}'),
+            "does not have",
+        ),
+        "a learning-rate factor of zero": (
+            state(update_rule_json='{"optimizer": "signsgd", "lr_scales": [["tok_emb.weight", 0]]}'),
+            "factor",
+        ),
     }
     for name, (bad, match) in cases.items():
         refused(lambda b=bad: client.push_state(b), match)

@@ -14,7 +14,7 @@ from gradwire.coordinator.metrics import METRIC_KEYS, read_metrics
 from gradwire.coordinator.trainer import Trainer
 from gradwire.models import build_from_spec, lm_loss, model_spec
 
-from .conftest import assert_in_step, corrupt_replica, live_workers, steps_with_fault, train
+from .conftest import assert_in_step, corrupt_replica, live_workers, rounds_in_step, steps_with_fault, train
 
 
 def _config(tmp_path, **overrides) -> TrainConfig:
@@ -94,6 +94,22 @@ def test_resume_continues_the_same_trajectory(tmp_path):
     assert losses_b == losses_a
     for (name, a), (_, b) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
         assert torch.equal(a, b), name
+
+
+def test_the_sign_step_moves_the_token_embedding_at_its_own_rate_on_every_replica(tmp_path, two_workers):
+    """--embedding-lr-scale (gradient mode's default 2): a sign step moves each element of the tied embedding by
+    the scaled rate and each other parameter by the rate; the workers replay it to the same bits."""
+    config = _config(tmp_path, steps=2, learning_rate=0.01, embedding_lr_scale=3.0)
+    start = dict(build_from_spec(model_spec("gpt-tiny"), seed=config.seed).named_parameters())
+    trainer, _ = rounds_in_step(config, two_workers)  # both workers' replicas are the coordinator's, bit for bit
+    assert trainer.replica.rule.lr_scales == (("tok_emb.weight", 3.0),)
+    for name, p in trainer.model.named_parameters():  # two steps: each element back where it was, or 2 rates on
+        rate = 0.03 if name == "tok_emb.weight" else 0.01
+        moved = (p.detach() - start[name]).abs()
+        stepped = moved > rate
+        assert stepped.float().mean() > 0.3, name
+        torch.testing.assert_close(moved[stepped], torch.full_like(moved[stepped], 2 * rate), rtol=1e-3, atol=0)
+        assert (moved[~stepped] < 1e-6).all(), name
 
 
 def test_float64_replays_keep_replicas_bit_identical(tmp_path, two_workers):

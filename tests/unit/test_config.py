@@ -33,6 +33,23 @@ def test_gradient_mode_averages_each_coefficient_over_its_senders_and_the_others
     assert TrainConfig().aggregation_rule().mode == "kept-mean"
 
 
+def test_gradient_modes_sign_step_moves_the_token_embedding_at_twice_the_rate() -> None:
+    gradient = TrainConfig()
+    assert gradient.embedding_lr_scale == 2.0
+    rule = gradient.update_rule(["tok_emb.weight"])
+    assert rule.lr_scales == (("tok_emb.weight", 2.0),) and gradient.update_rule().lr_scales == ()
+    # every other mode and outer optimizer: the one rate, and no factors in the rule
+    for other in (
+        TrainConfig(inner_steps=30),
+        TrainConfig(outer_optimizer="sgd"),
+        TrainConfig(outer_optimizer="adamw"),
+        TrainConfig(inner_steps=30, topology="ring"),
+    ):
+        assert other.embedding_lr_scale == 1.0 and other.update_rule(["tok_emb.weight"]).lr_scales == ()
+    given = TrainConfig(inner_steps=30, embedding_lr_scale=3.0).update_rule(["tok_emb.weight"])
+    assert given.lr_scales == (("tok_emb.weight", 3.0),)
+
+
 def test_local_sgd_defaults_follow_sparseloco_and_diloco() -> None:
     compressed = TrainConfig(inner_steps=30)
     defaults = mode_defaults(inner_steps=30, no_compression=False, outer_optimizer=None, inner_optimizer="adamw")
@@ -126,6 +143,9 @@ def test_schedules_are_evaluated_per_round_and_per_inner_step() -> None:
             "--overlap-update",
         ),
         ({"overlap": True, "inner_steps": 30, "overlap_update": "eager", "fragments": 2}, "--overlap-update"),
+        ({"embedding_lr_scale": 0.0}, "--embedding-lr-scale"),
+        ({"embedding_lr_scale": math.inf}, "--embedding-lr-scale"),
+        ({"embedding_lr_scale": 2.0, "outer_optimizer": "adamw"}, "--embedding-lr-scale"),
     ],
 )
 def test_bad_values_name_the_flag(changes: dict, flag: str) -> None:

@@ -22,6 +22,7 @@ from gradwire.models import (
     lm_loss,
     model_names,
     model_spec,
+    token_embedding_names,
     tokenizer_for,
 )
 
@@ -136,6 +137,15 @@ def test_adamw_on_a_repeated_batch_reduces_the_loss() -> None:
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 1.0, losses
+
+
+def test_the_token_embedding_is_named_by_the_model_itself(tiny: GPT) -> None:
+    """``token_embedding_names``: the tied GPT's one matrix; a Llama's input embedding (``get_input_embeddings``)
+    and not its separate output layer; a module with no embedding, nothing."""
+    assert token_embedding_names(tiny) == ["tok_emb.weight"]
+    llama = build_model("llama-tiny", seed=0)
+    assert token_embedding_names(llama) == ["model.embed_tokens.weight"]
+    assert token_embedding_names(torch.nn.Linear(3, 2)) == []
 
 
 def test_lm_loss_of_hf_model_matches_its_own_shifted_loss() -> None:

@@ -1,5 +1,7 @@
 """The outer optimizer: each rule is the step it claims to be (torch's own SGD where one exists), as data."""
 
+import json
+
 import pytest
 import torch
 
@@ -105,7 +107,7 @@ def test_the_sign_step_in_batches_is_the_bits_of_a_tensor_at_a_time(weight_decay
     dtypes = [torch.float32, torch.float32, torch.float32, torch.bfloat16, torch.bfloat16, torch.float32]
     start = [torch.randn(s, generator=gen).to(d) for s, d in zip(shapes, dtypes)]
     grads = [torch.randn(s, generator=gen) * (torch.rand(s, generator=gen) > 0.2) for s in shapes]  # zeros too
-    assert [len(b) for b in outer._batches(start, grads)] == [2, 1, 2, 1]
+    assert [len(b) for b in outer._batches(start, grads, [1.0] * len(start))] == [2, 1, 2, 1]
     ours, ref = [t.clone() for t in start], [t.clone() for t in start]
     for lr in (0.01, 1e-3):
         outer_step(ours, grads, UpdateRule(optimizer="signsgd", weight_decay=weight_decay), lr)
@@ -135,4 +137,57 @@ def test_on_a_cpu_the_sign_step_goes_a_tensor_at_a_time():
     from gradwire.optim import outer
 
     params, grads = [torch.zeros(16) for _ in range(3)], [torch.randn(16) for _ in range(3)]
-    assert [len(b) for b in outer._batches(params, grads)] == [1, 1, 1]
+    assert [len(b) for b in outer._batches(params, grads, [1.0] * 3)] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("optimizer,momentum", [("signsgd", 0.0), ("sgd", 0.9), ("nesterov", 0.9)])
+def test_each_tensor_steps_at_its_learning_rate_factor(optimizer, momentum, monkeypatch):
+    """``scales`` (``UpdateRule.lr_scales``): each tensor steps as the plain step at lr times its factor, its
+    decay too; a factor of 1 is the step without factors to the bit; batches never mix factors."""
+    from gradwire.optim import outer
+
+    monkeypatch.setattr(outer, "ALONE_ON", frozenset())  # batched as on a GPU
+    gen = torch.Generator().manual_seed(1)
+    start = [torch.randn(s, generator=gen) for s in [(6, 4), (5,), (3, 3), (2,)]]
+    grads = [torch.randn(t.shape, generator=gen) for t in start]
+    factors = [2.0, 1.0, 0.5, 1.0]
+    assert [len(b) for b in outer._batches(start, grads, factors)] == [1, 1, 1, 1]
+    assert [len(b) for b in outer._batches(start, grads, [1.0] * 4)] == [4]
+    rule = UpdateRule(optimizer=optimizer, momentum=momentum, weight_decay=0.1)
+    ours, buffers = [t.clone() for t in start], []
+    for lr in (0.01, 0.003):
+        outer_step(ours, grads, rule, lr, buffers, factors)
+    for i, f in enumerate(factors):
+        alone, own = [start[i].clone()], []
+        for lr in (0.01, 0.003):
+            outer_step(alone, [grads[i]], rule, lr * f, own)
+        assert torch.equal(ours[i], alone[0]), i
+    with pytest.raises(ValueError, match="factors for"):
+        outer_step(ours, grads, rule, 0.01, [], factors[:2])
+
+
+def test_an_update_rules_learning_rate_factors_round_trip_and_are_checked():
+    rule = UpdateRule(optimizer="signsgd", lr_scales=(("tok_emb.weight", 2.0),))
+    assert UpdateRule.from_json(rule.to_json()) == rule
+    assert rule.lr_scale("tok_emb.weight") == 2.0 and rule.lr_scale("norm.weight") == 1.0
+    rule.check_names({"tok_emb.weight", "norm.weight"})
+    with pytest.raises(ValueError, match="does not have"):
+        rule.check_names({"norm.weight"})
+    bad = [
+        ([["a", 2.0]] * 2, "twice"),
+        ([["a", 0.0]], "factor"),
+        ([["a", float("inf")]], "factor"),
+        ([["a", True]], "factor"),
+        ([["a", "2"]], "factor"),
+        ([["", 2.0]], "name"),
+        ([[7, 2.0]], "name"),
+        ([["a", 2.0, 3.0]], "pairs"),
+        ([["p%d" % i, 2.0] for i in range(65)], "at most"),
+        ({"a": 2.0}, "list"),
+    ]
+    for scales, why in bad:
+        text = json.dumps({"optimizer": "signsgd", "lr_scales": scales})
+        with pytest.raises(ValueError, match=why):
+            UpdateRule.from_json(text)
+    with pytest.raises(ValueError, match="replayed"):
+        UpdateRule(optimizer="adamw", lr_scales=(("a", 2.0),))
