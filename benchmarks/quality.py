@@ -894,3 +894,15 @@ if __name__ == "__main__":
 #                      seeds +1.79% over dense (0.09 pt standard error) at 5,048x: the target met at this length
 #   gradient mode at 1,200 steps, the default at seeds 2 / 3 (2026-12-01, 14f5143): 5.0809 / 5.0985 against dense's
 #                      5.1055 / 5.1064; over four seeds -0.66% (0.29 pt standard error): the target met at 1,200
+#   local SGD at 1,200 steps, rounds growing at a round's fixed payload (60, 120, 240, 360, 420: five rounds at
+#                      H 240's codec, the same bytes; patched in process, 2026-12-01, f1c0e49): 5.2337 / 5.2275 (seeds
+#                      1 / 4) against H 240's 5.2342 / 5.2490: no lower beyond the scatter, not built
+#   gradient mode's sign step with the token embedding at 2x the rate (2026-12-01, f1c0e49 patched, then 561d871
+#                      built as --embedding-lr-scale): at 300 steps, seeds 0-7, 5.4627 / 5.4254 / 5.4991 / 5.3794 /
+#                      5.3529 / 5.3861 / 5.4087 / 5.3582, -0.92% under dense (0.29 pt standard error) against one
+#                      rate's +0.92%: the default since. At 0.5x the rate seed 6 was 0.6-0.8 above dense by step 25; at
+#                      1.5x and 2x below it from step 25. At 1,200 steps 4.9432 / 5.0123 (seeds 0 / 1, -2.69%). Dense
+#                      AdamW with its embedding at 2x (patched): 5.4358 / 5.3896 at 300 steps (seeds 0 / 1), 0.79 /
+#                      1.59 pt under its one rate: the compressed step still costs ~0.6 pt against an equal dense
+#   local SGD at 1,200 steps, H 240, the workers' inner AdamW with the token embedding at 2x the rate (patched in
+#                      process, 2026-12-01): 5.1910 / 5.2106 (seeds 0 / 1, +1.68%) against 5.2090 / 5.2342 (+2.08%)
