@@ -63,9 +63,9 @@ GRADIENT_TOPK = 29
 
 # Gradient mode's top-k warm-up (``compression.schedule``): its first steps send this multiple of the top-k.
 TOPK_WARMUP_STEPS = 20
+TOPK_WARMUP_FACTOR = 6.0
 # Gradient mode's sign step moves the token embedding at twice the learning rate (mode_defaults).
 EMBEDDING_LR_SCALE = 2.0
-TOPK_WARMUP_FACTOR = 6.0
 
 # The settings ``mode_defaults`` fills when their flag is not given.
 AUTO_FIELDS = (
