@@ -905,4 +905,5 @@ if __name__ == "__main__":
 #                      AdamW with its embedding at 2x (patched): 5.4358 / 5.3896 at 300 steps (seeds 0 / 1), 0.79 /
 #                      1.59 pt under its one rate: the compressed step still costs ~0.6 pt against an equal dense
 #   local SGD at 1,200 steps, H 240, the workers' inner AdamW with the token embedding at 2x the rate (patched in
-#                      process, 2026-12-01): 5.1910 / 5.2106 (seeds 0 / 1, +1.68%) against 5.2090 / 5.2342 (+2.08%)
+#                      process, 2026-12-01): 5.1910 / 5.2106 / 5.1916 / 5.2053 (seeds 0-3, +1.74%) against the
+#                      defaults' +2.20% at the same seeds: lower at every seed; not built yet (docs/benchmarks.md)
