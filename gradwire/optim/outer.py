@@ -13,6 +13,7 @@ the coordinator alone; its updates travel as compressed parameter deltas (see ``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Collection, Sequence
@@ -87,9 +88,13 @@ class UpdateRule:
                 f"per-parameter learning rates (--embedding-lr-scale) need a replayed outer optimizer: {self.optimizer}"
             )
 
+    @functools.cached_property
+    def _factors(self) -> dict[str, float]:
+        return dict(self.lr_scales)  # built once per rule: a replay asks for every tensor's
+
     def lr_scale(self, name: str) -> float:
         """The factor of parameter ``name``'s learning rate: 1 unless ``lr_scales`` names it."""
-        return dict(self.lr_scales).get(name, 1.0)
+        return self._factors.get(name, 1.0)
 
     def check_names(self, names: Collection[str]) -> None:
         """``ValueError`` unless every parameter ``lr_scales`` names is one of the model's ``names``."""
