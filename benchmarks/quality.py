@@ -162,6 +162,7 @@ METHODS: dict[str, dict[str, Any]] = {
         learning_rate=0.7,
         momentum=0.9,
         downlink="replay",
+        inner_embedding_lr_scale=1.0,  # DiLoCo's inner AdamW, one rate
     ),
     "averaging": dict(
         _LOCAL, inner_steps=120, no_compression=True, outer_optimizer="sgd", learning_rate=1.0, downlink="replay"
@@ -208,6 +209,7 @@ METHODS: dict[str, dict[str, Any]] = {
         index_coding="packed12",  # templar's 12-bit indices
         rank=0,
         downlink="replay",
+        inner_embedding_lr_scale=1.0,  # templar's inner AdamW, one rate
     ),
 }
 METHODS["demo-down"] = dict(METHODS["demo"], downlink="compressed")

@@ -116,6 +116,7 @@ class Trainer:
             inputs.batch_dtype,
             fingerprint_gradient=self.spot_checks.fingerprint_gradient,
             redundancy=self.spot_checks.redundancy,
+            embedding=token_embedding_names(self.model),
         )
         if self.planner.topk.steps:
             log.info("top-k warm-up: %s", self.planner.topk.why)

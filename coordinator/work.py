@@ -58,11 +58,14 @@ class WorkPlanner:
         batch_dtype: np.dtype,
         fingerprint_gradient: bool = False,
         redundancy: tuple[int, int] = (0, 0),
+        embedding: Sequence[str] = (),
     ) -> None:
         """``fingerprint_gradient``: spot checks are on, and every order asks for its gradient's fingerprint;
         ``redundancy``: (every, secret) of spot checks by redundancy (``decisions.redundancy_group``; every 0:
-        none): in the rounds they draw, a few workers get the same rows."""
+        none): in the rounds they draw, a few workers get the same rows. ``embedding``: the model's token
+        embedding parameters, which the inner steps move at ``--inner-embedding-lr-scale`` times the rate."""
         self.config, self.data, self.codec, self.batch_dtype = config, data, codec, batch_dtype
+        self.inner_optimizer = config.inner_optimizer_config(embedding)
         self.topk = config.topk_warmup()  # the top-k of each step (gradient mode's warm-up)
         self.fingerprint_gradient = fingerprint_gradient
         self.redundancy = redundancy
@@ -123,7 +126,7 @@ class WorkPlanner:
         """Round ``step``'s inner steps in local-SGD rounds, and those of the slots whose own differ
         (``--balance steps``: a share of whole inner steps)."""
         cfg = self.config
-        optimizer, lrs = cfg.inner_optimizer_config(), cfg.inner_lrs(step)
+        optimizer, lrs = self.inner_optimizer, cfg.inner_lrs(step)
         fragment = of_round(step, cfg.fragments)
         eager_lr = cfg.lr_at(step - 1) if cfg.eager and step > 0 else 0.0  # the update in flight's
         own_steps = {}

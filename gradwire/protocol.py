@@ -25,6 +25,7 @@ from gradwire.compression.robust import MEAN, AggregationRule
 from gradwire.compression.stream import MAX_BUCKETS
 from gradwire.fingerprint import MAX_FINGERPRINT_EVERY
 from gradwire.optim.inner import InnerOptimizerConfig
+from gradwire.optim.lr_scales import MAX_LR_SCALES
 from gradwire.relay import PieceRef
 from gradwire.replica import Fingerprint, StateUpdate
 from gradwire.v1 import codec_pb2 as codec_pb
@@ -557,10 +558,13 @@ def inner_optimizer_to_proto(c: InnerOptimizerConfig) -> pb.InnerOptimizer:
         nesterov=c.nesterov,
         ns_steps=c.ns_steps,
         msgn=c.msgn,
+        lr_scales=[pb.LrScale(name=name, factor=factor) for name, factor in c.lr_scales],
     )
 
 
 def inner_optimizer_from_proto(m: pb.InnerOptimizer) -> InnerOptimizerConfig:
+    if len(m.lr_scales) > MAX_LR_SCALES:  # before a tuple of them is built
+        raise ProtocolError(f"local steps: inner optimizer: more than {MAX_LR_SCALES} lr_scales")
     try:
         return InnerOptimizerConfig(
             name=m.name,
@@ -571,6 +575,7 @@ def inner_optimizer_from_proto(m: pb.InnerOptimizer) -> InnerOptimizerConfig:
             nesterov=m.nesterov,
             ns_steps=m.ns_steps,
             msgn=m.msgn or "newton-schulz",
+            lr_scales=tuple((x.name, x.factor) for x in m.lr_scales),
         )
     except ValueError as e:  # the config names the setting; say where it came from
         raise ProtocolError(f"local steps: inner optimizer: {e}") from None

@@ -3,7 +3,8 @@
 A round is staged check -> advance the replica -> compute -> encode (``engine``). This stage changes
 nothing: it compares what the order expects with what the worker holds. A replica that cannot be trusted
 is a ``Verdict`` asking for the state (the coordinator pushes it and the worker carries on); an order that
-is malformed for this replica (a token id past the embedding) raises ``ProtocolError``.
+is malformed for this replica (a token id past the embedding, an inner learning rate for a parameter the
+model lacks) raises ``ProtocolError``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from gradwire.optim.inner import InnerOptimizerConfig
+from gradwire.optim.lr_scales import unknown_names
 from gradwire.protocol import ProtocolError, WorkOrder
 from gradwire.replica import Fingerprint, compare_fingerprints
 
@@ -33,6 +36,7 @@ class ReplicaView:
     numels: Sequence[int]
     vocab_size: int | None
     stale: bool
+    parameter_names: frozenset[str]  # the whole model's, as named_parameters() names them
 
 
 def check_order(order: WorkOrder, replica: ReplicaView | None) -> Verdict:
@@ -48,6 +52,9 @@ def check_order(order: WorkOrder, replica: ReplicaView | None) -> Verdict:
     check_token_range(order.batch, replica.vocab_size)
     if order.next_batch is not None:
         check_token_range(order.next_batch, replica.vocab_size)
+    for steps in (order.local_steps, order.next_local_steps):
+        if steps is not None:
+            check_lr_scale_names(steps.optimizer, replica.parameter_names)
     if replica.version != order.base_version:
         return Verdict(False, f"replica at version {replica.version}, order starts from {order.base_version}")
     # The fingerprint is the coordinator's replica at base_version: check before moving on, so the
@@ -56,6 +63,14 @@ def check_order(order: WorkOrder, replica: ReplicaView | None) -> Verdict:
     if not same:
         return Verdict(False, f"fingerprint mismatch at version {replica.version}: {why}", stale=True)
     return Verdict(True, "replica is at the order's base version")
+
+
+def check_lr_scale_names(optimizer: InnerOptimizerConfig, names: frozenset[str]) -> None:
+    unknown = unknown_names(optimizer.lr_scales, names)
+    if unknown:
+        raise ProtocolError(
+            f"local steps: inner optimizer lr_scales name parameters the model does not have: {unknown[:4]}"
+        )
 
 
 def check_token_range(batch: np.ndarray, vocab_size: int | None) -> None:

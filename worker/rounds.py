@@ -434,7 +434,9 @@ def view(session: Session | None, with_moments: bool = True) -> ReplicaView | No
         session.fingerprint_ahead.result()
         session.fingerprint_ahead = None
     r = session.replica
-    return ReplicaView(r.version, r.fingerprint(with_moments), r.numels, session.vocab_size, session.stale)
+    return ReplicaView(
+        r.version, r.fingerprint(with_moments), r.numels, session.vocab_size, session.stale, session.parameter_names
+    )
 
 
 def decode_ahead(codec: GradientCodec, payload: CompressedGradient, dtype: torch.dtype | None) -> DecodedGradient:

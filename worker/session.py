@@ -105,7 +105,11 @@ class Session:
                     whole = build_from_spec(spec)
                 self.stage = pipeline.plan_stage(whole, self.placement.node.rank, self.placement.ranks)
             model = self._build(meta=True)
-            rule.check_names({n for n, _ in (whole if self.stage is not None else model).named_parameters()})
+            # the whole model's, a stage's too: what per-parameter learning rates may name
+            self.parameter_names = frozenset(
+                n for n, _ in (whole if self.stage is not None else model).named_parameters()
+            )
+            rule.check_names(self.parameter_names)
         except TooLarge:
             raise
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from gradwire.optim.demuon import MSGN, DeMuon
+from gradwire.optim.lr_scales import LrScales, check_lr_scales
 from gradwire.optim.muon import Muon
 
 INNER_OPTIMIZERS = ("adamw", "sgd", "muon", "demuon")
@@ -56,6 +57,10 @@ class InnerOptimizerConfig:
             default for it).
         ns_steps: muon, and demuon with ``msgn="newton-schulz"``: Newton-Schulz iterations per step.
         msgn: demuon only: how the matrices' momentum becomes their step, one of ``demuon.MSGN``.
+        lr_scales: (parameter name, factor) pairs (``optim.lr_scales``): those parameters step, and decay, at
+            the learning rate times their factor, every other at the learning rate
+            (``--inner-embedding-lr-scale``: the token embedding's). A name the model lacks is skipped here:
+            a pipeline stage holds part of the model; the worker checks the names against the whole one.
     """
 
     name: str = "adamw"
@@ -66,6 +71,7 @@ class InnerOptimizerConfig:
     nesterov: bool = False
     ns_steps: int = 5
     msgn: str = "newton-schulz"
+    lr_scales: LrScales = ()
 
     def __post_init__(self) -> None:
         if self.name not in INNER_OPTIMIZERS:
@@ -112,11 +118,14 @@ class InnerOptimizerConfig:
         # torch's Newton-Schulz refuses 100 or more iterations.
         if not _is_int(self.ns_steps) or not 1 <= self.ns_steps < 100:
             raise ValueError(f"--inner-ns-steps must be an integer in [1, 99], got {self.ns_steps!r}")
+        # (str, float) tuples, also from JSON's lists: the config is compared and hashed
+        object.__setattr__(self, "lr_scales", check_lr_scales(self.lr_scales, "inner optimizer"))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON values: the config travels to workers as data."""
         d = dataclasses.asdict(self)
         d["betas"] = list(self.betas)
+        d["lr_scales"] = [list(pair) for pair in self.lr_scales]
         return d
 
     @classmethod
@@ -175,6 +184,8 @@ class InnerOptimizer:
         self.partitioned = partitioned
         # named_parameters() lists a tied tensor once, so each parameter has exactly one name.
         self._params: dict[str, nn.Parameter] = dict(model.named_parameters())
+        factors = dict(config.lr_scales)
+        self._factor = {id(p): factors.get(name, 1.0) for name, p in self._params.items()}
         c = config
         # lr=0 until the first step(lr) sets it: nothing may step with a learning rate nobody chose.
         if c.name == "adamw":
@@ -254,21 +265,28 @@ class InnerOptimizer:
     def _build(
         self, kind: type[torch.optim.Optimizer], params: list[nn.Parameter], **settings: Any
     ) -> torch.optim.Optimizer:
+        # One param group per learning-rate factor (``lr_scale``, which ``step`` multiplies in), in the
+        # order the factors first appear: a single group when no factor applies.
+        groups: dict[float, list[nn.Parameter]] = {}
+        for p in params:
+            groups.setdefault(self._factor[id(p)], []).append(p)
+        param_groups = [{"params": members, "lr_scale": factor} for factor, members in groups.items()]
         if self.partitioned:
             # Imported here: its functional optimizers are TorchScript-compiled at import (~0.25 s), which
             # only a ZeRO-1 node needs.
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
-            return ZeroRedundancyOptimizer(params, optimizer_class=kind, **settings)
-        return kind(params, **settings)
+            return ZeroRedundancyOptimizer(param_groups, optimizer_class=kind, **settings)
+        return kind(param_groups, **settings)
 
     def step(self, lr: float) -> None:
-        """One update of every parameter that has a gradient, at learning rate ``lr``."""
+        """One update of every parameter that has a gradient, at learning rate ``lr`` (times the parameter's
+        factor in ``lr_scales``)."""
         if not math.isfinite(lr) or lr < 0:
             raise ValueError(f"learning rate must be a finite number >= 0, got {lr}")
         for opt in self._optimizers:
             for group in opt.param_groups:
-                group["lr"] = lr
+                group["lr"] = lr * group["lr_scale"]
             opt.step()
 
     def zero_grad(self) -> None:

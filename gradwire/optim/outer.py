@@ -21,13 +21,11 @@ from typing import Literal
 
 import torch
 
+from gradwire.optim.lr_scales import LrScales, check_lr_scales, unknown_names
+
 OuterOptimizer = Literal["sgd", "nesterov", "signsgd", "adamw"]
 OUTER_OPTIMIZERS: tuple[str, ...] = ("sgd", "nesterov", "signsgd", "adamw")
 REPLAYABLE = ("sgd", "nesterov", "signsgd")
-# Bounds on a rule's per-parameter learning rates (it crosses the network): pairs, a name's characters, a factor.
-MAX_LR_SCALES = 64
-MAX_NAME_CHARS = 512
-MAX_LR_SCALE = 1000.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -50,7 +48,7 @@ class UpdateRule:
     momentum: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
-    lr_scales: tuple[tuple[str, float], ...] = ()
+    lr_scales: LrScales = ()
 
     def __post_init__(self) -> None:
         if self.optimizer not in OUTER_OPTIMIZERS:
@@ -70,20 +68,9 @@ class UpdateRule:
         self._check_lr_scales()
 
     def _check_lr_scales(self) -> None:
-        scales = self.lr_scales
-        if not isinstance(scales, tuple) or len(scales) > MAX_LR_SCALES:
-            raise ValueError(f"update rule lr_scales must be at most {MAX_LR_SCALES} (name, factor) pairs")
-        for pair in scales:
-            if not (isinstance(pair, tuple) and len(pair) == 2):
-                raise ValueError(f"update rule lr_scales must be (name, factor) pairs, got {pair!r}")
-            name, factor = pair
-            if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
-                raise ValueError(f"update rule lr_scales: a name of 1-{MAX_NAME_CHARS} characters, got {name!r}")
-            if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= MAX_LR_SCALE:
-                raise ValueError(f"update rule lr_scales: {name}'s factor must be in (0, {MAX_LR_SCALE:g}]: {factor!r}")
-        if len({name for name, _ in scales}) < len(scales):
-            raise ValueError("update rule lr_scales names a parameter twice")
-        if scales and not self.replayable:
+        # kept as (str, float) tuples: a rule is data, equal and hashable on both sides of the wire
+        object.__setattr__(self, "lr_scales", check_lr_scales(self.lr_scales, "update rule"))
+        if self.lr_scales and not self.replayable:
             raise ValueError(
                 f"per-parameter learning rates (--embedding-lr-scale) need a replayed outer optimizer: {self.optimizer}"
             )
@@ -98,7 +85,7 @@ class UpdateRule:
 
     def check_names(self, names: Collection[str]) -> None:
         """``ValueError`` unless every parameter ``lr_scales`` names is one of the model's ``names``."""
-        unknown = sorted(name for name, _ in self.lr_scales if name not in names)
+        unknown = unknown_names(self.lr_scales, names)
         if unknown:
             raise ValueError(f"update rule lr_scales names parameters the model does not have: {unknown[:4]}")
 
@@ -130,10 +117,7 @@ class UpdateRule:
                 raise ValueError("update rule betas must be a list of two numbers")
             raw["betas"] = tuple(raw["betas"])
         if "lr_scales" in raw:
-            scales = raw["lr_scales"]
-            if not isinstance(scales, list) or len(scales) > MAX_LR_SCALES:
-                raise ValueError(f"update rule lr_scales must be a list of at most {MAX_LR_SCALES} [name, factor]s")
-            raw["lr_scales"] = tuple(tuple(pair) if isinstance(pair, list) else pair for pair in scales)
+            raw["lr_scales"] = check_lr_scales(raw["lr_scales"], "update rule")
         try:
             return cls(**raw)
         except TypeError as e:  # a value of the wrong type (a string momentum, ...)

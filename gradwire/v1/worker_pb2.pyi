@@ -403,7 +403,7 @@ class LocalSteps(_message.Message):
     def __init__(self, steps: _Optional[int] = ..., optimizer: _Optional[_Union[InnerOptimizer, _Mapping]] = ..., learning_rates: _Optional[_Iterable[float]] = ..., clip_grad_norm: _Optional[float] = ..., fragment: _Optional[int] = ..., fragments: _Optional[int] = ..., eager_lr: _Optional[float] = ...) -> None: ...
 
 class InnerOptimizer(_message.Message):
-    __slots__ = ("name", "weight_decay", "beta1", "beta2", "eps", "momentum", "nesterov", "ns_steps", "msgn")
+    __slots__ = ("name", "weight_decay", "beta1", "beta2", "eps", "momentum", "nesterov", "ns_steps", "msgn", "lr_scales")
     NAME_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
     BETA1_FIELD_NUMBER: _ClassVar[int]
@@ -413,6 +413,7 @@ class InnerOptimizer(_message.Message):
     NESTEROV_FIELD_NUMBER: _ClassVar[int]
     NS_STEPS_FIELD_NUMBER: _ClassVar[int]
     MSGN_FIELD_NUMBER: _ClassVar[int]
+    LR_SCALES_FIELD_NUMBER: _ClassVar[int]
     name: str
     weight_decay: float
     beta1: float
@@ -422,7 +423,16 @@ class InnerOptimizer(_message.Message):
     nesterov: bool
     ns_steps: int
     msgn: str
-    def __init__(self, name: _Optional[str] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., ns_steps: _Optional[int] = ..., msgn: _Optional[str] = ...) -> None: ...
+    lr_scales: _containers.RepeatedCompositeFieldContainer[LrScale]
+    def __init__(self, name: _Optional[str] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., ns_steps: _Optional[int] = ..., msgn: _Optional[str] = ..., lr_scales: _Optional[_Iterable[_Union[LrScale, _Mapping]]] = ...) -> None: ...
+
+class LrScale(_message.Message):
+    __slots__ = ("name", "factor")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FACTOR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    factor: float
+    def __init__(self, name: _Optional[str] = ..., factor: _Optional[float] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("update_seconds", "compute_seconds", "compress_seconds", "total_seconds", "wait_seconds", "wall_seconds")

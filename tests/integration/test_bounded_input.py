@@ -16,8 +16,9 @@ from gradwire import protocol
 from gradwire.compression import CodecConfig
 from gradwire.coordinator.client import WorkerClient, WorkerError
 from gradwire.models import build_from_spec, model_spec, spec_elements
+from gradwire.optim.inner import InnerOptimizerConfig
 from gradwire.optim.outer import UpdateRule
-from gradwire.protocol import OK, ModelState, WorkOrder
+from gradwire.protocol import OK, LocalSteps, ModelState, WorkOrder
 from gradwire.replica import Replica, StateUpdate
 from gradwire.security import run_owner
 from gradwire.v1 import worker_pb2 as pb
@@ -236,3 +237,22 @@ def test_unparseable_requests_are_invalid_not_internal(worker) -> None:
         list(stream(iter([b"\xff\xff\xff"]), timeout=TIMEOUT))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not parse" in info.value.details()
     assert client.describe().device == "cpu"
+
+
+def test_inner_learning_rates_for_parameters_the_model_lacks_are_refused_before_anything_moves(worker) -> None:
+    engine, client = worker
+    client.push_state(state())
+    replica = Replica(build_from_spec(SPEC, seed=0), RULE)
+    scaled = InnerOptimizerConfig(lr_scales=(("tok_emb.weight", 2.0),))
+
+    def local(config: InnerOptimizerConfig, round: int) -> WorkOrder:
+        return dataclasses.replace(order(replica, round), local_steps=LocalSteps(2, config, (1e-3, 1e-3)))
+
+    session = engine.sessions[RUN]
+    before = session.replica.fingerprint()
+    evil = dataclasses.replace(scaled, lr_scales=(("tok_emb.weight", 2.0), ("evil.weight", 2.0)))
+    refused(lambda: client.run_round(local(evil, 1)), "the model does not have: ['evil.weight']")
+    assert session.replica.version == 0 and session.replica.fingerprint() == before
+    assert session.inner_state() == {}  # no inner optimizer was built for it
+    result, _ = client.run_round(local(scaled, 2))
+    assert result.status == OK

@@ -63,7 +63,9 @@ def _stateful_rounds_on(address: str) -> dict:
     out = {}
     with WorkerClient(address, timeout=TIMEOUT) as client:
         out["describe"] = client.describe().node_mode
-        for config in (InnerOptimizerConfig(name="adamw"), InnerOptimizerConfig(name="muon", momentum=0.95)):
+        # AdamW with the embedding at twice the rate: a param group of its own, partitioned like any other
+        adamw = InnerOptimizerConfig(name="adamw", lr_scales=(("tok_emb.weight", 2.0),))
+        for config in (adamw, InnerOptimizerConfig(name="muon", momentum=0.95)):
             replica, st = state()
             client.push_state(ModelState(config.name, 0, st.model_json, st.parameters, st.update_rule_json))
             steps = LocalSteps(2, config, (0.01, 0.01))

@@ -50,6 +50,27 @@ def test_gradient_modes_sign_step_moves_the_token_embedding_at_twice_the_rate() 
     assert given.lr_scales == (("tok_emb.weight", 3.0),)
 
 
+def test_local_sgd_rounds_inner_adamw_moves_the_token_embedding_at_twice_the_rate() -> None:
+    local = TrainConfig(inner_steps=30)
+    assert local.inner_embedding_lr_scale == 2.0
+    assert local.inner_optimizer_config(["tok_emb.weight"]).lr_scales == (("tok_emb.weight", 2.0),)
+    assert local.inner_optimizer_config().lr_scales == ()
+    assert TrainConfig(inner_steps=30, no_compression=True).inner_embedding_lr_scale == 2.0
+    # gradient mode takes no inner steps; muon, demuon, sgd and gossip rounds keep the one rate
+    for other in (
+        TrainConfig(),
+        TrainConfig(inner_steps=30, inner_optimizer="muon"),
+        TrainConfig(inner_steps=30, inner_optimizer="demuon"),
+        TrainConfig(inner_steps=30, inner_optimizer="sgd"),
+        TrainConfig(inner_steps=30, topology="ring"),
+    ):
+        assert (
+            other.inner_embedding_lr_scale == 1.0 and other.inner_optimizer_config(["tok_emb.weight"]).lr_scales == ()
+        )
+    given = TrainConfig(inner_steps=30, inner_optimizer="muon", inner_embedding_lr_scale=3.0)
+    assert given.inner_optimizer_config(["tok_emb.weight"]).lr_scales == (("tok_emb.weight", 3.0),)
+
+
 def test_local_sgd_defaults_follow_sparseloco_and_diloco() -> None:
     compressed = TrainConfig(inner_steps=30)
     defaults = mode_defaults(inner_steps=30, no_compression=False, outer_optimizer=None, inner_optimizer="adamw")
@@ -146,6 +167,9 @@ def test_schedules_are_evaluated_per_round_and_per_inner_step() -> None:
         ({"embedding_lr_scale": 0.0}, "--embedding-lr-scale"),
         ({"embedding_lr_scale": math.inf}, "--embedding-lr-scale"),
         ({"embedding_lr_scale": 2.0, "outer_optimizer": "adamw"}, "--embedding-lr-scale"),
+        ({"inner_steps": 30, "inner_embedding_lr_scale": 0.0}, "--inner-embedding-lr-scale"),
+        ({"inner_steps": 30, "inner_embedding_lr_scale": 1001.0}, "--inner-embedding-lr-scale"),
+        ({"inner_embedding_lr_scale": 2.0}, "--inner-embedding-lr-scale"),  # gradient mode: no inner steps
     ],
 )
 def test_bad_values_name_the_flag(changes: dict, flag: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import re
@@ -318,6 +319,10 @@ BAD_CONFIGS = [
     ({"name": "demuon", "momentum": 1.0}, "--inner-momentum"),
     ({"name": "demuon", "momentum": 0.8, "msgn": "polar"}, "--msgn"),
     ({"name": "muon", "momentum": 0.95, "msgn": "svd"}, "--msgn"),  # demuon's setting only
+    ({"lr_scales": (("tok_emb.weight", 0.0),)}, "factor"),
+    ({"lr_scales": (("tok_emb.weight", 2.0),) * 2}, "twice"),
+    ({"lr_scales": (("", 2.0),)}, "name"),
+    ({"lr_scales": tuple((f"p{i}", 2.0) for i in range(65))}, "at most"),
 ]
 
 
@@ -328,7 +333,9 @@ def test_config_errors_name_the_flag(kwargs: dict, flag: str) -> None:
 
 
 def test_config_round_trips_as_json_and_refuses_unknown_keys() -> None:
-    for config in CONFIGS.values():
+    scaled = InnerOptimizerConfig(lr_scales=(("tok_emb.weight", 2),))
+    assert scaled.lr_scales == (("tok_emb.weight", 2.0),)  # (str, float) pairs, whatever number was given
+    for config in (*CONFIGS.values(), scaled):
         wire = json.loads(json.dumps(config.to_dict()))
         back = InnerOptimizerConfig.from_dict(wire)
         assert back == config and isinstance(back.betas, tuple)
@@ -336,3 +343,34 @@ def test_config_round_trips_as_json_and_refuses_unknown_keys() -> None:
         InnerOptimizerConfig.from_dict({"name": "adamw", "lr": 0.1})
     with pytest.raises(ValueError, match="--inner-optimizer"):
         InnerOptimizerConfig.from_dict({"name": "adam"})
+
+
+@pytest.mark.parametrize("name", INNER_OPTIMIZERS)
+def test_a_scaled_parameter_steps_as_alone_at_its_factor_of_the_rate(tiny: GPT, name: str) -> None:
+    """``lr_scales``: the embedding steps (and decays) bit for bit as an optimizer at 3 lr would step it,
+    every other parameter as at lr; the state of the split param groups round-trips mid-way."""
+    config, lr = CONFIGS[name], LR[name]
+    scaled_config = dataclasses.replace(config, lr_scales=(("tok_emb.weight", 3.0), ("not.in.this.stage", 2.0)))
+    models = {key: copy.deepcopy(tiny) for key in ("scaled", "at_lr", "at_3lr")}
+    opts = {
+        "scaled": InnerOptimizer(models["scaled"], scaled_config),
+        "at_lr": InnerOptimizer(models["at_lr"], config),
+        "at_3lr": InnerOptimizer(models["at_3lr"], config),
+    }
+    rates = {"scaled": lr, "at_lr": lr, "at_3lr": 3 * lr}
+    generator = torch.Generator().manual_seed(5)
+    for step in range(4):
+        grads = {n: torch.randn(p.shape, generator=generator) for n, p in tiny.named_parameters()}
+        if step == 2:  # the scaled optimizer's state through a fresh one, as a resumed worker's
+            saved = opts["scaled"].state_tensors()
+            opts["scaled"] = InnerOptimizer(models["scaled"], scaled_config)
+            opts["scaled"].load_state_tensors(saved)
+        for key, model in models.items():
+            for n, p in model.named_parameters():
+                p.grad = grads[n].clone()
+            opts[key].step(rates[key])
+            opts[key].zero_grad()
+    scaled, at_lr, at_3lr = (dict(models[k].named_parameters()) for k in ("scaled", "at_lr", "at_3lr"))
+    assert not torch.equal(at_lr["tok_emb.weight"], at_3lr["tok_emb.weight"])
+    for n, p in scaled.items():
+        assert torch.equal(p, (at_3lr if n == "tok_emb.weight" else at_lr)[n]), n

@@ -326,6 +326,7 @@ def test_work_order_with_local_steps_round_trips() -> None:
         local(2),
         local(1, optimizer=InnerOptimizerConfig(name="muon", momentum=0.95)),
         local(2, optimizer=InnerOptimizerConfig(name="sgd", momentum=0.9, nesterov=True)),
+        local(2, optimizer=InnerOptimizerConfig(lr_scales=(("tok_emb.weight", 2.0), ("head.weight", 0.5)))),
     ):
         o = order(local_steps=plan)
         back = protocol.order_from_proto(protocol.parse(pb.WorkOrder, protocol.order_to_proto(o).SerializeToString()))
@@ -348,6 +349,15 @@ def test_work_order_with_local_steps_round_trips() -> None:
         (lambda m: setattr(m.local_steps.optimizer, "beta1", 1.5), "inner optimizer"),
         (lambda m: setattr(m.local_steps.optimizer, "weight_decay", float("nan")), "inner optimizer"),
         (lambda m: m.local_steps.ClearField("optimizer"), "optimizer missing"),
+        (lambda m: m.local_steps.optimizer.lr_scales.add(name="w", factor=0.0), "w's factor must be in"),
+        (lambda m: m.local_steps.optimizer.lr_scales.add(name="w", factor=float("nan")), "w's factor must be in"),
+        (lambda m: m.local_steps.optimizer.lr_scales.add(name="", factor=2.0), "a name of 1-512"),
+        (lambda m: m.local_steps.optimizer.lr_scales.add(name="w" * 513, factor=2.0), "a name of 1-512"),
+        (lambda m: [m.local_steps.optimizer.lr_scales.add(name="w", factor=2.0) for _ in range(2)], "twice"),
+        (
+            lambda m: [m.local_steps.optimizer.lr_scales.add(name=f"p{i}", factor=2.0) for i in range(65)],
+            "more than 64 lr_scales",
+        ),
         (
             lambda m: (setattr(m.local_steps, "steps", 3), m.local_steps.learning_rates.append(1e-3)),
             "does not split into 3",

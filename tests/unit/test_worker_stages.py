@@ -48,7 +48,8 @@ def order_for(session: Session, rows: int = 4, plan: LocalSteps | None = None, *
 def view(session: Session, **changes: object) -> ReplicaView:
     r = session.replica
     return dataclasses.replace(
-        ReplicaView(r.version, r.fingerprint(), r.numels, session.vocab_size, session.stale), **changes
+        ReplicaView(r.version, r.fingerprint(), r.numels, session.vocab_size, session.stale, session.parameter_names),
+        **changes,
     )
 
 
@@ -73,6 +74,18 @@ def test_check_rejects_tokens_past_the_embedding(session: Session) -> None:
     order = order_for(session, batch=np.full((2, 5), 8192, np.uint16))
     with pytest.raises(ProtocolError, match="token id 8192"):
         check_order(order, view(session))
+
+
+def test_check_rejects_inner_learning_rates_for_parameters_the_model_lacks(session: Session) -> None:
+    scaled = InnerOptimizerConfig(lr_scales=(("tok_emb.weight", 2.0),))
+    plan = LocalSteps(2, scaled, (1e-2, 5e-3))
+    assert check_order(order_for(session, plan=plan), view(session)).ok
+    stray = LocalSteps(
+        2, dataclasses.replace(scaled, lr_scales=(("tok_emb.weight", 2.0), ("no.such", 2.0))), (1e-2,) * 2
+    )
+    for order in (order_for(session, plan=stray), order_for(session, plan=plan, next_local_steps=stray)):
+        with pytest.raises(ProtocolError, match=r"the model does not have: \['no.such'\]"):
+            check_order(order, view(session))
 
 
 def test_a_gradient_round_leaves_the_replica_where_it_was(session: Session) -> None:
