@@ -186,7 +186,7 @@ def _auto_table() -> list[str]:
             unused = (
                 (name == "gossip_gamma" and not gossip)
                 or (name in OUTER_FIELDS and gossip)
-                or (name == "inner_momentum" and config.inner_steps == 1)
+                or (name in ("inner_momentum", "inner_embedding_lr_scale") and not config.takes_inner_steps)
                 or (name in CODEC_FIELDS and config.no_compression)
                 or (name == "feedback_beta" and (gossip or config.no_compression))
             )
