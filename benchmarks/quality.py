@@ -908,4 +908,8 @@ if __name__ == "__main__":
 #                      1.59 pt under its one rate: the compressed step still costs ~0.6 pt against an equal dense
 #   local SGD at 1,200 steps, H 240, the workers' inner AdamW with the token embedding at 2x the rate (patched in
 #                      process, 2026-12-01): 5.1910 / 5.2106 / 5.1916 / 5.2053 (seeds 0-3, +1.74%) against the
-#                      defaults' +2.20% at the same seeds: lower at every seed; not built yet (docs/benchmarks.md)
+#                      defaults' +2.20% at the same seeds: lower at every seed. Built (135e577, --inner-embedding-
+#                      lr-scale, auto 2): 5.1960 / 5.2103 / 5.1993 / 5.1833 / 5.1936 (seeds 0-4), +1.79% over dense
+#                      (0.15 pt standard error) against one rate's +2.41%, lower at every seed: the target met at
+#                      1,200 steps. At 300 steps, H 60, seeds 0-5: 5.5453 / 5.5694 / 5.5809 / 5.5596 / 5.5452 /
+#                      5.5803, +1.87% (0.16 pt) against one rate's +1.79%: level (paired +0.004 in loss, SE 0.009)
