@@ -17,8 +17,10 @@ from ..faults import faulty
 from .conftest import run_trainer
 
 TINY = dict(model="gpt-tiny", batch_size=2, sequence_length=16, topk=8, eval_every=0)
-# Rates that move gpt-tiny in 20 gradient steps (sgd's default, 1.0, is for pseudo-gradients).
-LEARNING_RATES = {"sgd": {"learning_rate": 0.3}}
+# Rates that move gpt-tiny in 20 gradient steps (sgd's default, 1.0, is for pseudo-gradients). At 0.3 the
+# re-compressed aggregate's error feedback sets off a late spike at two seeds in four (1 and the default 0);
+# at 0.1 the loss falls at every seed tried.
+LEARNING_RATES = {"sgd": {"learning_rate": 0.1}}
 
 
 @pytest.mark.slow
